@@ -1,0 +1,475 @@
+"""Model configuration for DeepSeek-V4.1-Flash (spec-v41.md §1, §2).
+
+`ModelConfig` uses the inference `config.json` field names (the reference `ModelArgs`, spec §1.4).
+`ModelConfig.from_file` also reads the Hugging Face `config.json` (top level + `text_config` +
+`vision_config`, spec §1.1-§1.3) through `HF_RENAMES`.
+
+Derived facts about the layer schedule (which layer owns a compressor, which layer's cache and top-k a
+layer reads, spec §2 and §3.2) are computed here once, so the model code never re-derives them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+# CSA2 keeps only ratio 1 and ratio 2 compression (V4's HCA ratio 128 and ratio 4 are gone, spec §3.1);
+# 0 means a sliding-window-only layer.
+KNOWN_COMPRESS_RATIOS = (0, 1, 2)
+SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+WEIGHT_DTYPES = ("bf16", "fp8")
+EXPERT_DTYPES = (None, "fp4")
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a DeepSeek-V4.1 model. Defaults are the released Flash model (spec §1)."""
+
+    vocab_size: int = 129280
+    dim: int = 5120
+    moe_inter_dim: int = 2304
+    n_layers: int = 40
+    n_mtp_layers: int = 3
+    n_heads: int = 64
+    # MoE (spec §7)
+    n_routed_experts: int = 384
+    n_shared_experts: int = 1
+    n_activated_experts: int = 6
+    score_func: str = "sqrtsoftplus"
+    gate_temp: float = 1.0
+    norm_topk_prob: bool = True
+    route_scale: float = 1.5
+    swiglu_limit: float = 10.0
+    # attention (spec §3)
+    q_lora_rank: int = 1280
+    head_dim: int = 512
+    rope_head_dim: int = 64
+    norm_eps: float = 1e-20
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    window_size: int = 128
+    compress_ratios: tuple[int, ...] = (0, 0) + (2,) * 18 + (1,) * 20 + (0, 0, 0)
+    kv_source_layers: tuple[int, ...] = (2, 8, 14, 20)
+    index_source_layers: tuple[int, ...] = (2, 8, 14, 20, 24, 28, 32, 36)
+    # RoPE: plain theta on ratio-0 layers, YaRN on `compress_rope_theta` elsewhere (spec §3)
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    original_seq_len: int = 65536
+    rope_factor: float = 16.0
+    beta_fast: int = 32
+    beta_slow: int = 1
+    # indexer and hierarchical candidate pool (spec §4)
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    index_topk: int = 512
+    candidate_source_layer: int = 20
+    candidate_topk_blocks: int = 2048
+    candidate_block_size: int = 8
+    # hyper-connections (spec §6)
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    # Engram (spec §5)
+    engram_layer_ids: tuple[int, ...] = (1, 14)
+    engram_num_embeddings: tuple[int, ...] = (384006168, 384016682)
+    engram_max_ngram_size: int = 4
+    engram_vocab_size: int = 16000000
+    engram_n_heads: int = 8
+    engram_head_dim: int = 256
+    engram_pad_id: int = 2
+    engram_compressed_vocab_size: int = 99092
+    # weight storage (spec §1.1, §7)
+    dtype: str = "fp8"
+    expert_dtype: Optional[str] = "fp4"
+    # vision (spec §1.3, §12b); vision_n_layers == 0 disables it
+    vision_n_layers: int = 32
+    vision_dim: int = 1024
+    vision_n_heads: int = 16
+    vision_inter_dim: int = 2816
+    vision_patch_size: int = 14
+    vision_rope_theta: float = 10000.0
+    vision_downsample_ratio: int = 3
+    vision_max_n_token: int = 1024
+    vision_min_pixels: int = 295936
+    vision_max_wh_ratio: Optional[float] = None
+    image_token_id: int = 129264
+    # DSpark drafter stored under mtp.* (spec §12b)
+    dspark_block_size: int = 5
+    dspark_noise_token_id: int = 128799
+    dspark_target_layer_ids: tuple[int, ...] = (37, 38, 39)
+    dspark_markov_rank: int = 256
+    dspark_n_routed_experts: int = 128
+    dspark_n_activated_experts: int = 3
+    # special tokens and context (HF top level, spec §1.1, §11)
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    pad_token_id: int = 2
+    max_position_embeddings: int = 1048576
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, list):
+                setattr(self, f.name, tuple(value))
+        self.validate()
+
+    # ----------------------------------------------------------------- validation
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field when the config cannot describe a model."""
+
+        def fail(name: str, why: str) -> None:
+            raise ValueError(f"ModelConfig.{name}: {why} (got {getattr(self, name)!r})")
+
+        for name in ("vocab_size", "dim", "moe_inter_dim", "n_layers", "n_heads", "q_lora_rank", "head_dim",
+                     "o_groups", "o_lora_rank", "window_size", "hc_mult", "hc_sinkhorn_iters"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                fail(name, "must be a positive integer")
+        if self.n_mtp_layers < 0:
+            fail("n_mtp_layers", "must be >= 0")
+        if self.rope_head_dim <= 0 or self.rope_head_dim % 2 or self.rope_head_dim > self.head_dim:
+            fail("rope_head_dim", "must be even, positive and at most head_dim")
+        if self.head_dim % 32:
+            fail("head_dim", "must be a multiple of 32 (fp8 window-KV blocks)")
+        if self.n_heads % self.o_groups:
+            fail("o_groups", "must divide n_heads")
+        if self.score_func not in SCORE_FUNCS:
+            fail("score_func", f"must be one of {SCORE_FUNCS}")
+        if self.dtype not in WEIGHT_DTYPES:
+            fail("dtype", f"must be one of {WEIGHT_DTYPES}")
+        if self.expert_dtype not in EXPERT_DTYPES:
+            fail("expert_dtype", f"must be one of {EXPERT_DTYPES}")
+        if not 0 < self.n_activated_experts <= self.n_routed_experts:
+            fail("n_activated_experts", "must be in 1..n_routed_experts")
+        if self.n_shared_experts != 1:
+            fail("n_shared_experts", "V4.1 has exactly one shared expert")
+        if self.gate_temp <= 0:
+            fail("gate_temp", "must be > 0")
+
+        n_all = self.n_layers + self.n_mtp_layers
+        if len(self.compress_ratios) != n_all:
+            fail("compress_ratios", f"needs one entry per layer, n_layers + n_mtp_layers = {n_all}")
+        for i, r in enumerate(self.compress_ratios):
+            if r not in KNOWN_COMPRESS_RATIOS:
+                fail("compress_ratios", f"entry {i} is an unknown ratio {r}; CSA2 knows {KNOWN_COMPRESS_RATIOS}")
+        for i in range(self.n_layers, n_all):
+            if self.compress_ratios[i] != 0:
+                fail("compress_ratios", f"DSpark layer {i} must be sliding-window only (ratio 0)")
+
+        for name in ("kv_source_layers", "index_source_layers", "engram_layer_ids", "dspark_target_layer_ids"):
+            ids = getattr(self, name)
+            if list(ids) != sorted(set(ids)):
+                fail(name, "must be sorted and unique")
+            for i in ids:
+                if not 0 <= i < self.n_layers:
+                    fail(name, f"layer {i} is out of range 0..{self.n_layers - 1}")
+        for name in ("kv_source_layers", "index_source_layers"):
+            for i in getattr(self, name):
+                if self.compress_ratios[i] == 0:
+                    fail(name, f"layer {i} has compress ratio 0 and cannot be a source")
+        for layer in range(self.n_layers):
+            ratio = self.compress_ratios[layer]
+            if ratio == 0:
+                continue
+            kv_src = self._latest(self.kv_source_layers, layer)
+            if kv_src is None or self.compress_ratios[kv_src] != ratio:
+                fail("kv_source_layers", f"layer {layer} (ratio {ratio}) has no earlier kv source of the same ratio")
+            idx_src = self._latest(self.index_source_layers, layer)
+            if idx_src is None or self.compress_ratios[idx_src] != ratio:
+                fail("index_source_layers", f"layer {layer} (ratio {ratio}) has no earlier index source of the same ratio")
+
+        if any(self.compress_ratios):
+            if self.index_topk <= 0:
+                fail("index_topk", "must be > 0")
+            if self.index_n_heads <= 0:
+                fail("index_n_heads", "must be > 0")
+            if self.index_head_dim <= 0 or self.index_head_dim % 32 or self.index_head_dim < self.rope_head_dim:
+                fail("index_head_dim", "must be a positive multiple of 32 and at least rope_head_dim")
+            if self.original_seq_len < 0 or self.rope_factor <= 0:
+                fail("rope_factor", "YaRN needs original_seq_len >= 0 and rope_factor > 0")
+        if self.candidate_source_layer >= 0:
+            if self.candidate_source_layer not in self.index_source_layers:
+                fail("candidate_source_layer", "must be an index source layer (or -1 to disable)")
+            if self.candidate_topk_blocks <= 0:
+                fail("candidate_topk_blocks", "must be > 0 when a candidate source is set")
+            if self.candidate_block_size <= 0:
+                fail("candidate_block_size", "must be > 0 when a candidate source is set")
+        elif self.candidate_source_layer != -1:
+            fail("candidate_source_layer", "must be a layer id or -1")
+
+        if self.engram_layer_ids:
+            if len(self.engram_num_embeddings) != len(self.engram_layer_ids):
+                fail("engram_num_embeddings", "needs one entry per engram_layer_ids entry")
+            if self.engram_max_ngram_size < 2:
+                fail("engram_max_ngram_size", "must be >= 2 (2-grams and up)")
+            for name in ("engram_n_heads", "engram_head_dim", "engram_vocab_size", "engram_compressed_vocab_size"):
+                if getattr(self, name) <= 0:
+                    fail(name, "must be > 0 when Engram layers are set")
+            if self.engram_head_dim % 32:
+                fail("engram_head_dim", "must be a multiple of 32 (fp8 table scales)")
+            if not 0 <= self.engram_pad_id < self.vocab_size:
+                fail("engram_pad_id", "must be a token id")
+        if self.dspark_block_size and self.n_mtp_layers and not self.dspark_target_layer_ids:
+            fail("dspark_target_layer_ids", "DSpark needs target layers")
+
+    # ----------------------------------------------------------------- derived schedule
+    @staticmethod
+    def _latest(sources: tuple[int, ...], layer: int) -> Optional[int]:
+        earlier = [s for s in sources if s <= layer]
+        return earlier[-1] if earlier else None
+
+    def kv_source_of(self, layer: int) -> Optional[int]:
+        """The layer whose compressed KV (and index keys) `layer` reads; None for ratio-0 layers."""
+        if layer >= self.n_layers or self.compress_ratios[layer] == 0:
+            return None
+        return self._latest(self.kv_source_layers, layer)
+
+    def index_source_of(self, layer: int) -> Optional[int]:
+        """The layer whose top-k selection `layer` uses; itself for Full and Reindex layers."""
+        if layer >= self.n_layers or self.compress_ratios[layer] == 0:
+            return None
+        return self._latest(self.index_source_layers, layer)
+
+    def attention_mode(self, layer: int) -> str:
+        """'swa', 'full', 'reindex' or 'reuse' (spec §2 table, §3.2)."""
+        if self.kv_source_of(layer) is None:
+            return "swa"
+        if layer in self.kv_source_layers:
+            return "full"
+        if layer in self.index_source_layers:
+            return "reindex"
+        return "reuse"
+
+    @property
+    def n_hash_columns(self) -> int:
+        """Engram hash columns per position: (max_ngram_size - 1) orders x n_heads (spec §5)."""
+        return (self.engram_max_ngram_size - 1) * self.engram_n_heads
+
+    @property
+    def vision_enabled(self) -> bool:
+        return self.vision_n_layers > 0
+
+    def moe_shape(self, layer: int) -> tuple[int, int]:
+        """(routed experts, activated experts) of a layer; DSpark blocks have their own (spec §12b)."""
+        if layer < self.n_layers:
+            return self.n_routed_experts, self.n_activated_experts
+        return (self.dspark_n_routed_experts or self.n_routed_experts,
+                self.dspark_n_activated_experts or self.n_activated_experts)
+
+    # ----------------------------------------------------------------- (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    def to_json(self, path: Optional[str | os.PathLike] = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2)
+        if path is not None:
+            with open(path, "w") as fh:
+                fh.write(text + "\n")
+        return text
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], strict: bool = False) -> "ModelConfig":
+        """Build from either the flat inference dict or the Hugging Face dict (with `text_config`).
+
+        Unknown keys are ignored (the released files carry runtime keys such as `max_batch_size`)
+        unless `strict`; keys of the wrong type raise ValueError naming the field.
+        """
+        if not isinstance(data, dict):
+            raise ValueError(f"config must be a JSON object, got {type(data).__name__}")
+        flat = _hf_to_inference(data) if _looks_like_hf(data) else dict(data)
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in flat.items():
+            if key not in known:
+                if strict:
+                    raise ValueError(f"ModelConfig: unknown field {key!r}")
+                continue
+            kwargs[key] = _coerce(key, value, known[key])
+        return cls(**kwargs)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "ModelConfig":
+        """Read an inference or Hugging Face `config.json` (or a folder holding one)."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        try:
+            with open(path) as fh:
+                data = json.load(fh)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _coerce(name: str, value: Any, f: dataclasses.Field) -> Any:
+    """Type-check one JSON value against the dataclass field's default, naming the field on error."""
+    default = f.default
+    if value is None:
+        if default is None or name in ("vision_max_wh_ratio", "expert_dtype"):
+            return None
+        raise ValueError(f"ModelConfig.{name}: must not be null")
+    if isinstance(default, tuple):
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise ValueError(f"ModelConfig.{name}: must be a list of integers (got {value!r})")
+        return tuple(value)
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ValueError(f"ModelConfig.{name}: must be true or false (got {value!r})")
+        return value
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise ValueError(f"ModelConfig.{name}: must be an integer (got {value!r})")
+        return int(value)
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"ModelConfig.{name}: must be a number (got {value!r})")
+        return float(value)
+    if isinstance(default, str) or default is None:
+        if not isinstance(value, str):
+            raise ValueError(f"ModelConfig.{name}: must be a string (got {value!r})")
+        return value
+    return value
+
+
+# Hugging Face text_config name -> inference name (spec §1.2 vs §1.4). Names equal in both are omitted.
+HF_RENAMES = {
+    "hidden_size": "dim",
+    "moe_intermediate_size": "moe_inter_dim",
+    "num_hidden_layers": "n_layers",
+    "num_nextn_predict_layers": "n_mtp_layers",
+    "num_attention_heads": "n_heads",
+    "num_experts_per_tok": "n_activated_experts",
+    "scoring_func": "score_func",
+    "routed_scaling_factor": "route_scale",
+    "qk_rope_head_dim": "rope_head_dim",
+    "rms_norm_eps": "norm_eps",
+    "sliding_window": "window_size",
+    "kv_source_layer_ids": "kv_source_layers",
+    "index_source_layer_ids": "index_source_layers",
+    "candidate_source_layer_id": "candidate_source_layer",
+    "engram_pad_token_id": "engram_pad_id",
+    "dspark_num_experts_per_tok": "dspark_n_activated_experts",
+}
+HF_ROPE_RENAMES = {
+    "factor": "rope_factor",
+    "beta_fast": "beta_fast",
+    "beta_slow": "beta_slow",
+    "original_max_position_embeddings": "original_seq_len",
+}
+HF_VISION_RENAMES = {
+    "num_hidden_layers": "vision_n_layers",
+    "hidden_size": "vision_dim",
+    "num_attention_heads": "vision_n_heads",
+    "intermediate_size": "vision_inter_dim",
+    "patch_size": "vision_patch_size",
+    "rope_theta": "vision_rope_theta",
+    "downsample_ratio": "vision_downsample_ratio",
+    "max_image_tokens": "vision_max_n_token",
+    "min_pixels": "vision_min_pixels",
+    "max_wh_ratio": "vision_max_wh_ratio",
+}
+
+
+def _looks_like_hf(data: dict[str, Any]) -> bool:
+    return "text_config" in data or "hidden_size" in data or "num_hidden_layers" in data
+
+
+def _hf_to_inference(data: dict[str, Any]) -> dict[str, Any]:
+    text = dict(data.get("text_config", data))
+    flat: dict[str, Any] = {}
+    for key, value in text.items():
+        if key == "rope_scaling" and isinstance(value, dict):
+            for hf_key, name in HF_ROPE_RENAMES.items():
+                if hf_key in value:
+                    flat[name] = value[hf_key]
+            continue
+        flat[HF_RENAMES.get(key, key)] = value
+    if text.get("num_key_value_heads", 1) != 1:
+        raise ValueError("ModelConfig: num_key_value_heads must be 1 (single latent KV head, spec §3)")
+    vision = data.get("vision_config")
+    if isinstance(vision, dict):
+        for hf_key, name in HF_VISION_RENAMES.items():
+            if hf_key in vision:
+                flat[name] = vision[hf_key]
+    elif "vision_config" not in data and "text_config" in data:
+        flat.setdefault("vision_n_layers", 0)
+    for key in ("image_token_id", "bos_token_id", "eos_token_id", "pad_token_id"):
+        if key in data:
+            flat[key] = data[key]
+    quant = data.get("quantization_config")
+    if isinstance(quant, dict):
+        flat["dtype"] = "fp8" if quant.get("quant_method") == "fp8" else "bf16"
+        flat["expert_dtype"] = quant.get("expert_dtype")
+    elif "quantization_config" not in data and "dtype" not in text:
+        flat.setdefault("dtype", "bf16")
+        flat.setdefault("expert_dtype", None)
+    if flat.get("dtype") in ("bfloat16", "float32"):
+        flat["dtype"] = "bf16"
+    return flat
+
+
+# --------------------------------------------------------------------- presets
+def flash() -> ModelConfig:
+    """The released DeepSeek-V4.1-Flash exactly (spec §1)."""
+    return ModelConfig()
+
+
+def tiny() -> ModelConfig:
+    """The smallest config with every block type (SWA, Full r2, Reuse r2, Full r1 + candidate source,
+    Reuse r1, Reindex) and two Engram layers. It equals the `v41-tiny-*` golden configs."""
+    return ModelConfig(
+        vocab_size=1024, dim=64, moe_inter_dim=32, n_layers=10, n_mtp_layers=0, n_heads=4,
+        n_routed_experts=8, n_activated_experts=3, q_lora_rank=64, head_dim=64, rope_head_dim=16,
+        o_groups=2, o_lora_rank=32, window_size=8,
+        compress_ratios=(0, 0, 2, 2, 2, 2, 1, 1, 1, 1), kv_source_layers=(2, 4, 6),
+        index_source_layers=(2, 4, 6, 8), original_seq_len=64, rope_factor=4.0,
+        index_n_heads=8, index_head_dim=64, index_topk=6,
+        candidate_source_layer=6, candidate_topk_blocks=3, candidate_block_size=4,
+        engram_layer_ids=(1, 4), engram_num_embeddings=(660, 864), engram_vocab_size=100,
+        engram_n_heads=2, engram_head_dim=32, engram_compressed_vocab_size=512,
+        dtype="bf16", expert_dtype=None, vision_n_layers=0,
+        dspark_block_size=0, dspark_noise_token_id=0, dspark_target_layer_ids=(),
+        dspark_n_routed_experts=0, dspark_n_activated_experts=0,
+        max_position_embeddings=4096,
+    )
+
+
+def small() -> ModelConfig:
+    """A CPU-trainable config that keeps the released schedule's shape: a 6-layer encoder (2 SWA,
+    then 'Full + Reuse' ratio-2 groups) and a 6-layer decoder (ratio-1 Full + candidate source, then
+    'Reindex + Reuse'), Engram before layer 1 and before the second encoder Full layer."""
+    return ModelConfig(
+        vocab_size=8192, dim=384, moe_inter_dim=384, n_layers=12, n_mtp_layers=0, n_heads=6,
+        n_routed_experts=16, n_activated_experts=2, q_lora_rank=192, head_dim=128, rope_head_dim=32,
+        o_groups=2, o_lora_rank=192, window_size=64,
+        compress_ratios=(0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1), kv_source_layers=(2, 4, 6),
+        index_source_layers=(2, 4, 6, 8, 10), original_seq_len=1024, rope_factor=4.0,
+        index_n_heads=8, index_head_dim=64, index_topk=64,
+        candidate_source_layer=6, candidate_topk_blocks=32, candidate_block_size=8,
+        engram_layer_ids=(1, 4), engram_num_embeddings=(24036, 24114), engram_vocab_size=4000,
+        engram_n_heads=2, engram_head_dim=64, engram_compressed_vocab_size=8192,
+        dtype="bf16", expert_dtype=None, vision_n_layers=0,
+        dspark_block_size=0, dspark_noise_token_id=0, dspark_target_layer_ids=(),
+        dspark_n_routed_experts=0, dspark_n_activated_experts=0,
+        max_position_embeddings=8192,
+    )
+
+
+PRESETS = {"flash": flash, "tiny": tiny, "small": small}
+
+
+def preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]()
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}") from None
+

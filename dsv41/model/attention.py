@@ -1,0 +1,246 @@
+"""CSA2 attention: sliding window + compressed sparse attention (spec-v41.md §3, §4).
+
+Every layer attends over its own 128-token window of raw KV. Layers with compress ratio > 0 also attend
+to up to `index_topk` entries of a compressed cache, all in one `sparse_attn` call:
+- Full layers (kv sources) own a `Compressor` (ratio-1 projection or ratio-2 softmax pooling) and an
+  indexer that also derives index keys from the pre-RoPE latent;
+- Reindex layers run their own indexer queries against the source's keys, restricted to the candidate
+  pool built by the candidate-source layer (the hierarchical indexer);
+- Reuse layers read the compressed KV and the top-k selection of the latest source.
+
+Rounding points follow the reference: window KV FP8-rounded after RoPE, compressed KV rounded to E2M1
+with E4M3 scales per 16 after RoPE, indexer q/k rounded to MXFP4 after RoPE; bf16 everywhere else
+except the fp32 ratio-2 pooling.
+
+Positions: a forward covers tokens start_pos..start_pos+S-1. The reference supports a prefill at 0 and
+one-token decode; this module also accepts multi-token chunks at start_pos > 0 (chunked prefill), using
+the decode ordering of window entries.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from dsv41 import ops
+from dsv41.config import ModelConfig
+from dsv41.model.cache import ModelCache
+from dsv41.model.layers import Linear, RMSNorm
+from dsv41.ops.quant import FP4_BLOCK, KV_FP4_BLOCK
+
+
+class Compressor(nn.Module):
+    """Turns the attention input into one 512-d latent per group of `ratio` tokens (spec §3.1).
+
+    ratio 1: RMSNorm(wkv(x)) in bf16. ratio 2: kv = wkv(x), score = wgate(x) in fp32; a channel-wise
+    softmax over each group's tokens weights the kv, then RMSNorm. Returns the pre-RoPE latent of each
+    group completed in this call (or None); incomplete groups wait in the cache.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.ratio = cfg.compress_ratios[layer_id]
+        self.layer_id = layer_id
+        self.norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        # the pooled path runs in fp32 (the reference promotes these bf16 weights to fp32)
+        fmt = "fp32" if self.ratio > 1 else "bf16"
+        self.wkv = Linear(cfg.dim, cfg.head_dim, fmt)
+        if self.ratio > 1:
+            self.wgate = Linear(cfg.dim, cfg.head_dim, fmt)
+
+    def forward(self, x: torch.Tensor, start_pos: int, cache: ModelCache) -> Optional[torch.Tensor]:
+        """x [B, S, dim] bf16 -> latents [B, G, head_dim] bf16 for the G groups completed, or None."""
+        if self.ratio == 1:
+            return self.norm(self.wkv(x))
+        b, s, _ = x.shape
+        ratio = self.ratio
+        kv, score = self.wkv(x.float()), self.wgate(x.float())  # [B, S, head_dim] fp32
+        pending = start_pos % ratio  # tokens of the current group already seen
+        state_kv, state_score = cache.group_kv[self.layer_id], cache.group_score[self.layer_id]
+        if pending:
+            kv = torch.cat([state_kv[:b, :pending], kv], dim=1)
+            score = torch.cat([state_score[:b, :pending], score], dim=1)
+        n_groups = (pending + s) // ratio
+        used = n_groups * ratio
+        leftover = pending + s - used
+        if leftover:
+            state_kv[:b, :leftover] = kv[:, used:]
+            state_score[:b, :leftover] = score[:, used:]
+        if n_groups == 0:
+            return None
+        kv = kv[:, :used].unflatten(1, (n_groups, ratio))
+        score = score[:, :used].unflatten(1, (n_groups, ratio))
+        pooled = (kv * score.softmax(dim=2)).sum(dim=2)
+        return self.norm(pooled.to(x.dtype))
+
+
+class Indexer(nn.Module):
+    """Scores compressed positions for each query and keeps the top `index_topk` (spec §4).
+
+    Index-key owners (kv sources) also turn the pre-RoPE latent into 128-d keys. The candidate source
+    scores every visible position and publishes the candidate pool; Reindex layers score only inside it.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.ratio = cfg.compress_ratios[layer_id]
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.rope_dim = cfg.rope_head_dim
+        self.topk = cfg.index_topk
+        self.owns_keys = layer_id in cfg.kv_source_layers
+        self.is_candidate_source = layer_id == cfg.candidate_source_layer
+        self.uses_candidates = 0 <= cfg.candidate_source_layer < layer_id
+        self.candidate_blocks, self.candidate_block_size = cfg.candidate_topk_blocks, cfg.candidate_block_size
+        self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, cfg.dtype)
+        self.weights_proj = Linear(cfg.dim, self.n_heads, "bf16")
+        if self.owns_keys:
+            self.wk = Linear(cfg.head_dim, self.head_dim, "bf16")
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+
+    def make_keys(self, latent: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE latents [B, G, head_dim] -> index keys [B, G, index_head_dim], RoPE'd and MXFP4-rounded."""
+        k = ops.apply_rope(self.k_norm(self.wk(latent)), freqs, self.rope_dim)
+        return ops.fp4_qdq(k, FP4_BLOCK, "ue8m0")
+
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, index_k: torch.Tensor, freqs: torch.Tensor,
+                visible: torch.Tensor, offset: int, shared: dict) -> torch.Tensor:
+        """x [B, S, dim], qr [B, S, q_lora]; index_k [B, T, index_head_dim] (T visible to the last query);
+        visible [S, 1] complete groups per query. Returns int32 [B, S, min(topk, T)] row ids + offset."""
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = ops.fp4_qdq(ops.apply_rope(q, freqs, self.rope_dim), FP4_BLOCK, "ue8m0")
+        weights = self.weights_proj(x) * self.weight_scale
+        scores = ops.mask_invisible(ops.index_scores(q, index_k, weights), visible)  # [B, S, T] bf16
+        if self.is_candidate_source:
+            shared["candidates"] = ops.candidate_pool(scores, visible, self.candidate_blocks, self.candidate_block_size)
+            _trace(shared, f"debug.layers.{self.layer_id}.candidates", shared["candidates"])
+        elif self.uses_candidates:
+            scores = scores.masked_fill(~shared["candidates"], -torch.inf)
+        return ops.select_topk(scores, min(self.topk, index_k.size(1)), offset)
+
+
+class Attention(nn.Module):
+    """One layer's attention: q LoRA, window KV, optional compressed KV + top-k, sparse attention with a
+    per-head sink, inverse RoPE on the output and the grouped output LoRA (spec §3 steps 1-6)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, rope: ops.RotaryTable):
+        super().__init__()
+        self.layer_id = layer_id
+        self.n_heads, self.head_dim, self.rope_dim = cfg.n_heads, cfg.head_dim, cfg.rope_head_dim
+        self.n_groups, self.o_lora_rank = cfg.o_groups, cfg.o_lora_rank
+        self.window = cfg.window_size
+        self.ratio = cfg.compress_ratios[layer_id]
+        self.softmax_scale = self.head_dim ** -0.5
+        self.kv_source = cfg.kv_source_of(layer_id)
+        self.index_source = cfg.index_source_of(layer_id)
+        self.rope = rope  # shared table; a plain attribute, not a submodule
+
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, cfg.dtype)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, cfg.dtype)
+        self.wkv = Linear(cfg.dim, self.head_dim, cfg.dtype)
+        self.kv_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        # block-diagonal: group g maps its own heads (n_heads/o_groups x head_dim) to o_lora_rank
+        self.wo_a = Linear(self.n_heads * self.head_dim // self.n_groups, self.n_groups * self.o_lora_rank, "bf16")
+        self.wo_b = Linear(self.n_groups * self.o_lora_rank, cfg.dim, cfg.dtype)
+        self.compressor = Compressor(cfg, layer_id) if self.kv_source == layer_id else None
+        self.indexer = Indexer(cfg, layer_id) if self.index_source == layer_id else None
+
+    # ------------------------------------------------------------------ window
+    def _window(self, kv: torch.Tensor, start_pos: int, cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this chunk's window KV into the ring; return the rows the queries read and their ids.
+
+        Returns (rows [B, N, head_dim], ids int32 [B, S, window]); a query at p sees p-window+1..p.
+        """
+        b, s, _ = kv.shape
+        w = self.window
+        ring = cache.window_kv[self.layer_id]
+        device = kv.device
+        pos = torch.arange(start_pos, start_pos + s, device=device).unsqueeze(1)  # [S, 1]
+        if start_pos == 0:
+            # prefill from scratch: rows are the chunk itself; valid ids first, then -1
+            rows = kv
+            ids = (pos - w + 1).clamp_min(0) + torch.arange(min(s, w), device=device)
+            ids = torch.where(ids > pos, -1, ids)
+        else:
+            # continuing: rows are the ring as it was (older positions) followed by the chunk, and each
+            # query lists its window oldest first with not-yet-existing positions as -1 (decode order)
+            rows = torch.cat([ring[:b], kv], dim=1)
+            window_pos = pos - w + 1 + torch.arange(w, device=device)  # [S, W]
+            ids = torch.where(window_pos < start_pos, window_pos % w, w + window_pos - start_pos)
+            ids = torch.where(window_pos < 0, -1, ids)
+        keep = min(s, w)
+        slots = torch.arange(start_pos + s - keep, start_pos + s, device=device) % w
+        ring[:b, slots] = kv[:, s - keep:]
+        return rows, ids.int().unsqueeze(0).expand(b, -1, -1)
+
+    # ------------------------------------------------------------------ compressed
+    def _compressed(self, x: torch.Tensor, qr: torch.Tensor, start_pos: int, offset: int, cache: ModelCache,
+                    shared: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Update the compressed cache if this layer is a kv source, then pick the entries each query
+        reads. Returns (rows [B, T, head_dim], ids int32 [B, S, k] into cat(window, rows))."""
+        b, s, _ = x.shape
+        ratio = self.ratio
+        end = start_pos + s
+        n_visible = end // ratio  # complete groups visible to the last query
+        compressed = cache.compressed_kv[self.kv_source]
+        keys = cache.index_k[self.kv_source]
+        if self.compressor is not None:
+            latent = self.compressor(x, start_pos, cache)
+            if latent is not None:
+                first = start_pos // ratio
+                n_new = latent.size(1)
+                group_pos = torch.arange(first, first + n_new) * ratio  # a group is stamped with its first token
+                freqs = self.rope.at(group_pos, x.device)
+                if self.indexer is not None:
+                    keys[:b, first:first + n_new] = self.indexer.make_keys(latent, freqs)
+                latent = ops.apply_rope(latent, freqs, self.rope_dim)
+                compressed[:b, first:first + n_new] = ops.fp4_qdq(latent, KV_FP4_BLOCK, "e4m3")
+            _trace(shared, f"debug.layers.{self.layer_id}.compress_kv", compressed[:b, :n_visible])
+            _trace(shared, f"debug.layers.{self.layer_id}.index_k", keys[:b, :n_visible])
+
+        if self.indexer is not None:
+            if n_visible == 0:
+                ids = torch.empty(b, s, 0, dtype=torch.int32, device=x.device)
+            else:
+                visible = (torch.arange(start_pos + 1, end + 1, device=x.device) // ratio).unsqueeze(-1)
+                freqs = self.rope(start_pos, s, x.device)
+                ids = self.indexer(x, qr, keys[:b, :n_visible], freqs, visible, offset, shared)
+            shared.setdefault("topk", {})[self.layer_id] = ids
+            _trace(shared, f"debug.layers.{self.layer_id}.topk_idxs", torch.where(ids >= 0, ids - offset, -1))
+        else:
+            ids = shared["topk"][self.index_source]
+        return compressed[:b, :n_visible], ids
+
+    def forward(self, x: torch.Tensor, start_pos: int, cache: ModelCache, shared: dict) -> torch.Tensor:
+        """x [B, S, dim] bf16 (normed attention input) -> [B, S, dim] bf16."""
+        b, s, _ = x.shape
+        freqs = self.rope(start_pos, s, x.device)
+        qr = self.q_norm(self.wq_a(x))
+        q = ops.apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), freqs, self.rope_dim)
+        kv = ops.apply_rope(self.kv_norm(self.wkv(x)), freqs, self.rope_dim)
+        kv = ops.fp8_qdq(kv)  # the window KV is stored FP8, RoPE tail included
+
+        rows, ids = self._window(kv, start_pos, cache)
+        if self.ratio:
+            comp_rows, comp_ids = self._compressed(x, qr, start_pos, rows.size(1), cache, shared)
+            rows = torch.cat([rows, comp_rows], dim=1)
+            ids = torch.cat([ids, comp_ids], dim=-1)
+
+        o = ops.sparse_attn(q, rows, self.attn_sink, ids, self.softmax_scale)  # [B, S, H, head_dim]
+        o = ops.apply_rope(o, freqs, self.rope_dim, inverse=True)
+        o = o.reshape(b, s, self.n_groups, -1)
+        wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
+        o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
+        return self.wo_b(o.flatten(2))
+
+
+def _trace(shared: dict, name: str, value: torch.Tensor) -> None:
+    """Record an intermediate when the caller asked for captures (see Transformer.forward `trace`)."""
+    trace = shared.get("trace")
+    if trace is not None:
+        trace[name] = value.detach().clone()

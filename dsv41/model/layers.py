@@ -1,0 +1,65 @@
+"""Basic layers: a Linear over bf16/fp32/FP8/packed-FP4 weights and RMSNorm (spec-v41.md §7, §13)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv41 import ops
+from dsv41.ops.quant import FP4_BLOCK, FP8_BLOCK
+
+# weight storage format -> dtype of the `weight` tensor as stored
+WEIGHT_FORMATS = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn, "fp4": torch.int8}
+
+
+class Linear(nn.Module):
+    """y = x W^T without bias. `fmt` picks the storage:
+
+    - "bf16" / "fp32": a plain weight [out, in]; the input must have the same dtype.
+    - "fp8": E4M3 weight [out, in] + UE8M0 `scale` [ceil(out/32), ceil(in/32)] (one per 32x32 tile).
+    - "fp4": E2M1 packed two per byte, int8 [out, in/2] + UE8M0 `scale` [out, in/32].
+    Quantized formats round the activation through FP8 first and return bf16 (see dsv41.ops.gemm).
+    """
+
+    def __init__(self, in_features: int, out_features: int, fmt: str = "bf16"):
+        super().__init__()
+        if fmt not in WEIGHT_FORMATS:
+            raise ValueError(f"unknown weight format {fmt!r}; choose one of {sorted(WEIGHT_FORMATS)}")
+        self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        quantized = fmt in ("fp8", "fp4")
+        if fmt == "fp4":
+            if in_features % FP4_BLOCK:
+                raise ValueError(f"fp4 weights need in_features % {FP4_BLOCK} == 0, got {in_features}")
+            shape, scale_shape = (out_features, in_features // 2), (out_features, in_features // FP4_BLOCK)
+        else:
+            shape = (out_features, in_features)
+            scale_shape = (-(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK))
+        self.weight = nn.Parameter(torch.empty(shape, dtype=WEIGHT_FORMATS[fmt]), requires_grad=not quantized)
+        if quantized:
+            self.scale = nn.Parameter(torch.empty(scale_shape, dtype=torch.float8_e8m0fnu), requires_grad=False)
+        else:
+            self.register_parameter("scale", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.scale)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight as fp32 [out, in], whatever its storage."""
+        return ops.dequant_weight(self.weight, self.scale)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+
+
+class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * weight, statistics in fp32, result in x's dtype."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf).to(x.dtype)

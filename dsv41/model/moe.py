@@ -1,0 +1,83 @@
+"""Mixture of experts: sqrt-softplus router with selection bias, clamped SwiGLU experts, one shared
+expert (spec-v41.md §7). Every backbone layer is MoE; DSpark blocks have their own expert counts."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from dsv41 import ops
+from dsv41.config import ModelConfig
+from dsv41.model.layers import Linear
+
+
+class Gate(nn.Module):
+    """Router. The bias (and, for image tokens, `bias_vl`) only steers which experts are picked; the
+    routing weights are the unbiased scores, normalised over the picks and scaled by `route_scale`."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        n_experts, self.topk = cfg.moe_shape(layer_id)
+        self.score_func, self.temperature = cfg.score_func, cfg.gate_temp
+        self.normalize, self.route_scale = cfg.norm_topk_prob, cfg.route_scale
+        self.weight = nn.Parameter(torch.zeros(n_experts, cfg.dim, dtype=torch.bfloat16))
+        self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32), requires_grad=False)
+        if cfg.vision_enabled:
+            self.bias_vl = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32), requires_grad=False)
+        else:
+            self.register_parameter("bias_vl", None)
+
+    def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, dim] -> (weights [T, k] fp32, expert ids [T, k])."""
+        logits = torch.nn.functional.linear(x.float(), self.weight.float()) / self.temperature
+        scores = ops.router_scores(logits, self.score_func)
+        bias = self.bias
+        if image_mask is not None and self.bias_vl is not None:
+            bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl, bias)
+        return ops.route(scores, bias, self.topk, self.normalize, self.route_scale)
+
+
+class Expert(nn.Module):
+    """w2(silu(min(w1 x, limit)) * clamp(w3 x, +-limit) * routing weight), the weight applied before w2."""
+
+    def __init__(self, dim: int, inter_dim: int, fmt: str, swiglu_limit: float):
+        super().__init__()
+        self.w1 = Linear(dim, inter_dim, fmt)
+        self.w2 = Linear(inter_dim, dim, fmt)
+        self.w3 = Linear(dim, inter_dim, fmt)
+        self.swiglu_limit = swiglu_limit
+
+    def forward(self, x: torch.Tensor, route_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = ops.clamped_swiglu(self.w1(x), self.w3(x), self.swiglu_limit)  # fp32
+        if route_weight is not None:
+            h = route_weight * h
+        return self.w2(h.to(x.dtype))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        n_experts, _ = cfg.moe_shape(layer_id)
+        self.dim = cfg.dim
+        self.gate = Gate(cfg, layer_id)
+        expert_fmt = "fp4" if cfg.expert_dtype == "fp4" else cfg.dtype
+        self.experts = nn.ModuleList(
+            Expert(cfg.dim, cfg.moe_inter_dim, expert_fmt, cfg.swiglu_limit) for _ in range(n_experts))
+        self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, cfg.dtype, cfg.swiglu_limit)
+
+    def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [B, S, dim] bf16 -> [B, S, dim] bf16. Routed outputs are summed in fp32 in expert order."""
+        shape = x.shape
+        x = x.reshape(-1, self.dim)
+        weights, indices = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
+        out = torch.zeros_like(x, dtype=torch.float32)
+        counts = torch.bincount(indices.flatten(), minlength=len(self.experts)).tolist()
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            token, slot = torch.where(indices == e)
+            out[token] += self.experts[e](x[token], weights[token, slot, None])
+        out += self.shared_experts(x)
+        return out.to(x.dtype).view(shape)

@@ -1,0 +1,191 @@
+"""The DeepSeek-V4.1 backbone: embed -> 4 hyper-connection copies -> (Engram) + blocks -> collapse ->
+norm -> head (spec-v41.md §2, §5, §6).
+
+Single-pass mHC (spec §6): a block's attention collapses the copies with the `pre` mix computed by the
+previous block's FFN (layer 0: one-hot on copy 0); the FFN collapses with the `pre` computed from this
+block's attention input; the final collapse uses the last FFN's `pre`. `post` and `comb` of each
+sublayer expand its output back to the copies and mix the residual.
+
+The encoder/decoder split (layers < n_layers/2 vs the rest) is a property of the weights and the layer
+schedule (the decoder's only global KV is layer 20's compressor over the encoder output); this full
+forward runs all layers over every token, like the reference. The CED prefill shortcut belongs to the
+inference engine.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv41 import ops
+from dsv41.config import ModelConfig
+from dsv41.model.attention import Attention, _trace
+from dsv41.model.cache import ModelCache
+from dsv41.model.engram import Engram, EngramLayout, NgramHasher
+from dsv41.model.layers import RMSNorm
+from dsv41.model.moe import MoE
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rope: ops.RotaryTable, engram_rows: Optional[int] = None):
+        super().__init__()
+        self.layer_id = layer_id
+        self.eps = cfg.norm_eps
+        self.hc, self.sinkhorn_iters, self.hc_eps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps
+        self.engram = Engram(cfg, layer_id, engram_rows) if engram_rows is not None else None
+        self.attn = Attention(cfg, layer_id, rope)
+        self.ffn = MoE(cfg, layer_id)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        n_mix, width = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult * cfg.dim
+        f32 = dict(dtype=torch.float32)
+        self.hc_attn_fn = nn.Parameter(torch.zeros(n_mix, width, **f32))
+        self.hc_ffn_fn = nn.Parameter(torch.zeros(n_mix, width, **f32))
+        self.hc_attn_base = nn.Parameter(torch.zeros(n_mix, **f32))
+        self.hc_ffn_base = nn.Parameter(torch.zeros(n_mix, **f32))
+        self.hc_attn_scale = nn.Parameter(torch.ones(3, **f32))
+        self.hc_ffn_scale = nn.Parameter(torch.ones(3, **f32))
+        # bit-exact reference numerics for the fp32 mix projection (slow; see set_reference_numerics)
+        self.sequential_mixes = False
+
+    def hc_mixes(self, h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor):
+        """h [B, S, hc, dim] -> (pre [B,S,hc], post [B,S,hc], comb [B,S,hc,hc]), one RMS statistic per token."""
+        flat = h.flatten(2).float()
+        rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.eps)
+        if self.sequential_mixes:
+            mixes = ops.linear_fp32_sequential(flat, fn) * rstd
+        else:
+            mixes = F.linear(flat, fn) * rstd
+        return ops.hc_split_sinkhorn(mixes, scale, base, self.hc, self.sinkhorn_iters, self.hc_eps)
+
+    @staticmethod
+    def hc_pre(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """Collapse the copies: [B,S,hc,dim] x [B,S,hc] -> [B,S,dim] in h's dtype."""
+        return torch.sum(pre.unsqueeze(-1) * h.float(), dim=2).to(h.dtype)
+
+    @staticmethod
+    def hc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """copy_j = post_j * out + sum_i comb[i, j] * residual_i; [B,S,dim] -> [B,S,hc,dim]."""
+        mixed = torch.sum(comb.unsqueeze(-1) * residual.unsqueeze(-2), dim=2)
+        return (post.unsqueeze(-1) * out.unsqueeze(-2) + mixed).type_as(out)
+
+    def forward(self, h: torch.Tensor, start_pos: int, pre_mix: torch.Tensor, cache: ModelCache, shared: dict,
+                image_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [B, S, hc, dim] bf16, pre_mix [B, S, hc] fp32 -> (h, the FFN pre mix for the next block)."""
+        residual = h
+        attn_pre, attn_post, attn_comb = self.hc_mixes(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
+        x = self.attn(self.attn_norm(self.hc_pre(h, pre_mix)), start_pos, cache, shared)
+        _trace(shared, f"hidden.layers.{self.layer_id}.attn_out", x)
+        h = self.hc_post(x, residual, attn_post, attn_comb)
+
+        residual = h
+        ffn_pre, ffn_post, ffn_comb = self.hc_mixes(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
+        x = self.ffn(self.ffn_norm(self.hc_pre(h, attn_pre)), image_mask)
+        _trace(shared, f"hidden.layers.{self.layer_id}.ffn_out", x)
+        h = self.hc_post(x, residual, ffn_post, ffn_comb)
+        return h, ffn_pre
+
+
+class Transformer(nn.Module):
+    """The V4.1 language model. `forward(input_ids, start_pos, cache)` handles prefill and decode."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        # two RoPE tables shared by all layers: plain for ratio-0 layers, YaRN for compressed ones
+        self.rope_plain = ops.RotaryTable(cfg.rope_head_dim, cfg.rope_theta)
+        self.rope_yarn = ops.RotaryTable(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.original_seq_len,
+                                         cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
+        self.engram_layout = EngramLayout.from_config(cfg)
+        engram_rows = {}
+        if self.engram_layout is not None:
+            derived = self.engram_layout.table_rows()
+            if derived != tuple(cfg.engram_num_embeddings):
+                raise ValueError(f"ModelConfig.engram_num_embeddings: the prime layout gives {list(derived)} rows, "
+                                 f"the config says {list(cfg.engram_num_embeddings)}")
+            engram_rows = dict(zip(cfg.engram_layer_ids, derived))
+            self.engram_hash = NgramHasher(cfg, self.engram_layout)
+        else:
+            self.engram_hash = None
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, dtype=torch.bfloat16)
+        self.layers = nn.ModuleList(
+            Block(cfg, i, self.rope_yarn if cfg.compress_ratios[i] else self.rope_plain, engram_rows.get(i))
+            for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        # stored bf16 in the checkpoint, kept fp32 here so the logits come out in fp32
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=torch.float32)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def new_cache(self, batch_size: int, max_seq_len: int) -> ModelCache:
+        return ModelCache.create(self.cfg, batch_size, max_seq_len, self.device)
+
+    def set_reference_numerics(self, enabled: bool = True) -> None:
+        """Reproduce the reference's fp32 summation order where it decides rounding (the hyper-connection
+        mix projection, a K = hc*dim dot product whose ulp-level order flips later bf16 roundings).
+
+        With it the fp8 golden set matches to 1e-5 on every logit; without it the results differ by
+        legitimate accumulation-order noise. It loops over K in Python, so keep it for checks.
+        """
+        for layer in self.layers:
+            layer.sequential_mixes = enabled
+
+    def set_engram_token_map(self, token_map: torch.Tensor) -> None:
+        """Install the raw-id -> compressed-id map used by the Engram hash (spec §5)."""
+        if self.engram_hash is None:
+            raise ValueError("this model has no Engram layers")
+        self.engram_hash.set_token_map(token_map)
+
+    def forward(self, input_ids: torch.Tensor, start_pos: int = 0, cache: Optional[ModelCache] = None,
+                last_only: bool = False, trace: Optional[dict] = None,
+                token_types: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """input_ids [B, S] int64 at positions start_pos..start_pos+S-1.
+
+        cache: state from earlier calls (required when start_pos > 0); without one a temporary cache
+        sized to this call is used. Returns fp32 logits [B, S, vocab], or [B, 1, vocab] with last_only.
+        trace: if a dict, receives named intermediates (the golden sets' `hidden.*`/`debug.*` names).
+        token_types: optional [B, S] bool, True for image-span tokens (VL routing bias, Engram off).
+        """
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        b, s = input_ids.shape
+        if s == 0:
+            raise ValueError("input_ids is empty")
+        if cache is None:
+            if start_pos != 0:
+                raise ValueError("start_pos > 0 needs the cache of the earlier calls")
+            cache = self.new_cache(b, s)
+        cache.check_fits(b, start_pos, s)
+        if input_ids.min() < 0 or input_ids.max() >= self.cfg.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
+
+        shared: dict = {"trace": trace}
+        image_mask = token_types
+        text_mask = None if image_mask is None else ~image_mask
+        hash_ids = None
+        if self.engram_hash is not None:
+            hash_ids = self.engram_hash(input_ids, start_pos, cache.engram_ids, text_mask)
+
+        x = self.embed(input_ids)  # [B, S, dim] bf16
+        _trace(shared, "hidden.embed", x)
+        h = x.unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)  # [B, S, hc, dim]
+        pre_mix = torch.zeros(b, s, self.cfg.hc_mult, dtype=torch.float32, device=h.device)
+        pre_mix[:, :, 0] = 1.0  # layer 0 collapses onto copy 0
+        for i, layer in enumerate(self.layers):
+            if layer.engram is not None:
+                column = self.engram_layout.layer_ids.index(i)
+                h = layer.engram(h, hash_ids[:, :, column], text_mask)
+                _trace(shared, f"hidden.layers.{i}.engram_out", h)
+            h, pre_mix = layer(h, start_pos, pre_mix, cache, shared, image_mask)
+            _trace(shared, f"hidden.layers.{i}.out", h)
+            _trace(shared, f"hidden.layers.{i}.pre_mix_out", pre_mix)
+        x = self.norm(Block.hc_pre(h, pre_mix))
+        if last_only:
+            x = x[:, -1:]
+        _trace(shared, "hidden.final_norm_last", x[:, -1])
+        return F.linear(x.float(), self.head.weight)

@@ -1,0 +1,20 @@
+"""Tensor kernels behind stable signatures; each module holds the pure-PyTorch reference.
+
+Faster implementations (Triton, fused CUDA) can replace these functions one by one as long as they keep
+the documented shapes and numerics.
+"""
+
+from dsv41.ops.engram_hash import ngram_hash
+from dsv41.ops.gemm import dequant_weight, linear, linear_fp32_sequential
+from dsv41.ops.indexer import candidate_pool, index_scores, mask_invisible, select_topk
+from dsv41.ops.moe import clamped_swiglu, route, router_scores
+from dsv41.ops.quant import fp4_qdq, fp4_quant, fp8_qdq, fp8_quant
+from dsv41.ops.rope import RotaryTable, apply_rope
+from dsv41.ops.sinkhorn import hc_split_sinkhorn
+from dsv41.ops.sparse_attn import sparse_attn
+
+__all__ = [
+    "ngram_hash", "dequant_weight", "linear", "linear_fp32_sequential", "candidate_pool", "index_scores", "mask_invisible",
+    "select_topk", "clamped_swiglu", "route", "router_scores", "fp4_qdq", "fp4_quant", "fp8_qdq",
+    "fp8_quant", "RotaryTable", "apply_rope", "hc_split_sinkhorn", "sparse_attn",
+]

@@ -1,0 +1,68 @@
+"""Linear layers over bf16, FP8 and packed-FP4 weights (spec-v41.md §7 storage, §13 tensor layout).
+
+Quantized weights take a quantized activation: before every FP8 or FP4 GEMM the activation is rounded
+through FP8 E4M3 with a UE8M0 scale per 32 channels, as the reference kernels do. The product is then
+computed as dequantize + one fp32 matmul; the golden sets confirm this reproduces the reference's
+block-scaled accumulation bit-for-bit after the bf16 rounding of the output (a block product of FP8 x
+FP8 or FP4 x FP8 is exact in fp32, and the scales are powers of two).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from dsv41.ops.quant import FP8_BLOCK, dequant_fp4_weight, dequant_fp8_weight, fp8_dequant, fp8_quant
+
+PACKED_FP4_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
+
+
+def is_fp8(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.float8_e4m3fn
+
+
+def is_fp4(weight: torch.Tensor) -> bool:
+    return weight.dtype in PACKED_FP4_DTYPES
+
+
+def dequant_weight(weight: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """Any stored weight -> fp32 [N, K] (bf16/fp32 weights are just upcast)."""
+    if is_fp8(weight):
+        return dequant_fp8_weight(weight, scale)
+    if is_fp4(weight):
+        return dequant_fp4_weight(weight, scale)
+    return weight.float()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None,
+           out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """y = x @ W^T.
+
+    x: [..., K]. weight: [N, K] bf16/fp32 (plain `F.linear` in that dtype; x must match), or [N, K]
+    float8_e4m3fn with `scale` [ceil(N/32), ceil(K/32)], or packed FP4 [N, K/2] with `scale` [N, K/32].
+    Quantized paths return `out_dtype` (bf16 like the reference kernels).
+    """
+    if is_fp8(weight) or is_fp4(weight):
+        if scale is None:
+            raise ValueError("a quantized weight needs its block scale")
+        xq, xs = fp8_quant(x, FP8_BLOCK)
+        x_deq = fp8_dequant(xq, xs, FP8_BLOCK)
+        return F.linear(x_deq, dequant_weight(weight, scale)).to(out_dtype)
+    return F.linear(x, weight)
+
+
+def linear_fp32_sequential(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """y = x @ W^T in fp32 with each output computed as one left-to-right fused multiply-add chain over K.
+
+    x [..., K] fp32, weight [N, K] fp32 -> [..., N] fp32. This is the summation order of a GEMM
+    micro-kernel that keeps one accumulator per output (the order the reference outputs were produced
+    with); BLAS libraries on other CPUs split K differently and land 1 ulp away. The FMA is emulated in
+    fp64 (the product of two fp32 values is exact there). Slow: use it for bit-exact checks only.
+    """
+    xd, wd = x.double(), weight.double()
+    acc = torch.zeros(*x.shape[:-1], weight.size(0), dtype=torch.float32, device=x.device)
+    for k in range(x.size(-1)):
+        acc = (acc.double() + xd[..., k:k + 1] * wd[:, k]).float()
+    return acc

@@ -1,0 +1,56 @@
+"""Lightning-indexer scoring, top-k selection and the hierarchical candidate pool (spec-v41.md §4).
+
+score[b, s, t] = sum_h ReLU(q[b, s, h] . k[b, t]) * w[b, s, h]; there is no softmax. Scores are kept
+in bf16 like the reference (the einsum and the head sum run in bf16), because top-k over these scores
+is discontinuous and the rounding decides ties at the boundary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """q [B, S, H, D] (fp4-rounded, bf16); k [B, T, D] bf16; weights [B, S, H] bf16 -> scores [B, S, T] bf16."""
+    per_head = torch.einsum("bshd,btd->bsht", q, k)
+    return (per_head.relu() * weights.unsqueeze(-1)).sum(dim=2)
+
+
+def mask_invisible(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Set scores of compressed entries a query cannot see yet to -inf.
+
+    scores [B, S, T]; visible [S, 1] int, the count of complete groups for each query, (pos+1)//ratio.
+    """
+    positions = torch.arange(scores.size(-1), device=scores.device)
+    return scores.masked_fill(positions >= visible, -torch.inf)
+
+
+def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int, block_size: int) -> torch.Tensor:
+    """Level one of the two-level top-k: a boolean mask [B, S, T] of the positions in the `n_blocks`
+    best blocks of `block_size` positions, a block scored by its best position.
+
+    scores [B, S, T] with invisible entries at -inf; visible [S, 1] (or a 0-dim) count of visible entries.
+    The block holding the query's newest visible entry is always kept; blocks with no visible entry
+    are never kept.
+    """
+    width = scores.size(-1)
+    padded = F.pad(scores, (0, -width % block_size), value=-torch.inf)
+    block_scores = padded.unflatten(-1, (-1, block_size)).amax(dim=-1)  # [B, S, NB]
+    n_total = block_scores.size(-1)
+    newest = torch.div(visible - 1, block_size, rounding_mode="floor")
+    block_scores = block_scores.masked_fill(torch.arange(n_total, device=scores.device) == newest, torch.inf)
+    top = block_scores.topk(min(n_blocks, n_total), dim=-1)
+    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, top.indices, top.values > -torch.inf)
+    return keep.repeat_interleave(block_size, dim=-1)[..., :width]
+
+
+def select_topk(scores: torch.Tensor, k: int, offset: int = 0) -> torch.Tensor:
+    """The k best entries per query, in ascending position order, as int32 [B, S, k].
+
+    Entries whose score is -inf (not visible, or outside the candidate pool) become -1; the others are
+    shifted by `offset` (the window length, so they index into cat(window_kv, compressed_kv)).
+    """
+    idx = scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+    usable = scores.gather(-1, idx) > -torch.inf
+    return torch.where(usable, idx + offset, -1).int()

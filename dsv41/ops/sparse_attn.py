@@ -1,0 +1,65 @@
+"""Sparse single-latent attention with a per-head sink (spec-v41.md §3 step 4).
+
+Every query attends to an explicit list of rows of one KV tensor (K and V are the same 512-d latent):
+the layer's sliding window followed by the selected compressed entries. The per-head `attn_sink` logit
+joins only the softmax denominator. Index -1 means "nothing here"; a row with no valid entry yields 0.
+
+Numerics follow the reference kernel: an online softmax over blocks of 64 indices in fp32, with the
+probabilities rounded to bf16 (relative to the running max) before they multiply V, the denominator
+kept in fp32 from the unrounded probabilities, and the running max seeded at -1e30 so an all-empty row
+gives exp(-inf) = 0 instead of NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 64  # indices per online-softmax step, as in the reference kernel
+
+
+def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, indices: torch.Tensor,
+                softmax_scale: float) -> torch.Tensor:
+    """q [B, M, H, D] bf16; kv [B, N, D] bf16; attn_sink [H] fp32; indices [B, M, K] int (-1 = unused).
+
+    Returns bf16 [B, M, H, D]: sum_k softmax_k(scale * q.kv[idx_k]) * kv[idx_k], sink in the denominator.
+    """
+    b, m, h, d = q.shape
+    scale = torch.tensor(softmax_scale, dtype=torch.float32, device=q.device)
+    qf, kvf = q.float(), kv.float()
+    out = torch.zeros(b, m, h, d, dtype=torch.float32, device=q.device)
+    denom = torch.zeros(b, m, h, dtype=torch.float32, device=q.device)
+    running_max = torch.full((b, m, h), -1e30, dtype=torch.float32, device=q.device)
+    batch = torch.arange(b, device=q.device).view(b, 1, 1)
+    for start in range(0, indices.size(-1), BLOCK):
+        idx = indices[:, :, start:start + BLOCK].long()  # [B, M, k]
+        valid = idx != -1
+        rows = kvf[batch, idx.clamp_min(0)] * valid.unsqueeze(-1)  # [B, M, k, D], empty slots zeroed
+        logits = torch.einsum("bmhd,bmkd->bmhk", qf, rows)
+        logits = torch.where(valid.unsqueeze(2), logits, -torch.inf) * scale
+        new_max = torch.maximum(running_max, logits.amax(dim=-1))
+        rescale = torch.exp(running_max - new_max)
+        probs = torch.exp(logits - new_max.unsqueeze(-1))
+        denom = denom * rescale + probs.sum(dim=-1)
+        pv = torch.einsum("bmhk,bmkd->bmhd", probs.to(torch.bfloat16).float(), rows)
+        out = out * rescale.unsqueeze(-1) + pv
+        running_max = new_max
+    denom = denom + torch.exp(attn_sink.float() - running_max)
+    return (out / denom.unsqueeze(-1)).to(torch.bfloat16)
+
+
+def dense_reference_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, indices: torch.Tensor,
+                         softmax_scale: float) -> torch.Tensor:
+    """The same attention written as one plain fp32 softmax (no blocks, no bf16 probabilities).
+
+    An independent formulation for tests: it differs from `sparse_attn` only by the bf16 rounding of
+    the probabilities. Returns fp32 [B, M, H, D].
+    """
+    b = q.size(0)
+    idx = indices.long()
+    valid = idx != -1
+    rows = kv.float()[torch.arange(b).view(b, 1, 1), idx.clamp_min(0)]  # [B, M, K, D]
+    logits = torch.einsum("bmhd,bmkd->bmhk", q.float(), rows) * softmax_scale
+    logits = logits.masked_fill(~valid.unsqueeze(2), -torch.inf)
+    sink = attn_sink.float().view(1, 1, -1, 1).expand(*logits.shape[:3], 1)
+    probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("bmhk,bmkd->bmhd", probs, rows)
