@@ -455,7 +455,7 @@ def small() -> ModelConfig:
         index_source_layers=(2, 4, 6, 8, 10), original_seq_len=1024, rope_factor=4.0,
         index_n_heads=8, index_head_dim=64, index_topk=64,
         candidate_source_layer=6, candidate_topk_blocks=32, candidate_block_size=8,
-        engram_layer_ids=(1, 4), engram_num_embeddings=(24036, 24114), engram_vocab_size=4000,
+        engram_layer_ids=(1, 4), engram_num_embeddings=(24064, 24336), engram_vocab_size=4000,
         engram_n_heads=2, engram_head_dim=64, engram_compressed_vocab_size=8192,
         dtype="bf16", expert_dtype=None, vision_n_layers=0,
         dspark_block_size=0, dspark_noise_token_id=0, dspark_target_layer_ids=(),
