@@ -1,0 +1,86 @@
+import torch
+
+from dsv41 import ops
+from dsv41.ops.sparse_attn import dense_reference_attn
+
+
+def _sinkhorn_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(5, 24, generator=g) * 3, torch.randn(3, generator=g), torch.randn(24, generator=g)
+
+
+def test_sinkhorn_comb_is_doubly_stochastic():
+    pre, post, comb = ops.hc_split_sinkhorn(*_sinkhorn_inputs(), hc=4, iters=20, eps=1e-6)
+    assert torch.allclose(comb.sum(-2), torch.ones(5, 4), atol=1e-5)  # ends on a column normalisation
+    assert torch.allclose(comb.sum(-1), torch.ones(5, 4), atol=1e-3)
+    assert (comb > 0).all() and (pre > 0).all() and (post > 0).all() and (post < 2).all()
+
+
+def test_sinkhorn_matches_float64_formulation():
+    mixes, scale, base = _sinkhorn_inputs(1)
+    pre, post, comb = ops.hc_split_sinkhorn(mixes, scale, base, 4, 20, 1e-6)
+    m, s, b = mixes.double(), scale.double(), base.double()
+    c = torch.softmax((m[:, 8:] * s[2] + b[8:]).view(5, 4, 4), -1) + 1e-6
+    c = c / (c.sum(-2, keepdim=True) + 1e-6)
+    for _ in range(19):
+        c = c / (c.sum(-1, keepdim=True) + 1e-6)
+        c = c / (c.sum(-2, keepdim=True) + 1e-6)
+    assert torch.allclose(comb.double(), c, atol=1e-6)
+    assert torch.allclose(pre.double(), torch.sigmoid(m[:, :4] * s[0] + b[:4]) + 1e-6, atol=1e-6)
+
+
+def test_sparse_attn_matches_plain_softmax_and_handles_empty_rows():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 5, 4, 64, generator=g).to(torch.bfloat16)
+    kv = torch.randn(2, 150, 64, generator=g).to(torch.bfloat16)
+    sink = torch.randn(4, generator=g)
+    idx = torch.randint(0, 150, (2, 5, 100), generator=g).int()  # two online-softmax blocks
+    idx[:, :, ::7] = -1
+    idx[1, 3] = -1  # a row with nothing to attend to
+    out = ops.sparse_attn(q, kv, sink, idx, 64 ** -0.5)
+    ref = dense_reference_attn(q, kv, sink, idx, 64 ** -0.5)
+    assert torch.equal(out[1, 3], torch.zeros_like(out[1, 3]))
+    assert torch.allclose(out.float(), ref, atol=2e-2)
+    # masked entries carry no weight: changing the kv rows only they point at changes nothing
+    used = set(idx[0, 0][idx[0, 0] >= 0].tolist())
+    spare = [i for i in range(150) if i not in used][0]
+    kv2 = kv.clone()
+    kv2[0, spare] = 100
+    assert torch.equal(ops.sparse_attn(q, kv2, sink, idx, 64 ** -0.5)[0, 0], out[0, 0])
+
+
+def test_candidate_pool_keeps_newest_block_and_at_most_n_blocks():
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(1, 6, 40, generator=g)
+    visible = torch.tensor([[3], [9], [17], [25], [33], [40]])
+    scores = ops.mask_invisible(scores, visible)
+    pool = ops.candidate_pool(scores, visible, n_blocks=3, block_size=4)
+    for s, v in enumerate(visible.view(-1).tolist()):
+        blocks = pool[0, s].view(10, 4).any(-1)
+        assert blocks.sum() <= 3 and blocks[(v - 1) // 4]
+        assert not pool[0, s, v:].any() or (v - 1) // 4 == 9 or pool[0, s, v:((v - 1) // 4 + 1) * 4].any()
+        kept_scores = scores[0, s].view(10, 4).amax(-1)
+        others = [b for b in range(10) if b != (v - 1) // 4 and b * 4 < v]
+        best = sorted(others, key=lambda b: -kept_scores[b].item())[:2]
+        assert all(blocks[b] for b in best)
+
+
+def test_select_topk_is_sorted_and_marks_unusable_entries():
+    scores = torch.tensor([[[0.5, 3.0, -torch.inf, 2.0, 1.0]]])
+    ids = ops.select_topk(scores, 4, offset=10)
+    assert ids.tolist() == [[[10, 11, 13, 14]]]
+    ids = ops.select_topk(torch.tensor([[[1.0, -torch.inf, -torch.inf]]]), 3, offset=0)
+    assert sorted(ids.view(-1).tolist()) == [-1, -1, 0]
+
+
+def test_rope_inverse_undoes_rotation():
+    table = ops.RotaryTable(16, 160000.0, 64, 4.0)
+    x = torch.randn(1, 7, 2, 32)
+    freqs = table(3, 7)
+    y = ops.apply_rope(ops.apply_rope(x, freqs, 16), freqs, 16, inverse=True)
+    assert torch.allclose(y, x, atol=1e-5) and torch.equal(y[..., :16], x[..., :16])
+
+
+def test_sequential_linear_matches_float64():
+    x, w = torch.randn(3, 50), torch.randn(4, 50)
+    assert torch.allclose(ops.linear_fp32_sequential(x, w).double(), x.double() @ w.double().T, atol=1e-4)

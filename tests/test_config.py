@@ -1,0 +1,83 @@
+import json
+
+import pytest
+
+from dsv41.config import HF_RENAMES, ModelConfig, flash, preset, small, tiny
+from dsv41.accounting import account
+
+
+def test_flash_is_the_released_model():
+    cfg = flash()
+    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.window_size) == (5120, 40, 64, 512, 128)
+    assert len(cfg.compress_ratios) == 43 and cfg.compress_ratios[20] == 1 and cfg.compress_ratios[19] == 2
+    modes = [cfg.attention_mode(i) for i in range(40)]
+    assert modes.count("swa") == 2 and modes.count("full") == 4 and modes.count("reindex") == 4
+    assert modes.count("reuse") == 30
+    assert cfg.kv_source_of(27) == 20 and cfg.index_source_of(27) == 24 and cfg.index_source_of(13) == 8
+
+
+def test_small_keeps_the_schedule_and_is_cpu_sized():
+    cfg = small()
+    modes = [cfg.attention_mode(i) for i in range(cfg.n_layers)]
+    assert modes[:2] == ["swa", "swa"] and "reindex" in modes and "reuse" in modes
+    assert cfg.candidate_source_layer == cfg.n_layers // 2
+    assert 20e6 <= account(cfg)["params_active_decode"] <= 50e6
+
+
+@pytest.mark.parametrize("name", ["flash", "tiny", "small"])
+def test_json_round_trip(tmp_path, name):
+    cfg = preset(name)
+    path = tmp_path / "config.json"
+    cfg.to_json(path)
+    assert ModelConfig.from_file(path) == cfg
+    assert ModelConfig.from_file(tmp_path) == cfg
+
+
+def test_reads_golden_inference_config():
+    cfg = ModelConfig.from_file("tests/data/golden/v41-tiny-fp8/config.json")
+    assert cfg == tiny().replace(dtype="fp8", expert_dtype="fp4", max_position_embeddings=cfg.max_position_embeddings)
+
+
+def test_reads_hugging_face_config(tmp_path):
+    flat = flash().to_dict()
+    inverse = {v: k for k, v in HF_RENAMES.items()}
+    text = {inverse.get(k, k): v for k, v in flat.items() if not k.startswith("vision_") and k not in (
+        "rope_factor", "beta_fast", "beta_slow", "original_seq_len", "dtype", "expert_dtype", "image_token_id")}
+    text["rope_scaling"] = {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+                            "original_max_position_embeddings": 65536}
+    text["num_key_value_heads"] = 1
+    hf = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "image_token_id": 129264,
+          "quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32], "expert_dtype": "fp4"},
+          "text_config": text,
+          "vision_config": {"num_hidden_layers": 32, "hidden_size": 1024, "num_attention_heads": 16,
+                            "intermediate_size": 2816, "patch_size": 14, "rope_theta": 10000,
+                            "downsample_ratio": 3, "max_image_tokens": 1024, "min_pixels": 295936,
+                            "max_wh_ratio": None}}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert ModelConfig.from_file(tmp_path) == flash()
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(kv_source_layers=(2, 8, 14, 45)), "kv_source_layers"),
+    (dict(compress_ratios=(0,) * 40 + (4, 0, 0)), "compress_ratios"),
+    (dict(compress_ratios=(0, 0, 3) + (2,) * 17 + (1,) * 20 + (0, 0, 0)), "compress_ratios"),
+    (dict(index_topk=0), "index_topk"),
+    (dict(compress_ratios=(0, 0, 2)), "compress_ratios"),
+    (dict(engram_num_embeddings=(1, 2, 3)), "engram_num_embeddings"),
+    (dict(candidate_source_layer=21), "candidate_source_layer"),
+    (dict(n_activated_experts=500), "n_activated_experts"),
+    (dict(index_source_layers=(8, 14, 20)), "index_source_layers"),
+])
+def test_invalid_configs_name_the_field(change, field):
+    with pytest.raises(ValueError, match=field):
+        flash().replace(**change)
+
+
+def test_malformed_json_and_types(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ModelConfig.from_file(tmp_path)
+    with pytest.raises(ValueError, match="dim"):
+        ModelConfig.from_dict({"dim": "big"})
+    with pytest.raises(ValueError, match="kv_source_layers"):
+        ModelConfig.from_dict({"kv_source_layers": "2,8"})
