@@ -121,17 +121,22 @@ def _fp4_scale(amax: torch.Tensor, scale_fmt: str) -> torch.Tensor:
     raise ValueError(f"unknown fp4 scale format {scale_fmt!r}; use 'ue8m0' or 'e4m3'")
 
 
+def _fp4_round_groups(x: torch.Tensor, block: int, scale_fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (E2M1 grid values [..., K/block, block] fp32, scale [..., K/block] fp32)."""
+    if x.size(-1) % block:
+        raise ValueError(f"fp4 quantization: last dim {x.size(-1)} is not a multiple of {block}")
+    groups = x.float().unflatten(-1, (-1, block))
+    scale = _fp4_scale(groups.abs().amax(-1), scale_fmt)
+    return round_e2m1((groups / scale.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX)), scale
+
+
 def fp4_quant(x: torch.Tensor, block: int = FP4_BLOCK, scale_fmt: str = "ue8m0") -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize along the last dim to packed E2M1.
 
     x: [..., K] (K % block == 0). Returns (packed uint8 [..., K/2], scale fp32 [..., K/block]); the scale
     values are exactly representable in `scale_fmt` (UE8M0 powers of two or E4M3).
     """
-    if x.size(-1) % block:
-        raise ValueError(f"fp4_quant: last dim {x.size(-1)} is not a multiple of {block}")
-    groups = x.float().unflatten(-1, (-1, block))
-    scale = _fp4_scale(groups.abs().amax(-1), scale_fmt)
-    rounded = round_e2m1((groups / scale.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX))
+    rounded, scale = _fp4_round_groups(x, block, scale_fmt)
     return pack_fp4(e2m1_codes(rounded).flatten(-2)), scale
 
 
@@ -146,12 +151,8 @@ def fp4_qdq(x: torch.Tensor, block: int = FP4_BLOCK, scale_fmt: str = "ue8m0") -
 
     block 32 + 'ue8m0' is the indexer q/k rounding, block 16 + 'e4m3' the compressed-KV rounding.
     """
-    if x.size(-1) % block:
-        raise ValueError(f"fp4_qdq: last dim {x.size(-1)} is not a multiple of {block}")
-    groups = x.float().unflatten(-1, (-1, block))
-    scale = _fp4_scale(groups.abs().amax(-1), scale_fmt).unsqueeze(-1)
-    rounded = round_e2m1((groups / scale).clamp(-FP4_MAX, FP4_MAX))
-    return (rounded * scale).flatten(-2).to(x.dtype)
+    rounded, scale = _fp4_round_groups(x, block, scale_fmt)
+    return (rounded * scale.unsqueeze(-1)).flatten(-2).to(x.dtype)
 
 
 # --------------------------------------------------------------------------- weights
