@@ -59,15 +59,6 @@ class ModelCache:
             raise ValueError(
                 f"positions {start_pos}..{start_pos + length - 1} do not fit a cache of max_seq_len {self.max_seq_len}")
 
-    def tensors(self) -> list[torch.Tensor]:
-        out = list(self.window_kv) + list(self.compressed_kv.values()) + list(self.index_k.values())
-        out += list(self.group_kv.values()) + list(self.group_score.values())
-        return out + ([self.engram_ids] if self.engram_ids is not None else [])
-
-    def container_bytes(self) -> int:
-        """Bytes this object actually holds (bf16 containers)."""
-        return sum(t.numel() * t.element_size() for t in self.tensors())
-
 
 def global_kv_bytes_per_token(cfg: ModelConfig) -> dict[str, float]:
     """Persistent global-cache bytes per token, by component, in the stored formats of spec §8:

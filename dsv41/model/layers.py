@@ -43,10 +43,6 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight, self.scale)
 
-    def dequantized(self) -> torch.Tensor:
-        """The weight as fp32 [out, in], whatever its storage."""
-        return ops.dequant_weight(self.weight, self.scale)
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
 
