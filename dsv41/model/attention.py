@@ -26,7 +26,6 @@ from torch import nn
 
 from dsv41 import ops
 from dsv41.config import ModelConfig
-from dsv41.model.cache import ModelCache
 from dsv41.model.layers import Linear, RMSNorm
 from dsv41.ops.quant import FP4_BLOCK, KV_FP4_BLOCK
 
@@ -50,7 +49,7 @@ class Compressor(nn.Module):
         if self.ratio > 1:
             self.wgate = Linear(cfg.dim, cfg.head_dim, fmt)
 
-    def forward(self, x: torch.Tensor, start_pos: int, cache: ModelCache) -> Optional[torch.Tensor]:
+    def forward(self, x: torch.Tensor, start_pos: int, cache) -> Optional[torch.Tensor]:
         """x [B, S, dim] bf16 -> latents [B, G, head_dim] bf16 for the G groups completed, or None."""
         if self.ratio == 1:
             return self.norm(self.wkv(x))
@@ -58,7 +57,7 @@ class Compressor(nn.Module):
         ratio = self.ratio
         kv, score = self.wkv(x.float()), self.wgate(x.float())  # [B, S, head_dim] fp32
         pending = start_pos % ratio  # tokens of the current group already seen
-        state_kv, state_score = cache.group_kv[self.layer_id], cache.group_score[self.layer_id]
+        state_kv, state_score = cache.group_state(self.layer_id)
         if pending:
             kv = torch.cat([state_kv[:b, :pending], kv], dim=1)
             score = torch.cat([state_score[:b, :pending], score], dim=1)
@@ -151,35 +150,38 @@ class Attention(nn.Module):
         self.indexer = Indexer(cfg, layer_id) if self.index_source == layer_id else None
 
     # ------------------------------------------------------------------ window
-    def _window(self, kv: torch.Tensor, start_pos: int, cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor]:
+    def _window(self, kv: torch.Tensor, start_pos: int, cache) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this chunk's window KV into the ring; return the rows the queries read and their ids.
 
-        Returns (rows [B, N, head_dim], ids int32 [B, S, window]); a query at p sees p-window+1..p.
+        Returns (rows [B, N, head_dim], ids int32 [B, S, window]); a query at p sees
+        max(first, p-window+1)..p, where first = `cache.window_first(layer)` is 0 except after a bounded
+        replay (spec §2.1, §9), which rebuilds the rings from a later position.
         """
         b, s, _ = kv.shape
         w = self.window
-        ring = cache.window_kv[self.layer_id]
+        first_valid = cache.window_first(self.layer_id)
         device = kv.device
         pos = torch.arange(start_pos, start_pos + s, device=device).unsqueeze(1)  # [S, 1]
-        if start_pos == 0:
-            # prefill from scratch: rows are the chunk itself; valid ids first, then -1
+        if start_pos == first_valid:
+            # fresh window: rows are the chunk itself; valid ids first, then -1
             rows = kv
-            ids = (pos - w + 1).clamp_min(0) + torch.arange(min(s, w), device=device)
-            ids = torch.where(ids > pos, -1, ids)
+            rel = pos - start_pos
+            ids = (rel - w + 1).clamp_min(0) + torch.arange(min(s, w), device=device)
+            ids = torch.where(ids > rel, -1, ids)
         else:
             # continuing: rows are the ring as it was (older positions) followed by the chunk, and each
             # query lists its window oldest first with not-yet-existing positions as -1 (decode order)
-            rows = torch.cat([ring[:b], kv], dim=1)
+            rows = torch.cat([cache.window_read(self.layer_id, b), kv], dim=1)
             window_pos = pos - w + 1 + torch.arange(w, device=device)  # [S, W]
             ids = torch.where(window_pos < start_pos, window_pos % w, w + window_pos - start_pos)
-            ids = torch.where(window_pos < 0, -1, ids)
+            ids = torch.where(window_pos < first_valid, -1, ids)
         keep = min(s, w)
         slots = torch.arange(start_pos + s - keep, start_pos + s, device=device) % w
-        ring[:b, slots] = kv[:, s - keep:]
+        cache.window_write(self.layer_id, b, slots, kv[:, s - keep:])
         return rows, ids.int().unsqueeze(0).expand(b, -1, -1)
 
     # ------------------------------------------------------------------ compressed
-    def _compressed(self, x: torch.Tensor, qr: torch.Tensor, start_pos: int, offset: int, cache: ModelCache,
+    def _compressed(self, x: torch.Tensor, qr: torch.Tensor, start_pos: int, offset: int, cache,
                     shared: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Update the compressed cache if this layer is a kv source, then pick the entries each query
         reads. Returns (rows [B, T, head_dim], ids int32 [B, S, k] into cat(window, rows))."""
@@ -187,21 +189,12 @@ class Attention(nn.Module):
         ratio = self.ratio
         end = start_pos + s
         n_visible = end // ratio  # complete groups visible to the last query
-        compressed = cache.compressed_kv[self.kv_source]
-        keys = cache.index_k[self.kv_source]
         if self.compressor is not None:
-            latent = self.compressor(x, start_pos, cache)
-            if latent is not None:
-                first = start_pos // ratio
-                n_new = latent.size(1)
-                group_pos = torch.arange(first, first + n_new) * ratio  # a group is stamped with its first token
-                freqs = self.rope.at(group_pos, x.device)
-                if self.indexer is not None:
-                    keys[:b, first:first + n_new] = self.indexer.make_keys(latent, freqs)
-                latent = ops.apply_rope(latent, freqs, self.rope_dim)
-                compressed[:b, first:first + n_new] = ops.fp4_qdq(latent, KV_FP4_BLOCK, "e4m3")
-            _trace(shared, f"debug.layers.{self.layer_id}.compress_kv", compressed[:b, :n_visible])
-            _trace(shared, f"debug.layers.{self.layer_id}.index_k", keys[:b, :n_visible])
+            self.write_compressed(x, start_pos, cache)
+            if shared.get("trace") is not None:
+                _trace(shared, f"debug.layers.{self.layer_id}.compress_kv",
+                       cache.read_compressed(self.kv_source, b, n_visible))
+                _trace(shared, f"debug.layers.{self.layer_id}.index_k", cache.read_index_keys(self.kv_source, b, n_visible))
 
         if self.indexer is not None:
             if n_visible == 0:
@@ -209,34 +202,61 @@ class Attention(nn.Module):
             else:
                 visible = (torch.arange(start_pos + 1, end + 1, device=x.device) // ratio).unsqueeze(-1)
                 freqs = self.rope(start_pos, s, x.device)
-                ids = self.indexer(x, qr, keys[:b, :n_visible], freqs, visible, offset, shared)
+                keys = cache.read_index_keys(self.kv_source, b, n_visible)
+                ids = self.indexer(x, qr, keys, freqs, visible, offset, shared)
             shared.setdefault("topk", {})[self.layer_id] = ids
             _trace(shared, f"debug.layers.{self.layer_id}.topk_idxs", torch.where(ids >= 0, ids - offset, -1))
         else:
             ids = shared["topk"][self.index_source]
-        return compressed[:b, :n_visible], ids
+        return cache.read_selected(self.kv_source, b, n_visible, ids, offset)
 
-    def forward(self, x: torch.Tensor, start_pos: int, cache: ModelCache, shared: dict) -> torch.Tensor:
-        """x [B, S, dim] bf16 (normed attention input) -> [B, S, dim] bf16."""
-        b, s, _ = x.shape
-        freqs = self.rope(start_pos, s, x.device)
+    def write_compressed(self, x: torch.Tensor, start_pos: int, cache) -> None:
+        """Run this kv source's compressor over x (tokens start_pos..) and store the completed groups'
+        latents (RoPE'd, E2M1-rounded) and index keys (MXFP4-rounded) in the cache."""
+        latent = self.compressor(x, start_pos, cache)
+        if latent is None:
+            return
+        ratio = self.ratio
+        first = start_pos // ratio
+        n_new = latent.size(1)
+        group_pos = torch.arange(first, first + n_new) * ratio  # a group is stamped with its first token
+        freqs = self.rope.at(group_pos, x.device)
+        keys = self.indexer.make_keys(latent, freqs) if self.indexer is not None else None
+        latent = ops.fp4_qdq(ops.apply_rope(latent, freqs, self.rope_dim), KV_FP4_BLOCK, "e4m3")
+        cache.write_compressed(self.layer_id, x.size(0), first, latent, keys)
+
+    def project(self, x: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token-wise projections. x [..., S, dim] -> (qr [..., S, q_lora], q [..., S, H, head_dim] RoPE'd,
+        kv [..., S, head_dim] RoPE'd and FP8-rounded, the window-KV storage format)."""
         qr = self.q_norm(self.wq_a(x))
         q = ops.apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), freqs, self.rope_dim)
         kv = ops.apply_rope(self.kv_norm(self.wkv(x)), freqs, self.rope_dim)
-        kv = ops.fp8_qdq(kv)  # the window KV is stored FP8, RoPE tail included
+        return qr, q, ops.fp8_qdq(kv)
 
+    def attend(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, start_pos: int,
+               cache, shared: dict) -> torch.Tensor:
+        """The sequence-mixing part for one run of consecutive positions: update the window ring and the
+        compressed cache, select, and attend. Returns [B, S, H, head_dim] (still RoPE'd)."""
         rows, ids = self._window(kv, start_pos, cache)
         if self.ratio:
             comp_rows, comp_ids = self._compressed(x, qr, start_pos, rows.size(1), cache, shared)
             rows = torch.cat([rows, comp_rows], dim=1)
             ids = torch.cat([ids, comp_ids], dim=-1)
+        return ops.sparse_attn(q, rows, self.attn_sink, ids, self.softmax_scale)
 
-        o = ops.sparse_attn(q, rows, self.attn_sink, ids, self.softmax_scale)  # [B, S, H, head_dim]
+    def output(self, o: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """Inverse RoPE and the grouped output LoRA: [..., S, H, head_dim] -> [..., S, dim]."""
         o = ops.apply_rope(o, freqs, self.rope_dim, inverse=True)
-        o = o.reshape(b, s, self.n_groups, -1)
+        o = o.unflatten(-2, (self.n_groups, -1)).flatten(-2)  # [..., S, G, H/G * head_dim]
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
-        o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
-        return self.wo_b(o.flatten(2))
+        o = ops.grouped_linear(o, wo_a, self.wo_a.row_chunk)
+        return self.wo_b(o.flatten(-2))
+
+    def forward(self, x: torch.Tensor, start_pos: int, cache, shared: dict) -> torch.Tensor:
+        """x [B, S, dim] bf16 (normed attention input) -> [B, S, dim] bf16."""
+        freqs = self.rope(start_pos, x.size(1), x.device)
+        qr, q, kv = self.project(x, freqs)
+        return self.output(self.attend(x, qr, q, kv, start_pos, cache, shared), freqs)
 
 
 def _trace(shared: dict, name: str, value: torch.Tensor) -> None:

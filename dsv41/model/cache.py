@@ -52,6 +52,36 @@ class ModelCache:
             cache.engram_ids = torch.zeros(batch_size, max_seq_len, dtype=torch.int64, device=device)
         return cache
 
+    # The storage protocol the attention layers use (the engine's paged FP4 cache implements the same).
+    def window_first(self, layer: int) -> int:
+        """First position the layer's window may hold (always 0 here; later after a bounded replay)."""
+        return 0
+
+    def window_read(self, layer: int, b: int) -> torch.Tensor:
+        return self.window_kv[layer][:b]
+
+    def window_write(self, layer: int, b: int, slots: torch.Tensor, values: torch.Tensor) -> None:
+        self.window_kv[layer][:b, slots] = values
+
+    def group_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.group_kv[layer], self.group_score[layer]
+
+    def write_compressed(self, layer: int, b: int, first: int, kv: torch.Tensor, keys: Optional[torch.Tensor]) -> None:
+        n = kv.size(1)
+        self.compressed_kv[layer][:b, first:first + n] = kv
+        if keys is not None:
+            self.index_k[layer][:b, first:first + n] = keys
+
+    def read_compressed(self, layer: int, b: int, n: int) -> torch.Tensor:
+        return self.compressed_kv[layer][:b, :n]
+
+    def read_index_keys(self, layer: int, b: int, n: int) -> torch.Tensor:
+        return self.index_k[layer][:b, :n]
+
+    def read_selected(self, layer: int, b: int, n: int, ids: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compressed rows a query set reads and ids into them (here: all n rows, ids unchanged)."""
+        return self.compressed_kv[layer][:b, :n], ids
+
     def check_fits(self, batch_size: int, start_pos: int, length: int) -> None:
         if batch_size > self.batch_size:
             raise ValueError(f"batch of {batch_size} does not fit a cache made for {self.batch_size}")

@@ -28,10 +28,13 @@ class Gate(nn.Module):
             self.bias_vl = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32), requires_grad=False)
         else:
             self.register_parameter("bias_vl", None)
+        self.row_chunk = 0  # > 0: batch-invariant logits (see ops.rowwise)
 
     def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, dim] -> (weights [T, k] fp32, expert ids [T, k])."""
-        logits = torch.nn.functional.linear(x.float(), self.weight.float()) / self.temperature
+        weight = self.weight.float()
+        logits = ops.rowwise(lambda rows: torch.nn.functional.linear(rows, weight), x.float(), self.row_chunk)
+        logits = logits / self.temperature
         scores = ops.router_scores(logits, self.score_func)
         bias = self.bias
         if image_mask is not None and self.bias_vl is not None:

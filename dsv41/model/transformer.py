@@ -50,6 +50,7 @@ class Block(nn.Module):
         self.hc_ffn_scale = nn.Parameter(torch.ones(3, **f32))
         # bit-exact reference numerics for the fp32 mix projection (slow; see set_reference_numerics)
         self.sequential_mixes = False
+        self.row_chunk = 0  # > 0: batch-invariant mix projection (see ops.rowwise)
 
     def hc_mixes(self, h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor):
         """h [B, S, hc, dim] -> (pre [B,S,hc], post [B,S,hc], comb [B,S,hc,hc]), one RMS statistic per token."""
@@ -58,7 +59,7 @@ class Block(nn.Module):
         if self.sequential_mixes:
             mixes = ops.linear_fp32_sequential(flat, fn) * rstd
         else:
-            mixes = F.linear(flat, fn) * rstd
+            mixes = ops.rowwise(lambda rows: F.linear(rows, fn), flat, self.row_chunk) * rstd
         return ops.hc_split_sinkhorn(mixes, scale, base, self.hc, self.sinkhorn_iters, self.hc_eps)
 
     @staticmethod
@@ -72,12 +73,18 @@ class Block(nn.Module):
         mixed = torch.sum(comb.unsqueeze(-1) * residual.unsqueeze(-2), dim=2)
         return (post.unsqueeze(-1) * out.unsqueeze(-2) + mixed).type_as(out)
 
-    def forward(self, h: torch.Tensor, start_pos: int, pre_mix: torch.Tensor, cache: ModelCache, shared: dict,
+    def forward(self, h: torch.Tensor, start_pos: int, pre_mix: torch.Tensor, cache, shared: dict,
                 image_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """h [B, S, hc, dim] bf16, pre_mix [B, S, hc] fp32 -> (h, the FFN pre mix for the next block)."""
+        return self.run(h, pre_mix, lambda x: self.attn(x, start_pos, cache, shared), shared, image_mask)
+
+    def run(self, h: torch.Tensor, pre_mix: torch.Tensor, attend, shared: dict,
+            image_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block with the attention call supplied by the caller (`attend`: normed input -> output),
+        so the engine can run one block over a ragged batch of sequences."""
         residual = h
         attn_pre, attn_post, attn_comb = self.hc_mixes(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
-        x = self.attn(self.attn_norm(self.hc_pre(h, pre_mix)), start_pos, cache, shared)
+        x = attend(self.attn_input(h, pre_mix))
         _trace(shared, f"hidden.layers.{self.layer_id}.attn_out", x)
         h = self.hc_post(x, residual, attn_post, attn_comb)
 
@@ -87,6 +94,10 @@ class Block(nn.Module):
         _trace(shared, f"hidden.layers.{self.layer_id}.ffn_out", x)
         h = self.hc_post(x, residual, ffn_post, ffn_comb)
         return h, ffn_pre
+
+    def attn_input(self, h: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
+        """The normed attention input: the copies collapsed with the previous block's pre mix."""
+        return self.attn_norm(self.hc_pre(h, pre_mix))
 
 
 class Transformer(nn.Module):
@@ -117,6 +128,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         # stored bf16 in the checkpoint, kept fp32 here so the logits come out in fp32
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=torch.float32)
+        self.row_chunk = 0
 
     @property
     def device(self) -> torch.device:
@@ -134,6 +146,20 @@ class Transformer(nn.Module):
         """
         for layer in self.layers:
             layer.sequential_mixes = enabled
+
+    def set_batch_invariant(self, row_chunk: int = 16) -> None:
+        """Make every token-wise GEMM run in fixed chunks of `row_chunk` rows (0 turns it off), so a
+        token's logits do not depend on which other tokens share the batch (see ops.rowwise)."""
+        if row_chunk < 0:
+            raise ValueError(f"row_chunk must be >= 0, got {row_chunk}")
+        for module in self.modules():
+            if hasattr(module, "row_chunk"):
+                module.row_chunk = row_chunk
+        self.row_chunk = row_chunk
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final hidden [..., dim] bf16 -> fp32 logits [..., vocab]."""
+        return ops.rowwise(lambda rows: F.linear(rows.float(), self.head.weight), x, self.row_chunk)
 
     def set_engram_token_map(self, token_map: torch.Tensor) -> None:
         """Install the raw-id -> compressed-id map used by the Engram hash (spec §5)."""
@@ -188,4 +214,4 @@ class Transformer(nn.Module):
         if last_only:
             x = x[:, -1:]
         _trace(shared, "hidden.final_norm_last", x[:, -1])
-        return F.linear(x.float(), self.head.weight)
+        return self.logits(x)

@@ -66,3 +66,27 @@ def linear_fp32_sequential(x: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     for k in range(x.size(-1)):
         acc = (acc.double() + xd[..., k:k + 1] * wd[:, k]).float()
     return acc
+
+
+def rowwise(fn, x: torch.Tensor, chunk: int, row_dims: int = 1) -> torch.Tensor:
+    """Apply a row-independent `fn` to fixed-size chunks of the rows of x (zero-padding the last).
+
+    CPU GEMM libraries pick kernels, and with them the summation order, by the number of rows M, so a
+    token's result can change with how many other tokens share the call. With every call at exactly
+    `chunk` rows a token's result no longer depends on its batch (batch invariance). chunk 0: one call.
+    x [..., *row_shape] where the last `row_dims` dims form one row.
+    """
+    if not chunk:
+        return fn(x)
+    lead, row_shape = x.shape[:x.dim() - row_dims], x.shape[x.dim() - row_dims:]
+    flat = x.reshape(-1, *row_shape)
+    n = flat.size(0)
+    if n % chunk:
+        flat = torch.cat([flat, flat.new_zeros(chunk - n % chunk, *row_shape)])
+    out = torch.cat([fn(part) for part in flat.split(chunk)])[:n]
+    return out.reshape(*lead, *out.shape[1:])
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, row_chunk: int = 0) -> torch.Tensor:
+    """Block-diagonal projection: x [..., G, D] with weight [G, R, D] -> [..., G, R] (group g uses W_g)."""
+    return rowwise(lambda rows: torch.einsum("...gd,grd->...gr", rows, weight), x, row_chunk, row_dims=2)

@@ -1,0 +1,424 @@
+"""The inference engine: continuous batching over the paged FP4 cache with CED prefill and prefix caching
+(spec-v41.md §2.1, §8, §9).
+
+Each `step()` schedules one ragged batch: a decode token for every running sequence that finished its
+prefill, then prefill chunks (fixed boundaries at multiples of `prefill_chunk_size`, so a request's
+numerics do not depend on what it was batched with), then newly admitted requests. When the pool runs
+out of blocks the newest running request is preempted: its blocks are released (full ones stay in the
+prefix cache) and it is re-queued at the front, to resume by recomputing from its tokens; nothing is lost.
+
+A request's life: admission (prefix-cache match, snapshot restore or window rebuild) -> prefill chunks
+(encoder over every token, decoder over the last window only, unless prefill_mode="full") -> decode
+steps -> finish (stop string/id, EOS, max_tokens, context limit, abort) -> snapshot at the message
+boundary and release.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from typing import Optional
+
+import torch
+
+from dsv41.config import ModelConfig
+from dsv41.engine.config import EngineConfig
+from dsv41.engine.kv_pool import BlockAllocator, PagedKVPool, PoolExhausted
+from dsv41.engine.prefix_cache import PrefixStats, Snapshot, SnapshotStore, chain_hashes, prefix_key
+from dsv41.engine.runner import Chunk, ModelRunner
+from dsv41.engine.sampling import sample, token_logprobs
+from dsv41.engine.sequence import Sequence, SequenceCache, Status
+from dsv41.engine.types import RequestOutput, SamplingParams
+from dsv41.model.transformer import Transformer
+
+
+class LLMEngine:
+    def __init__(self, model: Transformer, tokenizer, config: Optional[EngineConfig] = None,
+                 model_name: str = "dsv41", seed: int = 0):
+        config = config or EngineConfig()
+        config.validate()
+        self.config, self.tokenizer, self.model_name = config, tokenizer, model_name
+        self.model = model.eval()
+        self.model_config: ModelConfig = model.cfg
+        model.set_batch_invariant(config.row_chunk if config.batch_invariant else 0)
+        cfg = self.model_config
+        bs = config.block_size
+        num_blocks = config.kv_pool_tokens // bs
+        self.pool = PagedKVPool(cfg, bs, num_blocks, model.device)
+        self.allocator = BlockAllocator(num_blocks)
+        self.snapshots = SnapshotStore(config.max_snapshots if config.enable_prefix_caching else 0, config.window_ttl_s)
+        self.runner = ModelRunner(model)
+        self.boundary = self.runner.boundary
+        limit = config.max_model_len or cfg.max_position_embeddings
+        self.max_model_len = min(limit, num_blocks * bs)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Sequence] = {}
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self._arrivals = 0
+        self._finished_outputs: list[RequestOutput] = []
+        self.stats = PrefixStats()
+        self.counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_finished_total": 0,
+                         "preemptions_total": 0, "steps_total": 0}
+        self._recent: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens generated) per step
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Optional[SamplingParams] = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not (0 <= t < vocab) for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        params.validate(vocab)
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model's context limit is "
+                             f"{self.max_model_len} tokens, prompt and output together")
+        seq = Sequence(request_id, prompt_token_ids, params, self._arrivals)
+        self._arrivals += 1
+        self.requests[request_id] = seq
+        self.waiting.append(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Cancel a request; its final output (finish_reason "abort") comes with the next step."""
+        seq = self.requests.get(request_id)
+        if seq is None or seq.status == Status.FINISHED:
+            return False
+        if seq.status == Status.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+            self._release(seq)
+        seq.finish_reason = "abort"
+        self._finish(seq)
+        self._finished_outputs.append(self._output(seq))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._finished_outputs)
+
+    def generate(self, prompts: list[list[int]], params: Optional[SamplingParams | list[SamplingParams]] = None
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion (offline use); returns the final output of each, in order."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [f"gen-{self._arrivals + i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        while any(rid not in final for rid in ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+    def prompt_logits(self, prompt_token_ids: list[int], request_id: Optional[str] = None) -> torch.Tensor:
+        """fp32 logits [vocab] of the prompt's last position, computed the way this engine prefills
+        (prefill mode, chunking, prefix cache). For parity checks and the bounded-replay gap."""
+        rid = request_id or f"logits-{self._arrivals}"
+        self.add_request(rid, prompt_token_ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        seq = self.requests[rid]
+        seq.capture_logits = True
+        while seq.status != Status.FINISHED:
+            self.step()
+        return seq.logits[0]
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        outputs, self._finished_outputs = self._finished_outputs, []
+        plan = self._schedule()
+        if not plan:
+            return outputs
+        chunks = [chunk for _, chunk, _ in plan]
+        for seq, _, kind in plan:
+            seq.cache.global_writes = kind != "rebuild"
+        logits = self.runner.forward(chunks)
+        self.counters["steps_total"] += 1
+        row, generated = 0, 0
+        for seq, chunk, kind in plan:
+            seq.cache.global_writes = True
+            if kind == "rebuild":
+                seq.needs_rebuild = False
+                continue
+            seq.num_computed = chunk.end
+            self._register_full_blocks(seq)
+            if seq.num_computed < seq.prefill_target:
+                continue
+            if kind == "prefill":
+                self._save_snapshot(seq)  # message boundary: end of the prompt
+            if seq.capture_logits:
+                seq.logits.append(logits[row].clone())
+            token = sample(logits[row], seq.params, seq.generator or self.generator)
+            if seq.params.logprobs is not None:
+                seq.pending_logprobs.append(token_logprobs(logits[row], token, seq.params.logprobs, self.tokenizer))
+            row += 1
+            generated += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = time.perf_counter()
+            seq.output_ids.append(token)
+            self._check_finished(seq, token)
+            out = self._output(seq)
+            if seq.status == Status.FINISHED:
+                self.running.remove(seq)
+                self._save_snapshot(seq)
+                self._release(seq)
+                self._finish(seq)
+            outputs.append(out)
+        self.counters["generation_tokens_total"] += generated
+        self._recent.append((time.perf_counter(), generated))
+        return outputs
+
+    # ------------------------------------------------------------------ scheduling
+    def _schedule(self) -> list[tuple[Sequence, Chunk, str]]:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        self._admit()
+        plan = []
+        # decodes first (one token each), then prefill work, each in arrival order
+        order = sorted(self.running, key=lambda s: (s.in_prefill or s.needs_rebuild, s.arrival))
+        for seq in order:
+            if seq.status != Status.RUNNING:
+                continue  # preempted earlier in this loop
+            tokens = seq.all_ids
+            if seq.needs_rebuild:
+                start, end, kind = seq.rebuild_from, seq.num_computed, "rebuild"
+            elif seq.in_prefill:
+                start = seq.num_computed
+                end = min(seq.prefill_target, (start // cfg.prefill_chunk_size + 1) * cfg.prefill_chunk_size)
+                kind = "prefill"
+            else:
+                start, end, kind = seq.num_computed, seq.num_computed + 1, "decode"
+            if end - start > budget:
+                continue
+            if not self._reserve_blocks(seq, end, plan):
+                continue
+            budget = cfg.max_num_batched_tokens - sum(c.end - c.start for _, c, _ in plan) - (end - start)
+            lookback = self.model_config.engram_max_ngram_size - 1
+            chunk = Chunk(seq.cache, tokens[start:end], start, tokens[max(0, start - lookback):start],
+                          decoder_from=seq.rebuild_decoder_from if kind == "rebuild" else seq.decoder_from,
+                          want_logits=kind != "rebuild" and end >= seq.prefill_target, end=end)
+            plan.append((seq, chunk, kind))
+        return plan
+
+    def _reserve_blocks(self, seq: Sequence, end: int, plan: list) -> bool:
+        """Make the sequence's block table cover positions < end, preempting newer requests if needed
+        (dropping their work from this step's plan)."""
+        needed = math.ceil(end / self.config.block_size) - len(seq.cache.blocks)
+        while needed > 0:
+            try:
+                seq.cache.append_block(self.allocator.allocate())
+                needed -= 1
+            except PoolExhausted:
+                victims = [s for s in self.running if s is not seq and s.arrival > seq.arrival]
+                victim = max(victims, key=lambda s: s.arrival) if victims else seq
+                self._preempt(victim)
+                plan[:] = [entry for entry in plan if entry[0] is not victim]
+                if victim is seq:
+                    return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = Status.WAITING
+        seq.preemptions += 1
+        self.counters["preemptions_total"] += 1
+        # keep arrival order among the waiting: a preempted request goes back before later arrivals
+        index = next((i for i, s in enumerate(self.waiting) if s.arrival > seq.arrival), len(self.waiting))
+        self.waiting.insert(index, seq)
+
+    def _admit(self) -> None:
+        cfg = self.config
+        while self.waiting and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._start(seq):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+
+    def _start(self, seq: Sequence) -> bool:
+        """Set up a sequence's cache for (re)prefill of all its tokens, reusing what the prefix cache
+        holds. Returns False (changing nothing) when the pool cannot take it yet."""
+        mcfg, bs = self.model_config, self.config.block_size
+        tokens = seq.all_ids
+        n = len(tokens)
+        hashes = chain_hashes(tokens, bs, [])
+        matched: list[int] = []
+        if self.config.enable_prefix_caching:
+            for h in hashes[:(n - 1) // bs]:
+                block = self.allocator.lookup(h)
+                if block is None:
+                    break
+                matched.append(block)
+        revived = sum(1 for b in matched if self.allocator.refcount[b] == 0)
+        to_allocate = math.ceil(n / bs) - len(matched)
+        if self.allocator.num_available() - revived < to_allocate + len(self.running):
+            if self.running or self.allocator.num_available() - revived < to_allocate:
+                return False
+        for b in matched:
+            self.allocator.acquire_cached(b)
+        cache = SequenceCache(mcfg, self.pool, self.model.device)
+        cache.set_blocks(list(matched))
+        seq.cache = cache
+        seq.block_hashes = hashes[:len(matched)]
+        length = len(matched) * bs
+        snap = None
+        if self.config.enable_prefix_caching:
+            self.stats.queried_tokens += n
+            snap = self.snapshots.find(tokens, bs, hashes, len(matched), n - 1)
+        window_from = 0
+        if snap is not None:
+            length = snap.length
+            if length % bs:
+                cache.append_block(self.allocator.allocate())
+                for layer, packed in snap.tail.items():
+                    entries = torch.arange(len(matched) * bs // self.pool.sources[layer].ratio,
+                                           length // self.pool.sources[layer].ratio)
+                    self.pool.import_entries(layer, cache.table, entries, packed)
+            if snap.window_valid:
+                cache.import_state(snap.state)
+                window_from = None
+            else:
+                for k, (a, b) in snap.state["group"].items():
+                    cache.group[k][0].copy_(a)
+                    cache.group[k][1].copy_(b)
+            self.stats.snapshot_hits += 1
+        self.stats.hit_tokens += length
+        seq.num_cached_tokens = length
+        seq.num_computed = length
+        seq.prefill_target = n
+        seq.needs_rebuild = False
+        w = mcfg.window_size
+        bounded = self.config.prefill_mode == "bounded"
+        seq.decoder_from = max(length, n - w) if bounded else 0
+        decoder_needs_history = not bounded or n - w < length
+        if window_from is not None:  # no ring state: rebuild it from the cached global KV if needed
+            window_from = max(0, length - w)
+            cache.first = [window_from] * mcfg.n_layers
+            if length > 0:
+                seq.needs_rebuild = True
+                seq.rebuild_from = window_from
+                seq.rebuild_decoder_from = window_from if decoder_needs_history else length
+                self.stats.window_rebuilds += 1
+        if not decoder_needs_history:
+            for layer in range(self.boundary, mcfg.n_layers):
+                cache.first[layer] = seq.decoder_from
+        if seq.preemptions == 0:
+            self.counters["prompt_tokens_total"] += n
+        return True
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        if not self.config.enable_prefix_caching:
+            return
+        full = seq.num_computed // self.config.block_size
+        if full > len(seq.block_hashes):
+            seq.block_hashes = chain_hashes(seq.all_ids[:full * self.config.block_size], self.config.block_size,
+                                            seq.block_hashes)
+            for i in range(full):
+                self.allocator.register(seq.cache.blocks[i], seq.block_hashes[i])
+
+    def _save_snapshot(self, seq: Sequence) -> None:
+        """Keep the partial tail block, partial groups and window rings at a message boundary."""
+        if not self.config.enable_prefix_caching or seq.cache is None:
+            return
+        bs, length = self.config.block_size, seq.num_computed
+        if length == 0:
+            return
+        tokens = seq.all_ids[:length]
+        hashes = chain_hashes(tokens, bs, seq.block_hashes[:length // bs])
+        tail = {}
+        for layer, lay in self.pool.sources.items():
+            first = (length // bs) * bs // lay.ratio
+            entries = torch.arange(first, length // lay.ratio)
+            if entries.numel():
+                tail[layer] = self.pool.export_entries(layer, seq.cache.table, entries)
+        state = seq.cache.export_state()
+        size = sum(t.numel() * t.element_size() for packed in tail.values() for t in packed)
+        size += state["window_codes"].numel() + state["window_scale"].numel()
+        snap = Snapshot(length, tail, state, time.monotonic(), True, size)
+        self.snapshots.put(prefix_key(tokens, length, bs, hashes), snap)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.cache is not None:
+            for block in seq.cache.blocks:
+                self.allocator.release(block)
+            seq.cache = None
+        seq.num_computed = 0
+        seq.block_hashes = []
+
+    def _finish(self, seq: Sequence) -> None:
+        seq.status = Status.FINISHED
+        self.requests.pop(seq.request_id, None)
+        self.counters["requests_finished_total"] += 1
+
+    def _check_finished(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        eos = self.model_config.eos_token_id
+        if (token == eos and not p.ignore_eos) or token in p.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif len(seq.output_ids) >= p.max_tokens or len(seq) >= self.max_model_len:
+            seq.finish_reason = "length"
+        text_ids = seq.output_ids[:-1] if seq.finish_reason == "stop" else seq.output_ids
+        seq.text = self.tokenizer.decode(text_ids)
+        if p.stop:
+            window_from = max(0, seq.emitted_text - max(len(s) for s in p.stop))
+            hits = [i for i in (seq.text.find(s, window_from) for s in p.stop) if i >= 0]
+            if hits:
+                seq.text = seq.text[:min(hits)]
+                seq.finish_reason = "stop"
+        if seq.finish_reason is not None:
+            seq.status = Status.FINISHED
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        finished = seq.status == Status.FINISHED or seq.finish_reason is not None
+        text = seq.text
+        visible = len(text)
+        if not finished:
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
+                visible = len(text.rstrip("\ufffd"))
+            if seq.params.stop:  # hold back what could still become a stop string
+                visible = min(visible, max(seq.emitted_text, len(text) - max(len(s) for s in seq.params.stop) + 1))
+        visible = max(visible, seq.emitted_text)
+        new_text = text[seq.emitted_text:visible]
+        seq.emitted_text = visible
+        new_ids = seq.output_ids[seq.emitted_tokens:]
+        seq.emitted_tokens = len(seq.output_ids)
+        logprobs, seq.pending_logprobs = seq.pending_logprobs, []
+        return RequestOutput(seq.request_id, new_ids, new_text, list(seq.output_ids), text[:visible], finished,
+                             seq.finish_reason if finished else None, len(seq.prompt_ids), seq.num_cached_tokens,
+                             logprobs)
+
+    # ------------------------------------------------------------------ reporting
+    def metrics(self) -> dict:
+        used, total = self.allocator.num_used(), self.allocator.num_blocks
+        now = time.perf_counter()
+        recent = [(t, n) for t, n in self._recent if now - t < 10.0]
+        rate = 0.0
+        if len(recent) >= 2:
+            rate = sum(n for _, n in recent[1:]) / max(recent[-1][0] - recent[0][0], 1e-9)
+        q, h = self.stats.queried_tokens, self.stats.hit_tokens
+        return {"waiting": len(self.waiting), "running": len(self.running), "kv_blocks_used": used,
+                "kv_blocks_total": total, "kv_usage": used / total, "prefix_cache_queried_tokens": q,
+                "prefix_cache_hit_tokens": h, "prefix_cache_hit_rate": h / q if q else 0.0,
+                "prefix_cache_snapshot_hits": self.stats.snapshot_hits, "window_rebuilds": self.stats.window_rebuilds,
+                "generation_tokens_per_s": rate, **self.counters}
+
+    def resident_kv_bytes(self) -> dict:
+        """Measured bytes of the live sequences' state: global KV entries actually stored (by kv source,
+        at the pool's packed sizes), and the fixed per-sequence state, with the tokens they cover."""
+        tokens = entries_bytes = fixed = 0
+        for seq in self.running:
+            if seq.cache is None:
+                continue
+            tokens += seq.num_computed
+            for layer, lay in self.pool.sources.items():
+                entries_bytes += self.pool.stored_bytes(layer, seq.num_computed // lay.ratio)
+            fixed += seq.cache.fixed_state_bytes()
+        block_bytes = self.allocator.num_used() * self.pool.bytes_per_block()
+        return {"tokens": tokens, "global_kv_bytes": entries_bytes, "allocated_block_bytes": block_bytes,
+                "global_kv_bytes_per_token": entries_bytes / tokens if tokens else 0.0,
+                "fixed_state_bytes": fixed, "sequences": len(self.running)}

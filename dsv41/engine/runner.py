@@ -1,0 +1,133 @@
+"""One forward step over a ragged batch of sequence chunks, with the V4.1 prefill (spec-v41.md §2.1, §9).
+
+All tokens of all scheduled chunks are laid out as one row [1, T]: the token-wise work (embedding, Engram,
+hyper-connection mixes, projections, MoE, head) runs once over all T tokens, and only the sequence-mixing
+part of attention (window ring, compressor, indexer, sparse attention) runs per chunk against that
+sequence's own cache. No padding exists, so nothing is ever pooled into a compressed entry by accident.
+
+CED bounded replay. Every layer below the decoder's kv source (the "encoder"; layers 0-19 in Flash)
+runs over every prompt token. The decoder's kv source (layer 20) only needs its compressor and index
+keys for a prompt token, and those are functions of the encoder output, so for positions below a chunk's
+`decoder_from` the runner computes them and drops the token; the decoder layers run over the remaining
+positions (the last `window_size` prompt tokens), with their windows starting at the replay start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dsv41 import ops
+from dsv41.engine.sequence import SequenceCache
+from dsv41.model.transformer import Block, Transformer
+
+
+def decoder_boundary(model: Transformer) -> int:
+    """First decoder layer for CED purposes: the last kv-source layer (no layer after it compresses).
+    Returns n_layers when the model has no compressed cache (then nothing can be skipped)."""
+    sources = model.cfg.kv_source_layers
+    return max(sources) if sources else model.cfg.n_layers
+
+
+@dataclass
+class Chunk:
+    """Positions start..start+len(tokens)-1 of one sequence, to run in this step."""
+
+    cache: SequenceCache
+    tokens: list[int]
+    start: int
+    context: list[int]  # up to max_ngram_size-1 tokens before `start` (the Engram hash looks back)
+    decoder_from: int = 0  # positions below this skip the decoder layers
+    want_logits: bool = True  # logits of the last position
+    end: int = 0  # the scheduler's end position (tokens/start change when the decoder part is trimmed)
+    shared: dict = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer):
+        self.model = model
+        self.cfg = model.cfg
+        self.boundary = decoder_boundary(model)
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[Chunk]) -> torch.Tensor:
+        """Run the chunks; returns fp32 logits [n, vocab] for the chunks with want_logits, in order."""
+        model, cfg = self.model, self.cfg
+        device = model.device
+        ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.int64, device=device).unsqueeze(0)
+        positions = torch.cat([torch.arange(c.start, c.start + len(c.tokens)) for c in chunks])
+        for c in chunks:
+            c.shared = {}
+        hash_ids = self._engram_hashes(chunks) if model.engram_hash is not None else None
+
+        h = model.embed(ids).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [1, T, hc, dim]
+        pre_mix = torch.zeros(1, ids.size(1), cfg.hc_mult, dtype=torch.float32, device=device)
+        pre_mix[..., 0] = 1.0
+        for i, layer in enumerate(model.layers):
+            if i == self.boundary:
+                keep = self._skip_decoder(layer, chunks, h, pre_mix)
+                if keep is not None:
+                    h, pre_mix, positions = h[:, keep], pre_mix[:, keep], positions[keep]
+                    hash_ids = None if hash_ids is None else hash_ids[:, keep]
+                    chunks = [c for c in chunks if c.tokens]
+                if not chunks:
+                    break
+            if layer.engram is not None:
+                h = layer.engram(h, hash_ids[:, :, model.engram_layout.layer_ids.index(i)])
+            h, pre_mix = layer.run(h, pre_mix, lambda x: self._attend(layer.attn, x, positions, chunks), {})
+
+        last, offset = [], 0
+        for c in chunks:
+            offset += len(c.tokens)
+            if c.want_logits:
+                last.append(offset - 1)
+        if not last:
+            return torch.empty(0, cfg.vocab_size)
+        index = torch.tensor(last, device=device)
+        x = model.norm(Block.hc_pre(h[:, index], pre_mix[:, index]))[0]  # [n, dim]
+        return model.logits(x)
+
+    def _attend(self, attn, x: torch.Tensor, positions: torch.Tensor, chunks: list[Chunk]) -> torch.Tensor:
+        freqs = attn.rope.at(positions, x.device)
+        qr, q, kv = attn.project(x, freqs)
+        outs, a = [], 0
+        for c in chunks:
+            b = a + len(c.tokens)
+            outs.append(attn.attend(x[:, a:b], qr[:, a:b], q[:, a:b], kv[:, a:b], c.start, c.cache, c.shared))
+            a = b
+        return attn.output(torch.cat(outs, dim=1), freqs)
+
+    def _skip_decoder(self, layer: Block, chunks: list[Chunk], h: torch.Tensor, pre_mix: torch.Tensor):
+        """For positions below each chunk's decoder_from: write the boundary layer's compressed entries
+        and index keys from the encoder output, then drop them. Returns the kept token indices, or None."""
+        attn = layer.attn
+        keep, a, dropped = [], 0, False
+        for c in chunks:
+            n = len(c.tokens)
+            skip = min(max(c.decoder_from - c.start, 0), n)
+            if skip:
+                dropped = True
+                if attn.compressor is not None:
+                    attn.write_compressed(layer.attn_input(h[:, a:a + skip], pre_mix[:, a:a + skip]), c.start, c.cache)
+                c.tokens, c.start = c.tokens[skip:], c.start + skip
+                if not c.tokens:
+                    c.want_logits = False
+            keep.extend(range(a + skip, a + n))
+            a += n
+        if not dropped:
+            return None
+        return torch.tensor(keep, dtype=torch.int64, device=h.device)
+
+    def _engram_hashes(self, chunks: list[Chunk]) -> torch.Tensor:
+        """[1, T, n_engram_layers, columns] row ids, hashing from each chunk's own context tokens."""
+        hasher = self.model.engram_hash
+        parts = []
+        for c in chunks:
+            ids = torch.tensor(c.context + c.tokens, dtype=torch.int64, device=self.model.device).unsqueeze(0)
+            compressed = hasher.token_map[ids]
+            pad_id = int(hasher.token_map[hasher.pad_token])
+            # the context reaches back to position 0 only when it is shorter than the look-back
+            parts.append(ops.ngram_hash(compressed, len(c.context), len(c.tokens), hasher.multipliers,
+                                        hasher.primes, hasher.offsets, pad_id))
+        return torch.cat(parts, dim=1)

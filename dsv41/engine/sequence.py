@@ -1,0 +1,173 @@
+"""One request's state in the engine: tokens, sampling, and its view of the KV storage.
+
+`SequenceCache` implements, for a batch of one, the storage protocol the attention layers call
+(dsv41.model.cache.ModelCache is the plain implementation): the global caches live in the shared paged
+pool (dsv41.engine.kv_pool), while the per-sequence fixed state (spec-v41.md §8) lives here:
+- every layer's 128-slot window ring in FP8 E4M3 with a UE8M0 scale per 32 channels (528 B per slot at
+  head_dim 512, not a bf16 container);
+- the ratio-2 compressors' partial group (fp32 kv and gate scores, at most ratio-1 tokens);
+- the first position each layer's window may hold (0, or the start of a bounded replay).
+The Engram id history is not stored: the engine hashes from the sequence's own token list.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+import torch
+
+from dsv41.config import ModelConfig
+from dsv41.engine.kv_pool import PagedKVPool
+from dsv41.engine.types import SamplingParams
+from dsv41.ops.quant import FP8_BLOCK, fp8_dequant, fp8_quant
+
+
+class SequenceCache:
+    def __init__(self, cfg: ModelConfig, pool: PagedKVPool, device=None):
+        self.cfg, self.pool = cfg, pool
+        self.blocks: list[int] = []
+        self._table: Optional[torch.Tensor] = None
+        n, w, d = cfg.n_layers, cfg.window_size, cfg.head_dim
+        self.window_codes = torch.zeros(n, w, d, dtype=torch.float8_e4m3fn, device=device)  # [layers, W, D]
+        # UE8M0 scales kept as their raw bytes (torch has no indexed writes for float8_e8m0fnu); 127 = 2^0
+        self.window_scale = torch.full((n, w, d // FP8_BLOCK), 127, dtype=torch.uint8, device=device)
+        self.first = [0] * n
+        self.group: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer in cfg.kv_source_layers:
+            ratio = cfg.compress_ratios[layer]
+            if ratio > 1:
+                self.group[layer] = (torch.zeros(1, ratio, d, dtype=torch.float32, device=device),
+                                     torch.full((1, ratio, d), -torch.inf, dtype=torch.float32, device=device))
+        self.global_writes = True  # False while replaying positions whose global entries are cached
+
+    # ------------------------------------------------------------------ blocks
+    def set_blocks(self, blocks: list[int]) -> None:
+        self.blocks = blocks
+        self._table = None
+
+    def append_block(self, block: int) -> None:
+        self.blocks.append(block)
+        self._table = None
+
+    @property
+    def table(self) -> torch.Tensor:
+        if self._table is None:
+            self._table = torch.tensor(self.blocks, dtype=torch.int64, device=self.window_codes.device)
+        return self._table
+
+    def fixed_state_bytes(self) -> int:
+        tensors = [self.window_codes, self.window_scale] + [t for pair in self.group.values() for t in pair]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # ------------------------------------------------------------------ snapshot of the fixed state
+    def export_state(self) -> dict:
+        return {"window_codes": self.window_codes.clone(), "window_scale": self.window_scale.clone(),
+                "first": list(self.first), "group": {k: (a.clone(), b.clone()) for k, (a, b) in self.group.items()}}
+
+    def import_state(self, state: dict) -> None:
+        self.window_codes.copy_(state["window_codes"])
+        self.window_scale.copy_(state["window_scale"])
+        self.first = list(state["first"])
+        for k, (a, b) in state["group"].items():
+            self.group[k][0].copy_(a)
+            self.group[k][1].copy_(b)
+
+    def reset_groups(self) -> None:
+        for kv, score in self.group.values():
+            kv.zero_()
+            score.fill_(-torch.inf)
+
+    # ------------------------------------------------------------------ the model's cache protocol (b = 1)
+    def window_first(self, layer: int) -> int:
+        return self.first[layer]
+
+    def window_read(self, layer: int, b: int) -> torch.Tensor:
+        return fp8_dequant(self.window_codes[layer], _ue8m0(self.window_scale[layer])).bfloat16().unsqueeze(0)
+
+    def window_write(self, layer: int, b: int, slots: torch.Tensor, values: torch.Tensor) -> None:
+        codes, scale = fp8_quant(values[0])
+        self.window_codes[layer, slots] = codes
+        self.window_scale[layer, slots] = scale.to(torch.float8_e8m0fnu).view(torch.uint8)
+
+    def group_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        kv, score = self.group[layer]
+        if not self.global_writes:
+            return kv.clone(), score.clone()  # replay: the cached partial group must not move
+        return kv, score
+
+    def write_compressed(self, layer: int, b: int, first: int, kv: torch.Tensor, keys: Optional[torch.Tensor]) -> None:
+        if self.global_writes:
+            self.pool.write(layer, self.table, first, kv[0], None if keys is None else keys[0])
+
+    def read_compressed(self, layer: int, b: int, n: int) -> torch.Tensor:
+        return self.pool.read_kv(layer, self.table, torch.arange(n, device=self.table.device)).unsqueeze(0)
+
+    def read_index_keys(self, layer: int, b: int, n: int) -> torch.Tensor:
+        return self.pool.read_keys(layer, self.table, torch.arange(n, device=self.table.device)).unsqueeze(0)
+
+    def read_selected(self, layer: int, b: int, n: int, ids: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantise only the entries the queries picked (decode reads <= index_topk rows, not all n).
+        The ids keep their order, so attention sums the same values in the same order."""
+        valid = ids >= offset
+        picked = ids[valid].long() - offset
+        if picked.numel() >= n:
+            return self.read_compressed(layer, b, n), ids
+        unique, inverse = torch.unique(picked, sorted=True, return_inverse=True)
+        rows = self.pool.read_kv(layer, self.table, unique).unsqueeze(0)
+        remapped = ids.clone()
+        remapped[valid] = (inverse + offset).to(ids.dtype)
+        return rows, remapped
+
+
+def _ue8m0(raw: torch.Tensor) -> torch.Tensor:
+    """Raw UE8M0 bytes -> fp32 powers of two."""
+    return raw.view(torch.float8_e8m0fnu).float()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: int):
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        self.arrival = arrival
+        self.status = Status.WAITING
+        self.cache: Optional[SequenceCache] = None
+        self.num_computed = 0  # positions whose state is in the cache
+        self.prefill_target = 0  # tokens to prefill before sampling (prompt + any output, after preemption)
+        self.decoder_from = 0  # bounded replay: positions below skip the decoder layers
+        self.num_cached_tokens = 0
+        self.needs_rebuild = False  # window rings must be rebuilt by replay before the next chunk
+        self.rebuild_from = 0
+        self.rebuild_decoder_from = 0
+        self.block_hashes: list[int] = []  # chain hash of each full block, in order
+        self.generator: Optional[torch.Generator] = None
+        if params.seed is not None:
+            self.generator = torch.Generator(device="cpu").manual_seed(params.seed)
+        self.text = ""
+        self.emitted_text = 0  # chars of `text` already sent
+        self.emitted_tokens = 0
+        self.pending_logprobs: list = []
+        self.finish_reason: Optional[str] = None
+        self.preemptions = 0
+        self.first_token_time: Optional[float] = None
+        self.capture_logits = False  # keep each sampled position's logits (checks and benchmarks)
+        self.logits: list[torch.Tensor] = []
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.prefill_target

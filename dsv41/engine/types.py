@@ -1,0 +1,70 @@
+"""Request-level types of the inference engine: sampling parameters and streamed outputs.
+
+Field names follow the OpenAI API and vLLM's `SamplingParams`, so server code maps them one to one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request. temperature 0 is greedy; top_k 0 disables top-k."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: Optional[int] = None
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)  # stop strings; the match is cut from the text
+    stop_token_ids: list[int] = field(default_factory=list)  # extra ids that end the request (kept in ids)
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None  # None: none; n >= 0: the chosen token's logprob plus the top n
+
+    MAX_LOGPROBS = 20
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise ValueError naming the first out-of-range field."""
+        if not (0.0 <= self.temperature <= 100.0):
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= self.MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must be a list of non-empty strings")
+        if any(not (0 <= t < vocab_size) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must lie in [0, {vocab_size})")
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: list[tuple[int, str, float]]  # (id, text, logprob), best first
+
+
+@dataclass
+class RequestOutput:
+    """One step's news about a request. `new_*` fields are the delta since the previous output;
+    `text`/`token_ids` are everything generated so far."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose prefill was skipped thanks to the prefix cache
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
