@@ -1,0 +1,236 @@
+"""OpenAI-style messages -> the DeepSeek-V4.1 prompt string (spec §10 reasoning effort, §11 chat format).
+
+V4.1 has no Jinja template; its prompts come from the official `encoding/encoding.py`. The rules below
+were read from a public copy of that file (spec source S5, "likely official") and written anew here;
+independent ports agree with them.
+
+Layout::
+
+    <｜begin▁of▁sentence｜>
+    [<｜System｜>]                      index 0, if it is a system message or an effort line follows
+    [Reasoning Effort: {b} (range 1-100, the higher the value, the more thorough the reasoning)\\n\\n]
+                                       thinking mode only, once, at index 0 (§10)
+    {system content}[\\n\\n{tools section}]
+    <｜User｜>{text or <tool_result>…</tool_result> blocks, joined by \\n\\n}
+    <｜Assistant｜></think>  or  <｜Assistant｜><think>        the header after each user turn
+    [{reasoning}</think>]{content}[\\n\\n<｜DSML｜ calls>…]<｜end▁of▁sentence｜>
+    <｜System｜>{content}               a later system message; gets a header like a user turn
+    ...
+
+- There is no tool role: consecutive user and tool messages merge into one user turn whose parts are
+  joined by a blank line; tool results are wrapped in `<tool_result>…</tool_result>` (plain text, not
+  special tokens) and sorted into the order of the calls of the latest assistant message, matched by
+  `tool_call_id`.
+- Thinking mode (`thinking=True`): the header after the last user (or later system) turn ends `<think>`;
+  earlier turns get `</think>` and their assistants' reasoning is dropped, unless `drop_thinking=False`,
+  or tools are given (the official encoder then keeps all reasoning), in which case every header ends
+  `<think>` and every assistant turn is `{reasoning}</think>{content}`. Non-thinking mode: every header
+  ends `</think>` and reasoning is never rendered.
+- Tools are rendered after the content of the index-0 system message; without one, an empty system
+  message is put first (what the official encoder does with `{"role": "system", "content": ""}`, so the
+  section then starts with a blank line). This placement for a conversation that has no system message
+  is our choice: the official entry point attaches tools to whatever message comes first.
+- `latest_reminder` messages render as `<｜latest_reminder｜>{content}` without a header, as officially.
+- Text content may be a string or a list of `{"type": "text"}` parts (joined by a blank line); images
+  are not supported here. A `developer` role is read as `system`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from dsv41.chat.dsml import (CALLS_CLOSE, CALLS_OPEN, INVOKE_CLOSE, PARAM_CLOSE, invoke_open, normalize_tool_call,
+                             render_tool_calls)
+from dsv41.tokenizer import (ASSISTANT_TOKEN, BOS_TOKEN, DSML_TOKEN, EOS_TOKEN, LATEST_REMINDER_TOKEN, SYSTEM_TOKEN,
+                             THINK_END_TOKEN, THINK_START_TOKEN, USER_TOKEN)
+
+REASONING_EFFORT_LEVELS = {"low": 50, "high": 75, "max": 100}
+DEFAULT_REASONING_EFFORT = 75  # "high"
+REASONING_EFFORT_SENTENCE = ("Reasoning Effort: {} (range 1-100, the higher the value, the more thorough "
+                             "the reasoning)\n\n")
+TOOL_RESULT_OPEN, TOOL_RESULT_CLOSE = "<tool_result>", "</tool_result>"
+
+_ROLES = ("system", "user", "assistant", "tool", "latest_reminder")
+
+
+def parse_reasoning_effort(value: Any) -> int:
+    """None -> 75 (the default, "high"); an int in 1..100 as is; "low"/"high"/"max" -> 50/75/100 (§10)."""
+    if value is None:
+        return DEFAULT_REASONING_EFFORT
+    if isinstance(value, int) and not isinstance(value, bool):
+        if 1 <= value <= 100:
+            return value
+        raise ValueError(f"reasoning effort must lie in 1..100, got {value}")
+    if isinstance(value, str) and value.strip().lower() in REASONING_EFFORT_LEVELS:
+        return REASONING_EFFORT_LEVELS[value.strip().lower()]
+    raise ValueError(f"reasoning effort must be an int in 1..100 or one of "
+                     f"{sorted(REASONING_EFFORT_LEVELS)}, got {value!r}")
+
+
+def render_tools(tools: list) -> str:
+    """OpenAI tool definitions -> the tools section of the system prompt (one JSON schema per line)."""
+    if not isinstance(tools, list) or not tools:
+        raise ValueError("tools must be a non-empty list of {'type': 'function', 'function': {...}}")
+    schemas = []
+    for k, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" \
+                or not isinstance(tool.get("function"), dict):
+            raise ValueError(f"tools[{k}] must be {{'type': 'function', 'function': {{...}}}}, got {tool!r}")
+        if not isinstance(tool["function"].get("name"), str) or not tool["function"]["name"]:
+            raise ValueError(f"tools[{k}].function needs a non-empty 'name'")
+        schemas.append(json.dumps(tool["function"], ensure_ascii=False))
+    example = "\n".join([
+        CALLS_OPEN,
+        invoke_open("$TOOL_NAME"),
+        f'<{DSML_TOKEN} parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE{PARAM_CLOSE}',
+        "...",
+        INVOKE_CLOSE,
+        invoke_open("$TOOL_NAME2"),
+        "...",
+        INVOKE_CLOSE,
+        CALLS_CLOSE,
+    ])
+    return (
+        "## Tools\n\n"
+        "You have access to a set of tools to help answer the user's question. You can invoke tools by "
+        f'writing a "{CALLS_OPEN}" block like the following:\n\n'
+        f"{example}\n\n"
+        'String parameters should be specified as is and set `string="true"`. For all other types (numbers, '
+        'booleans, arrays, objects), pass the value in JSON format and set `string="false"`.\n\n'
+        f"If thinking_mode is enabled (triggered by {THINK_START_TOKEN}), you MUST output your complete "
+        f"reasoning inside {THINK_START_TOKEN}...{THINK_END_TOKEN} BEFORE any tool calls or final response.\n\n"
+        f"Otherwise, output directly after {THINK_END_TOKEN} with tool calls or final response.\n\n"
+        "### Available Tool Schemas\n\n"
+        + "\n".join(schemas) + "\n\n"
+        "You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
+    )
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for k, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                raise ValueError(f"{where}.content[{k}]: only {{'type': 'text', 'text': str}} parts are supported")
+        return "\n\n".join(parts)
+    if content is None:
+        raise ValueError(f"{where}: missing content")
+    raise ValueError(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
+
+
+def _normalize(messages: Any) -> list[dict]:
+    """Validate and merge: -> turns {role, text | blocks, reasoning, calls, call_ids}."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of dicts")
+    turns: list[dict] = []
+    for k, msg in enumerate(messages):
+        where = f"messages[{k}]"
+        if not isinstance(msg, dict):
+            raise ValueError(f"{where}: a message must be a dict, got {type(msg).__name__}")
+        role = msg.get("role")
+        role = "system" if role == "developer" else role
+        if role not in _ROLES:
+            raise ValueError(f"{where}: unknown role {role!r} (expected one of {', '.join(_ROLES)})")
+        if role in ("user", "tool"):
+            if role == "user":
+                block = ("text", _text(msg.get("content"), where), None)
+            else:
+                call_id = msg.get("tool_call_id", "")
+                if not isinstance(call_id, str):
+                    raise ValueError(f"{where}: tool_call_id must be a string")
+                block = ("tool_result", _text(msg.get("content"), where), call_id)
+            if turns and turns[-1]["role"] == "user":
+                turns[-1]["blocks"].append(block)
+            else:
+                turns.append({"role": "user", "blocks": [block]})
+        elif role == "assistant":
+            calls = msg.get("tool_calls") or []
+            if not isinstance(calls, list):
+                raise ValueError(f"{where}: tool_calls must be a list")
+            for j, tc in enumerate(calls):
+                normalize_tool_call(tc, f"{where}.tool_calls[{j}]")
+            content = msg.get("content")
+            content = "" if content is None and calls else _text(content, where)
+            reasoning = msg.get("reasoning_content")
+            if reasoning is not None and not isinstance(reasoning, str):
+                raise ValueError(f"{where}: reasoning_content must be a string")
+            turns.append({"role": "assistant", "text": content, "reasoning": reasoning or "", "calls": calls,
+                          "call_ids": [tc.get("id") for tc in calls]})
+        else:
+            turns.append({"role": role, "text": _text(msg.get("content"), where)})
+    _sort_tool_results(turns)
+    return turns
+
+
+def _sort_tool_results(turns: list[dict]) -> None:
+    """Order each user turn's tool results like the calls of the latest assistant message that made
+    calls (results whose id is unknown sort first, stably); other parts keep their places."""
+    order: dict[str, int] = {}
+    for turn in turns:
+        if turn["role"] == "assistant" and turn["calls"]:
+            order = {cid: k for k, cid in enumerate(turn["call_ids"]) if cid}
+        elif turn["role"] == "user" and order:
+            slots = [k for k, b in enumerate(turn["blocks"]) if b[0] == "tool_result"]
+            ranked = sorted((turn["blocks"][k] for k in slots), key=lambda b: order.get(b[2], 0))
+            for k, b in zip(slots, ranked):
+                turn["blocks"][k] = b
+
+
+def encode_messages(messages: list, *, thinking: bool = False, reasoning_effort: Any = None,
+                    tools: Optional[list] = None, add_generation_prompt: bool = True,
+                    drop_thinking: bool = True) -> str:
+    """Render `messages` as a V4.1 prompt (see the module docstring). The result starts with the BOS
+    string: tokenize it with `tokenizer.encode(prompt, add_bos=False)`. `add_generation_prompt=False`
+    leaves out the assistant header after a final user/system turn. Malformed input raises ValueError."""
+    effort = parse_reasoning_effort(reasoning_effort)
+    turns = _normalize(messages)
+    tools_text = render_tools(tools) if tools else ""
+    if tools_text:
+        if turns[0]["role"] != "system":
+            turns.insert(0, {"role": "system", "text": ""})
+        drop_thinking = False  # the official encoder keeps all reasoning when tools are defined
+    last_user = max((k for k, t in enumerate(turns) if t["role"] == "user" or (t["role"] == "system" and k > 0)),
+                    default=-1)
+
+    out = [BOS_TOKEN]
+    for k, turn in enumerate(turns):
+        role = turn["role"]
+        if k == 0:
+            effort_line = REASONING_EFFORT_SENTENCE.format(effort) if thinking else ""
+            if effort_line or role == "system":
+                out.append(SYSTEM_TOKEN)
+            out.append(effort_line)
+        if role == "system":
+            if k > 0:
+                out.append(SYSTEM_TOKEN)
+            out.append(turn["text"])
+            if k == 0 and tools_text:
+                out.append("\n\n" + tools_text)
+        elif role == "user":
+            out.append(USER_TOKEN + "\n\n".join(
+                TOOL_RESULT_OPEN + text + TOOL_RESULT_CLOSE if kind == "tool_result" else text
+                for kind, text, _ in turn["blocks"]))
+        elif role == "latest_reminder":
+            out.append(LATEST_REMINDER_TOKEN + turn["text"])
+        else:  # assistant
+            if thinking and (not drop_thinking or k > last_user):
+                out.append(turn["reasoning"] + THINK_END_TOKEN)
+            out.append(turn["text"])
+            if turn["calls"]:
+                out.append("\n\n" + render_tool_calls(turn["calls"]))
+            out.append(EOS_TOKEN)
+
+        following = turns[k + 1]["role"] if k + 1 < len(turns) else None
+        if following not in (None, "assistant", "latest_reminder"):
+            continue
+        if following is None and not add_generation_prompt:
+            continue
+        if role == "user" or (role == "system" and k > 0):
+            think = thinking and (not drop_thinking or k >= last_user)
+            out.append(ASSISTANT_TOKEN + (THINK_START_TOKEN if think else THINK_END_TOKEN))
+    return "".join(out)
