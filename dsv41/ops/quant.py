@@ -83,7 +83,9 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """Packed bytes [..., K/2] (uint8, int8 or float4_e2m1fn_x2) -> fp32 values [..., K]."""
     b = packed.view(torch.uint8)
     table = e2m1_table(b.device)
-    return torch.stack([table[(b & 0x0F).long()], table[(b >> 4).long()]], dim=-1).flatten(-2)
+    byte = torch.arange(256, device=b.device)
+    pairs = torch.stack([table[byte & 0x0F], table[byte >> 4]], dim=-1)  # [256, 2]: one lookup per byte
+    return pairs[b.long()].flatten(-2)
 
 
 # --------------------------------------------------------------------------- FP8
