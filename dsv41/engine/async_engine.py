@@ -62,6 +62,10 @@ class AsyncEngine:
     def model_name(self) -> str:
         return self.engine.model_name
 
+    def is_alive(self) -> bool:
+        """True while the engine thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
     def metrics(self) -> dict:
         with self._lock:
             m = dict(self._metrics)
@@ -123,12 +127,15 @@ class AsyncEngine:
         kind = command[0]
         if kind == "add":
             _, request_id, prompt, params = command
-            with self._lock:
-                self._pending -= 1
             try:
                 self.engine.add_request(request_id, prompt, params)
+                queued = 1
             except ValueError as exc:
                 self._deliver(request_id, exc)
+                queued = 0
+            with self._lock:  # hand the request from "pending" to "waiting" in one move (no gap to slip through)
+                self._pending -= 1
+                self._metrics["waiting"] += queued
         elif kind == "abort":
             self.engine.abort_request(command[1])
 

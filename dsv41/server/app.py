@@ -1,0 +1,615 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over `dsv41.engine.AsyncEngine`.
+
+Routes: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions`, `POST /v1/chat/completions`
+(both with SSE when `stream: true`), `GET /health`, `GET /metrics` (Prometheus text).
+
+Life of a request: the body is validated (pydantic, then model-dependent ranges), the prompt is
+tokenized (chat: rendered by the V4.1 encoder first), then `AsyncEngine.generate` yields
+`RequestOutput` deltas from the engine thread. Everything that can be refused is refused before the
+first byte is sent, so a stream either starts with 200 or gets a 4xx in OpenAI's error shape: the
+first engine output is awaited before the response starts, which is also when a full queue
+(`EngineBusy` -> 429 + Retry-After) or an engine-side ValueError (-> 400) surfaces. A client that goes
+away aborts its request in the engine: while waiting, a watcher on the ASGI `receive` channel sees
+`http.disconnect`; during a stream, Starlette cancels the body iterator and its `finally` aborts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dsv41.engine import AsyncEngine, EngineBusy, RequestOutput, SamplingParams, TokenLogprob
+from dsv41.server.chat import (ChatStreamSplitter, build_chat_prompt, parse_chat_output, parse_tool_calls,
+                               resolve_thinking)
+from dsv41.server.metrics import CONTENT_TYPE, ServerMetrics
+from dsv41.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, error_body
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "logprobs", "seed", "stop", "stop_token_ids")
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response started."""
+
+
+@dataclass
+class ServerState:
+    engine: Any  # LLMEngine: tokenizer, model_name, max_model_len, model_config
+    async_engine: Any  # AsyncEngine
+    model_name: str
+    retry_after_s: int = 1
+    created: int = field(default_factory=lambda: int(time.time()))
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+
+def create_app(engine, async_engine=None, *, served_model_name: Optional[str] = None, max_waiting: int = 64,
+               retry_after_s: int = 1) -> FastAPI:
+    """Build the app over a built `LLMEngine`. Without `async_engine`, one is made (queue bound
+    `max_waiting`) and started/stopped with the app; a given one is left to its owner."""
+    owns = async_engine is None
+    if owns:
+        async_engine = AsyncEngine(engine, max_waiting=max_waiting)
+    state = ServerState(engine, async_engine, served_model_name or engine.model_name, retry_after_s)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        if owns:
+            async_engine.start()
+        try:
+            yield
+        finally:
+            if owns:
+                async_engine.shutdown()
+
+    app = FastAPI(title="dsv41", lifespan=lifespan)
+    app.state.server = state
+    app.add_middleware(_CountResponses, metrics=state.metrics)
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health():
+        alive = getattr(async_engine, "is_alive", None)
+        if callable(alive) and not alive():
+            raise APIError(503, "the engine thread is not running", code="engine_dead")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(state.metrics.render(async_engine.metrics()), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [_model_card(state)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str):
+        _check_model(state, model)
+        return _model_card(state)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _completions(state, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await _chat(state, body, request)
+
+    return app
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, exc: RequestValidationError):
+        errors = exc.errors()
+        err = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        if err.get("type") == "json_invalid":
+            detail = (err.get("ctx") or {}).get("error", err.get("msg"))
+            return JSONResponse(error_body(f"malformed JSON body: {detail}", "invalid_request_error", None,
+                                           "invalid_json"), status_code=400)
+        where = ".".join(loc) or "body"
+        return JSONResponse(error_body(f"{where}: {err.get('msg')}", "invalid_request_error",
+                                       loc[0] if loc else None, "invalid_value"), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc: StarletteHTTPException):
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), type_), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, exc: Exception):
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), status_code=500)
+
+
+class _CountResponses:
+    """Pure ASGI middleware counting responses by endpoint and status (BaseHTTPMiddleware would get in
+    the way of disconnect detection on streams)."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        endpoint = next((e for e in ENDPOINTS if path == e or path.startswith(e + "/")), "other")
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.response(endpoint, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+# ---------------------------------------------------------------------------------------------- shared
+
+
+def _model_card(state: ServerState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "dsv41",
+            "max_model_len": state.max_model_len}
+
+
+def _check_model(state: ServerState, model: Optional[str]) -> None:
+    if model is not None and model not in (state.model_name, state.engine.model_name):
+        raise APIError(404, f"The model `{model}` does not exist; this server serves `{state.model_name}`.",
+                       param="model", code="model_not_found")
+
+
+def _sampling_params(state: ServerState, req, *, prompt_len: int, max_tokens: Optional[int],
+                     logprobs: Optional[int], prompt_param: str) -> SamplingParams:
+    if req.n not in (None, 1):
+        raise bad_request("only n=1 is supported", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name) not in (None, 0):
+            raise bad_request(f"{name} is not supported (only 0)", name)
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if prompt_len >= state.max_model_len:
+        raise _too_long(state, prompt_len, max_tokens or 0, prompt_param)
+    if max_tokens is None:  # like vLLM: the rest of the context
+        max_tokens = state.max_model_len - prompt_len
+    top_k = 0 if req.top_k in (None, -1) else req.top_k
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    params = SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k, seed=req.seed, max_tokens=max_tokens,
+        stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=bool(req.ignore_eos), logprobs=logprobs)
+    try:
+        params.validate(state.vocab_size)
+    except ValueError as exc:
+        name = str(exc).split(" ", 1)[0]
+        raise bad_request(str(exc), name if name in SAMPLING_FIELDS else None) from None
+    if prompt_len + params.max_tokens > state.max_model_len:
+        raise _too_long(state, prompt_len, params.max_tokens, prompt_param)
+    return params
+
+
+def _too_long(state: ServerState, prompt_len: int, max_tokens: int, param: str) -> APIError:
+    return bad_request(
+        f"This model's maximum context length is {state.max_model_len} tokens, but {prompt_len + max_tokens} were "
+        f"requested ({prompt_len} in the prompt, {max_tokens} for the completion). Shorten the prompt or "
+        f"lower max_tokens.", param, "context_length_exceeded")
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _guarded(state: ServerState, request: Request, request_id: str, coro):
+    """Run `coro` (which drives the engine) until it ends or the client disconnects (-> abort, ClientGone).
+    Maps the engine's refusals to API errors."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        state.async_engine.abort(request_id)
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        state.async_engine.abort(request_id)
+        state.metrics.add("client_disconnects")
+        raise ClientGone(request_id)
+    try:
+        return task.result()
+    except EngineBusy as exc:
+        state.metrics.add("rejected_queue_full")
+        raise APIError(429, f"The server's request queue is full; retry later ({exc}).".replace(" ()", ""),
+                       type="rate_limit_error", code="queue_full",
+                       headers={"Retry-After": str(state.retry_after_s)}) from None
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+
+
+async def _start(state: ServerState, request: Request, request_id: str, prompt_ids: list[int],
+                 params: SamplingParams):
+    """Submit and wait for the first output; returns (stream, first output or None)."""
+    stream = state.async_engine.generate(request_id, prompt_ids, params)
+
+    async def first():
+        try:
+            return await stream.__anext__()
+        except StopAsyncIteration:
+            return None
+
+    try:
+        out = await _guarded(state, request, request_id, first())
+    except BaseException:
+        await _close(stream)
+        raise
+    return stream, out
+
+
+async def _close(stream) -> None:
+    with anyio.CancelScope(shield=True):
+        try:
+            await stream.aclose()
+        except Exception:
+            pass
+
+
+async def _outputs(stream, first: Optional[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    out = first
+    while out is not None:
+        yield out
+        if out.finished:
+            return
+        try:
+            out = await stream.__anext__()
+        except StopAsyncIteration:
+            return
+
+
+def _usage(prompt_len: int, last: Optional[RequestOutput]) -> dict:
+    completion = len(last.token_ids) if last else 0
+    prompt = last.num_prompt_tokens if last and last.num_prompt_tokens else prompt_len
+    cached = last.num_cached_tokens if last else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _disconnected_response() -> JSONResponse:
+    # Nobody reads this (the client has gone); 499 is the conventional "client closed request".
+    return JSONResponse(error_body("client disconnected", "invalid_request_error"), status_code=499)
+
+
+def _sse_response(body: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(body, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class _Timer:
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics, self.t0, self.first = metrics, time.perf_counter(), False
+
+    def token(self):
+        if not self.first:
+            self.first = True
+            self.metrics.add("ttft_sum", time.perf_counter() - self.t0)
+            self.metrics.add("ttft_count")
+
+    def done(self):
+        self.metrics.add("latency_sum", time.perf_counter() - self.t0)
+        self.metrics.add("latency_count")
+
+
+async def _stream_body(state: ServerState, request_id: str, stream, first, timer: _Timer, on_output, on_end):
+    """The SSE body shared by both endpoints: `on_output(out)` and `on_end(last)` return lists of
+    payloads. Aborts the request unless it finished; an engine failure mid-stream becomes an error event."""
+    finished = False
+    last = None
+    try:
+        async for out in _outputs(stream, first):
+            timer.token()
+            last = out
+            for payload in on_output(out):
+                yield _sse(payload)
+            finished = out.finished
+        finished = True
+        timer.done()
+        for payload in on_end(last):
+            yield _sse(payload)
+        yield "data: [DONE]\n\n"
+    except (asyncio.CancelledError, GeneratorExit):
+        if not finished:
+            state.metrics.add("client_disconnects")
+        raise
+    except Exception as exc:  # the response has started: report in-band, as OpenAI-style servers do
+        yield _sse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+        yield "data: [DONE]\n\n"
+    finally:
+        if not finished:
+            state.async_engine.abort(request_id)
+        await _close(stream)
+
+
+# ---------------------------------------------------------------------------------------------- completions
+
+
+def _completion_prompt(state: ServerState, prompt) -> list[int]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request("batched prompts are not supported; send one prompt per request", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return state.engine.tokenizer.encode(prompt, add_bos=True)
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    bad = [t for t in prompt if not (0 <= t < state.vocab_size)]
+    if bad:
+        raise bad_request(f"prompt token ids must lie in [0, {state.vocab_size}); got {bad[0]}", "prompt")
+    return list(prompt)
+
+
+class _CompletionLogprobs:
+    """OpenAI's legacy logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
+
+    def __init__(self, top_n: int):
+        self.top_n, self.offset = top_n, 0
+
+    def block(self, items: list[TokenLogprob]) -> dict:
+        tokens, lps, tops, offsets = [], [], [], []
+        for lp in items:
+            tokens.append(lp.token)
+            lps.append(lp.logprob)
+            tops.append({text: value for _, text, value in lp.top[: self.top_n]})
+            offsets.append(self.offset)
+            self.offset += len(lp.token)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+async def _completions(state: ServerState, req: CompletionRequest, request: Request):
+    _check_model(state, req.model)
+    if req.echo:
+        raise bad_request("echo is not supported", "echo")
+    if req.best_of not in (None, 1):
+        raise bad_request("best_of is not supported (only 1)", "best_of")
+    if req.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    prompt_ids = _completion_prompt(state, req.prompt)
+    params = _sampling_params(state, req, prompt_len=len(prompt_ids),
+                              max_tokens=16 if req.max_tokens is None else req.max_tokens,
+                              logprobs=req.logprobs, prompt_param="prompt")
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    timer = _Timer(state.metrics)
+    want_lp = req.logprobs is not None
+    lp = _CompletionLogprobs(req.logprobs or 0)
+
+    def chunk(text: str, finish_reason=None, logprobs=None) -> dict:
+        return {"id": request_id, "object": "text_completion", "created": created, "model": state.model_name,
+                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        try:
+            stream, first = await _start(state, request, request_id, prompt_ids, params)
+        except ClientGone:
+            return _disconnected_response()
+
+        def on_output(out: RequestOutput):
+            if not out.new_text and not out.finished and not out.new_logprobs:
+                return []
+            c = chunk(out.new_text, out.finish_reason if out.finished else None,
+                      lp.block(out.new_logprobs) if want_lp else None)
+            if include_usage:
+                c["usage"] = None
+            return [c]
+
+        def on_end(last):
+            if not include_usage:
+                return []
+            return [{"id": request_id, "object": "text_completion", "created": created, "model": state.model_name,
+                     "choices": [], "usage": _usage(len(prompt_ids), last)}]
+
+        return _sse_response(_stream_body(state, request_id, stream, first, timer, on_output, on_end))
+
+    try:
+        outs = await _guarded(state, request, request_id, _collect(state, request_id, prompt_ids, params, timer))
+    except ClientGone:
+        return _disconnected_response()
+    timer.done()
+    last = _last(outs)
+    logprobs = lp.block([x for o in outs for x in o.new_logprobs]) if want_lp else None
+    body = chunk(last.text, last.finish_reason, logprobs)
+    body["usage"] = _usage(len(prompt_ids), last)
+    return body
+
+
+async def _collect(state: ServerState, request_id: str, prompt_ids, params, timer: "_Timer") -> list[RequestOutput]:
+    """Every output of a non-streamed request (run inside `_guarded`)."""
+    stream = state.async_engine.generate(request_id, prompt_ids, params)
+    outs = []
+    try:
+        async for out in stream:
+            timer.token()
+            outs.append(out)
+            if out.finished:
+                break
+    finally:
+        await _close(stream)
+    return outs
+
+
+def _last(outs: list[RequestOutput]) -> RequestOutput:
+    if not outs:
+        raise APIError(500, "the engine returned no output")
+    last = outs[-1]
+    if last.finish_reason == "abort":
+        raise APIError(503, "the request was aborted by the engine", code="aborted")
+    return last
+
+
+# ---------------------------------------------------------------------------------------------- chat
+
+
+def _chat_logprob(lp: TokenLogprob, top_n: int) -> dict:
+    return {"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token.encode("utf-8")),
+            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))}
+                             for _, t, v in lp.top[:top_n]]}
+
+
+def _chat_tools(req: ChatCompletionRequest) -> tuple[Optional[list[dict]], bool]:
+    """(tools to render, whether to parse tool calls) from `tools` and `tool_choice`.
+    `required` and a named function are not enforced by constrained decoding; a named function
+    renders only that tool."""
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    choice = req.tool_choice
+    if choice is None:
+        return tools, bool(tools)
+    if not tools:
+        raise bad_request("tool_choice is only allowed when tools are given", "tool_choice")
+    if choice == "none":
+        return None, False
+    if choice in ("auto", "required"):
+        return tools, True
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        chosen = [t for t in tools if t["function"]["name"] == name]
+        if not chosen:
+            raise bad_request(f"tool_choice names a function that is not in tools: {name!r}", "tool_choice")
+        return chosen, True
+    raise bad_request(f"tool_choice must be 'none', 'auto', 'required' or a function object, got {choice!r}",
+                      "tool_choice")
+
+
+async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request):
+    _check_model(state, req.model)
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad_request("response_format other than text is not supported", "response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
+    tools, parse_tools = _chat_tools(req)
+    try:
+        thinking, effort = resolve_thinking(req.chat_template_kwargs, req.reasoning_effort)
+    except ValueError as exc:
+        param = "chat_template_kwargs" if "chat_template_kwargs" in str(exc) else "reasoning_effort"
+        raise bad_request(str(exc), param) from None
+    try:
+        prompt_ids = build_chat_prompt(state.engine.tokenizer, req.messages, thinking=thinking, effort=effort,
+                                       tools=tools)
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages") from None
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    top_n = (req.top_logprobs or 0) if req.logprobs else 0
+    params = _sampling_params(state, req, prompt_len=len(prompt_ids), max_tokens=max_tokens,
+                              logprobs=top_n if req.logprobs else None, prompt_param="messages")
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    timer = _Timer(state.metrics)
+
+    if req.stream:
+        return await _chat_stream(state, req, request, request_id, created, prompt_ids, params, timer,
+                                  thinking=thinking, parse_tools=parse_tools, top_n=top_n)
+
+    try:
+        outs = await _guarded(state, request, request_id, _collect(state, request_id, prompt_ids, params, timer))
+    except ClientGone:
+        return _disconnected_response()
+    timer.done()
+    last = _last(outs)
+    parsed = parse_chat_output(last.text, thinking=thinking, tools=parse_tools)
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if thinking:
+        message["reasoning_content"] = parsed.reasoning_content
+    finish = last.finish_reason
+    if parsed.tool_calls:
+        message["tool_calls"] = parsed.tool_calls
+        finish = "tool_calls"
+    logprobs = None
+    if req.logprobs:
+        logprobs = {"content": [_chat_logprob(x, top_n) for o in outs for x in o.new_logprobs]}
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": state.model_name,
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
+            "usage": _usage(len(prompt_ids), last), "system_fingerprint": None}
+
+
+async def _chat_stream(state, req, request, request_id, created, prompt_ids, params, timer, *, thinking,
+                       parse_tools, top_n):
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    try:
+        stream, first = await _start(state, request, request_id, prompt_ids, params)
+    except ClientGone:
+        return _disconnected_response()
+    splitter = ChatStreamSplitter(thinking=thinking, tools=parse_tools)
+
+    def chunk(delta: dict, finish_reason=None, logprobs=None) -> dict:
+        c = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
+             "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+        if include_usage:
+            c["usage"] = None
+        return c
+
+    def deltas(pieces) -> list[dict]:
+        return [{"reasoning_content": text} if kind == "reasoning" else {"content": text} for kind, text in pieces]
+
+    role_sent = []
+
+    def on_output(out: RequestOutput):
+        payloads = [] if role_sent else [chunk({"role": "assistant", "content": ""})]
+        role_sent.append(True)
+        ds = deltas(splitter.feed(out.new_text))
+        lps = {"content": [_chat_logprob(x, top_n) for x in out.new_logprobs]} if req.logprobs else None
+        if lps and lps["content"] and not ds:
+            ds = [{}]  # logprobs of tokens whose text is held back still go out with their step
+        for i, d in enumerate(ds):
+            payloads.append(chunk(d, logprobs=lps if i == 0 else None))
+        return payloads
+
+    def on_end(last: Optional[RequestOutput]):
+        payloads = [chunk(d) for d in deltas(splitter.finish())]
+        finish = last.finish_reason if last else "abort"
+        if splitter.tool_text:
+            calls = parse_tool_calls(splitter.tool_text)
+            if calls:
+                finish = "tool_calls"
+                payloads.append(chunk({"tool_calls": [
+                    {"index": i, "id": c["id"], "type": "function", "function": c["function"]}
+                    for i, c in enumerate(calls)]}))
+            else:
+                payloads.append(chunk({"content": splitter.tool_text}))
+        payloads.append(chunk({}, finish_reason=finish))
+        if include_usage:
+            payloads.append({"id": request_id, "object": "chat.completion.chunk", "created": created,
+                             "model": state.model_name, "choices": [], "usage": _usage(len(prompt_ids), last)})
+        return payloads
+
+    return _sse_response(_stream_body(state, request_id, stream, first, timer, on_output, on_end))

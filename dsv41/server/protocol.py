@@ -1,0 +1,95 @@
+"""Request bodies of the OpenAI-compatible API and the OpenAI error shape.
+
+Field names and defaults follow the OpenAI API reference (`/v1/completions`, `/v1/chat/completions`);
+`top_k`, `stop_token_ids`, `ignore_eos` and `chat_template_kwargs` are the vLLM extensions of the same
+names. Unknown fields are ignored, as OpenAI-style servers do, so clients that send `user`, `store` or
+`metadata` keep working. Range checks that need the model (vocab, context length) live in `app.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}` with `status`."""
+
+    def __init__(self, status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
+                 type: Optional[str] = None, headers: Optional[dict[str, str]] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: Optional[str] = None, code: Optional[str] = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class FunctionDef(_Request):
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class _Sampling(_Request):
+    """Fields shared by both endpoints."""
+
+    model: Optional[str] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None  # extension; 0 or -1 disables
+    seed: Optional[int] = None
+    max_tokens: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: Optional[list[int]] = None  # extension
+    ignore_eos: bool = False  # extension
+    n: Optional[int] = 1
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    presence_penalty: Optional[float] = 0.0
+    frequency_penalty: Optional[float] = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = None
+    reasoning_effort: Union[int, str, None] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # {"thinking": bool} (vLLM style)
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    response_format: Optional[dict[str, Any]] = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    logprobs: Optional[int] = None
+    echo: Optional[bool] = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
