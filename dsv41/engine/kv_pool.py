@@ -81,11 +81,14 @@ class PagedKVPool:
         per = self.sources[layer].entries_per_block
         return table[entries // per] * per + entries % per
 
-    # ------------------------------------------------------------------ access
-    def write(self, layer: int, table: torch.Tensor, first: int, kv: torch.Tensor, keys) -> None:
-        """Store entries first..first+n-1: kv [n, head_dim] and keys [n, index_dim] (or None)."""
-        n = kv.size(0)
-        rows = self.rows(layer, table, torch.arange(first, first + n, device=table.device))
+    def rows_batched(self, layer: int, tables: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        """Flat rows for many sequences at once: tables [B, max_blocks] (padded), entries [B, T] -> [B, T].
+        Entries must lie inside each sequence's table (clamp padding before calling)."""
+        per = self.sources[layer].entries_per_block
+        return tables.gather(1, entries // per) * per + entries % per
+
+    def write_rows(self, layer: int, rows: torch.Tensor, kv: torch.Tensor, keys) -> None:
+        """Store entries at flat rows [n]: kv [n, head_dim], keys [n, index_dim] or None."""
         codes, scale = fp4_quant(kv, KV_FP4_BLOCK, "e4m3")
         self.kv_codes[layer][rows] = codes
         self.kv_scale[layer][rows] = scale.to(torch.float8_e4m3fn)
@@ -94,15 +97,28 @@ class PagedKVPool:
             self.key_codes[layer][rows] = codes
             self.key_scale[layer][rows] = scale.to(torch.float8_e8m0fnu).view(torch.uint8)
 
+    def kv_at(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """Dequantised main KV at flat rows (any shape [...]) -> bf16 [..., head_dim]."""
+        return fp4_dequant(self.kv_codes[layer][rows], self.kv_scale[layer][rows].float(), KV_FP4_BLOCK).bfloat16()
+
+    def keys_at(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """Dequantised index keys at flat rows (any shape [...]) -> bf16 [..., index_dim]."""
+        scale = self.key_scale[layer][rows].view(torch.float8_e8m0fnu).float()
+        return fp4_dequant(self.key_codes[layer][rows], scale, FP4_BLOCK).bfloat16()
+
+    # ------------------------------------------------------------------ access
+    def write(self, layer: int, table: torch.Tensor, first: int, kv: torch.Tensor, keys) -> None:
+        """Store entries first..first+n-1 of one sequence: kv [n, head_dim], keys [n, index_dim] or None."""
+        rows = self.rows(layer, table, torch.arange(first, first + kv.size(0), device=table.device))
+        self.write_rows(layer, rows, kv, keys)
+
     def read_kv(self, layer: int, table: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
         """Dequantised main KV of the given entries -> bf16 [len(entries), head_dim]."""
-        rows = self.rows(layer, table, entries)
-        return fp4_dequant(self.kv_codes[layer][rows], self.kv_scale[layer][rows].float(), KV_FP4_BLOCK).bfloat16()
+        return self.kv_at(layer, self.rows(layer, table, entries))
 
     def read_keys(self, layer: int, table: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
         """Dequantised index keys -> bf16 [len(entries), index_dim]."""
-        rows = self.rows(layer, table, entries)
-        return fp4_dequant(self.key_codes[layer][rows], self.key_scale[layer][rows].view(torch.float8_e8m0fnu).float(), FP4_BLOCK).bfloat16()
+        return self.keys_at(layer, self.rows(layer, table, entries))
 
     def copy_entries(self, layer: int, src_table: torch.Tensor, dst_table: torch.Tensor, n: int) -> None:
         """Copy the first n entries of one sequence's layout into another's (copy-on-write of a tail)."""

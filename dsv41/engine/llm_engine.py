@@ -28,7 +28,7 @@ from dsv41.engine.kv_pool import BlockAllocator, PagedKVPool, PoolExhausted
 from dsv41.engine.prefix_cache import PrefixStats, Snapshot, SnapshotStore, chain_hashes, prefix_key
 from dsv41.engine.runner import Chunk, ModelRunner
 from dsv41.engine.sampling import sample, token_logprobs
-from dsv41.engine.sequence import Sequence, SequenceCache, Status
+from dsv41.engine.sequence import Sequence, SequenceCache, StatePool, Status
 from dsv41.engine.types import RequestOutput, SamplingParams
 from dsv41.model.transformer import Transformer
 
@@ -47,6 +47,7 @@ class LLMEngine:
         num_blocks = config.kv_pool_tokens // bs
         self.pool = PagedKVPool(cfg, bs, num_blocks, model.device)
         self.allocator = BlockAllocator(num_blocks)
+        self.states = StatePool(cfg, config.max_num_seqs, model.device)
         self.snapshots = SnapshotStore(config.max_snapshots if config.enable_prefix_caching else 0, config.window_ttl_s)
         self.runner = ModelRunner(model)
         self.boundary = self.runner.boundary
@@ -198,7 +199,7 @@ class LLMEngine:
             lookback = self.model_config.engram_max_ngram_size - 1
             chunk = Chunk(seq.cache, tokens[start:end], start, tokens[max(0, start - lookback):start],
                           decoder_from=seq.rebuild_decoder_from if kind == "rebuild" else seq.decoder_from,
-                          want_logits=kind != "rebuild" and end >= seq.prefill_target, end=end)
+                          want_logits=kind != "rebuild" and end >= seq.prefill_target, end=end, decode=kind == "decode")
             plan.append((seq, chunk, kind))
         return plan
 
@@ -260,7 +261,7 @@ class LLMEngine:
                 return False
         for b in matched:
             self.allocator.acquire_cached(b)
-        cache = SequenceCache(mcfg, self.pool, self.model.device)
+        cache = SequenceCache(mcfg, self.pool, self.states, self.states.acquire())
         cache.set_blocks(list(matched))
         seq.cache = cache
         seq.block_hashes = hashes[:len(matched)]
@@ -346,6 +347,7 @@ class LLMEngine:
         if seq.cache is not None:
             for block in seq.cache.blocks:
                 self.allocator.release(block)
+            self.states.release(seq.cache.slot)
             seq.cache = None
         seq.num_computed = 0
         seq.block_hashes = []

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv41 import ops
+from dsv41.engine.batched import DecodeBatch, decode_attend
 from dsv41.engine.sequence import SequenceCache
 from dsv41.model.transformer import Block, Transformer
 
@@ -41,6 +42,7 @@ class Chunk:
     decoder_from: int = 0  # positions below this skip the decoder layers
     want_logits: bool = True  # logits of the last position
     end: int = 0  # the scheduler's end position (tokens/start change when the decoder part is trimmed)
+    decode: bool = False  # one token of a running sequence: batched with the other decode tokens
     shared: dict = field(default_factory=dict)
 
 
@@ -59,6 +61,8 @@ class ModelRunner:
         positions = torch.cat([torch.arange(c.start, c.start + len(c.tokens)) for c in chunks])
         for c in chunks:
             c.shared = {}
+        decodes = [c for c in chunks if c.decode]
+        batch = DecodeBatch.build([c.cache for c in decodes], [c.start for c in decodes], device) if decodes else None
         hash_ids = self._engram_hashes(chunks) if model.engram_hash is not None else None
 
         h = model.embed(ids).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [1, T, hc, dim]
@@ -75,7 +79,7 @@ class ModelRunner:
                     break
             if layer.engram is not None:
                 h = layer.engram(h, hash_ids[:, :, model.engram_layout.layer_ids.index(i)])
-            h, pre_mix = layer.run(h, pre_mix, lambda x: self._attend(layer.attn, x, positions, chunks), {})
+            h, pre_mix = layer.run(h, pre_mix, lambda x: self._attend(layer.attn, x, positions, chunks, batch), {})
 
         last, offset = [], 0
         for c in chunks:
@@ -88,14 +92,26 @@ class ModelRunner:
         x = model.norm(Block.hc_pre(h[:, index], pre_mix[:, index]))[0]  # [n, dim]
         return model.logits(x)
 
-    def _attend(self, attn, x: torch.Tensor, positions: torch.Tensor, chunks: list[Chunk]) -> torch.Tensor:
+    def _attend(self, attn, x: torch.Tensor, positions: torch.Tensor, chunks: list[Chunk],
+                batch: DecodeBatch | None) -> torch.Tensor:
         freqs = attn.rope.at(positions, x.device)
         qr, q, kv = attn.project(x, freqs)
-        outs, a = [], 0
+        outs, a, decode_at = [], 0, []
         for c in chunks:
             b = a + len(c.tokens)
-            outs.append(attn.attend(x[:, a:b], qr[:, a:b], q[:, a:b], kv[:, a:b], c.start, c.cache, c.shared))
+            if c.decode:
+                decode_at.append(a)
+                outs.append(None)
+            else:
+                outs.append(attn.attend(x[:, a:b], qr[:, a:b], q[:, a:b], kv[:, a:b], c.start, c.cache, c.shared))
             a = b
+        if decode_at:
+            at = torch.tensor(decode_at, device=x.device)
+            caches = batch.caches
+            o = decode_attend(attn, x[0, at].unsqueeze(1), qr[0, at].unsqueeze(1), q[0, at].unsqueeze(1),
+                              kv[0, at].unsqueeze(1), batch, caches[0].states, caches[0].pool)  # [B, 1, H, D]
+            rows = iter(o.transpose(0, 1).split(1, dim=1))
+            outs = [next(rows) if out is None else out for out in outs]
         return attn.output(torch.cat(outs, dim=1), freqs)
 
     def _skip_decoder(self, layer: Block, chunks: list[Chunk], h: torch.Tensor, pre_mix: torch.Tensor):

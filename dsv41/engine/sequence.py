@@ -23,22 +23,51 @@ from dsv41.engine.types import SamplingParams
 from dsv41.ops.quant import FP8_BLOCK, fp8_dequant, fp8_quant
 
 
-class SequenceCache:
-    def __init__(self, cfg: ModelConfig, pool: PagedKVPool, device=None):
-        self.cfg, self.pool = cfg, pool
-        self.blocks: list[int] = []
-        self._table: Optional[torch.Tensor] = None
+class StatePool:
+    """The fixed per-sequence state of every running sequence, one slot each, in shared tensors so a
+    decode step can read and write all sequences' rings at once (dsv41.engine.batched)."""
+
+    def __init__(self, cfg: ModelConfig, n_slots: int, device=None):
         n, w, d = cfg.n_layers, cfg.window_size, cfg.head_dim
-        self.window_codes = torch.zeros(n, w, d, dtype=torch.float8_e4m3fn, device=device)  # [layers, W, D]
+        self.window_codes = torch.zeros(n_slots, n, w, d, dtype=torch.float8_e4m3fn, device=device)
         # UE8M0 scales kept as their raw bytes (torch has no indexed writes for float8_e8m0fnu); 127 = 2^0
-        self.window_scale = torch.full((n, w, d // FP8_BLOCK), 127, dtype=torch.uint8, device=device)
-        self.first = [0] * n
-        self.group: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.window_scale = torch.full((n_slots, n, w, d // FP8_BLOCK), 127, dtype=torch.uint8, device=device)
+        self.group_kv: dict[int, torch.Tensor] = {}
+        self.group_score: dict[int, torch.Tensor] = {}
         for layer in cfg.kv_source_layers:
             ratio = cfg.compress_ratios[layer]
             if ratio > 1:
-                self.group[layer] = (torch.zeros(1, ratio, d, dtype=torch.float32, device=device),
-                                     torch.full((1, ratio, d), -torch.inf, dtype=torch.float32, device=device))
+                self.group_kv[layer] = torch.zeros(n_slots, ratio, d, dtype=torch.float32, device=device)
+                self.group_score[layer] = torch.full((n_slots, ratio, d), -torch.inf, dtype=torch.float32, device=device)
+        self.free = list(range(n_slots - 1, -1, -1))
+
+    def acquire(self) -> int:
+        if not self.free:
+            raise RuntimeError("no free sequence slot")
+        slot = self.free.pop()
+        for layer in self.group_kv:
+            self.group_kv[layer][slot].zero_()
+            self.group_score[layer][slot].fill_(-torch.inf)
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.free.append(slot)
+
+    def slot_bytes(self) -> int:
+        tensors = [self.window_codes, self.window_scale, *self.group_kv.values(), *self.group_score.values()]
+        return sum(t[0].numel() * t.element_size() for t in tensors)
+
+
+class SequenceCache:
+    def __init__(self, cfg: ModelConfig, pool: PagedKVPool, states: StatePool, slot: int):
+        self.cfg, self.pool, self.states, self.slot = cfg, pool, states, slot
+        self.blocks: list[int] = []
+        self._table: Optional[torch.Tensor] = None
+        self.window_codes = states.window_codes[slot]  # [layers, W, D] views into the shared state
+        self.window_scale = states.window_scale[slot]
+        self.first = [0] * cfg.n_layers
+        self.group = {layer: (states.group_kv[layer][slot:slot + 1], states.group_score[layer][slot:slot + 1])
+                      for layer in states.group_kv}  # [1, ratio, D] views
         self.global_writes = True  # False while replaying positions whose global entries are cached
 
     # ------------------------------------------------------------------ blocks
@@ -57,8 +86,7 @@ class SequenceCache:
         return self._table
 
     def fixed_state_bytes(self) -> int:
-        tensors = [self.window_codes, self.window_scale] + [t for pair in self.group.values() for t in pair]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return self.states.slot_bytes()
 
     # ------------------------------------------------------------------ snapshot of the fixed state
     def export_state(self) -> dict:
@@ -72,11 +100,6 @@ class SequenceCache:
         for k, (a, b) in state["group"].items():
             self.group[k][0].copy_(a)
             self.group[k][1].copy_(b)
-
-    def reset_groups(self) -> None:
-        for kv, score in self.group.values():
-            kv.zero_()
-            score.fill_(-torch.inf)
 
     # ------------------------------------------------------------------ the model's cache protocol (b = 1)
     def window_first(self, layer: int) -> int:

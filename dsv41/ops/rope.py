@@ -50,8 +50,10 @@ class RotaryTable:
         end = start + length
         if self.table.size(0) < end:
             n = max(end, 2 * self.table.size(0), 256)
-            angles = torch.outer(torch.arange(n, device="cpu"), self.freqs)  # [n, dim/2] fp32
-            self.table = torch.polar(torch.ones_like(angles), angles)
+            # a normal tensor even when grown under inference_mode (the table outlives that context)
+            with torch.inference_mode(False):
+                angles = torch.outer(torch.arange(n, device="cpu"), self.freqs)  # [n, dim/2] fp32
+                self.table = torch.polar(torch.ones_like(angles), angles)
         rows = self.table[start:end]
         return rows if device is None else rows.to(device)
 

@@ -7,7 +7,7 @@ from dsv41.config import tiny
 from dsv41.engine import EngineConfig, LLMEngine, SamplingParams
 from dsv41.engine.kv_pool import PagedKVPool
 from dsv41.engine.runner import Chunk, ModelRunner
-from dsv41.engine.sequence import SequenceCache
+from dsv41.engine.sequence import SequenceCache, StatePool
 from dsv41.generate import generate
 from dsv41.model.cache import global_kv_bytes_per_token
 from dsv41.model.init import init_random_weights
@@ -48,7 +48,7 @@ def test_runner_matches_the_model_forward(model):
     ref_prefill = model(ids[:, :26], 0, ref_cache)[0, -1]
     ref_decode = [model(ids[:, p:p + 1], p, ref_cache)[0, -1] for p in range(26, 29)]
 
-    cache = SequenceCache(cfg, PagedKVPool(cfg, 8, 8))
+    cache = SequenceCache(cfg, PagedKVPool(cfg, 8, 8), StatePool(cfg, 1), 0)
     cache.set_blocks([5, 2, 7, 0])
     runner = ModelRunner(model)
     out = runner.forward([Chunk(cache, tokens[:26], 0, [])])
@@ -257,3 +257,29 @@ def test_bounded_replay_equals_masked_decoder_windows(model):
     bounded = make(model, prefill_mode="bounded", prefill_chunk_size=64).prompt_logits(tokens)
     full = make(model, prefill_mode="full", prefill_chunk_size=64).prompt_logits(tokens)
     assert (bounded - expected).abs().max() < 1e-3 < (full - expected).abs().max()
+
+
+def test_batched_decode_matches_the_model_per_sequence(model):
+    """Decode tokens of sequences at different positions (window wrap, odd/even ratio-2 groups), run as one
+    batch through dsv41.engine.batched, equal each sequence's own Transformer.forward decode bit for bit."""
+    cfg = model.cfg
+    lengths = [29, 12, 40]
+    seqs = prompts([n + 4 for n in lengths], seed=11)
+    pool, states, runner = PagedKVPool(cfg, 8, 64), StatePool(cfg, 4), ModelRunner(model)
+    caches = []
+    for i, (n, tokens) in enumerate(zip(lengths, seqs)):
+        cache = SequenceCache(cfg, pool, states, i)
+        cache.set_blocks(list(range(i * 8, i * 8 + 8)))
+        runner.forward([Chunk(cache, tokens[:n], 0, [])])
+        caches.append(cache)
+    expected = []
+    for n, tokens in zip(lengths, seqs):
+        ref = model.new_cache(1, n + 4)
+        model(torch.tensor([tokens[:n]]), 0, ref)
+        expected.append([model(torch.tensor([[tokens[p]]]), p, ref)[0, -1] for p in range(n, n + 4)])
+    for step in range(4):
+        chunks = [Chunk(c, [t[n + step]], n + step, t[n + step - 3:n + step], decode=True)
+                  for c, n, t in zip(caches, lengths, seqs)]
+        out = runner.forward(chunks)
+        for i in range(3):
+            assert torch.equal(out[i], expected[i][step]), (step, i)

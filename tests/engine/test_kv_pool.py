@@ -4,7 +4,7 @@ import torch
 
 from dsv41.config import flash, tiny
 from dsv41.engine.kv_pool import BlockAllocator, PagedKVPool, PoolExhausted
-from dsv41.engine.sequence import SequenceCache
+from dsv41.engine.sequence import SequenceCache, StatePool
 from dsv41.model.cache import global_kv_bytes_per_token
 from dsv41.ops.quant import FP4_BLOCK, KV_FP4_BLOCK, fp4_qdq, fp8_qdq
 
@@ -41,7 +41,7 @@ def test_pool_round_trip_is_exact_on_the_model_grids():
 def test_window_ring_is_fp8_and_exact():
     cfg = tiny()
     pool = PagedKVPool(cfg, block_size=8, num_blocks=2)
-    cache = SequenceCache(cfg, pool)
+    cache = SequenceCache(cfg, pool, StatePool(cfg, 2), 1)
     assert cache.window_codes.dtype == torch.float8_e4m3fn
     values = fp8_qdq(torch.randn(1, 5, cfg.head_dim).bfloat16() * 10)
     slots = torch.tensor([7, 0, 1, 2, 3])

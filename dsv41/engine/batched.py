@@ -1,0 +1,148 @@
+"""Attention for a batch of decode tokens, one per sequence, in one set of tensor ops (spec-v41.md §3, §4).
+
+The per-chunk path (`Attention.attend` against a `SequenceCache`) costs a few dozen small tensor ops per
+sequence per layer, which dominates decode once many sequences run together. Here the same computation
+is done for B sequences at once, each at its own position: window rings are read from and written to the
+shared `StatePool` by slot, compressed entries and index keys are gathered from the paged pool through a
+padded block-table tensor, ratio-2 compressors keep their partial groups in the pool (a token lands in
+group slot pos % ratio; a full group is pooled, RoPE'd, rounded and stored), and the indexer scores each
+sequence's visible entries (padding masked to -inf).
+
+Numerics follow the per-chunk path operation for operation, and the selection is padded to
+`index_topk` entries, so a sequence's result does not depend on the other sequences in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dsv41 import ops
+from dsv41.engine.kv_pool import PagedKVPool
+from dsv41.engine.sequence import StatePool
+from dsv41.ops.quant import FP4_BLOCK, KV_FP4_BLOCK, fp8_dequant, fp8_quant
+
+
+@dataclass
+class DecodeBatch:
+    """Per-step metadata shared by all layers: positions, state slots, padded block tables."""
+
+    caches: list
+    positions: torch.Tensor  # [B] int64
+    slots: torch.Tensor  # [B]
+    tables: torch.Tensor  # [B, max_blocks] int64, padded with each sequence's first block
+    shared: dict = field(default_factory=dict)  # per-step selections: "topk" by index source, "candidates"
+
+    @classmethod
+    def build(cls, caches: list, positions: list[int], device) -> "DecodeBatch":
+        width = max(len(c.blocks) for c in caches)
+        tables = torch.tensor([c.blocks + [c.blocks[0]] * (width - len(c.blocks)) for c in caches],
+                              dtype=torch.int64, device=device)
+        return cls(caches, torch.tensor(positions, device=device),
+                   torch.tensor([c.slot for c in caches], device=device), tables)
+
+
+def _rope_rows(x: torch.Tensor, freqs: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """RoPE for rows at different positions: x [B, 1, ...] with freqs [B, rope/2]."""
+    return ops.apply_rope(x.transpose(0, 1), freqs, rope_dim).transpose(0, 1)
+
+
+def decode_attend(attn, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, batch: DecodeBatch,
+                  states: StatePool, pool: PagedKVPool) -> torch.Tensor:
+    """x [B, 1, dim], qr [B, 1, q_lora], q [B, 1, H, D] and kv [B, 1, D] (RoPE'd, FP8-rounded) for one new
+    token per sequence. Returns [B, 1, H, D] like `Attention.attend`."""
+    layer, w = attn.layer_id, attn.window
+    pos, slots = batch.positions, batch.slots
+    device = x.device
+
+    # window: the ring as it was, then the new token; ids oldest first, -1 before the window's first position
+    ring = fp8_dequant(states.window_codes[slots, layer],
+                       states.window_scale[slots, layer].view(torch.float8_e8m0fnu).float()).bfloat16()
+    rows = torch.cat([ring, kv], dim=1)  # [B, W+1, D]
+    window_pos = pos.unsqueeze(1) - w + 1 + torch.arange(w, device=device)  # [B, W]
+    ids = torch.where(window_pos < pos.unsqueeze(1), window_pos % w, w + window_pos - pos.unsqueeze(1))
+    first = torch.tensor([c.first[layer] for c in batch.caches], device=device)
+    ids = torch.where(window_pos < first.unsqueeze(1), -1, ids).unsqueeze(1)  # [B, 1, W]
+    codes, scale = fp8_quant(kv[:, 0])
+    states.window_codes[slots, layer, pos % w] = codes
+    states.window_scale[slots, layer, pos % w] = scale.to(torch.float8_e8m0fnu).view(torch.uint8)
+
+    if attn.ratio:
+        comp_rows, comp_ids = _compressed(attn, x, qr, batch, states, pool, offset=w + 1)
+        rows = torch.cat([rows, comp_rows], dim=1)
+        ids = torch.cat([ids, comp_ids], dim=-1)
+    return ops.sparse_attn(q, rows, attn.attn_sink, ids.int(), attn.softmax_scale)
+
+
+def _compressed(attn, x, qr, batch: DecodeBatch, states: StatePool, pool: PagedKVPool, offset: int):
+    ratio, src = attn.ratio, attn.kv_source
+    pos = batch.positions
+    if attn.compressor is not None:
+        _compress(attn, x, batch, states, pool)
+    if attn.indexer is not None:
+        batch.shared.setdefault("topk", {})[attn.layer_id] = _select(attn, x, qr, batch, pool)
+    picked = batch.shared["topk"][attn.index_source]  # [B, 1, index_topk] entry ids, -1 unused
+    valid = picked >= 0
+    rows = pool.rows_batched(src, batch.tables, picked[:, 0].clamp_min(0))  # [B, k]
+    comp = pool.kv_at(src, rows)  # [B, k, D]
+    k = picked.size(-1)
+    comp_ids = torch.where(valid, offset + torch.arange(k, device=pos.device), -1)
+    return comp, comp_ids
+
+
+def _compress(attn, x, batch: DecodeBatch, states: StatePool, pool: PagedKVPool) -> None:
+    """Add each sequence's token to its compressor; store the latents of the groups it completes."""
+    comp, ratio, layer = attn.compressor, attn.ratio, attn.layer_id
+    pos, slots = batch.positions, batch.slots
+    if ratio == 1:
+        latent, done = comp.norm(comp.wkv(x)), torch.ones_like(pos, dtype=torch.bool)  # [B, 1, D]
+        latent = latent[:, 0]
+    else:
+        kv, score = comp.wkv(x.float())[:, 0], comp.wgate(x.float())[:, 0]  # [B, D] fp32
+        slot_in_group = pos % ratio
+        states.group_kv[layer][slots, slot_in_group] = kv
+        states.group_score[layer][slots, slot_in_group] = score
+        done = slot_in_group == ratio - 1
+        if not bool(done.any()):
+            return
+        full = slots[done]
+        group_kv, group_score = states.group_kv[layer][full], states.group_score[layer][full]  # [C, ratio, D]
+        pooled = (group_kv * group_score.softmax(dim=1)).sum(dim=1)
+        latent = comp.norm(pooled.to(x.dtype))  # [C, D]
+        states.group_score[layer][full] = -torch.inf
+        states.group_kv[layer][full] = 0.0
+    group = pos[done] // ratio
+    freqs = attn.rope.at(group * ratio, x.device)  # a group is stamped with its first token
+    latent = latent.unsqueeze(0)  # [1, C, D]: one row of C groups at their own positions
+    keys = attn.indexer.make_keys(latent, freqs)[0] if attn.indexer is not None else None
+    latent = ops.fp4_qdq(ops.apply_rope(latent, freqs, attn.rope_dim), KV_FP4_BLOCK, "e4m3")[0]
+    rows = pool.rows_batched(layer, batch.tables[done], group.unsqueeze(1))[:, 0]
+    pool.write_rows(layer, rows, latent, keys)
+
+
+def _select(attn, x, qr, batch: DecodeBatch, pool: PagedKVPool) -> torch.Tensor:
+    """Indexer top-k for each sequence's new token -> entry ids [B, 1, index_topk] (-1 unused)."""
+    idx, src, ratio = attn.indexer, attn.kv_source, attn.ratio
+    pos = batch.positions
+    b = pos.numel()
+    visible = (pos + 1) // ratio  # [B] complete groups each query sees
+    t = int(visible.max())
+    if t == 0:
+        return torch.full((b, 1, idx.topk), -1, dtype=torch.int64, device=pos.device)
+    entries = torch.minimum(torch.arange(t, device=pos.device).expand(b, t), (visible - 1).clamp_min(0).unsqueeze(1))
+    keys = pool.keys_at(src, pool.rows_batched(src, batch.tables, entries))  # [B, T, index_dim]
+    freqs = attn.rope.at(pos, x.device)
+    q = idx.wq_b(qr).unflatten(-1, (idx.n_heads, idx.head_dim))
+    q = ops.fp4_qdq(_rope_rows(q, freqs, idx.rope_dim), FP4_BLOCK, "ue8m0")
+    weights = idx.weights_proj(x) * idx.weight_scale
+    scores = ops.mask_invisible(ops.index_scores(q, keys, weights), visible.view(b, 1, 1))  # [B, 1, T]
+    if idx.is_candidate_source:
+        batch.shared["candidates"] = ops.candidate_pool(scores, visible.view(b, 1, 1), idx.candidate_blocks,
+                                                        idx.candidate_block_size)
+    elif idx.uses_candidates:
+        scores = scores.masked_fill(~batch.shared["candidates"], -torch.inf)
+    picked = ops.select_topk(scores, min(idx.topk, t)).long()
+    if picked.size(-1) < idx.topk:  # a fixed width keeps each row's attention independent of the batch
+        picked = torch.nn.functional.pad(picked, (0, idx.topk - picked.size(-1)), value=-1)
+    return picked
