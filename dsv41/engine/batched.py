@@ -76,8 +76,7 @@ def decode_attend(attn, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: 
 
 
 def _compressed(attn, x, qr, batch: DecodeBatch, states: StatePool, pool: PagedKVPool, offset: int):
-    ratio, src = attn.ratio, attn.kv_source
-    pos = batch.positions
+    src, pos = attn.kv_source, batch.positions
     if attn.compressor is not None:
         _compress(attn, x, batch, states, pool)
     if attn.indexer is not None:

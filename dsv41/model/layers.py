@@ -39,12 +39,10 @@ class Linear(nn.Module):
             self.scale = nn.Parameter(torch.empty(scale_shape, dtype=torch.float8_e8m0fnu), requires_grad=False)
         else:
             self.register_parameter("scale", None)
-        self.row_chunk = 0  # > 0: batch-invariant GEMMs in fixed row chunks (see ops.rowwise)
+        self.row_chunk = 0  # > 0: batch-invariant GEMMs in fixed row chunks (see ops.invariant_matmul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.row_chunk:
-            return ops.rowwise(lambda rows: ops.linear(rows, self.weight, self.scale), x, self.row_chunk)
-        return ops.linear(x, self.weight, self.scale)
+        return ops.linear(x, self.weight, self.scale, row_chunk=self.row_chunk)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"

@@ -28,13 +28,11 @@ class Gate(nn.Module):
             self.bias_vl = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32), requires_grad=False)
         else:
             self.register_parameter("bias_vl", None)
-        self.row_chunk = 0  # > 0: batch-invariant logits (see ops.rowwise)
+        self.row_chunk = 0  # > 0: batch-invariant logits (see ops.invariant_matmul)
 
     def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, dim] -> (weights [T, k] fp32, expert ids [T, k])."""
-        weight = self.weight.float()
-        logits = ops.rowwise(lambda rows: torch.nn.functional.linear(rows, weight), x.float(), self.row_chunk)
-        logits = logits / self.temperature
+        logits = ops.invariant_matmul(x.float(), self.weight.float(), self.row_chunk) / self.temperature
         scores = ops.router_scores(logits, self.score_func)
         bias = self.bias
         if image_mask is not None and self.bias_vl is not None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsv41 import ops
@@ -50,7 +49,7 @@ class Block(nn.Module):
         self.hc_ffn_scale = nn.Parameter(torch.ones(3, **f32))
         # bit-exact reference numerics for the fp32 mix projection (slow; see set_reference_numerics)
         self.sequential_mixes = False
-        self.row_chunk = 0  # > 0: batch-invariant mix projection (see ops.rowwise)
+        self.row_chunk = 0  # > 0: batch-invariant mix projection (see ops.invariant_matmul)
 
     def hc_mixes(self, h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor):
         """h [B, S, hc, dim] -> (pre [B,S,hc], post [B,S,hc], comb [B,S,hc,hc]), one RMS statistic per token."""
@@ -59,7 +58,7 @@ class Block(nn.Module):
         if self.sequential_mixes:
             mixes = ops.linear_fp32_sequential(flat, fn) * rstd
         else:
-            mixes = ops.rowwise(lambda rows: F.linear(rows, fn), flat, self.row_chunk) * rstd
+            mixes = ops.invariant_matmul(flat, fn, self.row_chunk) * rstd
         return ops.hc_split_sinkhorn(mixes, scale, base, self.hc, self.sinkhorn_iters, self.hc_eps)
 
     @staticmethod
@@ -149,7 +148,7 @@ class Transformer(nn.Module):
 
     def set_batch_invariant(self, row_chunk: int = 16) -> None:
         """Make every token-wise GEMM run in fixed chunks of `row_chunk` rows (0 turns it off), so a
-        token's logits do not depend on which other tokens share the batch (see ops.rowwise)."""
+        token's logits do not depend on which other tokens share the batch (see ops.invariant_matmul)."""
         if row_chunk < 0:
             raise ValueError(f"row_chunk must be >= 0, got {row_chunk}")
         for module in self.modules():
@@ -159,7 +158,7 @@ class Transformer(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final hidden [..., dim] bf16 -> fp32 logits [..., vocab]."""
-        return ops.rowwise(lambda rows: F.linear(rows.float(), self.head.weight), x, self.row_chunk)
+        return ops.invariant_matmul(x.float(), self.head.weight, self.row_chunk)
 
     def set_engram_token_map(self, token_map: torch.Tensor) -> None:
         """Install the raw-id -> compressed-id map used by the Engram hash (spec §5)."""

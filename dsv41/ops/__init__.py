@@ -5,7 +5,7 @@ the documented shapes and numerics.
 """
 
 from dsv41.ops.engram_hash import ngram_hash
-from dsv41.ops.gemm import dequant_weight, grouped_linear, linear, linear_fp32_sequential, rowwise
+from dsv41.ops.gemm import dequant_weight, grouped_linear, invariant_matmul, linear, linear_fp32_sequential
 from dsv41.ops.indexer import candidate_pool, index_scores, mask_invisible, select_topk
 from dsv41.ops.moe import clamped_swiglu, route, router_scores
 from dsv41.ops.quant import fp4_qdq, fp4_quant, fp8_qdq, fp8_quant
@@ -14,7 +14,7 @@ from dsv41.ops.sinkhorn import hc_split_sinkhorn
 from dsv41.ops.sparse_attn import sparse_attn
 
 __all__ = [
-    "ngram_hash", "dequant_weight", "grouped_linear", "linear", "rowwise", "linear_fp32_sequential", "candidate_pool", "index_scores", "mask_invisible",
+    "ngram_hash", "dequant_weight", "grouped_linear", "invariant_matmul", "linear", "linear_fp32_sequential", "candidate_pool", "index_scores", "mask_invisible",
     "select_topk", "clamped_swiglu", "route", "router_scores", "fp4_qdq", "fp4_quant", "fp8_qdq",
     "fp8_quant", "RotaryTable", "apply_rope", "hc_split_sinkhorn", "sparse_attn",
 ]

@@ -37,20 +37,21 @@ def dequant_weight(weight: torch.Tensor, scale: Optional[torch.Tensor]) -> torch
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None,
-           out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+           out_dtype: torch.dtype = torch.bfloat16, row_chunk: int = 0) -> torch.Tensor:
     """y = x @ W^T.
 
     x: [..., K]. weight: [N, K] bf16/fp32 (plain `F.linear` in that dtype; x must match), or [N, K]
     float8_e4m3fn with `scale` [ceil(N/32), ceil(K/32)], or packed FP4 [N, K/2] with `scale` [N, K/32].
-    Quantized paths return `out_dtype` (bf16 like the reference kernels).
+    Quantized paths return `out_dtype` (bf16 like the reference kernels). row_chunk > 0: batch-invariant
+    GEMMs (`invariant_matmul`).
     """
     if is_fp8(weight) or is_fp4(weight):
         if scale is None:
             raise ValueError("a quantized weight needs its block scale")
         xq, xs = fp8_quant(x, FP8_BLOCK)
         x_deq = fp8_dequant(xq, xs, FP8_BLOCK)
-        return F.linear(x_deq, dequant_weight(weight, scale)).to(out_dtype)
-    return F.linear(x, weight)
+        return invariant_matmul(x_deq, dequant_weight(weight, scale), row_chunk).to(out_dtype)
+    return invariant_matmul(x, weight, row_chunk)
 
 
 def linear_fp32_sequential(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -68,25 +69,34 @@ def linear_fp32_sequential(x: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     return acc
 
 
-def rowwise(fn, x: torch.Tensor, chunk: int, row_dims: int = 1) -> torch.Tensor:
-    """Apply a row-independent `fn` to fixed-size chunks of the rows of x (zero-padding the last).
+def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T computed as GEMMs of exactly `chunk` rows (zero-padding the last).
 
     CPU GEMM libraries pick kernels, and with them the summation order, by the number of rows M, so a
-    token's result can change with how many other tokens share the call. With every call at exactly
+    token's result can change with how many other tokens share the call. With every GEMM at exactly
     `chunk` rows a token's result no longer depends on its batch (batch invariance). chunk 0: one call.
-    x [..., *row_shape] where the last `row_dims` dims form one row.
+
+    The chunks go to one batched GEMM (each batch entry is the same chunk-row GEMM, verified equal to
+    separate calls in tests/ops) except for large bf16 weights, where this CPU's batched bf16 GEMM is slow
+    and separate calls are faster.
     """
     if not chunk:
-        return fn(x)
-    lead, row_shape = x.shape[:x.dim() - row_dims], x.shape[x.dim() - row_dims:]
-    flat = x.reshape(-1, *row_shape)
+        return F.linear(x, weight)
+    lead, k = x.shape[:-1], x.size(-1)
+    flat = x.reshape(-1, k)
     n = flat.size(0)
     if n % chunk:
-        flat = torch.cat([flat, flat.new_zeros(chunk - n % chunk, *row_shape)])
-    out = torch.cat([fn(part) for part in flat.split(chunk)])[:n]
-    return out.reshape(*lead, *out.shape[1:])
+        flat = torch.cat([flat, flat.new_zeros(chunk - n % chunk, k)])
+    if x.dtype == torch.float32 or weight.numel() <= 1 << 16:
+        parts = flat.view(-1, chunk, k)
+        out = torch.bmm(parts, weight.t().expand(parts.size(0), k, weight.size(0))).flatten(0, 1)
+    else:
+        out = torch.cat([F.linear(part, weight) for part in flat.split(chunk)])
+    return out[:n].reshape(*lead, weight.size(0))
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, row_chunk: int = 0) -> torch.Tensor:
     """Block-diagonal projection: x [..., G, D] with weight [G, R, D] -> [..., G, R] (group g uses W_g)."""
-    return rowwise(lambda rows: torch.einsum("...gd,grd->...gr", rows, weight), x, row_chunk, row_dims=2)
+    if not row_chunk:
+        return torch.einsum("...gd,grd->...gr", x, weight)
+    return torch.stack([invariant_matmul(x[..., g, :], weight[g], row_chunk) for g in range(weight.size(0))], dim=-2)

@@ -84,3 +84,18 @@ def test_rope_inverse_undoes_rotation():
 def test_sequential_linear_matches_float64():
     x, w = torch.randn(3, 50), torch.randn(4, 50)
     assert torch.allclose(ops.linear_fp32_sequential(x, w).double(), x.double() @ w.double().T, atol=1e-4)
+
+
+def test_invariant_matmul_rows_do_not_depend_on_the_batch():
+    from dsv41.ops.gemm import invariant_matmul
+
+    g = torch.Generator().manual_seed(0)
+    for dtype, (k, n) in [(torch.float32, (64, 48)), (torch.float32, (96, 700)), (torch.bfloat16, (64, 64)),
+                          (torch.bfloat16, (256, 512))]:  # the last takes the per-chunk path
+        w = torch.randn(n, k, generator=g).to(dtype)
+        x = torch.randn(37, k, generator=g).to(dtype)
+        full = invariant_matmul(x, w, 16)
+        assert torch.allclose(full.float(), (x.float() @ w.float().t()), rtol=2e-2, atol=2e-1)
+        for m in (1, 2, 3, 5, 16, 17, 33):  # each row's result is the same whatever else is in the call
+            assert torch.equal(invariant_matmul(x[:m], w, 16), full[:m]), (dtype, k, n, m)
+        assert torch.equal(invariant_matmul(x[5:9], w, 16), full[5:9])
