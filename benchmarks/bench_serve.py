@@ -47,8 +47,8 @@ def make_engine(model, **overrides) -> LLMEngine:
 
 
 # ---------------------------------------------------------------------- decode throughput
-def engine_decode_rate(model, batch: int, prompt_len: int, new_tokens: int) -> float:
-    engine = make_engine(model)
+def engine_decode_rate(model, batch: int, prompt_len: int, new_tokens: int, **overrides) -> float:
+    engine = make_engine(model, **overrides)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     for i, p in enumerate(random_prompts(batch, prompt_len, model.cfg.vocab_size)):
         engine.add_request(f"r{i}", p, params)
@@ -86,6 +86,40 @@ def engine_ttft(model, prompt: list[int], mode: str) -> float:
     return time.perf_counter() - t
 
 
+def replay_gap(model, prompt: list[int]) -> dict:
+    """Last-position logits of bounded replay vs full prefill (same engine, same chunking)."""
+    full = make_engine(model, prefill_mode="full").prompt_logits(prompt)
+    bounded = make_engine(model, prefill_mode="bounded").prompt_logits(prompt)
+    diff = bounded - full
+    return {"max_abs": float(diff.abs().max()), "rms": float(diff.pow(2).mean().sqrt()),
+            "logit_rms": float(full.pow(2).mean().sqrt()), "argmax_agrees": bool(full.argmax() == bounded.argmax())}
+
+
+def multi_turn(model, turns: int, first_len: int, user_len: int, reply_len: int, **overrides) -> dict:
+    """A conversation: each turn's prompt is the previous prompt + reply + a new user message."""
+    engine = make_engine(model, **overrides)
+    params = SamplingParams(temperature=0, max_tokens=reply_len, ignore_eos=True)
+    users = random_prompts(turns, user_len, model.cfg.vocab_size, seed=5)
+    prompt = random_prompts(1, first_len, model.cfg.vocab_size, seed=4)[0]
+    t = time.perf_counter()
+    ttfts = []
+    for turn in range(turns):
+        if turn:
+            prompt = prompt + out.token_ids + users[turn]
+        start = time.perf_counter()
+        engine.add_request(f"turn{turn}", prompt, params)
+        out, first = None, None
+        while out is None or not out.finished:
+            for o in engine.step():
+                first = first or time.perf_counter()
+                out = o if o.finished else out
+        ttfts.append(first - start)
+    m = engine.metrics()
+    return {"seconds": time.perf_counter() - t, "ttft_s": ttfts, "hit_rate": m["prefix_cache_hit_rate"],
+            "hit_tokens": m["prefix_cache_hit_tokens"], "queried_tokens": m["prefix_cache_queried_tokens"],
+            "snapshot_hits": m["prefix_cache_snapshot_hits"], "window_rebuilds": m["window_rebuilds"]}
+
+
 def baseline_ttft(model, prompt: list[int]) -> float:
     model.set_batch_invariant(0)
     t = time.perf_counter()
@@ -101,7 +135,7 @@ def synthetic_sequence(engine: LLMEngine, context: int, seed: int = 0) -> Sequen
     seq = Sequence(f"ctx{context}", [5] * context, SamplingParams(temperature=0, max_tokens=1 << 30, ignore_eos=True),
                    engine._arrivals)
     engine._arrivals += 1
-    cache = SequenceCache(cfg, pool)
+    cache = SequenceCache(cfg, pool, engine.states, engine.states.acquire())
     cache.set_blocks([engine.allocator.allocate() for _ in range(-(-(context + 64) // pool.block_size))])
     for layer, lay in pool.sources.items():
         n = context // lay.ratio
@@ -191,11 +225,14 @@ def main(argv=None) -> int:
     rows = []
     for b in batches:
         eng = engine_decode_rate(model, b, prompt_len, new_tokens)
+        eng_fast = engine_decode_rate(model, b, prompt_len, new_tokens, batch_invariant=False)
         base = baseline_decode_rate(model, b, prompt_len, new_tokens)
-        rows.append([b, eng, base, eng / base])
-    results["decode"] = [dict(zip(["batch", "engine_tok_s", "baseline_tok_s", "ratio"], r)) for r in rows]
+        rows.append([b, eng, eng_fast, base, eng / base, eng_fast / base])
+    results["decode"] = [dict(zip(["batch", "engine_tok_s", "engine_not_batch_invariant_tok_s", "baseline_tok_s",
+                                   "ratio", "ratio_not_batch_invariant"], r)) for r in rows]
     print(table(f"\n[decode] {args.preset}, prompt {prompt_len}, {new_tokens} new tokens each",
-                ["batch", "engine tok/s", "baseline tok/s", "engine/baseline"], rows))
+                ["batch", "engine tok/s", "engine (no batch inv.) tok/s", "baseline tok/s", "engine/baseline",
+                 "no-inv./baseline"], rows))
 
     prefill_lens = [256] if quick else [512, 2048]
     rows = []
@@ -209,6 +246,32 @@ def main(argv=None) -> int:
     print(table(f"\n[prefill / time to first token] {args.preset}",
                 ["prompt", "TTFT bounded s", "TTFT full s", "TTFT baseline s", "bounded tok/s", "full tok/s",
                  "baseline tok/s", "full/bounded"], rows))
+    gaps = []
+    for n in prefill_lens:
+        (prompt,) = random_prompts(1, n, cfg.vocab_size, seed=1)
+        gaps.append({"prompt": n, **replay_gap(model, prompt)})
+    results["bounded_replay_gap"] = gaps
+    print(table(f"\n[bounded replay vs full prefill, last-position logits] {args.preset} (random weights)",
+                ["prompt", "max |diff|", "rms diff", "rms logit", "same argmax"],
+                [[g["prompt"], g["max_abs"], g["rms"], g["logit_rms"], g["argmax_agrees"]] for g in gaps]))
+
+    turns, first_len, user_len, reply_len = (3, 200, 20, 8) if quick else (6, 1500, 60, 24)
+    variants = {"prefix cache": {}, "prefix cache, rings expired": {"window_ttl_s": 0.0},
+                "no prefix cache": {"enable_prefix_caching": False}}
+    rows, conv = [], {}
+    for name, overrides in variants.items():
+        r = multi_turn(model, turns, first_len, user_len, reply_len, **{"enable_prefix_caching": True, **overrides})
+        conv[name] = r
+    base_s = conv["no prefix cache"]["seconds"]
+    for name, r in conv.items():
+        rows.append([name, r["seconds"], base_s / r["seconds"], sum(r["ttft_s"][1:]) / max(turns - 1, 1),
+                     r["hit_rate"], r["snapshot_hits"], r["window_rebuilds"]])
+    results["multi_turn"] = {"turns": turns, "first_prompt": first_len, "user_tokens": user_len,
+                             "reply_tokens": reply_len, "variants": conv}
+    print(table(f"\n[multi-turn conversation] {args.preset}: {turns} turns, first prompt {first_len}, "
+                f"+{user_len} user tokens and {reply_len}-token replies per turn",
+                ["variant", "total s", "speedup", "mean TTFT turns 2+ s", "hit rate", "snapshot hits",
+                 "window rebuilds"], rows))
 
     contexts = [1024, 4096] if quick else [1024, 16384, 65536]
     steps = 3 if quick else 5
