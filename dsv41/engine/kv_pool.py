@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv41.config import ModelConfig
-from dsv41.ops.quant import FP4_BLOCK, KV_FP4_BLOCK, fp4_dequant, fp4_quant
+from dsv41.ops.quant import FP4_BLOCK, KV_FP4_BLOCK, fp4_dequant_bf16, fp4_quant
 
 
 class PoolExhausted(RuntimeError):
@@ -99,12 +99,12 @@ class PagedKVPool:
 
     def kv_at(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """Dequantised main KV at flat rows (any shape [...]) -> bf16 [..., head_dim]."""
-        return fp4_dequant(self.kv_codes[layer][rows], self.kv_scale[layer][rows].float(), KV_FP4_BLOCK).bfloat16()
+        return fp4_dequant_bf16(self.kv_codes[layer][rows], self.kv_scale[layer][rows].float(), KV_FP4_BLOCK)
 
     def keys_at(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """Dequantised index keys at flat rows (any shape [...]) -> bf16 [..., index_dim]."""
         scale = self.key_scale[layer][rows].view(torch.float8_e8m0fnu).float()
-        return fp4_dequant(self.key_codes[layer][rows], scale, FP4_BLOCK).bfloat16()
+        return fp4_dequant_bf16(self.key_codes[layer][rows], scale, FP4_BLOCK)
 
     # ------------------------------------------------------------------ access
     def write(self, layer: int, table: torch.Tensor, first: int, kv: torch.Tensor, keys) -> None:

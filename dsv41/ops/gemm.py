@@ -85,6 +85,8 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch
     lead, k = x.shape[:-1], x.size(-1)
     flat = x.reshape(-1, k)
     n = flat.size(0)
+    if n <= chunk:  # one chunk (decode): a plain GEMM of exactly `chunk` rows
+        return F.linear(F.pad(flat, (0, 0, 0, chunk - n)), weight)[:n].reshape(*lead, weight.size(0))
     if n % chunk:
         flat = torch.cat([flat, flat.new_zeros(chunk - n % chunk, k)])
     if x.dtype == torch.float32 or weight.numel() <= 1 << 16:

@@ -442,16 +442,25 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
 
         return _sse_response(_stream_body(state, request_id, stream, first, timer, on_output, on_end))
 
-    try:
-        outs = await _guarded(state, request, request_id, _collect(state, request_id, prompt_ids, params, timer))
-    except ClientGone:
+    outs = await _run_to_end(state, request, request_id, prompt_ids, params, timer)
+    if outs is None:
         return _disconnected_response()
-    timer.done()
     last = _last(outs)
     logprobs = lp.block([x for o in outs for x in o.new_logprobs]) if want_lp else None
     body = chunk(last.text, last.finish_reason, logprobs)
     body["usage"] = _usage(len(prompt_ids), last)
     return body
+
+
+async def _run_to_end(state: ServerState, request: Request, request_id: str, prompt_ids, params,
+                      timer: "_Timer") -> Optional[list[RequestOutput]]:
+    """A non-streamed request's outputs, or None when the client went away first."""
+    try:
+        outs = await _guarded(state, request, request_id, _collect(state, request_id, prompt_ids, params, timer))
+    except ClientGone:
+        return None
+    timer.done()
+    return outs
 
 
 async def _collect(state: ServerState, request_id: str, prompt_ids, params, timer: "_Timer") -> list[RequestOutput]:
@@ -540,11 +549,9 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
         return await _chat_stream(state, req, request, request_id, created, prompt_ids, params, timer,
                                   thinking=thinking, parse_tools=parse_tools, top_n=top_n)
 
-    try:
-        outs = await _guarded(state, request, request_id, _collect(state, request_id, prompt_ids, params, timer))
-    except ClientGone:
+    outs = await _run_to_end(state, request, request_id, prompt_ids, params, timer)
+    if outs is None:
         return _disconnected_response()
-    timer.done()
     last = _last(outs)
     parsed = parse_chat_output(last.text, thinking=thinking, tools=parse_tools)
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content}

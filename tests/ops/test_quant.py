@@ -72,3 +72,12 @@ def test_weight_quantizers_round_trip():
     q4, s4 = quant.quantize_fp4_weight(w)
     assert q4.shape == (70, 48) and s4.shape == (70, 3)
     assert torch.equal(quant.dequant_fp4_weight(q4, s4), quant.fp4_qdq(w, 32, "ue8m0"))
+
+
+def test_fp4_dequant_to_bf16_is_exact():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 128, generator=g) * torch.logspace(-6, 6, 64).unsqueeze(1)
+    for block, fmt in ((16, "e4m3"), (32, "ue8m0")):
+        codes, scale = quant.fp4_quant(x, block, fmt)
+        assert torch.equal(quant.fp4_dequant_bf16(codes, scale, block), quant.fp4_dequant(codes, scale, block).bfloat16())
+        assert torch.equal(quant.fp4_dequant_bf16(codes, scale, block).float(), quant.fp4_dequant(codes, scale, block))
