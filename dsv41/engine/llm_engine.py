@@ -403,9 +403,11 @@ class LLMEngine:
         if len(recent) >= 2:
             rate = sum(n for _, n in recent[1:]) / max(recent[-1][0] - recent[0][0], 1e-9)
         q, h = self.stats.queried_tokens, self.stats.hit_tokens
+        kv = self.resident_kv_bytes()
         return {"waiting": len(self.waiting), "running": len(self.running), "kv_blocks_used": used,
-                "kv_blocks_total": total, "kv_usage": used / total, "prefix_cache_queried_tokens": q,
-                "prefix_cache_hit_tokens": h, "prefix_cache_hit_rate": h / q if q else 0.0,
+                "kv_blocks_total": total, "kv_resident_bytes_per_token": kv["global_kv_bytes_per_token"],
+                "kv_fixed_state_bytes": kv["fixed_state_bytes"], "kv_usage": used / total,
+                "prefix_cache_queried_tokens": q, "prefix_cache_hit_tokens": h, "prefix_cache_hit_rate": h / q if q else 0.0,
                 "prefix_cache_snapshot_hits": self.stats.snapshot_hits, "window_rebuilds": self.stats.window_rebuilds,
                 "generation_tokens_per_s": rate, **self.counters}
 
