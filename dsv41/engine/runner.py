@@ -136,14 +136,20 @@ class ModelRunner:
         return torch.tensor(keep, dtype=torch.int64, device=h.device)
 
     def _engram_hashes(self, chunks: list[Chunk]) -> torch.Tensor:
-        """[1, T, n_engram_layers, columns] row ids, hashing from each chunk's own context tokens."""
+        """[1, T, n_engram_layers, columns] row ids, hashing from each chunk's own context tokens.
+        Chunks with the same context and token counts (all decode tokens, typically) hash together."""
         hasher = self.model.engram_hash
-        parts = []
-        for c in chunks:
-            ids = torch.tensor(c.context + c.tokens, dtype=torch.int64, device=self.model.device).unsqueeze(0)
-            compressed = hasher.token_map[ids]
-            pad_id = int(hasher.token_map[hasher.pad_token])
+        pad_id = int(hasher.token_map[hasher.pad_token])
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, c in enumerate(chunks):
+            groups.setdefault((len(c.context), len(c.tokens)), []).append(i)
+        parts: list = [None] * len(chunks)
+        for (n_context, n_tokens), members in groups.items():
+            ids = torch.tensor([chunks[i].context + chunks[i].tokens for i in members], dtype=torch.int64,
+                               device=self.model.device)
             # the context reaches back to position 0 only when it is shorter than the look-back
-            parts.append(ops.ngram_hash(compressed, len(c.context), len(c.tokens), hasher.multipliers,
-                                        hasher.primes, hasher.offsets, pad_id))
+            hashed = ops.ngram_hash(hasher.token_map[ids], n_context, n_tokens, hasher.multipliers,
+                                    hasher.primes, hasher.offsets, pad_id)  # [members, n_tokens, L, cols]
+            for row, i in enumerate(members):
+                parts[i] = hashed[row:row + 1]
         return torch.cat(parts, dim=1)

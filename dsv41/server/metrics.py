@@ -30,6 +30,15 @@ ENGINE_METRICS = {
     "generation_tokens_per_s": ("generation_tokens_per_second", "gauge", "Recent generation throughput."),
     "requests_finished_total": ("requests_finished_total", "counter", "Requests finished in the engine."),
     "preemptions_total": ("preemptions_total", "counter", "Requests preempted for lack of KV blocks."),
+    "kv_resident_bytes_per_token": ("kv_resident_bytes_per_token", "gauge",
+                                    "Global KV bytes stored per token of the running sequences (packed FP4)."),
+    "kv_fixed_state_bytes": ("kv_fixed_state_bytes", "gauge",
+                             "Per-sequence fixed state of the running sequences (FP8 window rings, partial groups)."),
+    "prefix_cache_snapshot_hits": ("prefix_cache_snapshot_hits_total", "counter",
+                                   "Admissions that restored a message-boundary snapshot."),
+    "window_rebuilds": ("window_rebuilds_total", "counter",
+                        "Admissions that rebuilt window rings by bounded replay over cached global KV."),
+    "steps_total": ("engine_steps_total", "counter", "Engine steps run."),
 }
 
 
