@@ -283,3 +283,35 @@ def test_batched_decode_matches_the_model_per_sequence(model):
         out = runner.forward(chunks)
         for i in range(3):
             assert torch.equal(out[i], expected[i][step]), (step, i)
+
+
+def test_snapshot_restore_is_lossless(model):
+    """A follow-up turn restored from the message-boundary snapshot (tail block, partial groups, rings)
+    gives exactly the logits of one sequence that never stopped: prefill, decode the reply, prefill the
+    next user message, with the same chunk boundaries."""
+    from dsv41.engine.runner import decoder_boundary
+
+    cfg = model.cfg
+    first, suffix, other = prompts([61, 6, 40], seed=12)
+    engine = make(model)  # prefill_chunk_size 16, block_size 8, bounded replay
+    # 7 tokens: the snapshot is at an odd length (a ratio-2 partial group) inside a block (a tail)
+    reply = engine.generate([first], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))[0].token_ids
+    engine.generate([other], SamplingParams(temperature=0, max_tokens=2))  # reuses (scribbles on) freed blocks
+    turn2 = first + reply + suffix
+    restored = engine.prompt_logits(turn2)
+    assert engine.stats.snapshot_hits == 1 and engine.stats.hit_tokens == len(first) + 6
+
+    cache = SequenceCache(cfg, PagedKVPool(cfg, 8, 16), StatePool(cfg, 1), 0)
+    cache.set_blocks(list(range(16)))
+    replay_from = len(first) - cfg.window_size
+    for layer in range(decoder_boundary(model), cfg.n_layers):
+        cache.first[layer] = replay_from
+    runner = ModelRunner(model)
+    for start in range(0, len(first), 16):
+        end = min(start + 16, len(first))
+        runner.forward([Chunk(cache, first[start:end], start, first[max(0, start - 3):start], replay_from)])
+    for p in range(len(first), len(first) + 6):
+        runner.forward([Chunk(cache, [turn2[p]], p, turn2[p - 3:p], decode=True)])
+    p = len(first) + 6
+    continued = runner.forward([Chunk(cache, turn2[p:], p, turn2[p - 3:p], p)])[0]
+    assert torch.equal(restored, continued)
