@@ -32,7 +32,7 @@ class DecodeBatch:
     positions: torch.Tensor  # [B] int64
     slots: torch.Tensor  # [B]
     tables: torch.Tensor  # [B, max_blocks] int64, padded with each sequence's first block
-    shared: dict = field(default_factory=dict)  # per-step selections: "topk" by index source, "candidates"
+    shared: dict = field(default_factory=dict)  # per-step selections: "topk" by index source, "candidate_blocks"
 
     @classmethod
     def build(cls, caches: list, positions: list[int], device) -> "DecodeBatch":
@@ -121,7 +121,10 @@ def _compress(attn, x, batch: DecodeBatch, states: StatePool, pool: PagedKVPool)
 
 
 def _select(attn, x, qr, batch: DecodeBatch, pool: PagedKVPool) -> torch.Tensor:
-    """Indexer top-k for each sequence's new token -> entry ids [B, 1, index_topk] (-1 unused)."""
+    """Indexer top-k for each sequence's new token -> entry ids [B, 1, index_topk] (-1 unused).
+
+    A Reindex layer scores only the entries of the candidate blocks its candidate source picked this
+    step (the hierarchical indexer, spec §4), so its cost does not grow with the context."""
     idx, src, ratio = attn.indexer, attn.kv_source, attn.ratio
     pos = batch.positions
     b = pos.numel()
@@ -129,19 +132,27 @@ def _select(attn, x, qr, batch: DecodeBatch, pool: PagedKVPool) -> torch.Tensor:
     t = int(visible.max())
     if t == 0:
         return torch.full((b, 1, idx.topk), -1, dtype=torch.int64, device=pos.device)
-    entries = torch.minimum(torch.arange(t, device=pos.device).expand(b, t), (visible - 1).clamp_min(0).unsqueeze(1))
-    keys = pool.keys_at(src, pool.rows_batched(src, batch.tables, entries))  # [B, T, index_dim]
+    last = (visible - 1).clamp_min(0).view(b, 1, 1)
+    if idx.uses_candidates:
+        blocks = batch.shared["candidate_blocks"]  # [B, 1, n_blocks]
+        size = idx.candidate_block_size
+        entries = (blocks.clamp_min(0).unsqueeze(-1) * size + torch.arange(size, device=pos.device)).flatten(-2)
+        usable = (blocks >= 0).repeat_interleave(size, dim=-1) & (entries < visible.view(b, 1, 1))
+    else:
+        entries = torch.arange(t, device=pos.device).expand(b, 1, t)
+        usable = entries < visible.view(b, 1, 1)
+    keys = pool.keys_at(src, pool.rows_batched(src, batch.tables, torch.minimum(entries, last)[:, 0]))  # [B, n, d]
     freqs = attn.rope.at(pos, x.device)
     q = idx.wq_b(qr).unflatten(-1, (idx.n_heads, idx.head_dim))
     q = ops.fp4_qdq(_rope_rows(q, freqs, idx.rope_dim), FP4_BLOCK, "ue8m0")
     weights = idx.weights_proj(x) * idx.weight_scale
-    scores = ops.mask_invisible(ops.index_scores(q, keys, weights), visible.view(b, 1, 1))  # [B, 1, T]
+    scores = ops.index_scores(q, keys, weights).masked_fill(~usable, -torch.inf)  # [B, 1, n]
     if idx.is_candidate_source:
-        batch.shared["candidates"] = ops.candidate_pool(scores, visible.view(b, 1, 1), idx.candidate_blocks,
-                                                        idx.candidate_block_size)
-    elif idx.uses_candidates:
-        scores = scores.masked_fill(~batch.shared["candidates"], -torch.inf)
-    picked = ops.select_topk(scores, min(idx.topk, t)).long()
+        batch.shared["candidate_blocks"] = ops.candidate_blocks(scores, visible.view(b, 1, 1), idx.candidate_blocks,
+                                                                idx.candidate_block_size)
+    top = scores.topk(min(idx.topk, scores.size(-1)), dim=-1, sorted=False)
+    picked, order = entries.gather(-1, top.indices).sort(dim=-1)  # ascending positions, like select_topk
+    picked = torch.where(top.values.gather(-1, order) > -torch.inf, picked, -1)
     if picked.size(-1) < idx.topk:  # a fixed width keeps each row's attention independent of the batch
         picked = torch.nn.functional.pad(picked, (0, idx.topk - picked.size(-1)), value=-1)
     return picked

@@ -26,13 +26,12 @@ def mask_invisible(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     return scores.masked_fill(positions >= visible, -torch.inf)
 
 
-def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int, block_size: int) -> torch.Tensor:
-    """Level one of the two-level top-k: a boolean mask [B, S, T] of the positions in the `n_blocks`
-    best blocks of `block_size` positions, a block scored by its best position.
+def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int, block_size: int) -> torch.Tensor:
+    """Level one of the two-level top-k: the `n_blocks` best blocks of `block_size` positions, a block
+    scored by its best position, as block ids int64 [B, S, min(n_blocks, blocks)] (-1: no visible entry).
 
-    scores [B, S, T] with invisible entries at -inf; visible [S, 1] (or a 0-dim) count of visible entries.
-    The block holding the query's newest visible entry is always kept; blocks with no visible entry
-    are never kept.
+    scores [B, S, T] with invisible entries at -inf; visible [S, 1] (or [B, 1, 1], or a 0-dim) count of
+    visible entries. The block holding the query's newest visible entry is always kept.
     """
     width = scores.size(-1)
     padded = F.pad(scores, (0, -width % block_size), value=-torch.inf)
@@ -41,8 +40,18 @@ def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int, b
     newest = torch.div(visible - 1, block_size, rounding_mode="floor")
     block_scores = block_scores.masked_fill(torch.arange(n_total, device=scores.device) == newest, torch.inf)
     top = block_scores.topk(min(n_blocks, n_total), dim=-1)
-    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, top.indices, top.values > -torch.inf)
-    return keep.repeat_interleave(block_size, dim=-1)[..., :width]
+    return torch.where(top.values > -torch.inf, top.indices, -1)
+
+
+def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int, block_size: int) -> torch.Tensor:
+    """The candidate pool as a boolean mask [B, S, T] over positions (see `candidate_blocks`); blocks with
+    no visible entry are never kept."""
+    width = scores.size(-1)
+    blocks = candidate_blocks(scores, visible, n_blocks, block_size)
+    n_total = -(-width // block_size)
+    keep = torch.zeros(*blocks.shape[:-1], n_total + 1, dtype=torch.bool, device=scores.device)
+    keep.scatter_(-1, torch.where(blocks >= 0, blocks, n_total), True)  # -1 goes to a spare column
+    return keep[..., :n_total].repeat_interleave(block_size, dim=-1)[..., :width]
 
 
 def select_topk(scores: torch.Tensor, k: int, offset: int = 0) -> torch.Tensor:
