@@ -83,8 +83,11 @@ def _compressed(attn, x, qr, batch: DecodeBatch, states: StatePool, pool: PagedK
         batch.shared.setdefault("topk", {})[attn.layer_id] = _select(attn, x, qr, batch, pool)
     picked = batch.shared["topk"][attn.index_source]  # [B, 1, index_topk] entry ids, -1 unused
     valid = picked >= 0
-    rows = pool.rows_batched(src, batch.tables, picked[:, 0].clamp_min(0))  # [B, k]
-    comp = pool.kv_at(src, rows)  # [B, k, D]
+    gathered = batch.shared.setdefault("gathered", {})
+    key = (src, attn.index_source)  # Reuse layers read exactly what their source read: dequantise once
+    if key not in gathered:
+        gathered[key] = pool.kv_at(src, pool.rows_batched(src, batch.tables, picked[:, 0].clamp_min(0)))  # [B, k, D]
+    comp = gathered[key]
     k = picked.size(-1)
     comp_ids = torch.where(valid, offset + torch.arange(k, device=pos.device), -1)
     return comp, comp_ids
