@@ -102,17 +102,17 @@ def multi_turn(model, turns: int, first_len: int, user_len: int, reply_len: int,
     users = random_prompts(turns, user_len, model.cfg.vocab_size, seed=5)
     prompt = random_prompts(1, first_len, model.cfg.vocab_size, seed=4)[0]
     t = time.perf_counter()
-    ttfts = []
+    ttfts, reply = [], []
     for turn in range(turns):
         if turn:
-            prompt = prompt + out.token_ids + users[turn]
+            prompt = prompt + reply + users[turn]
         start = time.perf_counter()
         engine.add_request(f"turn{turn}", prompt, params)
-        out, first = None, None
-        while out is None or not out.finished:
+        first, done = None, False
+        while not done:
             for o in engine.step():
                 first = first or time.perf_counter()
-                out = o if o.finished else out
+                done, reply = o.finished, o.token_ids
         ttfts.append(first - start)
     m = engine.metrics()
     return {"seconds": time.perf_counter() - t, "ttft_s": ttfts, "hit_rate": m["prefix_cache_hit_rate"],
