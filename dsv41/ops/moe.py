@@ -1,4 +1,5 @@
-"""MoE tensor math: router scores and the clamped SwiGLU (spec-v41.md §7)."""
+"""MoE tensor math: router scores, the clamped SwiGLU, and the training-time balancing (spec-v41.md §7,
+training.md §7): the aux-loss-free bias update and the sequence-wise balance loss."""
 
 from __future__ import annotations
 
@@ -35,3 +36,32 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
         up = up.clamp(-limit, limit)
         gate = gate.clamp(max=limit)
     return F.silu(gate) * up
+
+
+def expert_load(indices: torch.Tensor, n_experts: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Tokens routed to each expert: indices [..., k] -> fp32 counts [E] (only rows where mask is True)."""
+    if mask is not None:
+        indices = indices[mask]
+    return torch.bincount(indices.reshape(-1), minlength=n_experts).float()
+
+
+def balance_bias_update(bias: torch.Tensor, load: torch.Tensor, rate: float = 1e-3) -> torch.Tensor:
+    """Aux-loss-free balancing: b_e += rate * sign(mean load - load_e). Returns the new bias; an all-zero
+    load (no tokens of this modality in the batch) leaves the bias unchanged."""
+    if load.sum() == 0:
+        return bias.clone()
+    return bias + rate * torch.sign(load.mean() - load)
+
+
+def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss sum_e f_e * P_e, averaged over sequences (multiply by the
+    weight, 1e-4, outside). scores [B, T, E] router affinities (differentiable), indices [B, T, k] picks.
+
+    f_e = E / (k T) * (tokens of the sequence routed to e); P_e = mean over the sequence of the
+    affinities normalised per token. Balanced routing gives 1 for uniform scores.
+    """
+    b, t, k = indices.shape
+    picked = torch.zeros(b, t, n_experts, device=scores.device).scatter_(-1, indices, 1.0)
+    f = picked.sum(dim=1) * (n_experts / (k * t))  # [B, E]
+    p = (scores / scores.sum(dim=-1, keepdim=True).clamp_min(1e-20)).mean(dim=1)  # [B, E]
+    return (f * p).sum(dim=-1).mean()
