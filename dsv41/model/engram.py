@@ -135,9 +135,17 @@ class EngramTable(nn.Module):
         self.scale = nn.Parameter(torch.ones(rows, dim // self.block, dtype=torch.float8_e8m0fnu), requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [...] -> bf16 [..., dim]."""
+        """ids [...] -> bf16 [..., dim] (or the table's own dtype once made trainable)."""
+        if self.scale is None:
+            return self.weight[ids]
         values = self.weight[ids].float().unflatten(-1, (-1, self.block)) * self.scale[ids].float().unsqueeze(-1)
         return values.flatten(-2).to(torch.bfloat16)
+
+    def make_trainable(self, dtype: torch.dtype = torch.float32) -> None:
+        """Replace the FP8 rows and scales by one dequantised, trainable table (training.md §2)."""
+        rows = (self.weight.float().unflatten(-1, (-1, self.block)) * self.scale.float().unsqueeze(-1)).flatten(-2)
+        self.weight = nn.Parameter(rows.to(dtype), requires_grad=True)
+        self.scale = None
 
 
 class Engram(nn.Module):

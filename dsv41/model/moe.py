@@ -30,14 +30,23 @@ class Gate(nn.Module):
             self.register_parameter("bias_vl", None)
         self.row_chunk = 0  # > 0: batch-invariant logits (see ops.invariant_matmul)
 
-    def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, dim] -> (weights [T, k] fp32, expert ids [T, k])."""
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, dim] -> fp32 affinities [T, E] (before the selection bias)."""
         logits = ops.invariant_matmul(x.float(), self.weight.float(), self.row_chunk) / self.temperature
-        scores = ops.router_scores(logits, self.score_func)
+        return ops.router_scores(logits, self.score_func)
+
+    def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None, aux: Optional[list] = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, dim] -> (weights [T, k] fp32, expert ids [T, k]). aux: if a list, receives
+        (scores, expert ids) for the training-time balancing (dsv41.model.training)."""
+        scores = self.scores(x)
         bias = self.bias
         if image_mask is not None and self.bias_vl is not None:
             bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl, bias)
-        return ops.route(scores, bias, self.topk, self.normalize, self.route_scale)
+        weights, indices = ops.route(scores, bias, self.topk, self.normalize, self.route_scale)
+        if aux is not None:
+            aux.append((scores, indices))
+        return weights, indices
 
 
 class Expert(nn.Module):
@@ -68,11 +77,12 @@ class MoE(nn.Module):
             Expert(cfg.dim, cfg.moe_inter_dim, expert_fmt, cfg.swiglu_limit) for _ in range(n_experts))
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, cfg.dtype, cfg.swiglu_limit)
 
-    def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None, aux: Optional[list] = None
+                ) -> torch.Tensor:
         """x [B, S, dim] bf16 -> [B, S, dim] bf16. Routed outputs are summed in fp32 in expert order."""
         shape = x.shape
         x = x.reshape(-1, self.dim)
-        weights, indices = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
+        weights, indices = self.gate(x, None if image_mask is None else image_mask.reshape(-1), aux)
         out = torch.zeros_like(x, dtype=torch.float32)
         counts = torch.bincount(indices.flatten(), minlength=len(self.experts)).tolist()
         for e, count in enumerate(counts):

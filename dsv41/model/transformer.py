@@ -89,7 +89,7 @@ class Block(nn.Module):
 
         residual = h
         ffn_pre, ffn_post, ffn_comb = self.hc_mixes(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
-        x = self.ffn(self.ffn_norm(self.hc_pre(h, attn_pre)), image_mask)
+        x = self.ffn(self.ffn_norm(self.hc_pre(h, attn_pre)), image_mask, shared.get("moe_aux"))
         _trace(shared, f"hidden.layers.{self.layer_id}.ffn_out", x)
         h = self.hc_post(x, residual, ffn_post, ffn_comb)
         return h, ffn_pre

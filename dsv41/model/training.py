@@ -1,0 +1,221 @@
+"""The differentiable training forward of the V4.1 model (training.md §4, §5, §7; spec-v41.md §2.1, §3, §4, §8).
+
+It runs the same modules as `Transformer.forward` over whole sequences from position 0, without a cache,
+with these training-time differences:
+
+- Attention is written as one masked softmax over [the sequence's own window KV | the compressed
+  entries] (a boolean mask per query: its window, and its top-k selection), with the per-head sink in
+  the denominator. This is the independent formulation of `ops.sparse_attn` and works in any dtype.
+- QAT (`qat=True`): the window KV, the compressed KV and the indexer q/k go through the inference
+  roundings with a straight-through gradient (dsv41.ops.qat), at the points where the cache is written.
+- The indexer trains from step 0 with no dense warm-up: its inputs are detached, the top-k is taken on
+  its scores, and a KL loss pulls its distribution over the selected set towards the main attention's
+  (summed over heads, L1-normalised, stop-gradient). So the LM loss trains the model and the KL trains
+  the indexer. `dense_indexer=True` (ablations / warm-up) attends to every visible entry and takes the
+  KL over all of them.
+- MoE: the routing of every layer is collected for the sequence-wise balance loss and the expert loads
+  (the aux-loss-free bias update is applied by the trainer with `ops.moe.balance_bias_update`).
+- `replay_start`: simulate CED bounded replay (spec §2.1): decoder queries at or after it do not see
+  window keys before it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from dsv41 import ops
+from dsv41.model.transformer import Block, Transformer
+from dsv41.ops import qat as qat_ops
+from dsv41.ops.quant import FP4_BLOCK
+
+
+@dataclass
+class TrainOptions:
+    qat: bool = True
+    qat_clip: bool = False  # clipped straight-through estimator
+    dense_indexer: bool = False  # attend to every visible compressed entry (dense warm-up / ablation)
+    replay_start: Optional[int] = None  # simulate bounded replay for the decoder from this position
+
+
+@dataclass
+class TrainOutput:
+    logits: torch.Tensor  # [B, S, vocab] fp32
+    indexer_kl: torch.Tensor  # scalar, mean over index-source layers
+    balance_loss: torch.Tensor  # scalar, mean over MoE layers of the sequence-wise balance loss
+    expert_load: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> tokens per expert [E]
+    routing: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> expert ids [B*S, k]
+
+
+def prepare_for_training(model: Transformer, dtype: torch.dtype = torch.float32) -> Transformer:
+    """fp32 (or `dtype`) master weights everywhere, trainable Engram tables, no batch-invariant chunking."""
+    for layer in model.layers:
+        if layer.engram is not None:
+            layer.engram.embed.make_trainable(dtype)
+    model.set_batch_invariant(0)
+    return model.to(dtype)
+
+
+def decoder_start(cfg) -> int:
+    """First layer whose window is truncated under bounded replay: the decoder's kv source."""
+    return max(cfg.kv_source_layers) if cfg.kv_source_layers else cfg.n_layers
+
+
+class _Context:
+    """Per-forward state shared across layers: compressed entries and keys by kv source, selections by
+    index source, the candidate pool, and the indexer losses."""
+
+    def __init__(self, opts: TrainOptions, seq_len: int, device):
+        self.opts, self.seq_len, self.device = opts, seq_len, device
+        self.compressed: dict[int, torch.Tensor] = {}
+        self.keys: dict[int, torch.Tensor] = {}
+        self.selected: dict[int, torch.Tensor] = {}
+        self.candidates: Optional[torch.Tensor] = None
+        self.kl: list[torch.Tensor] = []
+
+
+def _fq(x: torch.Tensor, kind: str, opts: TrainOptions) -> torch.Tensor:
+    if not opts.qat:
+        return x
+    if kind == "window":
+        return qat_ops.fp8_fake_quant(x)
+    if kind == "kv":
+        return qat_ops.kv_fake_quant(x, opts.qat_clip)
+    return qat_ops.fp4_fake_quant(x, FP4_BLOCK, "ue8m0", opts.qat_clip)
+
+
+def _compress(compressor, x: torch.Tensor) -> torch.Tensor:
+    """Latents of the complete groups of a whole sequence: x [B, S, dim] -> [B, S // ratio, head_dim]."""
+    if compressor.ratio == 1:
+        return compressor.norm(compressor.wkv(x))
+    ratio = compressor.ratio
+    b, s, _ = x.shape
+    used = s // ratio * ratio
+    kv = compressor.wkv(x[:, :used].float()).unflatten(1, (-1, ratio))  # [B, G, ratio, D]
+    score = compressor.wgate(x[:, :used].float()).unflatten(1, (-1, ratio))
+    return compressor.norm((kv * score.softmax(dim=2)).sum(dim=2).to(x.dtype))
+
+
+def _indexer_kl(attn_probs: torch.Tensor, index_logits: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+    """KL(p || softmax(I)) over each query's selected set, averaged over queries with a selection.
+
+    attn_probs [B, S, H, T] main attention on the compressed entries (detached here); index_logits
+    [B, S, T] (-inf outside the visible set); selected [B, S, T] bool."""
+    target = attn_probs.detach().sum(dim=2).masked_fill(~selected, 0.0)
+    mass = target.sum(dim=-1, keepdim=True)
+    has = (mass.squeeze(-1) > 0) & selected.any(dim=-1)
+    if not bool(has.any()):
+        return index_logits.sum() * 0.0
+    p = target / mass.clamp_min(1e-30)
+    log_q = torch.log_softmax(index_logits.masked_fill(~selected, -torch.inf), dim=-1)
+    terms = torch.where(p > 0, p * (torch.log(p.clamp_min(1e-30)) - log_q), torch.zeros_like(p))
+    return terms.sum(dim=-1)[has].mean()
+
+
+def _compressed(attn, x: torch.Tensor, qr: torch.Tensor, ctx: _Context) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Returns (compressed rows [B, T, D], selection mask [B, S, T], index logits [B, S, T] or None)."""
+    opts, src, ratio = ctx.opts, attn.kv_source, attn.ratio
+    s = ctx.seq_len
+    if attn.compressor is not None:
+        latent = _compress(attn.compressor, x)  # [B, G, D]
+        g = latent.size(1)
+        freqs = attn.rope.at(torch.arange(g) * ratio, x.device)  # a group is stamped with its first token
+        if attn.indexer is not None:  # index keys from the detached latent: only the KL trains them
+            idx = attn.indexer
+            keys = ops.apply_rope(idx.k_norm(idx.wk(latent.detach())), freqs, idx.rope_dim)
+            ctx.keys[src] = _fq(keys, "index", opts)
+        ctx.compressed[src] = _fq(ops.apply_rope(latent, freqs, attn.rope_dim), "kv", opts)
+    rows = ctx.compressed[src]
+    t = rows.size(1)
+    pos = torch.arange(s, device=x.device)
+    visible = torch.arange(t, device=x.device).unsqueeze(0) < ((pos + 1) // ratio).unsqueeze(1)  # [S, T]
+    if attn.indexer is None:
+        return rows, ctx.selected[attn.index_source], None
+    idx = attn.indexer
+    freqs = attn.rope(0, s, x.device)
+    q = idx.wq_b(qr.detach()).unflatten(-1, (idx.n_heads, idx.head_dim))
+    q = _fq(ops.apply_rope(q, freqs, idx.rope_dim), "index", opts)
+    weights = idx.weights_proj(x.detach()) * idx.weight_scale
+    per_head = torch.einsum("bshd,btd->bsht", q, ctx.keys[src].to(q.dtype))
+    logits = (per_head.relu() * weights.unsqueeze(-1)).sum(dim=2).masked_fill(~visible, -torch.inf)  # [B, S, T]
+    n_visible = ((pos + 1) // ratio).unsqueeze(-1)
+    if idx.is_candidate_source:
+        ctx.candidates = ops.candidate_pool(logits.detach(), n_visible, idx.candidate_blocks, idx.candidate_block_size)
+    elif idx.uses_candidates:
+        logits = logits.masked_fill(~ctx.candidates, -torch.inf)
+    if opts.dense_indexer or t == 0:
+        selected = torch.isfinite(logits.detach()) if idx.uses_candidates else visible.expand_as(logits)
+    else:
+        top = logits.detach().topk(min(idx.topk, t), dim=-1)
+        selected = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, top.indices, top.values > -torch.inf)
+    ctx.selected[attn.layer_id] = selected
+    return rows, selected, logits
+
+
+def attention_train(attn, x: torch.Tensor, ctx: _Context) -> torch.Tensor:
+    """One layer's attention over whole sequences: x [B, S, dim] (normed input) -> [B, S, dim]."""
+    b, s, _ = x.shape
+    opts = ctx.opts
+    freqs = attn.rope(0, s, x.device)
+    qr = attn.q_norm(attn.wq_a(x))
+    q = ops.apply_rope(attn.wq_b(qr).unflatten(-1, (attn.n_heads, attn.head_dim)), freqs, attn.rope_dim)
+    kv = _fq(ops.apply_rope(attn.kv_norm(attn.wkv(x)), freqs, attn.rope_dim), "window", opts)
+
+    pos = torch.arange(s, device=x.device)
+    window = (pos.unsqueeze(0) <= pos.unsqueeze(1)) & (pos.unsqueeze(0) > pos.unsqueeze(1) - attn.window)  # [S, S]
+    start = opts.replay_start
+    if start is not None and attn.layer_id >= ctx.decoder_from:
+        window = window & ~((pos.unsqueeze(1) >= start) & (pos.unsqueeze(0) < start))
+    rows, mask = kv, window.expand(b, s, s)
+    index_logits = selected = None
+    if attn.ratio:
+        comp, selected, index_logits = _compressed(attn, x, qr, ctx)
+        rows = torch.cat([kv, comp.to(kv.dtype)], dim=1)
+        mask = torch.cat([mask, selected], dim=-1)
+
+    # the softmax in fp32 whatever the weights' dtype, like the inference kernel
+    rows32 = rows.float()
+    logits = torch.einsum("bshd,bnd->bshn", q.float(), rows32) * attn.softmax_scale
+    logits = logits.masked_fill(~mask.unsqueeze(2), -torch.inf)
+    sink = attn.attn_sink.float().view(1, 1, -1, 1).expand(b, s, attn.n_heads, 1)
+    probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]  # [B, S, H, N]
+    o = torch.einsum("bshn,bnd->bshd", probs, rows32).to(q.dtype)
+    if index_logits is not None:
+        ctx.kl.append(_indexer_kl(probs[..., s:], index_logits, selected))
+    return attn.output(o, freqs)
+
+
+def forward_train(model: Transformer, input_ids: torch.Tensor, opts: Optional[TrainOptions] = None) -> TrainOutput:
+    """input_ids [B, S] from position 0 -> logits and the auxiliary losses (see the module docstring)."""
+    opts = opts or TrainOptions()
+    cfg = model.cfg
+    b, s = input_ids.shape
+    device = input_ids.device
+    ctx = _Context(opts, s, device)
+    ctx.decoder_from = decoder_start(cfg)
+    hash_ids = None
+    if model.engram_hash is not None:
+        history = torch.zeros(b, s, dtype=torch.int64, device=device)
+        hash_ids = model.engram_hash(input_ids, 0, history)
+    h = model.embed(input_ids).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [B, S, hc, dim]
+    pre_mix = torch.zeros(b, s, cfg.hc_mult, dtype=torch.float32, device=device)
+    pre_mix[..., 0] = 1.0
+    moe_aux: list = []
+    shared = {"moe_aux": moe_aux}
+    for i, layer in enumerate(model.layers):
+        if layer.engram is not None:
+            h = layer.engram(h, hash_ids[:, :, model.engram_layout.layer_ids.index(i)])
+        h, pre_mix = layer.run(h, pre_mix, lambda x: attention_train(layer.attn, x, ctx), shared)
+    logits = model.logits(model.norm(Block.hc_pre(h, pre_mix)))
+
+    zero = logits.sum() * 0.0
+    kl = torch.stack(ctx.kl).mean() if ctx.kl else zero
+    balance, loads, routing = [], {}, {}
+    for layer, (scores, indices) in zip((i for i in range(cfg.n_layers)), moe_aux):
+        n_experts = scores.size(-1)
+        balance.append(ops.moe.sequence_balance_loss(scores.view(b, s, -1), indices.view(b, s, -1), n_experts))
+        loads[layer] = ops.moe.expert_load(indices, n_experts)
+        routing[layer] = indices
+    return TrainOutput(logits, kl, torch.stack(balance).mean() if balance else zero, loads, routing)
