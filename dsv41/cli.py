@@ -303,10 +303,47 @@ def build_parser() -> argparse.ArgumentParser:
     p_serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _add_engine_args(p_serve)
     p_serve.set_defaults(func=cmd_serve)
+
+    p_train = sub.add_parser("train", help="pre-train from scratch (V4.1 recipe; torchrun for FSDP2)")
+    _add_train_args(p_train)
+    p_train.set_defaults(func=cmd_train)
+
+    sub.add_parser("data", help="build train/val token shards from offline text (dsv41 data --help)")
     return parser
 
 
+def cmd_train(args) -> int:
+    from dsv41.train import TrainConfig, train
+
+    given = {f.name: getattr(args, f"train_{f.name}") for f in dataclasses.fields(TrainConfig)
+             if getattr(args, f"train_{f.name}", None) is not None}
+    last = train(TrainConfig(**given))
+    if last:
+        shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in last.items()}
+        print(json.dumps(shown))
+    return 0
+
+
+def _add_train_args(p: argparse.ArgumentParser) -> None:
+    from dsv41.train import TrainConfig
+
+    for f in dataclasses.fields(TrainConfig):
+        opt, kind = "--" + f.name.replace("_", "-"), _field_type(f)
+        if f.name == "data":
+            kind = str
+        help_ = f"default {f.default}"
+        if kind is bool:
+            p.add_argument(opt, dest=f"train_{f.name}", action=argparse.BooleanOptionalAction, default=None, help=help_)
+        else:
+            p.add_argument(opt, dest=f"train_{f.name}", type=kind, default=None, help=help_)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "data":  # its own parser (python -m dsv41.data.build), options passed through
+        from dsv41.data.build import main as build_main
+
+        return build_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

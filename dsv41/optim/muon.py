@@ -1,0 +1,127 @@
+"""Muon and head-wise Muon for hidden 2-D matrices (training.md §1.1, §1.2; spec-v41.md §7).
+
+Per parameter W (A×B, or a batch of matrices) with gradient G, one step is (training.md §1.1):
+
+1. momentum  M ← μM + G;  Nesterov U = G + μM (plain: U = M).  μ = 0.95.
+2. orthogonalise  O = NS(U) with the V4 hybrid 8+2 Newton-Schulz schedule (see `newton_schulz`).
+3. update-RMS matching  O ← γ·√max(A, B)·O, so that the update RMS is γ = 0.18 (an orthogonal A×B
+   matrix has RMS 1/√max(A, B)); γ = 0.18 is the V4/V4.1 value (spec §7), close to AdamW's
+   typical update RMS (Moonlight uses 0.2), so Muon can share AdamW's lr and wd.
+4. decoupled weight decay  W ← W(1 − η·wd), then W ← W − η·O.
+
+Head-wise Muon (training.md §1.2): a group option `heads` = H (or `head_dim` = d) views W ∈ R^{(H·d)×B}
+as H row blocks of d×B, orthogonalises each block independently (batched NS over the H axis) and
+scales each block by γ·√max(d, B). H = 1 is plain Muon. Parameters with more than two dimensions
+(expert stacks [E, out, in]) are orthogonalised per leading index, never as one flattened matrix.
+
+Computation is in fp32 whatever the parameter dtype (the trainer keeps fp32 master weights); nothing
+assumes CUDA. The optimizer does not modify `p.grad`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Optional
+
+import torch
+
+from dsv41.optim.newton_schulz import newton_schulz, resolve_schedule
+
+MUON_RMS = 0.18  # update RMS γ of V4/V4.1 (spec §7, training.md §1.1)
+
+
+def row_blocks(shape: torch.Size | tuple[int, ...], heads: int = 1, head_dim: Optional[int] = None) -> tuple[int, ...]:
+    """The batched matrix shape NS sees for a parameter of `shape`: (..., heads, rows/heads, cols)."""
+    if len(shape) < 2:
+        raise ValueError(f"Muon needs parameters with >= 2 dims, got shape {tuple(shape)}")
+    rows, cols = shape[-2], shape[-1]
+    if head_dim is not None:
+        if head_dim <= 0 or rows % head_dim:
+            raise ValueError(f"head_dim {head_dim} does not divide the {rows} rows of shape {tuple(shape)}")
+        heads = rows // head_dim
+    if heads <= 0 or rows % heads:
+        raise ValueError(f"heads {heads} does not divide the {rows} rows of shape {tuple(shape)}")
+    if heads == 1:
+        return tuple(shape)
+    return tuple(shape[:-2]) + (heads, rows // heads, cols)
+
+
+@torch.no_grad()
+def muon_direction(
+    u: torch.Tensor,
+    heads: int = 1,
+    head_dim: Optional[int] = None,
+    rms: float = MUON_RMS,
+    schedule: Any = "v4",
+    ns_dtype: torch.dtype = torch.float32,
+    eps: float = 1e-7,
+) -> torch.Tensor:
+    """The scaled, orthogonalised update direction (fp32, u's shape) for a momentum-mixed gradient `u`."""
+    blocks = row_blocks(u.shape, heads, head_dim)
+    o = newton_schulz(u.reshape(blocks), schedule=schedule, eps=eps, dtype=ns_dtype).to(torch.float32)
+    o.mul_(rms * math.sqrt(max(blocks[-2], blocks[-1])))
+    return o.reshape(u.shape)
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon with the V4 hybrid Newton-Schulz schedule, RMS matching and optional head-wise blocks.
+
+    Group options: lr, weight_decay (decoupled), momentum, nesterov, rms (γ), ns_schedule ("v4",
+    "keller" or a list of (a, b, c)), ns_dtype, eps, heads / head_dim (row blocks orthogonalised
+    separately; heads=1 and head_dim=None is plain Muon).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        rms: float = MUON_RMS,
+        ns_schedule: Any = "v4",
+        ns_dtype: torch.dtype = torch.float32,
+        eps: float = 1e-7,
+        heads: int = 1,
+        head_dim: Optional[int] = None,
+    ) -> None:
+        if lr < 0 or weight_decay < 0 or not 0 <= momentum < 1 or rms <= 0:
+            raise ValueError("Muon: need lr >= 0, weight_decay >= 0, 0 <= momentum < 1, rms > 0")
+        resolve_schedule(ns_schedule)
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, rms=rms,
+                        ns_schedule=ns_schedule, ns_dtype=ns_dtype, eps=eps, heads=heads, head_dim=head_dim)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                row_blocks(p.shape, group["heads"], group["head_dim"])  # validate shapes up front
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad.to(torch.float32)
+                if mu > 0:
+                    state = self.state[p]
+                    buf = state.get("momentum_buffer")
+                    if buf is None:
+                        buf = state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32,
+                                                                          memory_format=torch.preserve_format)
+                    elif buf.dtype != torch.float32:  # load_state_dict casts state to the param dtype
+                        buf = state["momentum_buffer"] = buf.to(torch.float32)
+                    buf.mul_(mu).add_(g)
+                    u = g.add(buf, alpha=mu) if group["nesterov"] else buf
+                else:
+                    u = g
+                o = muon_direction(u, group["heads"], group["head_dim"], group["rms"], group["ns_schedule"],
+                                   group["ns_dtype"], group["eps"])
+                if wd:
+                    p.mul_(1.0 - lr * wd)
+                p.add_(o.to(p.dtype), alpha=-lr)
+        return loss

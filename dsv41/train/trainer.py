@@ -1,0 +1,289 @@
+"""Pre-training from scratch with the V4.1 recipe (training.md §1, §4, §5, §7, §10; spec-v41.md §7).
+
+One step: `grad_accum` micro-batches through `dsv41.model.training.forward_train` (QAT, indexer KL from
+step 0, balance loss); loss = LM + kl_weight * KL + balance_weight * balance; gradient clipping; the
+optimizer set (Muon / head-wise Muon / Sinkhorn momentum / AdamW, dsv41.optim) with warm-up and cosine
+decay; then the aux-loss-free bias update of every router from the step's expert loads.
+
+Batches are a function of (seed, step, rank) only, the model has no dropout and the optimizer state is
+saved exactly, so a run resumed from its last training state repeats the uninterrupted run on CPU.
+Under `torchrun --nproc-per-node N` the blocks are sharded with FSDP2 (`fully_shard`), each rank takes its
+slice of every global batch, and expert loads are summed over ranks before the bias update.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dsv41 import ops
+from dsv41.config import preset
+from dsv41.model.init import init_random_weights
+from dsv41.model.training import TrainOptions, forward_train, prepare_for_training
+from dsv41.model.transformer import Transformer
+from dsv41.optim import OptimConfig, build_optimizers
+from dsv41.train.checkpoint import (inference_state, load_train_state, save_checkpoint, save_train_state,
+                                    train_state_payload)
+from dsv41.train.config import TrainConfig
+
+
+def lr_scale(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to 1, then cosine to min_lr_ratio at the last step."""
+    if step < cfg.warmup:
+        return (step + 1) / cfg.warmup
+    span = max(cfg.steps - cfg.warmup, 1)
+    progress = min((step - cfg.warmup) / span, 1.0)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def default_data(cfg: TrainConfig, vocab_size: int) -> str:
+    """With no --data: a corpus from this Python's standard library sources (always present offline),
+    tokenized with a BPE of the preset's vocabulary size, built once and cached."""
+    import sysconfig
+
+    from dsv41.data.build import build_dataset
+    from dsv41.data.sources import Document
+
+    folder = os.path.join(os.path.expanduser("~"), ".cache", "dsv41", f"stdlib-bpe{vocab_size}")
+    if os.path.isfile(os.path.join(folder, "meta.json")):
+        return folder
+    root = sysconfig.get_paths()["stdlib"]
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs
+                   if f.endswith(".py") and "site-packages" not in d and "test" not in d)[:400]
+    docs = []
+    for path in files:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            docs.append(Document("stdlib", os.path.relpath(path, root), fh.read()))
+    build_dataset(folder, vocab_size=vocab_size, documents=docs)
+    return folder
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        cfg.validate()
+        self.cfg = cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        if self.distributed and not dist.is_initialized():
+            dist.init_process_group("gloo")
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world = dist.get_world_size() if self.distributed else 1
+
+        from dsv41.data import TokenDataset, read_meta
+        from dsv41.data.build import load_engram_map
+
+        base = preset(cfg.preset)
+        data = cfg.data or (default_data(cfg, base.vocab_size) if self.rank == 0 else None)
+        if self.distributed:
+            holder = [data]
+            dist.broadcast_object_list(holder, src=0)
+            data = holder[0]
+        self.data_dir = data
+        meta = read_meta(data)
+        token_map, compressed = load_engram_map(data)
+        self.model_cfg = base.replace(vocab_size=meta["vocab_size"], engram_compressed_vocab_size=compressed,
+                                      max_position_embeddings=max(base.max_position_embeddings, cfg.seq_len))
+        self.tokenizer_file = os.path.join(data, meta["tokenizer_path"]) if meta.get("tokenizer_path") else None
+        self.train_set = TokenDataset.from_dir(data, "train")
+        self.val_set = TokenDataset.from_dir(data, "val")
+
+        torch.manual_seed(cfg.seed)
+        model = Transformer(self.model_cfg)
+        init_random_weights(model, seed=cfg.seed)
+        if model.engram_hash is not None:
+            model.set_engram_token_map(token_map)
+        self.model = prepare_for_training(model)
+        if self.distributed:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in self.model.layers:
+                fully_shard(block)
+            fully_shard(self.model)
+        self.optimizer = build_optimizers(self.model, OptimConfig(lr=cfg.lr, use_muon=cfg.use_muon,
+                                                                  use_sink=cfg.use_sink), self.model_cfg)
+        self.step = 0
+        self.history: list[dict] = []
+        state_dir = os.path.join(cfg.out, "train_state")
+        if os.path.isdir(state_dir):
+            state = load_train_state(state_dir, self.model, self.optimizer)
+            self.step = state["step"]
+            self.history = state.get("history", [])
+            self._log(f"resumed from {state_dir} at step {self.step}")
+
+    # ------------------------------------------------------------------ helpers
+    def _log(self, text: str) -> None:
+        if self.rank == 0:
+            print(f"[dsv41 train] {text}", file=sys.stderr, flush=True)
+
+    def _options(self, step: int) -> TrainOptions:
+        cfg = self.cfg
+        start = None
+        if cfg.replay_prob > 0:
+            g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+            if torch.rand((), generator=g) < cfg.replay_prob:
+                window = self.model_cfg.window_size
+                start = int(torch.randint(window, max(cfg.seq_len, window + 1), (), generator=g))
+        return TrainOptions(qat=cfg.qat, dense_indexer=cfg.dense_attention, replay_start=start)
+
+    def _losses(self, x: torch.Tensor, y: torch.Tensor, opts: TrainOptions):
+        out = forward_train(self.model, x, opts)
+        lm = F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+        return lm, out
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        cfg = self.cfg
+        total, count = 0.0, 0
+        for x, y in self.val_set.sequential_batches(cfg.batch_size, cfg.seq_len, cfg.eval_batches,
+                                                    rank=self.rank, world_size=self.world):
+            lm, _ = self._losses(x, y, TrainOptions(qat=cfg.qat, dense_indexer=cfg.dense_attention))
+            total += float(lm) * x.numel()
+            count += x.numel()
+        if self.distributed:
+            t = torch.tensor([total, count], dtype=torch.float64)
+            dist.all_reduce(t)
+            total, count = float(t[0]), float(t[1])
+        return total / max(count, 1)
+
+    def train_step(self) -> dict:
+        cfg, step = self.cfg, self.step
+        t0 = time.perf_counter()
+        self.optimizer.set_lr_scale(lr_scale(step, cfg))
+        opts = self._options(step)
+        sums = {"lm": 0.0, "kl": 0.0, "balance": 0.0}
+        loads: dict[int, torch.Tensor] = {}
+        for micro in range(cfg.grad_accum):
+            x, y = self.train_set.batch(step * cfg.grad_accum + micro, cfg.batch_size, cfg.seq_len, cfg.seed,
+                                        rank=self.rank, world_size=self.world)
+            lm, out = self._losses(x, y, opts)
+            loss = (lm + cfg.kl_weight * out.indexer_kl + cfg.balance_weight * out.balance_loss) / cfg.grad_accum
+            loss.backward()
+            sums["lm"] += float(lm.detach()) / cfg.grad_accum
+            sums["kl"] += float(out.indexer_kl.detach()) / cfg.grad_accum
+            sums["balance"] += float(out.balance_loss.detach()) / cfg.grad_accum
+            for layer, load in out.expert_load.items():
+                loads[layer] = loads.get(layer, 0) + load
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        imbalance = self._update_router_bias(loads)
+        if self.distributed:
+            t = torch.tensor([sums["lm"], sums["kl"], sums["balance"]], dtype=torch.float64)
+            dist.all_reduce(t)
+            sums = dict(zip(sums, (t / self.world).tolist()))
+        seconds = time.perf_counter() - t0
+        tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum * self.world
+        self.step += 1
+        return {"step": self.step, "loss": sums["lm"], "indexer_kl": sums["kl"], "balance": sums["balance"],
+                "lr_scale": lr_scale(step, cfg), "grad_norm": float(_full(grad_norm)), "tokens": self.step * tokens,
+                "tokens_per_s": tokens / seconds, "max_load_ratio": imbalance}
+
+    def _update_router_bias(self, loads: dict[int, torch.Tensor]) -> float:
+        """b += rate * sign(mean - load) per router (summed over ranks); returns the worst max/mean load."""
+        worst = 0.0
+        for layer, load in sorted(loads.items()):
+            if self.distributed:
+                dist.all_reduce(load)
+            gate = self.model.layers[layer].ffn.gate
+            with torch.no_grad():
+                bias = _full(gate.bias.data)
+                new = ops.moe.balance_bias_update(bias, load.to(bias.dtype), self.cfg.bias_rate)
+                _assign(gate.bias, new)
+            worst = max(worst, float(load.max() / load.mean().clamp_min(1e-9)))
+        return worst
+
+    def save(self) -> None:
+        """Training state and release-layout checkpoint. Every rank gathers (FSDP2 collectives run in the
+        same order everywhere); rank 0 writes."""
+        cfg = self.cfg
+        payload = train_state_payload(self.model, self.optimizer)
+        weights = inference_state(self.model, self.model_cfg)
+        if self.rank == 0:
+            os.makedirs(cfg.out, exist_ok=True)
+            extra = {"history": self.history, "config": dict(cfg.__dict__)}
+            save_train_state(os.path.join(cfg.out, "train_state"), self.model, self.optimizer, self.step, extra,
+                             payload)
+            save_checkpoint(os.path.join(cfg.out, "checkpoint"), self.model, self.model_cfg, self.tokenizer_file,
+                            weights)
+        if self.distributed:
+            dist.barrier()
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        metrics_path = os.path.join(cfg.out, "metrics.jsonl")
+        if self.rank == 0:
+            os.makedirs(cfg.out, exist_ok=True)
+        bar = _progress(cfg.steps, self.step, self.rank == 0)
+        last: dict = {}
+        while self.step < cfg.steps:
+            last = self.train_step()
+            if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
+                last["val_loss"] = self.evaluate()
+            self.history.append(last)
+            if self.rank == 0 and (self.step % cfg.log_every == 0 or "val_loss" in last):
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(last) + "\n")
+            if bar is not None:
+                bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
+                bar.update(1)
+            if self.step % cfg.save_every == 0 or self.step == cfg.steps:
+                self.save()
+        if bar is not None:
+            bar.close()
+        if self.rank == 0 and self.history:
+            plot_losses(self.history, os.path.join(cfg.out, "loss.png"))
+        return last
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _assign(param: torch.Tensor, full: torch.Tensor) -> None:
+    if hasattr(param, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        param.data.copy_(distribute_tensor(full, param.device_mesh, param.placements))
+    else:
+        param.data.copy_(full)
+
+
+def _progress(total: int, done: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, initial=done, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+
+
+def plot_losses(history: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([h["tokens"] for h in history], [h["loss"] for h in history], label="train", alpha=0.6)
+    val = [h for h in history if "val_loss" in h]
+    if val:
+        ax.plot([h["tokens"] for h in val], [h["val_loss"] for h in val], "o-", label="validation")
+    ax.set(xlabel="tokens", ylabel="loss (nats/token)", title="dsv41 training")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path + ".part.png", dpi=100)
+    os.replace(path + ".part.png", path)
+    plt.close(fig)
+
+
+def train(cfg: TrainConfig) -> dict:
+    return Trainer(cfg).run()
