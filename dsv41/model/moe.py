@@ -86,7 +86,9 @@ class MoE(nn.Module):
         out = torch.zeros_like(x, dtype=torch.float32)
         counts = torch.bincount(indices.flatten(), minlength=len(self.experts)).tolist()
         for e, count in enumerate(counts):
-            if count == 0:
+            # under autograd an idle expert still runs (on zero rows), so every rank of a sharded run
+            # produces the same set of gradients (FSDP2 reduce-scatters them together)
+            if count == 0 and not torch.is_grad_enabled():
                 continue
             token, slot = torch.where(indices == e)
             out[token] += self.experts[e](x[token], weights[token, slot, None])

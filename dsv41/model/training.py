@@ -205,9 +205,11 @@ def forward_train(model: Transformer, input_ids: torch.Tensor, opts: Optional[Tr
     moe_aux: list = []
     shared = {"moe_aux": moe_aux}
     for i, layer in enumerate(model.layers):
+        engram_ids = None
         if layer.engram is not None:
-            h = layer.engram(h, hash_ids[:, :, model.engram_layout.layer_ids.index(i)])
-        h, pre_mix = layer.run(h, pre_mix, lambda x: attention_train(layer.attn, x, ctx), shared)
+            engram_ids = hash_ids[:, :, model.engram_layout.layer_ids.index(i)]
+        h, pre_mix = layer(h, 0, pre_mix, None, shared, attend=lambda x: attention_train(layer.attn, x, ctx),
+                           engram_ids=engram_ids)
     logits = model.logits(model.norm(Block.hc_pre(h, pre_mix)))
 
     zero = logits.sum() * 0.0

@@ -73,9 +73,17 @@ class Block(nn.Module):
         return (post.unsqueeze(-1) * out.unsqueeze(-2) + mixed).type_as(out)
 
     def forward(self, h: torch.Tensor, start_pos: int, pre_mix: torch.Tensor, cache, shared: dict,
-                image_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [B, S, hc, dim] bf16, pre_mix [B, S, hc] fp32 -> (h, the FFN pre mix for the next block)."""
-        return self.run(h, pre_mix, lambda x: self.attn(x, start_pos, cache, shared), shared, image_mask)
+                image_mask: Optional[torch.Tensor] = None, attend=None,
+                engram_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [B, S, hc, dim] bf16, pre_mix [B, S, hc] fp32 -> (h, the FFN pre mix for the next block).
+
+        attend: replaces the attention call (the training forward); engram_ids: apply this block's Engram
+        first (the training forward routes everything through the module call, so FSDP2 hooks see it)."""
+        if engram_ids is not None and self.engram is not None:
+            h = self.engram(h, engram_ids)
+        if attend is None:
+            attend = lambda x: self.attn(x, start_pos, cache, shared)  # noqa: E731
+        return self.run(h, pre_mix, attend, shared, image_mask)
 
     def run(self, h: torch.Tensor, pre_mix: torch.Tensor, attend, shared: dict,
             image_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,14 +176,20 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, start_pos: int = 0, cache: Optional[ModelCache] = None,
                 last_only: bool = False, trace: Optional[dict] = None,
-                token_types: Optional[torch.Tensor] = None) -> torch.Tensor:
+                token_types: Optional[torch.Tensor] = None, train_options=None) -> torch.Tensor:
         """input_ids [B, S] int64 at positions start_pos..start_pos+S-1.
 
         cache: state from earlier calls (required when start_pos > 0); without one a temporary cache
         sized to this call is used. Returns fp32 logits [B, S, vocab], or [B, 1, vocab] with last_only.
         trace: if a dict, receives named intermediates (the golden sets' `hidden.*`/`debug.*` names).
         token_types: optional [B, S] bool, True for image-span tokens (VL routing bias, Engram off).
+        train_options: a `dsv41.model.training.TrainOptions` runs the training forward instead and returns
+        its `TrainOutput` (called through the module so wrappers such as FSDP2 see the call).
         """
+        if train_options is not None:  # the differentiable training forward (dsv41.model.training)
+            from dsv41.model.training import forward_train
+
+            return forward_train(self, input_ids, train_options)
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         b, s = input_ids.shape

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from dsv41 import ops
 from dsv41.config import preset
 from dsv41.model.init import init_random_weights
-from dsv41.model.training import TrainOptions, forward_train, prepare_for_training
+from dsv41.model.training import TrainOptions, prepare_for_training
 from dsv41.model.transformer import Transformer
 from dsv41.optim import OptimConfig, build_optimizers
 from dsv41.train.checkpoint import (inference_state, load_train_state, save_checkpoint, save_train_state,
@@ -107,13 +107,17 @@ class Trainer:
             for block in self.model.layers:
                 fully_shard(block)
             fully_shard(self.model)
-        self.optimizer = build_optimizers(self.model, OptimConfig(lr=cfg.lr, use_muon=cfg.use_muon,
-                                                                  use_sink=cfg.use_sink), self.model_cfg)
+        optim_cfg = OptimConfig(lr=cfg.lr, use_muon=cfg.use_muon, use_sink=cfg.use_sink)
+        self.replicas = MatrixReplicas(self.model, optim_cfg) if self.distributed else None
+        target = self.replicas.view() if self.replicas else self.model
+        self.optimizer = build_optimizers(target, optim_cfg, self.model_cfg)
         self.step = 0
         self.history: list[dict] = []
         state_dir = os.path.join(cfg.out, "train_state")
         if os.path.isdir(state_dir):
             state = load_train_state(state_dir, self.model, self.optimizer)
+            if self.replicas:
+                self.replicas.after_load(self.optimizer)
             self.step = state["step"]
             self.history = state.get("history", [])
             self._log(f"resumed from {state_dir} at step {self.step}")
@@ -134,7 +138,7 @@ class Trainer:
         return TrainOptions(qat=cfg.qat, dense_indexer=cfg.dense_attention, replay_start=start)
 
     def _losses(self, x: torch.Tensor, y: torch.Tensor, opts: TrainOptions):
-        out = forward_train(self.model, x, opts)
+        out = self.model(x, train_options=opts)  # through the module call: FSDP2 unshards around it
         lm = F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
         return lm, out
 
@@ -172,8 +176,13 @@ class Trainer:
             for layer, load in out.expert_load.items():
                 loads[layer] = loads.get(layer, 0) + load
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        if self.replicas:
+            self.replicas.gather_grads()
         self.optimizer.step()
+        if self.replicas:
+            self.replicas.scatter_params()
         self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
         imbalance = self._update_router_bias(loads)
         if self.distributed:
             t = torch.tensor([sums["lm"], sums["kl"], sums["balance"]], dtype=torch.float64)
@@ -241,6 +250,66 @@ class Trainer:
         if self.rank == 0 and self.history:
             plot_losses(self.history, os.path.join(cfg.out, "loss.png"))
         return last
+
+
+class MatrixReplicas:
+    """FSDP2 support for the matrix optimizers (training.md §1.1, §9). Muon and the Sinkhorn optimizer
+    need whole matrices, so every rank keeps a full fp32 replica of the parameters they own: after the
+    backward the gradients are gathered, every rank takes the same optimizer step on its replicas, and
+    each rank copies its shard back. AdamW works on the sharded parameters directly."""
+
+    def __init__(self, model: torch.nn.Module, optim_cfg: OptimConfig):
+        from dsv41.optim.groups import GROUP_OPTIMIZER, classify_param
+
+        self.named: list[tuple[str, torch.nn.Parameter]] = []
+        self.pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
+        for name, p in model.named_parameters():
+            kind = classify_param(name, p, optim_cfg)
+            if kind is not None and GROUP_OPTIMIZER[kind] in ("muon", "sink"):
+                replica = torch.nn.Parameter(_full(p).detach().clone())
+                self.pairs.append((p, replica))
+                self.named.append((name, replica))
+            else:
+                self.named.append((name, p))
+
+    def view(self):
+        """An object with the model's parameter names over the replicas (for build_optimizers)."""
+        named = self.named
+
+        class View:
+            def named_parameters(self):
+                return iter(named)
+
+        return View()
+
+    def gather_grads(self) -> None:
+        for sharded, replica in self.pairs:
+            replica.grad = None if sharded.grad is None else _full(sharded.grad).detach().clone()
+
+    def scatter_params(self) -> None:
+        from torch.distributed.tensor import distribute_tensor
+
+        with torch.no_grad():
+            for sharded, replica in self.pairs:
+                # every rank holds the same replica, so each cuts its own shard without communication
+                local = distribute_tensor(replica.data, sharded.device_mesh, sharded.placements, src_data_rank=None)
+                sharded.data.copy_(local)
+
+    def after_load(self, optimizer) -> None:
+        """Refresh the replicas from the loaded (sharded) weights; give AdamW's loaded full states the
+        sharding of their parameters."""
+        from torch.distributed.tensor import distribute_tensor
+
+        with torch.no_grad():
+            for sharded, replica in self.pairs:
+                replica.data.copy_(_full(sharded))
+        adamw = dict(optimizer.optimizers).get("adamw")
+        if adamw is not None:
+            for p, state in adamw.state.items():
+                for key, value in list(state.items()):
+                    if hasattr(p, "device_mesh") and isinstance(value, torch.Tensor) and value.shape == p.shape \
+                            and not hasattr(value, "device_mesh"):
+                        state[key] = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
 
 
 def _full(t):

@@ -1,0 +1,65 @@
+"""The trainer: loss falls, checkpoints load in the release layout, resume repeats the uninterrupted run."""
+
+import json
+import os
+
+import torch
+
+from dsv41.train import TrainConfig, Trainer
+
+
+def engine_vocab(run):
+    return json.load(open(run / "checkpoint" / "config.json"))["vocab_size"]
+
+
+def config(data, out, **kw):
+    base = dict(preset="tiny", data=data, out=str(out), steps=12, batch_size=4, seq_len=32, warmup=2,
+                eval_every=6, eval_batches=2, save_every=6, threads=1)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_loss_falls_and_the_checkpoint_serves(tiny_corpus, tmp_path):
+    import dsv41
+    from dsv41.engine import SamplingParams, build_engine
+
+    Trainer(config(tiny_corpus, tmp_path)).run()
+    lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert [x["step"] for x in lines] == list(range(1, 13))
+    first, last = lines[0], lines[-1]
+    assert last["loss"] < first["loss"] - 0.3 and "val_loss" in last
+    assert (tmp_path / "loss.png").stat().st_size > 5000
+    model = dsv41.load_model(str(tmp_path / "checkpoint"))  # the release layout, dtypes and names
+    assert model.cfg.n_layers == 10 and model.cfg.vocab_size == engine_vocab(tmp_path)
+    engine = build_engine(str(tmp_path / "checkpoint"))
+    out = engine.generate([engine.tokenizer.encode("the")], SamplingParams(temperature=0, max_tokens=5))[0]
+    assert len(out.token_ids) >= 1
+
+
+def test_resume_repeats_the_uninterrupted_run(tiny_corpus, tmp_path):
+    full = Trainer(config(tiny_corpus, tmp_path / "full", steps=6, save_every=3)).run()
+
+    interrupted = Trainer(config(tiny_corpus, tmp_path / "resumed", steps=6, save_every=3))
+    for _ in range(4):  # one step past the last save, then "killed"
+        interrupted.history.append(interrupted.train_step())
+        if interrupted.step % 3 == 0:
+            interrupted.save()
+    del interrupted
+    resumed = Trainer(config(tiny_corpus, tmp_path / "resumed", steps=6, save_every=3))
+    assert resumed.step == 3
+    last = resumed.run()
+    for key in ("loss", "indexer_kl", "balance", "grad_norm", "val_loss"):
+        assert last[key] == full[key], key
+    from safetensors.torch import load_file
+
+    wa = load_file(str(tmp_path / "full" / "train_state" / "weights.safetensors"))
+    wb = load_file(str(tmp_path / "resumed" / "train_state" / "weights.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_checkpoints_are_written_atomically(tiny_corpus, tmp_path):
+    trainer = Trainer(config(tiny_corpus, tmp_path, steps=2, save_every=1))
+    trainer.run()
+    names = sorted(os.listdir(tmp_path))
+    assert "checkpoint" in names and "train_state" in names
+    assert not [n for n in names if n.endswith((".tmp", ".old"))]
