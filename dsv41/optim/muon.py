@@ -26,6 +26,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from dsv41.optim.newton_schulz import newton_schulz, resolve_schedule
+from dsv41.optim.momentum import momentum_direction
 
 MUON_RMS = 0.18  # update RMS γ of V4/V4.1 (spec §7, training.md §1.1)
 
@@ -107,18 +108,7 @@ class Muon(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 g = p.grad.to(torch.float32)
-                if mu > 0:
-                    state = self.state[p]
-                    buf = state.get("momentum_buffer")
-                    if buf is None:
-                        buf = state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32,
-                                                                          memory_format=torch.preserve_format)
-                    elif buf.dtype != torch.float32:  # load_state_dict casts state to the param dtype
-                        buf = state["momentum_buffer"] = buf.to(torch.float32)
-                    buf.mul_(mu).add_(g)
-                    u = g.add(buf, alpha=mu) if group["nesterov"] else buf
-                else:
-                    u = g
+                u = momentum_direction(self.state[p] if mu > 0 else {}, p, g, mu, group["nesterov"])
                 o = muon_direction(u, group["heads"], group["head_dim"], group["rms"], group["ns_schedule"],
                                    group["ns_dtype"], group["eps"])
                 if wd:

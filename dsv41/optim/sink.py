@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
+from dsv41.optim.momentum import momentum_direction
 
 SINK_RMS = 0.18
 SINK_ITERS = 11
@@ -122,18 +123,7 @@ class SinkMomentum(torch.optim.Optimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError("SinkMomentum needs dense gradients (nn.Embedding(sparse=False))")
                 g = p.grad.to(torch.float32)
-                if mu > 0:
-                    state = self.state[p]
-                    buf = state.get("momentum_buffer")
-                    if buf is None:
-                        buf = state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32,
-                                                                          memory_format=torch.preserve_format)
-                    elif buf.dtype != torch.float32:  # load_state_dict casts state to the param dtype
-                        buf = state["momentum_buffer"] = buf.to(torch.float32)
-                    buf.mul_(mu).add_(g)
-                    u = g.add(buf, alpha=mu) if group["nesterov"] else buf
-                else:
-                    u = g
+                u = momentum_direction(self.state[p] if mu > 0 else {}, p, g, mu, group["nesterov"])
                 active = active_rows(u, g, group["row_mask"], group["tau"])
                 if not bool(active.any()):
                     continue
