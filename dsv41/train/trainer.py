@@ -146,8 +146,13 @@ class Trainer:
     def evaluate(self) -> float:
         cfg = self.cfg
         total, count = 0.0, 0
-        for x, y in self.val_set.sequential_batches(cfg.batch_size, cfg.seq_len, cfg.eval_batches,
-                                                    rank=self.rank, world_size=self.world):
+        batches = list(self.val_set.sequential_batches(cfg.batch_size, cfg.seq_len, cfg.eval_batches,
+                                                       rank=self.rank, world_size=self.world))
+        if self.distributed:  # every rank must run the same number of (collective) forwards
+            n = torch.tensor(len(batches))
+            dist.all_reduce(n, op=dist.ReduceOp.MIN)
+            batches = batches[:int(n)]
+        for x, y in batches:
             lm, _ = self._losses(x, y, TrainOptions(qat=cfg.qat, dense_indexer=cfg.dense_attention))
             total += float(lm) * x.numel()
             count += x.numel()
