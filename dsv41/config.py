@@ -220,6 +220,13 @@ class ModelConfig:
         earlier = [s for s in sources if s <= layer]
         return earlier[-1] if earlier else None
 
+    @property
+    def decoder_boundary(self) -> int:
+        """First layer of the decoder for CED purposes (spec §2.1): the last kv source, after which no
+        layer compresses, so everything before it is a function of the prompt alone. n_layers when the
+        model has no compressed cache."""
+        return max(self.kv_source_layers) if self.kv_source_layers else self.n_layers
+
     def kv_source_of(self, layer: int) -> Optional[int]:
         """The layer whose compressed KV (and index keys) `layer` reads; None for ratio-0 layers."""
         if layer >= self.n_layers or self.compress_ratios[layer] == 0:

@@ -21,6 +21,7 @@ import torch
 from dsv41 import ops
 from dsv41.engine.kv_pool import PagedKVPool
 from dsv41.engine.sequence import StatePool
+from dsv41.model.attention import ring_ids
 from dsv41.ops.quant import FP4_BLOCK, KV_FP4_BLOCK, fp8_dequant, fp8_quant
 
 
@@ -60,10 +61,9 @@ def decode_attend(attn, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: 
     ring = fp8_dequant(states.window_codes[slots, layer],
                        states.window_scale[slots, layer].view(torch.float8_e8m0fnu).float()).bfloat16()
     rows = torch.cat([ring, kv], dim=1)  # [B, W+1, D]
-    window_pos = pos.unsqueeze(1) - w + 1 + torch.arange(w, device=device)  # [B, W]
-    ids = torch.where(window_pos < pos.unsqueeze(1), window_pos % w, w + window_pos - pos.unsqueeze(1))
     first = torch.tensor([c.first[layer] for c in batch.caches], device=device)
-    ids = torch.where(window_pos < first.unsqueeze(1), -1, ids).unsqueeze(1)  # [B, 1, W]
+    at = pos.unsqueeze(1)  # each sequence's chunk is its one new token
+    ids = ring_ids(at, at, first.unsqueeze(1), w).unsqueeze(1)  # [B, 1, W]
     codes, scale = fp8_quant(kv[:, 0])
     states.window_codes[slots, layer, pos % w] = codes
     states.window_scale[slots, layer, pos % w] = scale.to(torch.float8_e8m0fnu).view(torch.uint8)

@@ -65,10 +65,6 @@ class PagedKVPool:
                    for s, lay in self.sources.items()
                    for t in (self.kv_codes[s], self.kv_scale[s], self.key_codes[s], self.key_scale[s]))
 
-    def total_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.kv_codes, self.kv_scale, self.key_codes, self.key_scale)
-                   for t in d.values())
-
     def stored_bytes(self, layer: int, n_entries: int) -> int:
         """Bytes that n entries of one kv source occupy (codes + scales, main KV + index keys)."""
         per_entry = sum(t[0].numel() * t.element_size()
@@ -119,13 +115,6 @@ class PagedKVPool:
     def read_keys(self, layer: int, table: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
         """Dequantised index keys -> bf16 [len(entries), index_dim]."""
         return self.keys_at(layer, self.rows(layer, table, entries))
-
-    def copy_entries(self, layer: int, src_table: torch.Tensor, dst_table: torch.Tensor, n: int) -> None:
-        """Copy the first n entries of one sequence's layout into another's (copy-on-write of a tail)."""
-        entries = torch.arange(n, device=src_table.device)
-        src, dst = self.rows(layer, src_table, entries), self.rows(layer, dst_table, entries)
-        for t in (self.kv_codes, self.kv_scale, self.key_codes, self.key_scale):
-            t[layer][dst] = t[layer][src]
 
     def export_entries(self, layer: int, table: torch.Tensor, entries: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The packed bytes of some entries (for snapshots outside the pool)."""

@@ -156,8 +156,6 @@ class LLMEngine:
                 seq.pending_logprobs.append(token_logprobs(logits[row], token, seq.params.logprobs, self.tokenizer))
             row += 1
             generated += 1
-            if seq.first_token_time is None:
-                seq.first_token_time = time.perf_counter()
             seq.output_ids.append(token)
             self._check_finished(seq, token)
             out = self._output(seq)
@@ -337,10 +335,7 @@ class LLMEngine:
             entries = torch.arange(first, length // lay.ratio)
             if entries.numel():
                 tail[layer] = self.pool.export_entries(layer, seq.cache.table, entries)
-        state = seq.cache.export_state()
-        size = sum(t.numel() * t.element_size() for packed in tail.values() for t in packed)
-        size += state["window_codes"].numel() + state["window_scale"].numel()
-        snap = Snapshot(length, tail, state, time.monotonic(), True, size)
+        snap = Snapshot(length, tail, seq.cache.export_state(), time.monotonic())
         self.snapshots.put(prefix_key(tokens, length, bs, hashes), snap)
 
     def _release(self, seq: Sequence) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 
@@ -43,7 +43,6 @@ class Snapshot:
     state: dict  # SequenceCache.export_state() (window rings, partial groups, window starts)
     created: float
     window_valid: bool = True
-    bytes: int = 0
 
 
 @dataclass
@@ -52,7 +51,6 @@ class PrefixStats:
     hit_tokens: int = 0
     snapshot_hits: int = 0
     window_rebuilds: int = 0
-    saved: dict = field(default_factory=dict)
 
 
 class SnapshotStore:
@@ -95,6 +93,3 @@ class SnapshotStore:
                     snap.state = {k: v for k, v in snap.state.items() if k == "group"}
                 return snap
         return None
-
-    def total_bytes(self) -> int:
-        return sum(s.bytes for s in self.entries.values())

@@ -24,13 +24,6 @@ from dsv41.engine.sequence import SequenceCache
 from dsv41.model.transformer import Block, Transformer
 
 
-def decoder_boundary(model: Transformer) -> int:
-    """First decoder layer for CED purposes: the last kv-source layer (no layer after it compresses).
-    Returns n_layers when the model has no compressed cache (then nothing can be skipped)."""
-    sources = model.cfg.kv_source_layers
-    return max(sources) if sources else model.cfg.n_layers
-
-
 @dataclass
 class Chunk:
     """Positions start..start+len(tokens)-1 of one sequence, to run in this step."""
@@ -50,7 +43,7 @@ class ModelRunner:
     def __init__(self, model: Transformer):
         self.model = model
         self.cfg = model.cfg
-        self.boundary = decoder_boundary(model)
+        self.boundary = model.cfg.decoder_boundary
 
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:

@@ -180,7 +180,6 @@ class Sequence:
         self.pending_logprobs: list = []
         self.finish_reason: Optional[str] = None
         self.preemptions = 0
-        self.first_token_time: Optional[float] = None
         self.capture_logits = False  # keep each sampled position's logits (checks and benchmarks)
         self.logits: list[torch.Tensor] = []
 

@@ -172,9 +172,7 @@ class Attention(nn.Module):
             # continuing: rows are the ring as it was (older positions) followed by the chunk, and each
             # query lists its window oldest first with not-yet-existing positions as -1 (decode order)
             rows = torch.cat([cache.window_read(self.layer_id, b), kv], dim=1)
-            window_pos = pos - w + 1 + torch.arange(w, device=device)  # [S, W]
-            ids = torch.where(window_pos < start_pos, window_pos % w, w + window_pos - start_pos)
-            ids = torch.where(window_pos < first_valid, -1, ids)
+            ids = ring_ids(pos, start_pos, first_valid, w)  # [S, W]
         keep = min(s, w)
         slots = torch.arange(start_pos + s - keep, start_pos + s, device=device) % w
         cache.window_write(self.layer_id, b, slots, kv[:, s - keep:])
@@ -257,6 +255,17 @@ class Attention(nn.Module):
         freqs = self.rope(start_pos, x.size(1), x.device)
         qr, q, kv = self.project(x, freqs)
         return self.output(self.attend(x, qr, q, kv, start_pos, cache, shared), freqs)
+
+
+def ring_ids(query_pos: torch.Tensor, start, first, window: int) -> torch.Tensor:
+    """The window each query reads, as ids into cat(ring as it was before the chunk, the chunk's KV).
+
+    query_pos [..., 1]; start: the chunk's first position; first: the first position the window may hold
+    (both ints or tensors broadcasting like query_pos). Returns [..., window], oldest first, -1 where the
+    position does not exist (before `first`). Ring slot of position p is p % window."""
+    window_pos = query_pos - window + 1 + torch.arange(window, device=query_pos.device)
+    ids = torch.where(window_pos < start, window_pos % window, window + window_pos - start)
+    return torch.where(window_pos < first, -1, ids)
 
 
 def _trace(shared: dict, name: str, value: torch.Tensor) -> None:

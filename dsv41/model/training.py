@@ -46,7 +46,6 @@ class TrainOutput:
     indexer_kl: torch.Tensor  # scalar, mean over index-source layers
     balance_loss: torch.Tensor  # scalar, mean over MoE layers of the sequence-wise balance loss
     expert_load: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> tokens per expert [E]
-    routing: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> expert ids [B*S, k]
 
 
 def prepare_for_training(model: Transformer, dtype: torch.dtype = torch.float32) -> Transformer:
@@ -56,11 +55,6 @@ def prepare_for_training(model: Transformer, dtype: torch.dtype = torch.float32)
             layer.engram.embed.make_trainable(dtype)
     model.set_batch_invariant(0)
     return model.to(dtype)
-
-
-def decoder_start(cfg) -> int:
-    """First layer whose window is truncated under bounded replay: the decoder's kv source."""
-    return max(cfg.kv_source_layers) if cfg.kv_source_layers else cfg.n_layers
 
 
 class _Context:
@@ -194,7 +188,7 @@ def forward_train(model: Transformer, input_ids: torch.Tensor, opts: Optional[Tr
     b, s = input_ids.shape
     device = input_ids.device
     ctx = _Context(opts, s, device)
-    ctx.decoder_from = decoder_start(cfg)
+    ctx.decoder_from = cfg.decoder_boundary
     hash_ids = None
     if model.engram_hash is not None:
         history = torch.zeros(b, s, dtype=torch.int64, device=device)
@@ -214,10 +208,9 @@ def forward_train(model: Transformer, input_ids: torch.Tensor, opts: Optional[Tr
 
     zero = logits.sum() * 0.0
     kl = torch.stack(ctx.kl).mean() if ctx.kl else zero
-    balance, loads, routing = [], {}, {}
+    balance, loads = [], {}
     for layer, (scores, indices) in zip((i for i in range(cfg.n_layers)), moe_aux):
         n_experts = scores.size(-1)
         balance.append(ops.moe.sequence_balance_loss(scores.view(b, s, -1), indices.view(b, s, -1), n_experts))
         loads[layer] = ops.moe.expert_load(indices, n_experts)
-        routing[layer] = indices
-    return TrainOutput(logits, kl, torch.stack(balance).mean() if balance else zero, loads, routing)
+    return TrainOutput(logits, kl, torch.stack(balance).mean() if balance else zero, loads)

@@ -55,7 +55,7 @@ def inference_state(model: Transformer, cfg: ModelConfig) -> dict[str, torch.Ten
     for name, ref in wanted.items():
         if name.endswith("engram.embed.scale"):
             continue  # written together with its table below
-        value = _full(have[name]).detach()
+        value = full_tensor(have[name]).detach()
         if name.endswith("engram.embed.weight") and ref.dtype == torch.float8_e4m3fn:
             codes, scale = fp8_quant(value.float())
             out[name] = codes.contiguous()
@@ -65,7 +65,7 @@ def inference_state(model: Transformer, cfg: ModelConfig) -> dict[str, torch.Ten
     return out
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor from a possibly sharded (FSDP2 DTensor) one."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -88,7 +88,7 @@ def _flatten(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
     """Nested dicts/lists with tensors -> a JSON tree whose tensors are replaced by references."""
     if isinstance(obj, torch.Tensor):
         key = prefix or "root"
-        tensors[key] = _full(obj).detach().contiguous().clone()
+        tensors[key] = full_tensor(obj).detach().contiguous().clone()
         return {"__tensor__": key}
     if isinstance(obj, dict):
         return {"__dict__": [[_key(k), _flatten(v, f"{prefix}.{k}", tensors)] for k, v in obj.items()]}
@@ -123,7 +123,7 @@ def _unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
 def train_state_payload(model: torch.nn.Module, optimizer) -> tuple[dict, dict, Any]:
     """(fp32 weights, optimizer tensors, optimizer JSON tree), as full tensors. Under FSDP2 every rank must
     call this (it gathers shards in a fixed order); only one rank writes."""
-    weights = {name: _full(p).detach().contiguous().clone() for name, p in model.named_parameters()}
+    weights = {name: full_tensor(p).detach().contiguous().clone() for name, p in model.named_parameters()}
     tensors: dict[str, torch.Tensor] = {}
     tree = _flatten(optimizer.state_dict(), "opt", tensors)
     return weights, tensors, tree

@@ -29,7 +29,7 @@ from dsv41.model.init import init_random_weights
 from dsv41.model.training import TrainOptions, prepare_for_training
 from dsv41.model.transformer import Transformer
 from dsv41.optim import OptimConfig, build_optimizers
-from dsv41.train.checkpoint import (inference_state, load_train_state, save_checkpoint, save_train_state,
+from dsv41.train.checkpoint import (full_tensor, inference_state, load_train_state, save_checkpoint, save_train_state,
                                     train_state_payload)
 from dsv41.train.config import TrainConfig
 
@@ -197,7 +197,7 @@ class Trainer:
         tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum * self.world
         self.step += 1
         return {"step": self.step, "loss": sums["lm"], "indexer_kl": sums["kl"], "balance": sums["balance"],
-                "lr_scale": lr_scale(step, cfg), "grad_norm": float(_full(grad_norm)), "tokens": self.step * tokens,
+                "lr_scale": lr_scale(step, cfg), "grad_norm": float(full_tensor(grad_norm)), "tokens": self.step * tokens,
                 "tokens_per_s": tokens / seconds, "max_load_ratio": imbalance}
 
     def _update_router_bias(self, loads: dict[int, torch.Tensor]) -> float:
@@ -208,7 +208,7 @@ class Trainer:
                 dist.all_reduce(load)
             gate = self.model.layers[layer].ffn.gate
             with torch.no_grad():
-                bias = _full(gate.bias.data)
+                bias = full_tensor(gate.bias.data)
                 new = ops.moe.balance_bias_update(bias, load.to(bias.dtype), self.cfg.bias_rate)
                 _assign(gate.bias, new)
             worst = max(worst, float(load.max() / load.mean().clamp_min(1e-9)))
@@ -271,7 +271,7 @@ class MatrixReplicas:
         for name, p in model.named_parameters():
             kind = classify_param(name, p, optim_cfg)
             if kind is not None and GROUP_OPTIMIZER[kind] in ("muon", "sink"):
-                replica = torch.nn.Parameter(_full(p).detach().clone())
+                replica = torch.nn.Parameter(full_tensor(p).detach().clone())
                 self.pairs.append((p, replica))
                 self.named.append((name, replica))
             else:
@@ -289,7 +289,7 @@ class MatrixReplicas:
 
     def gather_grads(self) -> None:
         for sharded, replica in self.pairs:
-            replica.grad = None if sharded.grad is None else _full(sharded.grad).detach().clone()
+            replica.grad = None if sharded.grad is None else full_tensor(sharded.grad).detach().clone()
 
     def scatter_params(self) -> None:
         from torch.distributed.tensor import distribute_tensor
@@ -307,7 +307,7 @@ class MatrixReplicas:
 
         with torch.no_grad():
             for sharded, replica in self.pairs:
-                replica.data.copy_(_full(sharded))
+                replica.data.copy_(full_tensor(sharded))
         adamw = dict(optimizer.optimizers).get("adamw")
         if adamw is not None:
             for p, state in adamw.state.items():
@@ -315,10 +315,6 @@ class MatrixReplicas:
                     if hasattr(p, "device_mesh") and isinstance(value, torch.Tensor) and value.shape == p.shape \
                             and not hasattr(value, "device_mesh"):
                         state[key] = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
-
-
-def _full(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _assign(param: torch.Tensor, full: torch.Tensor) -> None:

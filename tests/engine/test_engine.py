@@ -238,13 +238,12 @@ def test_bounded_replay_equals_masked_decoder_windows(model):
     """Independent formulation of spec §2.1: the plain full forward, with the decoder layers' windows
     starting at s = N - window, gives the bounded-replay logits (decoder outputs before s cannot reach
     the last position: the decoder's global KV comes from the encoder output only)."""
-    from dsv41.engine.runner import decoder_boundary
     from dsv41.model.cache import ModelCache
 
     cfg = model.cfg
     (tokens,) = prompts([45], seed=4)
     n, s = len(tokens), len(tokens) - cfg.window_size
-    boundary = decoder_boundary(model)
+    boundary = model.cfg.decoder_boundary
 
     class DecoderWindowsFrom(ModelCache):
         def window_first(self, layer):
@@ -289,7 +288,6 @@ def test_snapshot_restore_is_lossless(model):
     """A follow-up turn restored from the message-boundary snapshot (tail block, partial groups, rings)
     gives exactly the logits of one sequence that never stopped: prefill, decode the reply, prefill the
     next user message, with the same chunk boundaries."""
-    from dsv41.engine.runner import decoder_boundary
 
     cfg = model.cfg
     first, suffix, other = prompts([61, 6, 40], seed=12)
@@ -304,7 +302,7 @@ def test_snapshot_restore_is_lossless(model):
     cache = SequenceCache(cfg, PagedKVPool(cfg, 8, 16), StatePool(cfg, 1), 0)
     cache.set_blocks(list(range(16)))
     replay_from = len(first) - cfg.window_size
-    for layer in range(decoder_boundary(model), cfg.n_layers):
+    for layer in range(cfg.decoder_boundary, cfg.n_layers):
         cache.first[layer] = replay_from
     runner = ModelRunner(model)
     for start in range(0, len(first), 16):

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from dsv41.config import tiny
 from dsv41.model.init import init_random_weights
-from dsv41.model.training import TrainOptions, _indexer_kl, decoder_start, forward_train, prepare_for_training
+from dsv41.model.training import TrainOptions, _indexer_kl, forward_train, prepare_for_training
 from dsv41.model.transformer import Transformer
 
 
@@ -77,7 +77,7 @@ def test_bounded_replay_simulation_changes_only_decoder_queries_after_the_start(
         replay = forward_train(trainable, ids, TrainOptions(replay_start=start)).logits
     assert torch.equal(full[:, :start], replay[:, :start])
     assert not torch.equal(full[:, start:], replay[:, start:])
-    assert decoder_start(trainable.cfg) == max(trainable.cfg.kv_source_layers)
+    assert trainable.cfg.decoder_boundary == max(trainable.cfg.kv_source_layers)
 
 
 def test_qat_switch_and_moe_statistics(trainable):

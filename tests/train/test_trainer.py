@@ -8,8 +8,8 @@ import torch
 from dsv41.train import TrainConfig, Trainer
 
 
-def engine_vocab(run):
-    return json.load(open(run / "checkpoint" / "config.json"))["vocab_size"]
+def data_vocab(data):
+    return json.load(open(os.path.join(data, "meta.json")))["vocab_size"]
 
 
 def config(data, out, **kw):
@@ -30,7 +30,7 @@ def test_loss_falls_and_the_checkpoint_serves(tiny_corpus, tmp_path):
     assert last["loss"] < first["loss"] - 0.3 and "val_loss" in last
     assert (tmp_path / "loss.png").stat().st_size > 5000
     model = dsv41.load_model(str(tmp_path / "checkpoint"))  # the release layout, dtypes and names
-    assert model.cfg.n_layers == 10 and model.cfg.vocab_size == engine_vocab(tmp_path)
+    assert model.cfg.n_layers == 10 and model.cfg.vocab_size == data_vocab(tiny_corpus)  # the tokenizer's, not tiny's 1024
     engine = build_engine(str(tmp_path / "checkpoint"))
     out = engine.generate([engine.tokenizer.encode("the")], SamplingParams(temperature=0, max_tokens=5))[0]
     assert len(out.token_ids) >= 1
