@@ -67,6 +67,7 @@ class OptimConfig:
     muon_weight_decay: float = 0.1
     muon_rms: float = MUON_RMS
     ns_schedule: Any = "v4"               # "v4" (8+2 hybrid), "keller", or a list of (a, b, c)
+    ns_dtype: torch.dtype = torch.float32  # Newton-Schulz matmul dtype; bf16 halves the cost (training.md §1.1)
     headwise: bool = True                 # head-wise Muon for the query projections (training.md §1.2)
     grouped_wo_a: bool = True             # per-group Muon for the grouped output LoRA wo_a [D]
     hc_fn_muon: bool = True               # hc_*_fn on Muon (default, training.md §1.4) or AdamW
@@ -215,7 +216,7 @@ def build_optimizers(model: nn.Module, cfg: Optional[OptimConfig] = None,
     if per_opt["muon"]:
         optimizers["muon"] = Muon(per_opt["muon"], lr=muon_lr, weight_decay=cfg.muon_weight_decay,
                                   momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, rms=cfg.muon_rms,
-                                  ns_schedule=cfg.ns_schedule)
+                                  ns_schedule=cfg.ns_schedule, ns_dtype=cfg.ns_dtype)
     if per_opt["sink"]:
         optimizers["sink"] = SinkMomentum(per_opt["sink"], lr=sink_lr, weight_decay=cfg.sink_weight_decay,
                                           momentum=cfg.sink_momentum, nesterov=cfg.sink_nesterov, rms=cfg.sink_rms,

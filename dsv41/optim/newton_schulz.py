@@ -66,10 +66,12 @@ def newton_schulz(
     transposed = x.size(-2) > x.size(-1)
     if transposed:
         x = x.mT.contiguous()
+    flat = x.reshape(-1, x.size(-2), x.size(-1))  # [batch, short, long]: one bmm per product
     for a, b, c in steps:
-        gram = x @ x.mT
-        poly = b * gram + c * (gram @ gram)
-        x = a * x + poly @ x
+        gram = torch.bmm(flat, flat.mT)
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b*A + c*A@A, fused: no scalar passes
+        flat = torch.baddbmm(flat, poly, flat, beta=a)  # a*X + poly@X
+    x = flat.reshape(x.shape)
     if transposed:
         x = x.mT.contiguous()
     return x

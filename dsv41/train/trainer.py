@@ -31,7 +31,7 @@ from dsv41.model.transformer import Transformer
 from dsv41.optim import OptimConfig, build_optimizers
 from dsv41.train.checkpoint import (full_tensor, inference_state, load_train_state, save_checkpoint, save_train_state,
                                     train_state_payload)
-from dsv41.train.config import TrainConfig
+from dsv41.train.config import NS_DTYPES, TrainConfig
 
 
 def lr_scale(step: int, cfg: TrainConfig) -> float:
@@ -107,7 +107,8 @@ class Trainer:
             for block in self.model.layers:
                 fully_shard(block)
             fully_shard(self.model)
-        optim_cfg = OptimConfig(lr=cfg.lr, use_muon=cfg.use_muon, use_sink=cfg.use_sink)
+        optim_cfg = OptimConfig(lr=cfg.lr, use_muon=cfg.use_muon, use_sink=cfg.use_sink,
+                                ns_dtype=getattr(torch, NS_DTYPES[cfg.ns_dtype]))
         self.replicas = MatrixReplicas(self.model, optim_cfg) if self.distributed else None
         target = self.replicas.view() if self.replicas else self.model
         self.optimizer = build_optimizers(target, optim_cfg, self.model_cfg)
