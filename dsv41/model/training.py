@@ -13,8 +13,11 @@ with these training-time differences:
   (summed over heads, L1-normalised, stop-gradient). So the LM loss trains the model and the KL trains
   the indexer. `dense_indexer=True` (ablations / warm-up) attends to every visible entry and takes the
   KL over all of them.
-- MoE: the routing of every layer is collected for the sequence-wise balance loss and the expert loads
-  (the aux-loss-free bias update is applied by the trainer with `ops.moe.balance_bias_update`).
+- MoE: the routing of every layer is collected for the sequence-wise balance loss and the expert loads,
+  counted separately for text tokens and image-span tokens (`token_types`), because the router keeps
+  one selection bias per modality (`gate.bias`, `gate.bias_vl`, spec §7); the aux-loss-free bias
+  update is applied by the trainer with `ops.moe.balance_bias_update`. Image-span tokens also shut
+  the Engram gate and stop its n-gram lookback, as at inference.
 - `replay_start`: simulate CED bounded replay (spec §2.1): decoder queries at or after it do not see
   window keys before it.
 """
@@ -45,7 +48,10 @@ class TrainOutput:
     logits: torch.Tensor  # [B, S, vocab] fp32
     indexer_kl: torch.Tensor  # scalar, mean over index-source layers
     balance_loss: torch.Tensor  # scalar, mean over MoE layers of the sequence-wise balance loss
-    expert_load: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> tokens per expert [E]
+    expert_load: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> text tokens per expert [E]
+    # layer -> image-span tokens per expert [E], for the layers whose router has a `bias_vl` (zeros
+    # when the batch has no image tokens, so every rank reduces the same tensors)
+    expert_load_vl: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def prepare_for_training(model: Transformer, dtype: torch.dtype = torch.float32) -> Transformer:
@@ -181,8 +187,10 @@ def attention_train(attn, x: torch.Tensor, ctx: _Context) -> torch.Tensor:
     return attn.output(o, freqs)
 
 
-def forward_train(model: Transformer, input_ids: torch.Tensor, opts: Optional[TrainOptions] = None) -> TrainOutput:
-    """input_ids [B, S] from position 0 -> logits and the auxiliary losses (see the module docstring)."""
+def forward_train(model: Transformer, input_ids: torch.Tensor, opts: Optional[TrainOptions] = None,
+                  token_types: Optional[torch.Tensor] = None) -> TrainOutput:
+    """input_ids [B, S] from position 0 -> logits and the auxiliary losses (see the module docstring).
+    token_types: optional [B, S] bool, True for image-span tokens (VL routing bias, Engram off)."""
     opts = opts or TrainOptions()
     cfg = model.cfg
     b, s = input_ids.shape
@@ -192,7 +200,7 @@ def forward_train(model: Transformer, input_ids: torch.Tensor, opts: Optional[Tr
     hash_ids = None
     if model.engram_hash is not None:
         history = torch.zeros(b, s, dtype=torch.int64, device=device)
-        hash_ids = model.engram_hash(input_ids, 0, history)
+        hash_ids = model.engram_hash(input_ids, 0, history, None if token_types is None else ~token_types)
     h = model.embed(input_ids).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [B, S, hc, dim]
     pre_mix = torch.zeros(b, s, cfg.hc_mult, dtype=torch.float32, device=device)
     pre_mix[..., 0] = 1.0
@@ -202,15 +210,19 @@ def forward_train(model: Transformer, input_ids: torch.Tensor, opts: Optional[Tr
         engram_ids = None
         if layer.engram is not None:
             engram_ids = hash_ids[:, :, model.engram_layout.layer_ids.index(i)]
-        h, pre_mix = layer(h, 0, pre_mix, None, shared, attend=lambda x: attention_train(layer.attn, x, ctx),
-                           engram_ids=engram_ids)
+        h, pre_mix = layer(h, 0, pre_mix, None, shared, token_types,
+                           attend=lambda x: attention_train(layer.attn, x, ctx), engram_ids=engram_ids)
     logits = model.logits(model.norm(Block.hc_pre(h, pre_mix)))
 
     zero = logits.sum() * 0.0
     kl = torch.stack(ctx.kl).mean() if ctx.kl else zero
-    balance, loads = [], {}
-    for layer, (scores, indices) in zip((i for i in range(cfg.n_layers)), moe_aux):
+    balance, loads, loads_vl = [], {}, {}
+    image = None if token_types is None else token_types.reshape(-1)  # rows of the router's [B*S, k] picks
+    for layer, (scores, indices) in zip(range(cfg.n_layers), moe_aux):
         n_experts = scores.size(-1)
         balance.append(ops.moe.sequence_balance_loss(scores.view(b, s, -1), indices.view(b, s, -1), n_experts))
-        loads[layer] = ops.moe.expert_load(indices, n_experts)
-    return TrainOutput(logits, kl, torch.stack(balance).mean() if balance else zero, loads)
+        loads[layer] = ops.moe.expert_load(indices, n_experts, None if image is None else ~image)
+        if model.layers[layer].ffn.gate.bias_vl is not None:
+            loads_vl[layer] = (ops.moe.expert_load(indices, n_experts, image) if image is not None
+                               else torch.zeros(n_experts, device=device))
+    return TrainOutput(logits, kl, torch.stack(balance).mean() if balance else zero, loads, loads_vl)

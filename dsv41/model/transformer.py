@@ -80,7 +80,7 @@ class Block(nn.Module):
         attend: replaces the attention call (the training forward); engram_ids: apply this block's Engram
         first (the training forward routes everything through the module call, so FSDP2 hooks see it)."""
         if engram_ids is not None and self.engram is not None:
-            h = self.engram(h, engram_ids)
+            h = self.engram(h, engram_ids, None if image_mask is None else ~image_mask)
         if attend is None:
             attend = lambda x: self.attn(x, start_pos, cache, shared)  # noqa: E731
         return self.run(h, pre_mix, attend, shared, image_mask)
@@ -189,7 +189,7 @@ class Transformer(nn.Module):
         if train_options is not None:  # the differentiable training forward (dsv41.model.training)
             from dsv41.model.training import forward_train
 
-            return forward_train(self, input_ids, train_options)
+            return forward_train(self, input_ids, train_options, token_types)
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         b, s = input_ids.shape

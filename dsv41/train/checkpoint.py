@@ -55,7 +55,7 @@ def inference_state(model: Transformer, cfg: ModelConfig) -> dict[str, torch.Ten
     for name, ref in wanted.items():
         if name.endswith("engram.embed.scale"):
             continue  # written together with its table below
-        value = full_tensor(have[name]).detach()
+        value = host_copy(have[name])
         if name.endswith("engram.embed.weight") and ref.dtype == torch.float8_e4m3fn:
             codes, scale = fp8_quant(value.float())
             out[name] = codes.contiguous()
@@ -68,6 +68,11 @@ def inference_state(model: Transformer, cfg: ModelConfig) -> dict[str, torch.Ten
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor from a possibly sharded (FSDP2 DTensor) one."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU copy of a (possibly sharded, possibly GPU) tensor, for safetensors."""
+    return full_tensor(t).detach().to("cpu", copy=True).contiguous()
 
 
 def save_checkpoint(folder: str, model: Transformer, cfg: ModelConfig, tokenizer_file: Optional[str],
@@ -88,7 +93,7 @@ def _flatten(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
     """Nested dicts/lists with tensors -> a JSON tree whose tensors are replaced by references."""
     if isinstance(obj, torch.Tensor):
         key = prefix or "root"
-        tensors[key] = full_tensor(obj).detach().contiguous().clone()
+        tensors[key] = host_copy(obj)
         return {"__tensor__": key}
     if isinstance(obj, dict):
         return {"__dict__": [[_key(k), _flatten(v, f"{prefix}.{k}", tensors)] for k, v in obj.items()]}
@@ -123,7 +128,7 @@ def _unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
 def train_state_payload(model: torch.nn.Module, optimizer) -> tuple[dict, dict, Any]:
     """(fp32 weights, optimizer tensors, optimizer JSON tree), as full tensors. Under FSDP2 every rank must
     call this (it gathers shards in a fixed order); only one rank writes."""
-    weights = {name: full_tensor(p).detach().contiguous().clone() for name, p in model.named_parameters()}
+    weights = {name: host_copy(p) for name, p in model.named_parameters()}
     tensors: dict[str, torch.Tensor] = {}
     tree = _flatten(optimizer.state_dict(), "opt", tensors)
     return weights, tensors, tree
@@ -163,6 +168,6 @@ def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
     if hasattr(param, "device_mesh"):  # FSDP2: keep this rank's shard of the full tensor
         from torch.distributed.tensor import distribute_tensor
 
-        param.copy_(distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements))
+        param.copy_(distribute_tensor(full.to(param.device, param.dtype), param.device_mesh, param.placements))
     else:
         param.copy_(full)

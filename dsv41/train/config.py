@@ -39,6 +39,7 @@ class TrainConfig:
     log_every: int = 1
     seed: int = 0
     threads: int = 0  # torch threads (0: leave as is)
+    device: str = "auto"  # "auto" (CUDA when present, one GPU per process under torchrun), "cpu" or "cuda"
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_batches", "save_every",
@@ -47,6 +48,8 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.warmup < 0 or self.lr <= 0:
             raise ValueError("TrainConfig.warmup must be >= 0 and lr > 0")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"TrainConfig.device must be auto, cpu or cuda, got {self.device!r}")
         if self.ns_dtype not in NS_DTYPES:
             raise ValueError(f"TrainConfig.ns_dtype must be one of {sorted(NS_DTYPES)}, got {self.ns_dtype!r}")
         if not 0 <= self.min_lr_ratio <= 1 or not 0 <= self.replay_prob <= 1:

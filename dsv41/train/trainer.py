@@ -65,15 +65,29 @@ def default_data(cfg: TrainConfig, vocab_size: int) -> str:
     return folder
 
 
+def resolve_device(name: str) -> torch.device:
+    """"auto" -> CUDA when available, else CPU; "cuda" without a GPU is an error, not a silent CPU run."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("TrainConfig.device is 'cuda' but torch sees no CUDA device "
+                           f"(torch {torch.__version__}; the pinned wheel on CPU machines has no CUDA)")
+    return torch.device(name)
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         cfg.validate()
         self.cfg = cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        self.device = resolve_device(cfg.device)
         self.distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        if self.device.type == "cuda" and self.distributed:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if self.distributed and not dist.is_initialized():
-            dist.init_process_group("gloo")
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
 
@@ -100,7 +114,7 @@ class Trainer:
         init_random_weights(model, seed=cfg.seed)
         if model.engram_hash is not None:
             model.set_engram_token_map(token_map)
-        self.model = prepare_for_training(model)
+        self.model = prepare_for_training(model).to(self.device)
         if self.distributed:
             from torch.distributed.fsdp import fully_shard
 
@@ -150,15 +164,16 @@ class Trainer:
         batches = list(self.val_set.sequential_batches(cfg.batch_size, cfg.seq_len, cfg.eval_batches,
                                                        rank=self.rank, world_size=self.world))
         if self.distributed:  # every rank must run the same number of (collective) forwards
-            n = torch.tensor(len(batches))
+            n = torch.tensor(len(batches), device=self.device)
             dist.all_reduce(n, op=dist.ReduceOp.MIN)
             batches = batches[:int(n)]
         for x, y in batches:
+            x, y = x.to(self.device), y.to(self.device)
             lm, _ = self._losses(x, y, TrainOptions(qat=cfg.qat, dense_indexer=cfg.dense_attention))
             total += float(lm) * x.numel()
             count += x.numel()
         if self.distributed:
-            t = torch.tensor([total, count], dtype=torch.float64)
+            t = torch.tensor([total, count], dtype=torch.float64, device=self.device)
             dist.all_reduce(t)
             total, count = float(t[0]), float(t[1])
         return total / max(count, 1)
@@ -169,18 +184,20 @@ class Trainer:
         self.optimizer.set_lr_scale(lr_scale(step, cfg))
         opts = self._options(step)
         sums = {"lm": 0.0, "kl": 0.0, "balance": 0.0}
-        loads: dict[int, torch.Tensor] = {}
+        loads: dict[tuple[str, int], torch.Tensor] = {}  # (bias name, layer) -> tokens per expert
         for micro in range(cfg.grad_accum):
             x, y = self.train_set.batch(step * cfg.grad_accum + micro, cfg.batch_size, cfg.seq_len, cfg.seed,
                                         rank=self.rank, world_size=self.world)
+            x, y = x.to(self.device), y.to(self.device)
             lm, out = self._losses(x, y, opts)
             loss = (lm + cfg.kl_weight * out.indexer_kl + cfg.balance_weight * out.balance_loss) / cfg.grad_accum
             loss.backward()
             sums["lm"] += float(lm.detach()) / cfg.grad_accum
             sums["kl"] += float(out.indexer_kl.detach()) / cfg.grad_accum
             sums["balance"] += float(out.balance_loss.detach()) / cfg.grad_accum
-            for layer, load in out.expert_load.items():
-                loads[layer] = loads.get(layer, 0) + load
+            for name, per_layer in (("bias", out.expert_load), ("bias_vl", out.expert_load_vl)):
+                for layer, load in per_layer.items():
+                    loads[name, layer] = loads.get((name, layer), 0) + load
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         if self.replicas:
             self.replicas.gather_grads()
@@ -191,7 +208,7 @@ class Trainer:
         self.model.zero_grad(set_to_none=True)
         imbalance = self._update_router_bias(loads)
         if self.distributed:
-            t = torch.tensor([sums["lm"], sums["kl"], sums["balance"]], dtype=torch.float64)
+            t = torch.tensor([sums["lm"], sums["kl"], sums["balance"]], dtype=torch.float64, device=self.device)
             dist.all_reduce(t)
             sums = dict(zip(sums, (t / self.world).tolist()))
         seconds = time.perf_counter() - t0
@@ -201,18 +218,20 @@ class Trainer:
                 "lr_scale": lr_scale(step, cfg), "grad_norm": float(full_tensor(grad_norm)), "tokens": self.step * tokens,
                 "tokens_per_s": tokens / seconds, "max_load_ratio": imbalance}
 
-    def _update_router_bias(self, loads: dict[int, torch.Tensor]) -> float:
-        """b += rate * sign(mean - load) per router (summed over ranks); returns the worst max/mean load."""
+    def _update_router_bias(self, loads: dict[tuple[str, int], torch.Tensor]) -> float:
+        """b += rate * sign(mean - load) per router and modality (text tokens move `gate.bias`, image-span
+        tokens `gate.bias_vl`; loads summed over ranks); returns the worst max/mean text load."""
         worst = 0.0
-        for layer, load in sorted(loads.items()):
+        for (name, layer), load in sorted(loads.items()):
             if self.distributed:
                 dist.all_reduce(load)
-            gate = self.model.layers[layer].ffn.gate
+            param = getattr(self.model.layers[layer].ffn.gate, name)
             with torch.no_grad():
-                bias = full_tensor(gate.bias.data)
+                bias = full_tensor(param.data)
                 new = ops.moe.balance_bias_update(bias, load.to(bias.dtype), self.cfg.bias_rate)
-                _assign(gate.bias, new)
-            worst = max(worst, float(load.max() / load.mean().clamp_min(1e-9)))
+                _assign(param, new)
+            if name == "bias":
+                worst = max(worst, float(load.max() / load.mean().clamp_min(1e-9)))
         return worst
 
     def save(self) -> None:

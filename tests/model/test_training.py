@@ -102,3 +102,29 @@ def test_engram_tables_become_trainable_with_the_same_rows():
     table.make_trainable()
     assert table.weight.requires_grad and table.weight.dtype == torch.float32
     assert torch.equal(table(ids), before)
+
+
+def test_image_tokens_route_with_their_own_bias_and_are_counted_apart():
+    """Image-span tokens pick experts with `gate.bias_vl` and are counted in `expert_load_vl`; the
+    training forward must agree with the inference forward on the same spans (VL bias, Engram shut)."""
+    cfg = tiny().replace(vision_n_layers=1, index_topk=64, candidate_topk_blocks=64)
+    model = init_random_weights(Transformer(cfg), seed=1, std=0.1)
+    for layer in model.layers:
+        layer.ffn.gate.bias_vl.data[0] = 100.0  # image tokens must all pick expert 0
+    ids = batch()
+    image = torch.zeros_like(ids, dtype=torch.bool)
+    image[:, 10:20] = True
+    n_image, k = int(image.sum()), cfg.n_activated_experts
+    with torch.no_grad():
+        out = forward_train(model, ids, token_types=image)
+        ref = model(ids, token_types=image)
+        plain = forward_train(model, ids)
+    assert sorted(out.expert_load_vl) == list(range(cfg.n_layers))
+    for layer in range(cfg.n_layers):
+        assert out.expert_load_vl[layer][0] == n_image and out.expert_load_vl[layer].sum() == n_image * k
+        assert out.expert_load[layer].sum() == (ids.numel() - n_image) * k
+        assert plain.expert_load_vl[layer].sum() == 0 and plain.expert_load[layer].sum() == ids.numel() * k
+    rel = (out.logits - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()
+    assert rel < 0.05 and (out.logits.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
+    assert not torch.equal(out.logits[:, 10:], plain.logits[:, 10:])
+    assert torch.equal(out.logits[:, :10], plain.logits[:, :10])  # causal: spans change nothing before them

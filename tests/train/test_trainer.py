@@ -63,3 +63,35 @@ def test_checkpoints_are_written_atomically(tiny_corpus, tmp_path):
     names = sorted(os.listdir(tmp_path))
     assert "checkpoint" in names and "train_state" in names
     assert not [n for n in names if n.endswith((".tmp", ".old"))]
+
+
+def test_router_bias_moves_per_modality():
+    """Text loads move `gate.bias`, image-span loads `gate.bias_vl`; an absent modality moves nothing."""
+    from dsv41.config import tiny
+    from dsv41.model.transformer import Transformer
+
+    trainer = Trainer.__new__(Trainer)  # only the model, config and process group matter here
+    trainer.model = Transformer(tiny().replace(vision_n_layers=1))
+    trainer.cfg, trainer.distributed = TrainConfig(bias_rate=0.01), False
+    text = torch.tensor([9.0, 1, 1, 1, 1, 1, 1, 1])  # expert 0 overloaded
+    image = torch.tensor([0.0, 0, 0, 0, 0, 0, 0, 8])  # expert 7 overloaded
+    worst = trainer._update_router_bias({("bias", 2): text, ("bias_vl", 2): image, ("bias_vl", 3): torch.zeros(8)})
+    gate = trainer.model.layers[2].ffn.gate
+    assert torch.equal(gate.bias.data, 0.01 * torch.sign(text.mean() - text))
+    assert torch.equal(gate.bias_vl.data, 0.01 * torch.sign(image.mean() - image))
+    assert torch.count_nonzero(trainer.model.layers[3].ffn.gate.bias_vl) == 0
+    assert worst == 9.0 / 2.0
+
+
+def test_device_choice():
+    import pytest
+
+    from dsv41.train.trainer import resolve_device
+
+    assert resolve_device("cpu").type == "cpu"
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="no CUDA device"):
+            resolve_device("cuda")
+    with pytest.raises(ValueError, match="device"):
+        TrainConfig(device="tpu").validate()
