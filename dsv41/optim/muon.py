@@ -96,22 +96,66 @@ class Muon(torch.optim.Optimizer):
             for p in group["params"]:
                 row_blocks(p.shape, group["heads"], group["head_dim"])  # validate shapes up front
 
+    def split_work(self, rank: int, world: int, process_group=None) -> None:
+        """Data-parallel use with identical full replicas on every rank (the FSDP2 trainer): each rank runs
+        Newton-Schulz only for the matrices it owns and broadcasts the result, so the dominant cost of
+        the step is divided by `world` while every rank still applies the same update. Owners are
+        assigned greedily by Newton-Schulz cost, in parameter order, so every rank computes the same map."""
+        self._split = (rank, world, process_group, owner_map(self.param_groups, world))
+
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        split = getattr(self, "_split", None)
+        pending: list[tuple[torch.Tensor, torch.Tensor, dict, int]] = []
         for group in self.param_groups:
-            lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+            mu = group["momentum"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 g = p.grad.to(torch.float32)
                 u = momentum_direction(self.state[p] if mu > 0 else {}, p, g, mu, group["nesterov"])
-                o = muon_direction(u, group["heads"], group["head_dim"], group["rms"], group["ns_schedule"],
-                                   group["ns_dtype"], group["eps"])
-                if wd:
-                    p.mul_(1.0 - lr * wd)
-                p.add_(o.to(p.dtype), alpha=-lr)
+                owner = split[3][id(p)] if split else 0
+                if split is None or owner == split[0]:
+                    o = muon_direction(u, group["heads"], group["head_dim"], group["rms"], group["ns_schedule"],
+                                       group["ns_dtype"], group["eps"])
+                else:
+                    o = torch.empty_like(u)  # filled by the owner's broadcast below
+                pending.append((p, o, group, owner))
+        if split is not None:
+            import torch.distributed as dist
+
+            rank, _, process_group, _ = split
+            works = [dist.broadcast(o, src=dist.get_global_rank(process_group, owner) if process_group else owner,
+                                    group=process_group, async_op=True) for _, o, _, owner in pending]
+            for work in works:
+                work.wait()
+        for p, o, group, _ in pending:
+            lr, wd = group["lr"], group["weight_decay"]
+            if wd:
+                p.mul_(1.0 - lr * wd)
+            p.add_(o.to(p.dtype), alpha=-lr)
         return loss
+
+
+def ns_cost(shape: torch.Size | tuple[int, ...], heads: int = 1, head_dim: Optional[int] = None) -> int:
+    """Multiply-adds of one Newton-Schulz step on a parameter (for balancing owners)."""
+    blocks = row_blocks(shape, heads, head_dim)
+    rows, cols = blocks[-2], blocks[-1]
+    return math.prod(blocks[:-2]) * min(rows, cols) ** 2 * max(rows, cols)
+
+
+def owner_map(param_groups: list[dict], world: int) -> dict[int, int]:
+    """id(param) -> owning rank: largest cost first onto the least-loaded rank (ties: parameter order)."""
+    items = [(ns_cost(p.shape, g["heads"], g["head_dim"]), index, id(p))
+             for index, (g, p) in enumerate((g, p) for g in param_groups for p in g["params"])]
+    load = [0] * world
+    owners: dict[int, int] = {}
+    for cost, _, key in sorted(items, key=lambda item: (-item[0], item[1])):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owners[key] = rank
+        load[rank] += cost
+    return owners

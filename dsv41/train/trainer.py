@@ -126,6 +126,9 @@ class Trainer:
         self.replicas = MatrixReplicas(self.model, optim_cfg) if self.distributed else None
         target = self.replicas.view() if self.replicas else self.model
         self.optimizer = build_optimizers(target, optim_cfg, self.model_cfg)
+        muon = dict(self.optimizer.optimizers).get("muon")
+        if self.replicas and muon is not None:  # each rank orthogonalises its share of the matrices
+            muon.split_work(self.rank, self.world)
         self.step = 0
         self.history: list[dict] = []
         state_dir = os.path.join(cfg.out, "train_state")
