@@ -15,3 +15,22 @@ GOLDEN_FOLDERS = sorted(os.path.join(GOLDEN_DIR, d) for d in os.listdir(GOLDEN_D
 def tiny_model():
     torch.manual_seed(0)
     return init_random_weights(Transformer(tiny()), seed=1, std=0.1).eval()
+
+
+def pin_routing(model, margin: float = 50.0):
+    """Give every router a decisive selection bias towards k experts (a different set per layer), so
+    MoE selection cannot flip on bf16 noise. For tests comparing numerically different paths (prefill vs
+    decode, recompute vs cached state) whose premise is that no discrete choice flips; routing weights
+    still come from the (unbiased) scores. Returns the model."""
+    with torch.no_grad():
+        for layer in model.layers:
+            gate = layer.ffn.gate
+            n, k = gate.bias.numel(), gate.topk
+            gate.bias.zero_()
+            for j in range(k):
+                gate.bias[(layer.layer_id + j) % n] = margin
+            if gate.bias_vl is not None:
+                gate.bias_vl.zero_()
+                for j in range(k):
+                    gate.bias_vl[(layer.layer_id + k + j) % n] = margin
+    return model

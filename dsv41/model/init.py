@@ -1,8 +1,8 @@
 """Random initialisation for from-scratch models (tests, demos, training start).
 
-Matrices get N(0, 0.02^2) (quantised to their storage format when FP8/FP4), norms 1, hyper-connection
-projections small so the mixes start near their biases, router biases and attention sinks 0, Engram
-rows N(0, 0.02^2) in FP8 with UE8M0 row scales.
+Matrices, router weights included, get N(0, 0.02^2) (quantised to their storage format when FP8/FP4),
+norms 1, hyper-connection projections small so the mixes start near their biases, router biases and
+attention sinks 0, Engram rows N(0, 0.02^2) in FP8 with UE8M0 row scales.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from torch import nn
 
 from dsv41.model.engram import EngramTable
 from dsv41.model.layers import Linear, RMSNorm
+from dsv41.model.moe import Gate
 from dsv41.ops.quant import quantize_fp4_weight, quantize_fp8_weight
 
 
@@ -42,6 +43,8 @@ def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> n
             scale = torch.full_like(module.scale, 2.0 ** -6, dtype=torch.float32)
             module.weight.copy_((rows / 2.0 ** -6).clamp(-448, 448).to(torch.float8_e4m3fn))
             module.scale.copy_(scale.to(torch.float8_e8m0fnu))
+        elif isinstance(module, Gate):  # a bare parameter, not a Linear: zeros would tie every score
+            module.weight.copy_(normal(tuple(module.weight.shape)))
         elif isinstance(module, (nn.Embedding, nn.Linear)):
             module.weight.copy_(normal(tuple(module.weight.shape)))
     for name, param in model.named_parameters():

@@ -13,6 +13,7 @@ from dsv41.model.cache import global_kv_bytes_per_token
 from dsv41.model.init import init_random_weights
 from dsv41.model.transformer import Transformer
 from dsv41.tokenizer import ByteTokenizer
+from tests.conftest import pin_routing
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -20,6 +21,15 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 @pytest.fixture(scope="module")
 def model():
     m = init_random_weights(Transformer(tiny()), seed=1).eval()
+    m.set_batch_invariant(16)
+    return m
+
+
+@pytest.fixture(scope="module")
+def pinned_model():
+    """For comparisons across numerically different paths (a recomputed or restored state against the
+    decode that built it): MoE selection pinned so that bf16 noise cannot flip an expert choice."""
+    m = pin_routing(init_random_weights(Transformer(tiny()), seed=1).eval())
     m.set_batch_invariant(16)
     return m
 
@@ -105,13 +115,24 @@ def test_bounded_replay_runs_the_decoder_on_the_last_window_only(model):
                        make(model, prefill_mode="full").prompt_logits(short))
 
 
-def test_preemption_loses_nothing(model):
+def test_preemption_loses_nothing(pinned_model):
+    """A pool too small for the batch forces preemption by recompute. Every request must still finish,
+    and every generated token must be the greedy choice of the plain model run over prompt + output
+    (teacher-forced, up to bf16 noise: the random tiny model has logit near-ties of ~0.005 that the
+    recompute, a prefill instead of decode steps, may resolve either way; a lost or misplaced block
+    would miss by far more)."""
+    model = pinned_model
     batch = prompts([30, 5, 47, 12, 64, 9])
-    alone = [make(model, enable_prefix_caching=False).generate([p], GREEDY)[0].token_ids for p in batch]
     engine = make(model, kv_pool_tokens=96, enable_prefix_caching=False)
-    assert [o.token_ids for o in engine.generate(batch, GREEDY)] == alone
+    outs = [o.token_ids for o in engine.generate(batch, GREEDY)]
     assert engine.counters["preemptions_total"] > 0
     assert engine.allocator.num_used() == 0
+    for prompt, out in zip(batch, outs):
+        assert len(out) == GREEDY.max_tokens
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + out]))[0, len(prompt) - 1:-1]  # [steps, vocab]
+        gaps = logits.max(-1).values - logits.gather(-1, torch.tensor(out)[:, None])[:, 0]
+        assert gaps.max() < 0.05, gaps
 
 
 def test_prefix_cache_follow_up_turn(model):
@@ -126,10 +147,13 @@ def test_prefix_cache_follow_up_turn(model):
     engine = make(model)
     turn2 = follow_up(engine)
     cached = engine.prompt_logits(turn2)
-    fresh = make(model, enable_prefix_caching=False).prompt_logits(turn2)
+    # the reference is a full prefill: the snapshot holds decoder states from decode steps, not the
+    # bounded-replay approximation (measured max |dlogit| 0.003)
+    fresh = make(model, enable_prefix_caching=False, prefill_mode="full").prompt_logits(turn2)
     assert engine.stats.snapshot_hits == 1 and engine.stats.window_rebuilds == 0
     assert engine.stats.hit_tokens == len(first) + 5
-    assert close(cached, fresh)
+    assert close(cached, fresh, tol=0.02)
+    fresh = make(model, enable_prefix_caching=False).prompt_logits(turn2)  # bounded, as the rebuild below
 
     # window rings expired: restore the global KV and rebuild the rings by bounded replay
     engine = make(model, window_ttl_s=0.0)

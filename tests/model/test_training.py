@@ -8,6 +8,7 @@ from dsv41.config import tiny
 from dsv41.model.init import init_random_weights
 from dsv41.model.training import TrainOptions, _indexer_kl, forward_train, prepare_for_training
 from dsv41.model.transformer import Transformer
+from tests.conftest import pin_routing
 
 
 @pytest.fixture(scope="module")
@@ -20,16 +21,23 @@ def batch(b=2, s=40, seed=0):
 
 
 def test_matches_the_inference_forward_when_everything_is_selected():
-    """With top-k and the candidate pool covering every entry, selection is not in play and the training
-    formulation (one masked softmax) must give the inference model's logits up to bf16 rounding."""
+    """With top-k and the candidate pool covering every entry, selection is not in play (MoE routing
+    pinned too) and the training formulation (one masked softmax, fp32) must give the inference model's
+    logits up to bf16 rounding: measured rms 2.2% of the logits. Without QAT the cache roundings of
+    inference are missing and the gap doubles (4.5%), so the metric sees formulation differences."""
     cfg = tiny().replace(index_topk=64, candidate_topk_blocks=64)
-    model = init_random_weights(Transformer(cfg), seed=1, std=0.1)
+    model = pin_routing(init_random_weights(Transformer(cfg), seed=1))
     ids = batch()
     with torch.no_grad():
         ref = model(ids)
         got = forward_train(model, ids).logits
-    rel = (got - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()
-    assert rel < 0.05 and (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
+        no_qat = forward_train(model, ids, TrainOptions(qat=False)).logits
+
+    def rel(x):
+        return float((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
+
+    assert rel(got) < 0.035 and rel(no_qat) > 1.5 * rel(got)
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
 
 
 def test_causal_through_compressor_indexer_and_topk(trainable):
@@ -108,7 +116,7 @@ def test_image_tokens_route_with_their_own_bias_and_are_counted_apart():
     """Image-span tokens pick experts with `gate.bias_vl` and are counted in `expert_load_vl`; the
     training forward must agree with the inference forward on the same spans (VL bias, Engram shut)."""
     cfg = tiny().replace(vision_n_layers=1, index_topk=64, candidate_topk_blocks=64)
-    model = init_random_weights(Transformer(cfg), seed=1, std=0.1)
+    model = pin_routing(init_random_weights(Transformer(cfg), seed=1))  # selection cannot flip
     for layer in model.layers:
         layer.ffn.gate.bias_vl.data[0] = 100.0  # image tokens must all pick expert 0
     ids = batch()
@@ -125,6 +133,6 @@ def test_image_tokens_route_with_their_own_bias_and_are_counted_apart():
         assert out.expert_load[layer].sum() == (ids.numel() - n_image) * k
         assert plain.expert_load_vl[layer].sum() == 0 and plain.expert_load[layer].sum() == ids.numel() * k
     rel = (out.logits - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()
-    assert rel < 0.05 and (out.logits.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
+    assert rel < 0.035 and (out.logits.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
     assert not torch.equal(out.logits[:, 10:], plain.logits[:, 10:])
     assert torch.equal(out.logits[:, :10], plain.logits[:, :10])  # causal: spans change nothing before them

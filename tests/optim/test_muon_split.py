@@ -36,6 +36,7 @@ def run_steps(rank=None, world=None):
 
 def _worker(rank, world, store_path, out_path):
     torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback: no dependence on the host name's address
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     try:
         torch.save(run_steps(rank, world), f"{out_path}.{rank}")
