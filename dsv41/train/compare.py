@@ -1,0 +1,114 @@
+"""Compare training runs side by side: validation loss against steps and tokens, from their metrics.jsonl.
+
+    python -m dsv41.train.compare runs/recipe runs/dense runs/noqat [--names ...] [--out docs/benchmarks/train]
+
+Prints one markdown table (validation loss at every evaluated step that all runs share, then the final
+train loss averaged over the last 10 logged steps, tokens/s and the worst expert-load ratio) and writes
+OUT.json and OUT.png (validation and smoothed train loss against tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Optional
+
+
+def read_metrics(run: str) -> list[dict]:
+    path = os.path.join(run, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{run}: no metrics.jsonl (is it a `dsv41 train --out` folder?)")
+    rows = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{number}: not JSON ({err})") from None
+    latest: dict[int, dict] = {}
+    for row in rows:  # a resumed run may repeat steps: keep the last record of each
+        latest[row["step"]] = row
+    return [latest[s] for s in sorted(latest)]
+
+
+def summarize(runs: list[str], names: Optional[list[str]] = None) -> dict:
+    names = names or [os.path.basename(os.path.normpath(r)) for r in runs]
+    if len(names) != len(runs):
+        raise ValueError("give one name per run")
+    metrics = {name: read_metrics(run) for name, run in zip(names, runs)}
+    evals = {name: {r["step"]: r for r in rows if "val_loss" in r} for name, rows in metrics.items()}
+    shared = sorted(set.intersection(*(set(e) for e in evals.values()))) if evals else []
+    summary = {"runs": {}, "eval_steps": shared}
+    for name, rows in metrics.items():
+        tail = rows[-10:]
+        summary["runs"][name] = {
+            "val_loss": [evals[name][s]["val_loss"] for s in shared],
+            "tokens": [evals[name][s]["tokens"] for s in shared],
+            "final_train_loss_last10": sum(r["loss"] for r in tail) / max(len(tail), 1),
+            "tokens_per_s_median": sorted(r["tokens_per_s"] for r in rows)[len(rows) // 2] if rows else 0.0,
+            "max_load_ratio_last": rows[-1].get("max_load_ratio") if rows else None,
+            "steps": rows[-1]["step"] if rows else 0,
+        }
+    return summary
+
+
+def markdown_table(summary: dict) -> str:
+    steps = summary["eval_steps"]
+    head = "| run | " + " | ".join(f"val @ {s}" for s in steps) + " | train (last 10) | tok/s | max/mean load |"
+    lines = [head, "|" + "---|" * (len(steps) + 4)]
+    for name, r in summary["runs"].items():
+        vals = " | ".join(f"{v:.3f}" for v in r["val_loss"])
+        lines.append(f"| {name} | {vals} | {r['final_train_loss_last10']:.3f} | {r['tokens_per_s_median']:.0f} | "
+                     f"{r['max_load_ratio_last']:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(summary: dict, runs: dict[str, list[dict]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, rows in runs.items():
+        tokens = [r["tokens"] for r in rows]
+        losses = [r["loss"] for r in rows]
+        smooth, acc = [], None
+        for x in losses:  # exponential moving average, as training dashboards show it
+            acc = x if acc is None else 0.8 * acc + 0.2 * x
+            smooth.append(acc)
+        left.plot(tokens, smooth, label=name)
+        r = summary["runs"][name]
+        right.plot(r["tokens"], r["val_loss"], marker="o", label=name)
+    left.set(title="train loss (EMA 0.8)", xlabel="tokens", ylabel="loss")
+    right.set(title="validation loss", xlabel="tokens", ylabel="loss")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="compare dsv41 training runs")
+    parser.add_argument("runs", nargs="+", help="run folders (dsv41 train --out)")
+    parser.add_argument("--names", nargs="+", help="labels, one per run (default: folder names)")
+    parser.add_argument("--out", help="write OUT.json and OUT.png")
+    args = parser.parse_args(argv)
+    summary = summarize(args.runs, args.names)
+    print(markdown_table(summary))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out + ".json", "w") as f:
+            json.dump(summary, f, indent=1)
+        names = args.names or [os.path.basename(os.path.normpath(r)) for r in args.runs]
+        plot(summary, {n: read_metrics(r) for n, r in zip(names, args.runs)}, args.out + ".png")
+        print(f"wrote {args.out}.json and {args.out}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
