@@ -7,7 +7,7 @@ optimizer step (Muon's Newton-Schulz dominates it on small CPU models), measured
 run (these machines are noisy; compare the ratios). Variants: the recipe (sparse top-k + QAT, Newton-
 Schulz in bf16), the same with fp32 Newton-Schulz, dense attention, QAT off, and the recipe at 4x the
 batch (the optimizer's cost is per step, so tokens/s grows with the batch). Random weights and tokens:
-only times mean anything here. Prints a table and writes bench_out/train_<preset>.json.
+only times mean anything here. Prints a table and writes bench_out/train_step_<preset>.json.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
         print(f"{r['variant']:34} {r['tokens_per_step']:7d} {r['fwd_bwd_s']:10.2f} {r['optimizer_s']:7.2f} "
               f"{r['tokens_per_s']:7.1f} {r['tokens_per_s'] / base:9.2f}x")
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"train_{args.preset}.json")
+    path = os.path.join(args.out, f"train_step_{args.preset}.json")
     with open(path, "w") as f:
         json.dump({"preset": args.preset, "threads": args.threads, "torch": torch.__version__, "rows": rows}, f,
                   indent=1)

@@ -73,7 +73,7 @@ def plot(summary: dict, runs: dict[str, list[dict]], path: str) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for name, rows in runs.items():
-        tokens = [r["tokens"] for r in rows]
+        tokens = [r["tokens"] / 1e3 for r in rows]
         losses = [r["loss"] for r in rows]
         smooth, acc = [], None
         for x in losses:  # exponential moving average, as training dashboards show it
@@ -81,9 +81,9 @@ def plot(summary: dict, runs: dict[str, list[dict]], path: str) -> None:
             smooth.append(acc)
         left.plot(tokens, smooth, label=name)
         r = summary["runs"][name]
-        right.plot(r["tokens"], r["val_loss"], marker="o", label=name)
-    left.set(title="train loss (EMA 0.8)", xlabel="tokens", ylabel="loss")
-    right.set(title="validation loss", xlabel="tokens", ylabel="loss")
+        right.plot([t / 1e3 for t in r["tokens"]], r["val_loss"], marker="o", label=name)
+    left.set(title="train loss (EMA 0.8)", xlabel="tokens (thousands)", ylabel="loss")
+    right.set(title="validation loss", xlabel="tokens (thousands)", ylabel="loss")
     for ax in (left, right):
         ax.grid(alpha=0.3)
         ax.legend()

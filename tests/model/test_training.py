@@ -48,8 +48,10 @@ def test_causal_through_compressor_indexer_and_topk(trainable):
     with torch.no_grad():
         a = forward_train(trainable, ids).logits
         b = forward_train(trainable, changed).logits
-    assert torch.equal(a[:, :t + 1], b[:, :t + 1])
-    assert not torch.equal(a[:, t + 1:], b[:, t + 1:])
+    # up to float reassociation: other tokens change the per-expert GEMM sizes (and so the blocking);
+    # a leak from the future would move earlier logits as much as later ones
+    before, after = (a[:, :t + 1] - b[:, :t + 1]).abs().max(), (a[:, t + 1:] - b[:, t + 1:]).abs().max()
+    assert before < 1e-4 and after > 1e-2, (before, after)
 
 
 def test_indexer_learns_only_from_the_kl_and_the_model_only_from_the_lm_loss(trainable):
@@ -135,4 +137,4 @@ def test_image_tokens_route_with_their_own_bias_and_are_counted_apart():
     rel = (out.logits - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()
     assert rel < 0.035 and (out.logits.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
     assert not torch.equal(out.logits[:, 10:], plain.logits[:, 10:])
-    assert torch.equal(out.logits[:, :10], plain.logits[:, :10])  # causal: spans change nothing before them
+    assert (out.logits[:, :10] - plain.logits[:, :10]).abs().max() < 1e-4  # causal: nothing moves before the span
