@@ -101,7 +101,7 @@ class Muon(torch.optim.Optimizer):
         Newton-Schulz only for the matrices it owns and broadcasts the result, so the dominant cost of
         the step is divided by `world` while every rank still applies the same update. Owners are
         assigned greedily by Newton-Schulz cost, in parameter order, so every rank computes the same map."""
-        self._split = (rank, world, process_group, owner_map(self.param_groups, world))
+        self._split = (rank, process_group, owner_map(self.param_groups, world))
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -109,7 +109,7 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        split = getattr(self, "_split", None)
+        split = getattr(self, "_split", None)  # (rank, process group, owners) after split_work
         pending: list[tuple[torch.Tensor, torch.Tensor, dict, int]] = []
         for group in self.param_groups:
             mu = group["momentum"]
@@ -118,7 +118,7 @@ class Muon(torch.optim.Optimizer):
                     continue
                 g = p.grad.to(torch.float32)
                 u = momentum_direction(self.state[p] if mu > 0 else {}, p, g, mu, group["nesterov"])
-                owner = split[3][id(p)] if split else 0
+                owner = split[2][id(p)] if split else 0
                 if split is None or owner == split[0]:
                     o = muon_direction(u, group["heads"], group["head_dim"], group["rms"], group["ns_schedule"],
                                        group["ns_dtype"], group["eps"])
@@ -128,7 +128,7 @@ class Muon(torch.optim.Optimizer):
         if split is not None:
             import torch.distributed as dist
 
-            rank, _, process_group, _ = split
+            process_group = split[1]
             works = [dist.broadcast(o, src=dist.get_global_rank(process_group, owner) if process_group else owner,
                                     group=process_group, async_op=True) for _, o, _, owner in pending]
             for work in works:

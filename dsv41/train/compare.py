@@ -33,11 +33,15 @@ def read_metrics(run: str) -> list[dict]:
     return [latest[s] for s in sorted(latest)]
 
 
-def summarize(runs: list[str], names: Optional[list[str]] = None) -> dict:
+def load_runs(runs: list[str], names: Optional[list[str]] = None) -> dict[str, list[dict]]:
+    """{label: metrics rows}; labels default to the folder names."""
     names = names or [os.path.basename(os.path.normpath(r)) for r in runs]
     if len(names) != len(runs):
         raise ValueError("give one name per run")
-    metrics = {name: read_metrics(run) for name, run in zip(names, runs)}
+    return {name: read_metrics(run) for name, run in zip(names, runs)}
+
+
+def summarize(metrics: dict[str, list[dict]]) -> dict:
     evals = {name: {r["step"]: r for r in rows if "val_loss" in r} for name, rows in metrics.items()}
     shared = sorted(set.intersection(*(set(e) for e in evals.values()))) if evals else []
     summary = {"runs": {}, "eval_steps": shared}
@@ -98,14 +102,14 @@ def main(argv=None) -> int:
     parser.add_argument("--names", nargs="+", help="labels, one per run (default: folder names)")
     parser.add_argument("--out", help="write OUT.json and OUT.png")
     args = parser.parse_args(argv)
-    summary = summarize(args.runs, args.names)
+    metrics = load_runs(args.runs, args.names)
+    summary = summarize(metrics)
     print(markdown_table(summary))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out + ".json", "w") as f:
             json.dump(summary, f, indent=1)
-        names = args.names or [os.path.basename(os.path.normpath(r)) for r in args.runs]
-        plot(summary, {n: read_metrics(r) for n, r in zip(names, args.runs)}, args.out + ".png")
+        plot(summary, metrics, args.out + ".png")
         print(f"wrote {args.out}.json and {args.out}.png")
     return 0
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dsv41.train.compare import main, markdown_table, summarize
+from dsv41.train.compare import load_runs, main, markdown_table, summarize
 
 
 def write_run(folder, rows):
@@ -26,7 +26,7 @@ def test_shared_eval_steps_and_resumed_duplicates(tmp_path):
     a = write_run(tmp_path / "a", [row(1, 5.0), row(2, 4.0, val=4.5), row(3, 3.0), row(4, 2.0, val=3.5)])
     # b was resumed at step 2: the repeated step counts once, with its last record
     b = write_run(tmp_path / "b", [row(1, 5.0), row(2, 9.0, val=9.0), row(2, 4.2, val=4.6), row(3, 3.1)])
-    s = summarize([a, b], ["A", "B"])
+    s = summarize(load_runs([a, b], ["A", "B"]))
     assert s["eval_steps"] == [2]
     assert s["runs"]["A"]["val_loss"] == [4.5] and s["runs"]["B"]["val_loss"] == [4.6]
     assert s["runs"]["B"]["steps"] == 3 and s["runs"]["A"]["final_train_loss_last10"] == 3.5
@@ -37,9 +37,9 @@ def test_shared_eval_steps_and_resumed_duplicates(tmp_path):
 
 def test_bad_runs_are_reported(tmp_path):
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
-        summarize([str(tmp_path)])
+        load_runs([str(tmp_path)])
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "metrics.jsonl").write_text('{"step": 1}\n{oops\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
-        summarize([str(bad)])
+        load_runs([str(bad)])
