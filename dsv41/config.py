@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Optional
 
 # CSA2 keeps only ratio 1 and ratio 2 compression (V4's HCA ratio 128 and ratio 4 are gone, spec §3.1);
@@ -22,6 +24,28 @@ KNOWN_COMPRESS_RATIOS = (0, 1, 2)
 SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 WEIGHT_DTYPES = ("bf16", "fp8")
 EXPERT_DTYPES = (None, "fp4")
+
+# Fields a checkpoint's config.json may leave out. The reference fixes `gate_temp` and `norm_topk_prob`
+# in code (the released inference config.json has neither, spec §1.4); the token ids and the context
+# length belong to the tokenizer and the server and do not change the network. Every other field
+# changes the model, so a config that lacks one is refused rather than completed with the Flash value.
+OPTIONAL_FIELDS = ("gate_temp", "norm_topk_prob", "bos_token_id", "eos_token_id", "pad_token_id",
+                   "max_position_embeddings")
+# Fields that describe an optional part of the model, keyed by the field saying whether the part exists:
+# they are required only when it does (a text-only model need not describe a vision tower).
+PART_FIELDS = MappingProxyType({
+    "vision_n_layers": ("vision_dim", "vision_n_heads", "vision_inter_dim", "vision_patch_size",
+                        "vision_rope_theta", "vision_downsample_ratio", "vision_max_n_token",
+                        "vision_min_pixels", "vision_max_wh_ratio", "image_token_id"),
+    "n_mtp_layers": ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids",
+                     "dspark_markov_rank", "dspark_n_routed_experts", "dspark_n_activated_experts"),
+    "engram_layer_ids": ("engram_num_embeddings", "engram_max_ngram_size", "engram_vocab_size",
+                         "engram_n_heads", "engram_head_dim", "engram_pad_id", "engram_compressed_vocab_size"),
+})
+# What an absent DSpark drafter's fields mean: no drafter (the Flash target layers 37-39 would not even
+# be valid layer ids of a smaller model).
+DSPARK_OFF = MappingProxyType({"dspark_block_size": 0, "dspark_noise_token_id": 0, "dspark_target_layer_ids": (),
+                               "dspark_n_routed_experts": 0, "dspark_n_activated_experts": 0})
 
 
 @dataclass
@@ -145,8 +169,35 @@ class ModelConfig:
             fail("n_activated_experts", "must be in 1..n_routed_experts")
         if self.n_shared_experts != 1:
             fail("n_shared_experts", "V4.1 has exactly one shared expert")
-        if self.gate_temp <= 0:
-            fail("gate_temp", "must be > 0")
+
+        # Float hyper-parameters: NaN/inf are never meaningful (JSON readers accept `NaN`), and a value out
+        # of range does not crash but silently computes another model (or NaN logits). Each range is
+        # what the op using the field needs: (name, lowest, lowest allowed?, below, why).
+        for name, low, low_ok, high, why in (
+            ("gate_temp", 0.0, False, math.inf, "it divides the router logits"),
+            ("route_scale", 0.0, False, math.inf, "it scales the routing weights"),
+            # ops.clamped_swiglu: 0 means "no clamp"; a negative limit would silently mean the same
+            ("swiglu_limit", 0.0, True, math.inf, "0 disables the clamp"),
+            # RMSNorm adds it under rsqrt: 0 turns an all-zero row into NaN, >= 1 is no longer an epsilon
+            ("norm_eps", 0.0, False, 1.0, "an epsilon under rsqrt"),
+            # Sinkhorn adds it to probabilities and their sums (which are > 0 already, so 0 is fine)
+            ("hc_eps", 0.0, True, 1.0, "an epsilon added to probabilities"),
+            # frequencies are base^(-2i/d): a base <= 1 makes them grow (or, for YaRN, divides by log 1)
+            ("rope_theta", 1.0, False, math.inf, "a RoPE base"),
+            ("compress_rope_theta", 1.0, False, math.inf, "a RoPE base"),
+            ("vision_rope_theta", 1.0, False, math.inf, "a RoPE base"),
+            # YaRN divides the long-wavelength frequencies by it: < 1 would shrink the context instead
+            ("rope_factor", 1.0, True, math.inf, "the YaRN context extension factor"),
+        ):
+            value = getattr(self, name)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not (number and (value >= low if low_ok else value > low) and value < high):
+                bounds = f"{'[' if low_ok else '('}{low:g}, {high:g})"
+                fail(name, f"must be a finite number in {bounds}: {why}")
+        ratio = self.vision_max_wh_ratio
+        if ratio is not None and not (isinstance(ratio, (int, float)) and not isinstance(ratio, bool)
+                                      and math.isfinite(ratio) and ratio >= 1):
+            fail("vision_max_wh_ratio", "must be null (no limit) or a finite aspect ratio >= 1 (long / short side)")
 
         n_all = self.n_layers + self.n_mtp_layers
         if len(self.compress_ratios) != n_all:
@@ -187,8 +238,8 @@ class ModelConfig:
                 fail("index_n_heads", "must be > 0")
             if self.index_head_dim <= 0 or self.index_head_dim % 32 or self.index_head_dim < self.rope_head_dim:
                 fail("index_head_dim", "must be a positive multiple of 32 and at least rope_head_dim")
-            if self.original_seq_len < 0 or self.rope_factor <= 0:
-                fail("rope_factor", "YaRN needs original_seq_len >= 0 and rope_factor > 0")
+            if self.original_seq_len < 0:
+                fail("original_seq_len", "must be >= 0 (0 disables YaRN)")
         if self.candidate_source_layer >= 0:
             if self.candidate_source_layer not in self.index_source_layers:
                 fail("candidate_source_layer", "must be an index source layer (or -1 to disable)")
@@ -284,12 +335,17 @@ class ModelConfig:
     def from_dict(cls, data: dict[str, Any], strict: bool = False) -> "ModelConfig":
         """Build from either the flat inference dict or the Hugging Face dict (with `text_config`).
 
-        Unknown keys are ignored (the released files carry runtime keys such as `max_batch_size`)
+        This reads a checkpoint's config, so every field that changes the model must be present: the
+        dataclass defaults are the 763B release, and completing a small config with them would build a
+        different model without a word. All missing fields are named in one ValueError, before any
+        model exists. Only `OPTIONAL_FIELDS` and the fields of absent parts (`PART_FIELDS`) may be left
+        out. Unknown keys are ignored (the released files carry runtime keys such as `max_batch_size`)
         unless `strict`; keys of the wrong type raise ValueError naming the field.
         """
         if not isinstance(data, dict):
             raise ValueError(f"config must be a JSON object, got {type(data).__name__}")
-        flat = _hf_to_inference(data) if _looks_like_hf(data) else dict(data)
+        hf = _looks_like_hf(data)
+        flat = _hf_to_inference(data) if hf else dict(data)
         known = {f.name: f for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
         for key, value in flat.items():
@@ -298,6 +354,17 @@ class ModelConfig:
                     raise ValueError(f"ModelConfig: unknown field {key!r}")
                 continue
             kwargs[key] = _coerce(key, value, known[key])
+        missing = _missing_fields(kwargs, known)
+        if missing:
+            spelled = {name: _hf_name(name, data) if hf else name for name in missing}
+            shown = [hf_name if hf_name.split(".")[-1] == name else f"{hf_name} ({name})"
+                     for name, hf_name in spelled.items()]
+            raise ValueError(f"ModelConfig: the config lacks {len(missing)} field(s) that change the model: "
+                             f"{', '.join(shown)}; only {', '.join(OPTIONAL_FIELDS)} and the fields of a "
+                             f"vision tower, DSpark drafter or Engram the model does not have may be left out")
+        if kwargs["n_mtp_layers"] == 0:
+            for name, value in DSPARK_OFF.items():
+                kwargs.setdefault(name, value)
         return cls(**kwargs)
 
     @classmethod
@@ -311,7 +378,10 @@ class ModelConfig:
                 data = json.load(fh)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not valid JSON ({exc})") from exc
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except ValueError as exc:  # say which file is wrong (the CLI and load_model show only the message)
+            raise ValueError(f"{path}: {exc}") from None
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -386,6 +456,37 @@ HF_VISION_RENAMES = {
 }
 
 
+def _missing_fields(kwargs: dict[str, Any], known: dict[str, dataclasses.Field]) -> list[str]:
+    """Fields a checkpoint config must give but `kwargs` lacks, in dataclass order.
+
+    A part's fields are checked only when the field that switches the part on is given (when it is
+    missing, that one field is reported and the part's own fields would be noise).
+    """
+    optional = set(OPTIONAL_FIELDS)
+    for switch, names in PART_FIELDS.items():
+        optional.update(names)
+        if switch in kwargs and kwargs[switch]:
+            optional.difference_update(names)
+    return [name for name in known if name not in kwargs and name not in optional]
+
+
+def _hf_name(name: str, data: dict[str, Any]) -> str:
+    """How a Hugging Face config spells the inference field `name`, for error messages."""
+    text = "text_config." if "text_config" in data else ""
+    for hf_key, inference in HF_ROPE_RENAMES.items():
+        if inference == name:
+            return f"{text}rope_scaling.{hf_key}"
+    for hf_key, inference in HF_VISION_RENAMES.items():
+        if inference == name:
+            return f"vision_config.{hf_key}"
+    if name in ("image_token_id", "bos_token_id", "eos_token_id", "pad_token_id"):
+        return name
+    if name in ("dtype", "expert_dtype"):
+        return "quantization_config"
+    inverse = {inference: hf_key for hf_key, inference in HF_RENAMES.items()}
+    return text + inverse.get(name, name)
+
+
 def _looks_like_hf(data: dict[str, Any]) -> bool:
     return "text_config" in data or "hidden_size" in data or "num_hidden_layers" in data
 
@@ -407,7 +508,7 @@ def _hf_to_inference(data: dict[str, Any]) -> dict[str, Any]:
         for hf_key, name in HF_VISION_RENAMES.items():
             if hf_key in vision:
                 flat[name] = vision[hf_key]
-    elif "vision_config" not in data and "text_config" in data:
+    elif "vision_config" not in data:  # the HF convention: no vision_config, no vision tower
         flat.setdefault("vision_n_layers", 0)
     for key in ("image_token_id", "bos_token_id", "eos_token_id", "pad_token_id"):
         if key in data:

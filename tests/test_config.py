@@ -81,3 +81,87 @@ def test_malformed_json_and_types(tmp_path):
         ModelConfig.from_dict({"dim": "big"})
     with pytest.raises(ValueError, match="kv_source_layers"):
         ModelConfig.from_dict({"kv_source_layers": "2,8"})
+
+
+# ------------------------------------------------------------------ issue 9 item 10: no silent Flash defaults
+GOLDEN_CONFIG = "tests/data/golden/v41-tiny-fp8/config.json"
+
+
+def _golden_config(**changes):
+    data = json.load(open(GOLDEN_CONFIG))
+    for key, value in changes.items():
+        if value is ...:
+            data.pop(key)
+        else:
+            data[key] = value
+    return data
+
+
+def test_checkpoint_config_missing_model_fields_is_an_error(tmp_path):
+    for missing in ("window_size", "index_topk", "dtype", "compress_ratios", "hc_eps", "vision_n_layers"):
+        with pytest.raises(ValueError, match=missing):
+            ModelConfig.from_dict(_golden_config(**{missing: ...}))
+    # every missing field is named in one message, and the file is named too
+    (tmp_path / "config.json").write_text(json.dumps(_golden_config(window_size=..., index_topk=...)))
+    with pytest.raises(ValueError, match="config.json") as err:
+        ModelConfig.from_file(tmp_path)
+    assert "window_size" in str(err.value) and "index_topk" in str(err.value)
+    # `{}` names the model's shape instead of describing the 763B release
+    with pytest.raises(ValueError) as err:
+        ModelConfig.from_dict({})
+    for name in ("vocab_size", "dim", "n_layers", "n_heads", "window_size", "compress_ratios", "dtype"):
+        assert name in str(err.value)
+
+
+def test_hugging_face_config_missing_model_fields_is_an_error():
+    text = {"hidden_size": 64, "num_hidden_layers": 10, "vocab_size": 1024}
+    with pytest.raises(ValueError) as err:
+        ModelConfig.from_dict({"text_config": text})
+    for name in ("sliding_window", "rope_scaling", "index_topk", "num_attention_heads"):
+        assert name in str(err.value)
+
+
+def test_fields_outside_the_text_model_may_be_absent():
+    """The released inference config has no gate_temp/norm_topk_prob (the reference fixes them) and no
+    token ids; a text-only model need not describe a vision tower, nor a model without MTP a drafter."""
+    gone = {k: ... for k in _golden_config() if k.startswith(("vision_", "dspark_")) and k != "vision_n_layers"}
+    cfg = ModelConfig.from_dict(_golden_config(image_token_id=..., **gone))
+    assert not cfg.vision_enabled and cfg.n_mtp_layers == 0
+    assert cfg.window_size == 8 and cfg.index_topk == 6 and cfg.gate_temp == 1.0 and cfg.norm_topk_prob
+    # ... but a model that has the part must describe it
+    with pytest.raises(ValueError, match="vision_dim"):
+        ModelConfig.from_dict(_golden_config(vision_n_layers=2, vision_dim=...))
+    with pytest.raises(ValueError, match="engram_head_dim"):
+        ModelConfig.from_dict(_golden_config(engram_head_dim=...))
+
+
+def test_presets_are_unaffected_by_required_fields():
+    assert ModelConfig() == flash()
+    assert preset("tiny") == tiny() and preset("small") == small()
+
+
+# ------------------------------------------------------------------ issue 9 item 11: float ranges
+@pytest.mark.parametrize("field,value", [
+    ("rope_theta", -10000.0), ("rope_theta", 1.0), ("compress_rope_theta", 0.0), ("vision_rope_theta", -1.0),
+    ("swiglu_limit", -10.0), ("swiglu_limit", float("nan")), ("route_scale", -1.5), ("route_scale", 0.0),
+    ("route_scale", float("inf")), ("norm_eps", -1e-20), ("norm_eps", 0.0), ("norm_eps", 1.0),
+    ("hc_eps", -1e-6), ("hc_eps", 1.0), ("gate_temp", float("nan")), ("rope_factor", 0.5),
+    ("rope_factor", float("inf")), ("vision_max_wh_ratio", -2.0),
+])
+def test_float_fields_are_range_checked(field, value):
+    with pytest.raises(ValueError, match=field):
+        flash().replace(**{field: value})
+    with pytest.raises(ValueError, match=field):
+        tiny().replace(**{field: value})
+
+
+def test_float_conventions_stay_valid(tmp_path):
+    # swiglu_limit 0 means "no clamp" (ops.clamped_swiglu), hc_eps 0 keeps Sinkhorn finite (softmax rows > 0)
+    assert tiny().replace(swiglu_limit=0.0, hc_eps=0.0).swiglu_limit == 0.0
+    assert tiny().replace(vision_max_wh_ratio=None).vision_max_wh_ratio is None
+    (tmp_path / "config.json").write_text(json.dumps(_golden_config(rope_theta=-10000.0)))
+    with pytest.raises(ValueError, match="rope_theta"):
+        ModelConfig.from_file(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(_golden_config()).replace('"hc_eps": 1e-06', '"hc_eps": NaN'))
+    with pytest.raises(ValueError, match="hc_eps"):
+        ModelConfig.from_file(tmp_path)
