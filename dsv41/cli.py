@@ -4,10 +4,13 @@
 - `dsv41 generate`: one completion, streamed, then a tokens/s line;
 - `dsv41 chat`: a conversation read line by line from stdin (a terminal or a pipe), each reply
   streamed and followed by a tokens/s line; `/reset` starts over, `/exit` quits;
-- `dsv41 serve MODEL`: the OpenAI-compatible server (`dsv41.server`).
+- `dsv41 serve MODEL`: the OpenAI-compatible server (`dsv41.server`);
+- `dsv41 train`: pre-training (`dsv41.train`), every `TrainConfig` field an option;
+- `dsv41 data`: a training data folder (`dsv41.data.build`, which has its own parser).
 
 generate, chat and serve all run on `dsv41.engine` (`build_engine`), whose `EngineConfig` fields are
-exposed as options (`--max-num-seqs`, `--kv-pool-tokens`, ...), generated from the dataclass.
+exposed as options (`--max-num-seqs`, `--kv-pool-tokens`, ...), generated from the dataclass; their help
+texts live in the dataclass fields' metadata, next to the defaults they explain.
 """
 
 from __future__ import annotations
@@ -15,12 +18,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from typing import Callable, Optional
 
 from dsv41.accounting import account, format_table
 from dsv41.config import PRESETS, ModelConfig, preset
+
+# flash has 763B parameters: random weights for it fit no machine this runs on, so the commands that build
+# a model offer only the other presets (`info` still accounts flash, from shapes alone).
+RUNNABLE_PRESETS = tuple(sorted(name for name in PRESETS if name != "flash"))
 
 
 def _config(args) -> tuple[str, ModelConfig]:
@@ -56,6 +64,35 @@ def _field_type(f: dataclasses.Field) -> Callable:
     return str
 
 
+def _field_help(f: dataclasses.Field) -> str:
+    """The field's own help text (metadata["help"]) plus its default; a None default is explained by the
+    help text itself, since "None" tells a user nothing. `%` is escaped for argparse's formatting."""
+    help_ = f.metadata.get("help", f.name.replace("_", " "))
+    if f.default is True or f.default is False:
+        help_ += f" (default: {'on' if f.default else 'off'})"
+    elif f.default is not None and f.default is not dataclasses.MISSING:
+        help_ += f" (default: {f.default})"
+    return help_.replace("%", "%%")
+
+
+def _add_field_option(group, f: dataclasses.Field, dest: str, **overrides) -> None:
+    """One `--field-name` option from a dataclass field: bools get --x/--no-x, others a typed value with
+    the field's metavar and choices when it declares them. None means "not given": the dataclass default
+    then applies."""
+    opt, kind = "--" + f.name.replace("_", "-"), _field_type(f)
+    kw = {"dest": dest, "default": None, "help": _field_help(f)}
+    if kind is bool:
+        kw["action"] = argparse.BooleanOptionalAction
+    else:
+        kw["type"] = overrides.pop("type", kind)
+        choices = overrides.pop("choices", f.metadata.get("choices"))
+        if choices:
+            kw["choices"] = list(choices)
+        else:
+            kw["metavar"] = f.metadata.get("metavar", kw["type"].__name__.upper())
+    group.add_argument(opt, **kw, **overrides)
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     group = p.add_argument_group("engine options (EngineConfig)")
     try:
@@ -64,16 +101,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         group.description = f"unavailable: {exc}"
         return
     for f in fields:
-        opt, kind = "--" + f.name.replace("_", "-"), _field_type(f)
-        default = None if f.default is dataclasses.MISSING else f.default
-        help_ = f"default {default}"
         try:
-            if kind is bool:
-                group.add_argument(opt, dest=f"engine_{f.name}", action=argparse.BooleanOptionalAction, default=None,
-                                   help=help_)
-            else:
-                group.add_argument(opt, dest=f"engine_{f.name}", type=kind, default=None, metavar=kind.__name__.upper(),
-                                   help=help_)
+            _add_field_option(group, f, f"engine_{f.name}")
         except argparse.ArgumentError:  # the name is taken by a command option; the command's wins
             continue
 
@@ -93,9 +122,26 @@ def _model_name(args) -> str:
     return name
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _set_threads(args) -> None:
+    """Apply --threads before anything builds or runs the model, so every torch kernel, weight
+    initialisation included, uses that many threads. Not given: torch's default stays."""
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
 def _build_engine(args):
     from dsv41.engine import build_engine
 
+    _set_threads(args)
     return build_engine(_model_name(args), engine_config=_engine_config(args), seed=args.seed)
 
 
@@ -238,44 +284,76 @@ def cmd_serve(args) -> int:
 
     if args.model == "flash":
         raise ValueError("flash has 763B parameters; random weights for it do not fit here")
-    serve(args.model, host=args.host, port=args.port, engine_config=_engine_config(args), seed=args.seed,
-          max_waiting=args.max_waiting, served_model_name=args.served_model_name, log_level=args.log_level)
+    engine_config = _engine_config(args)
+    _set_threads(args)
+    serve(args.model, host=args.host, port=args.port, engine_config=engine_config, seed=args.seed,
+          max_waiting=args.max_waiting, served_model_name=args.served_model_name, log_level=args.log_level,
+          api_key=args.api_key or None, max_request_bytes=args.max_request_bytes)
     return 0
 
 
 # ---------------------------------------------------------------------------------------------- parser
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dsv41")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        from dsv41 import __version__
+
+        return __version__
+
+
+THREADS_HELP = ("torch CPU threads (torch.set_num_threads) for the model; default: torch's own choice, one per "
+                "core. Speed collapses when other processes compete for the cores: then set N to the cores "
+                "actually free")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1-Flash in PyTorch")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"dsv41 {_version()}",
+                        help="print the installed version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def config_args(p):
-        p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="built-in config")
-        p.add_argument("--config", help="a config.json (inference or Hugging Face form); overrides --preset")
-
-    p_info = sub.add_parser("info", help="parameter counts and KV-cache bytes per token")
-    config_args(p_info)
-    p_info.add_argument("--json", action="store_true", help="print one JSON object")
+    p_info = sub.add_parser("info", help="parameter counts and KV-cache bytes per token of a config")
+    p_info.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                        help="built-in config to account: flash (the release), tiny or small (default: tiny)")
+    p_info.add_argument("--config", metavar="PATH",
+                        help="a config.json (inference or Hugging Face form) to account instead of --preset")
+    p_info.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p_info.set_defaults(func=cmd_info)
 
     def model_args(p):
-        p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="built-in config, random weights")
-        p.add_argument("--model", help="a checkpoint folder (config.json + *.safetensors) or a preset name; "
-                       "overrides --preset")
-        p.add_argument("--seed", type=int, default=0, help="weights seed (presets) and sampling seed")
+        p.add_argument("--preset", default="tiny", choices=RUNNABLE_PRESETS,
+                       help="built-in model shape with random weights (its replies are noise; for trying the "
+                            "engine) (default: tiny)")
+        p.add_argument("--model", metavar="PATH",
+                       help="a checkpoint folder (config.json + *.safetensors, e.g. a `dsv41 train` run's "
+                            "checkpoint/) or a preset name; overrides --preset")
+        p.add_argument("--seed", type=int, default=0, metavar="N",
+                       help="seed of a preset's random weights and of sampling (default: 0)")
+        p.add_argument("--threads", type=_positive_int, metavar="N", help=THREADS_HELP)
 
     def sampling_args(p, max_tokens: int, temperature: float):
-        p.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=max_tokens)
-        p.add_argument("--temperature", type=float, default=temperature, help="0 is greedy")
-        p.add_argument("--top-p", type=float, default=1.0)
-        p.add_argument("--top-k", type=int, default=0, help="0 disables")
-        p.add_argument("--stop", action="append", help="a stop string (repeatable)")
-        p.add_argument("--ignore-eos", action="store_true")
+        p.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=max_tokens,
+                       metavar="N", help=f"most tokens to generate per reply (default: {max_tokens})")
+        p.add_argument("--temperature", type=float, default=temperature, metavar="T",
+                       help=f"sampling temperature; 0 always picks the most likely token (default: {temperature})")
+        p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                       help="sample only from the most likely tokens whose probabilities add up to P; 1 disables "
+                            "(default: 1.0)")
+        p.add_argument("--top-k", type=int, default=0, metavar="K",
+                       help="sample only from the K most likely tokens; 0 disables (default: 0)")
+        p.add_argument("--stop", action="append", metavar="TEXT",
+                       help="end the reply where this string appears (repeatable)")
+        p.add_argument("--ignore-eos", action="store_true",
+                       help="keep generating past the end-of-sequence token, up to --max-tokens (for timing)")
 
     p_gen = sub.add_parser("generate", help="complete one prompt on the engine (random weights for presets)")
     model_args(p_gen)
-    p_gen.add_argument("--prompt", default="Hello")
+    p_gen.add_argument("--prompt", default="Hello", metavar="TEXT", help="the text to complete (default: Hello)")
     sampling_args(p_gen, max_tokens=16, temperature=0.0)
     p_gen.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat format)")
     p_gen.add_argument("--thinking", action="store_true", help="with --chat: thinking mode")
@@ -286,21 +364,36 @@ def build_parser() -> argparse.ArgumentParser:
     p_chat = sub.add_parser("chat", help="an interactive conversation (stdin lines; works with a pipe)")
     model_args(p_chat)
     sampling_args(p_chat, max_tokens=256, temperature=1.0)
-    p_chat.add_argument("--system", help="a system message")
+    p_chat.add_argument("--system", metavar="TEXT", help="a system message put before the conversation")
     p_chat.add_argument("--thinking", action="store_true", help="thinking mode (reasoning before the answer)")
-    p_chat.add_argument("--reasoning-effort", help="1-100 or low/high/max (implies --thinking)")
+    p_chat.add_argument("--reasoning-effort", metavar="EFFORT",
+                        help="how much to reason: 1-100 or low/high/max (implies --thinking)")
     _add_engine_args(p_chat)
     p_chat.set_defaults(func=cmd_chat)
 
     p_serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
-    p_serve.add_argument("model", metavar="MODEL", help="a checkpoint folder or a preset name (tiny, small)")
-    p_serve.add_argument("--host", default="127.0.0.1")
-    p_serve.add_argument("--port", type=int, default=8000)
-    p_serve.add_argument("--served-model-name", help="the model id clients use (default: the engine's name)")
-    p_serve.add_argument("--max-waiting", type=int, default=64,
-                         help="queued requests beyond which new ones get 429 + Retry-After")
-    p_serve.add_argument("--seed", type=int, default=0, help="weights seed for presets")
-    p_serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p_serve.add_argument("model", metavar="MODEL",
+                         help="a checkpoint folder (config.json + *.safetensors) or a preset name with random "
+                              f"weights: {', '.join(RUNNABLE_PRESETS)}")
+    p_serve.add_argument("--host", default="127.0.0.1", metavar="ADDRESS",
+                         help="address to listen on; the default 127.0.0.1 only accepts local connections; "
+                              "use 0.0.0.0 to accept others (set --api-key then)")
+    p_serve.add_argument("--port", type=int, default=8000, metavar="PORT", help="TCP port to listen on (default: 8000)")
+    p_serve.add_argument("--api-key", default=os.environ.get("DSV41_API_KEY") or None, metavar="KEY",
+                         help="when set, every /v1 route requires `Authorization: Bearer KEY`; /health and "
+                              "/metrics stay open; default: $DSV41_API_KEY")
+    p_serve.add_argument("--served-model-name", metavar="NAME",
+                         help="the model id clients send and /v1/models lists (default: the engine's name)")
+    p_serve.add_argument("--max-waiting", type=int, default=64, metavar="N",
+                         help="queued requests beyond which new ones get 429 + Retry-After (default: 64)")
+    p_serve.add_argument("--seed", type=int, default=0, metavar="N",
+                         help="seed of a preset's random weights (default: 0)")
+    p_serve.add_argument("--max-request-bytes", type=_positive_int, metavar="BYTES",
+                         help="request bodies larger than this get 413 (default: 8 MiB, or 32 bytes per token of "
+                              "the context when that is more)")
+    p_serve.add_argument("--threads", type=_positive_int, metavar="N", help=THREADS_HELP)
+    p_serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                         help="server log verbosity (default: info)")
     _add_engine_args(p_serve)
     p_serve.set_defaults(func=cmd_serve)
 
@@ -308,7 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_args(p_train)
     p_train.set_defaults(func=cmd_train)
 
-    sub.add_parser("data", help="build train/val token shards from offline text (dsv41 data --help)")
+    sub.add_parser("data", help="build a training data folder (tokenizer + token shards) from public-domain text "
+                                "it downloads, or from this Python's standard library offline (dsv41 data --help)")
     return parser
 
 
@@ -327,15 +421,9 @@ def cmd_train(args) -> int:
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     from dsv41.train import TrainConfig
 
+    overrides = {"preset": {"choices": RUNNABLE_PRESETS}, "data": {"type": str}}
     for f in dataclasses.fields(TrainConfig):
-        opt, kind = "--" + f.name.replace("_", "-"), _field_type(f)
-        if f.name == "data":
-            kind = str
-        help_ = f"default {f.default}"
-        if kind is bool:
-            p.add_argument(opt, dest=f"train_{f.name}", action=argparse.BooleanOptionalAction, default=None, help=help_)
-        else:
-            p.add_argument(opt, dest=f"train_{f.name}", type=kind, default=None, help=help_)
+        _add_field_option(p, f, f"train_{f.name}", **overrides.get(f.name, {}))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -343,11 +431,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     if argv and argv[0] == "data":  # its own parser (python -m dsv41.data.build), options passed through
         from dsv41.data.build import main as build_main
 
-        return build_main(argv[1:])
-    args = build_parser().parse_args(argv)
+        return build_main(argv[1:], prog="dsv41 data")
+    parser = build_parser()
+    if not argv:  # like git and pip: the command list, not just "the following arguments are required"
+        parser.print_help()
+        return 2
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # bad input, missing files, a port in use: one line, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -1,3 +1,4 @@
+import argparse
 import io
 import json
 import os
@@ -8,6 +9,7 @@ import sys
 import time
 
 import httpx
+import pytest
 import torch
 
 from dsv41.cli import build_parser, _engine_config, main
@@ -115,7 +117,7 @@ def test_serve_subprocess_answers_openai_requests():
 
 def test_bad_input_exits_nonzero(capsys):
     assert main(["info", "--config", "/nonexistent/config.json"]) == 2
-    assert main(["generate", "--preset", "flash"]) == 2
+    assert run_main(["generate", "--preset", "flash"]) == 2
     assert main(["generate", "--model", "/nonexistent/folder"]) == 2
     assert main(["generate", "--preset", "tiny", "--temperature", "-1"]) == 2
     assert "temperature" in capsys.readouterr().err
@@ -124,3 +126,190 @@ def test_bad_input_exits_nonzero(capsys):
 def test_console_script_runs():
     out = subprocess.run([sys.executable, "-m", "dsv41.cli", "info", "--preset", "tiny"], capture_output=True, text=True)
     assert out.returncode == 0 and "total" in out.stdout
+
+
+# ------------------------------------------------------------------------------------------ issue 9: CLI
+
+
+def run_main(argv):
+    """main's exit code, whether it returns it or argparse raises SystemExit (help, usage errors)."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
+def subcommands(parser=None) -> dict:
+    parser = parser or build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices
+
+
+def option(p, flag):
+    return next(a for a in p._actions if flag in a.option_strings or flag == a.metavar)
+
+
+def describes_itself(help_) -> bool:
+    """A help text says what the option does: words beyond the default value, which is not enough."""
+    if not help_ or help_ == argparse.SUPPRESS:
+        return False
+    without_default = re.sub(r"\(?\bdefault:?\s*[^;,)]*\)?", " ", help_)
+    return len(re.findall(r"[A-Za-z]{2,}", without_default)) >= 3
+
+
+def test_every_option_says_what_it_does(capsys):
+    """Issue 9 item 15: every option of every command has a help text that says what it does (not only
+    its default), typed options have a readable metavar, and each command's --help renders."""
+    for name, p in subcommands().items():
+        if name == "data":  # its own parser, tested below
+            continue
+        for action in p._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            flag = (action.option_strings or [action.dest])[-1]
+            assert describes_itself(action.help), f"dsv41 {name} {flag}: {action.help!r}"
+            if action.option_strings and action.nargs is None and not action.choices \
+                    and not isinstance(action, argparse.BooleanOptionalAction):
+                assert action.metavar and not action.metavar.startswith(("TRAIN_", "ENGINE_")), \
+                    f"dsv41 {name} {flag}: metavar {action.metavar!r}"
+        assert run_main([name, "--help"]) == 0
+        assert capsys.readouterr().out.startswith(f"usage: dsv41 {name}")
+
+
+def test_help_names_choices_and_defaults(capsys):
+    """Issue 9 item 15: the options with a fixed set of values offer exactly those values, and serve
+    says where it listens by default and how to listen elsewhere."""
+    cmds = subcommands()
+    assert list(option(cmds["serve"], "--prefill-mode").choices) == ["bounded", "full"]
+    assert run_main(["generate", "--prefill-mode", "fast"]) == 2
+    assert "invalid choice" in capsys.readouterr().err
+    assert set(option(cmds["train"], "--device").choices) == {"auto", "cpu", "cuda"}
+    assert set(option(cmds["train"], "--ns-dtype").choices) == {"bf16", "fp32"}
+    assert {"tiny", "small"} <= set(option(cmds["train"], "--preset").choices)
+    host, port = option(cmds["serve"], "--host").help, option(cmds["serve"], "--port").help
+    assert "127.0.0.1" in host and "0.0.0.0" in host and "--api-key" in host and "8000" in port
+    # engine options state their default (or what no value means)
+    for flag in ("--row-chunk", "--max-snapshots", "--window-ttl-s", "--max-num-batched-tokens", "--max-model-len"):
+        assert "default" in option(cmds["serve"], flag).help, flag
+
+
+def test_bare_command_prints_the_command_list(capsys):
+    """Issue 9 item 15: `dsv41` alone lists the commands (like git/pip) instead of a usage error."""
+    code = run_main([])
+    out = capsys.readouterr().out
+    assert code in (0, 2)
+    for name, p in subcommands().items():
+        assert re.search(rf"^\s+{name}\s+\S", out, re.M), f"{name} missing from:\n{out}"
+    r = subprocess.run([sys.executable, "-m", "dsv41.cli"], capture_output=True, text=True, timeout=120)
+    assert r.returncode in (0, 2) and "Traceback" not in r.stderr and "serve" in r.stdout
+
+
+def test_version(capsys):
+    """Issue 9 item 15: `dsv41 --version` prints the installed package version."""
+    from importlib.metadata import version
+
+    assert run_main(["--version"]) == 0
+    assert capsys.readouterr().out.split() == ["dsv41", version("dsv41")]
+
+
+def test_data_help_is_dsv41_data_and_cites_only_what_the_user_has(capsys):
+    """Issue 9 items 15 and 18: `dsv41 data --help` is titled `dsv41 data`, cites no document the user
+    lacks, and says what each source fetches and from where, naming the one that needs no network."""
+    assert run_main(["data", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: dsv41 data")
+    assert "python -m" not in out and not re.search(r"\S+\.md\b|§|issue \d", out), out
+    assert "offline text" not in out
+    flat = " ".join(out.split())
+    for needed in ("pip download", "PyPI", "apt-get download", "stdlib", "no network"):
+        assert needed in flat, needed
+
+
+def test_presets_offered_are_the_runnable_ones(capsys):
+    """Issue 9 item 16: generate/chat offer only presets that can run here; info still accounts flash."""
+    cmds = subcommands()
+    for name in ("generate", "chat"):
+        choices = set(option(cmds[name], "--preset").choices)
+        assert "flash" not in choices and {"tiny", "small"} <= choices, name
+    assert "flash" not in option(cmds["serve"], "MODEL").help
+    assert "flash" in option(cmds["info"], "--preset").choices
+    assert run_main(["info", "--preset", "flash"]) == 0
+    capsys.readouterr()
+    assert run_main(["generate", "--preset", "flash"]) == 2
+    assert "invalid choice" in capsys.readouterr().err
+    assert run_main(["serve", "flash"]) == 2  # the checkpoint path/preset argument still refuses it
+    assert "flash" in capsys.readouterr().err
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield before
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_threads_option_is_applied_before_the_engine_is_built(command, monkeypatch, restore_threads):
+    """Issue 9 item 19: --threads N sets torch's thread count before the engine (and its model) is built;
+    without it torch's own default is left alone."""
+    import dsv41.engine
+
+    seen = []
+
+    def fake_build_engine(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(dsv41.engine, "build_engine", fake_build_engine)
+    wanted = restore_threads + 1
+    assert run_main([command, "--preset", "tiny", "--threads", str(wanted)]) == 2
+    torch.set_num_threads(restore_threads)
+    assert run_main([command, "--preset", "tiny"]) == 2
+    assert seen == [wanted, restore_threads]
+    assert run_main([command, "--threads", "0"]) == 2
+
+
+def test_serve_threads_and_api_key_reach_the_server(monkeypatch, restore_threads):
+    """Issue 9 items 19 and 4: serve sets --threads before the server builds its engine, and passes
+    --api-key (default: $DSV41_API_KEY) to dsv41.server.run.serve; --help never shows the key."""
+    import dsv41.server.run
+
+    calls = []
+    monkeypatch.setattr(dsv41.server.run, "serve",
+                        lambda model, **kw: calls.append((model, torch.get_num_threads(), kw)))
+    monkeypatch.delenv("DSV41_API_KEY", raising=False)
+    wanted = restore_threads + 1
+    assert run_main(["serve", "tiny", "--threads", str(wanted), "--api-key", "k1", "--host", "0.0.0.0"]) == 0
+    model, threads, kw = calls[-1]
+    assert (model, threads, kw["api_key"], kw["host"], kw["port"]) == ("tiny", wanted, "k1", "0.0.0.0", 8000)
+    torch.set_num_threads(restore_threads)
+    assert run_main(["serve", "tiny"]) == 0
+    assert calls[-1][2]["api_key"] is None and calls[-1][1] == restore_threads
+    monkeypatch.setenv("DSV41_API_KEY", "from-the-env-1234")
+    assert run_main(["serve", "tiny"]) == 0
+    assert calls[-1][2]["api_key"] == "from-the-env-1234"
+    assert run_main(["serve", "tiny", "--api-key", "k2"]) == 0
+    assert calls[-1][2]["api_key"] == "k2"
+    help_text = subcommands()["serve"].format_help()
+    assert "from-the-env-1234" not in help_text and "DSV41_API_KEY" in help_text
+    assert "Authorization: Bearer" in " ".join(help_text.split())
+
+
+def test_serve_port_clash_is_one_line_before_any_engine(monkeypatch, capsys):
+    """Issue 9 item 17: a port in use is reported at once (exit 2, `error:`), before a model is built."""
+
+    import dsv41.engine
+
+    built = []
+    monkeypatch.setattr(dsv41.engine, "build_engine", lambda *a, **kw: built.append(a))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert main(["serve", "tiny", "--port", str(taken.getsockname()[1])]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot listen on 127.0.0.1:") and "Traceback" not in err
+    assert not built

