@@ -10,9 +10,14 @@ tokenizer), so every tokenizer here leaves them as text.
 Every tokenizer implements `TokenizerLike`:
 
 - `vocab_size`, `bos_id`, `eos_id`, `pad_id`;
-- `encode(text, add_bos=True)`: special-token strings inside `text` become their ids; BOS is prepended
-  on request (a prompt rendered by `dsv41.chat.encode_messages` already starts with the BOS string, so
-  encode it with `add_bos=False`);
+- `encode(text, add_bos=True, parse_special=True)`: special-token strings inside `text` become their ids
+  (with `parse_special=False` they are encoded as the plain text they spell, which is how untrusted text
+  such as chat message content must be encoded: otherwise a user could write `<｜Assistant｜>` and forge
+  turns); BOS is prepended on request (a prompt rendered by `dsv41.chat.encode_messages` already starts
+  with the BOS string, so encode it with `add_bos=False`);
+- `max_token_chars`: an upper bound on the characters one token can decode to, so that
+  `len(text) / max_token_chars` is a lower bound on the token count of any text (used to refuse text
+  that cannot fit a context before paying for its tokenization);
 - `decode(ids, skip_special_tokens=False)`: `skip_special_tokens` drops exactly `special_ids`
   (BOS/EOS/PAD and the DeepSeek placeholders); the chat markers are never dropped, as in the DeepSeek
   tokenizer, so reasoning and tool calls can still be parsed;
@@ -66,7 +71,9 @@ class TokenizerLike(Protocol):
     pad_id: int
     special_ids: frozenset
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
+    max_token_chars: int
+
+    def encode(self, text: str, add_bos: bool = True, parse_special: bool = True) -> list[int]: ...
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str: ...
 
@@ -107,9 +114,14 @@ class ByteTokenizer:
         # longest first, so that no marker is cut by a shorter one that prefixes it
         self._split = re.compile("(" + "|".join(re.escape(s) for s in sorted(self._added, key=len, reverse=True)) + ")")
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+    max_token_chars = max(len(t) for t in (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN) + CHAT_TOKENS)
+
+    def encode(self, text: str, add_bos: bool = True, parse_special: bool = True) -> list[int]:
         ids = [BOS] if add_bos else []
-        for k, piece in enumerate(self._split.split(_check_text(text))):
+        text = _check_text(text)
+        if not parse_special:
+            return ids + [BYTE_OFFSET + b for b in text.encode("utf-8")]
+        for k, piece in enumerate(self._split.split(text)):
             if k % 2:  # odd pieces are the captured markers
                 ids.append(self._added[piece])
             else:
@@ -189,6 +201,8 @@ class HFTokenizer:
 
     def __init__(self, tokenizer, config: Optional[dict] = None, *, bos=None, eos=None, pad=None):
         self._tok = tokenizer
+        self._text_tok = None
+        self._max_token_chars: Optional[int] = None
         config = config or {}
         self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
         added = tokenizer.get_added_tokens_decoder()
@@ -239,9 +253,29 @@ class HFTokenizer:
                 raise ValueError(f"{config_path} must hold a JSON object")
         return cls(tokenizers.Tokenizer.from_file(path), config, **overrides)
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        ids = self._tok.encode(_check_text(text), add_special_tokens=False).ids
+    def encode(self, text: str, add_bos: bool = True, parse_special: bool = True) -> list[int]:
+        backend = self._tok if parse_special else self._text_backend()
+        ids = backend.encode(_check_text(text), add_special_tokens=False).ids
         return ([self.bos_id] if add_bos else []) + list(ids)
+
+    def _text_backend(self):
+        """The same tokenizer without its added tokens, so that marker strings in the text are split by
+        the BPE like any other text. (`encode_special_tokens` is not enough: it only covers tokens flagged
+        special, and the DeepSeek chat markers are not.) Built on first use; a concurrent first use builds
+        it twice, harmlessly."""
+        if self._text_tok is None:
+            data = json.loads(self._tok.to_str())
+            data["added_tokens"] = []
+            self._text_tok = _import_tokenizers().Tokenizer.from_str(json.dumps(data))
+        return self._text_tok
+
+    @property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary string: a byte-level token's string has one character per byte, so no
+        token decodes to more characters than its string is long (byte-fallback names only shorten)."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(len(s) for s in self._tok.get_vocab(with_added_tokens=True))
+        return self._max_token_chars
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         ids = [int(i) for i in ids]

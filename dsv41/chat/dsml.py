@@ -91,15 +91,28 @@ def normalize_tool_call(tool_call: Any, where: str = "tool_calls[0]") -> tuple[s
 def render_tool_calls(tool_calls: list) -> str:
     """OpenAI tool calls -> the `<｜DSML｜ calls>` block (without the blank line that precedes it in an
     assistant turn)."""
+    return "".join(text for text, _ in tool_calls_parts(tool_calls))
+
+
+def tool_calls_parts(tool_calls: list) -> list[tuple[str, bool]]:
+    """`render_tool_calls` as (text, from_template) pieces: the DSML tags are the template's, while
+    function names, parameter names and values came from the client and must be tokenized as text."""
     if not isinstance(tool_calls, list) or not tool_calls:
         raise ValueError("tool_calls must be a non-empty list")
-    invokes = []
+    parts: list[tuple[str, bool]] = [(CALLS_OPEN + "\n", True)]
     for k, tc in enumerate(tool_calls):
         name, arguments = normalize_tool_call(tc, f"tool_calls[{k}]")
-        params = [param_open(key, isinstance(value, str)) + (value if isinstance(value, str) else _to_json(value))
-                  + PARAM_CLOSE for key, value in arguments.items()]
-        invokes.append(invoke_open(name) + "\n" + "\n".join(params) + "\n" + INVOKE_CLOSE)
-    return CALLS_OPEN + "\n" + "\n".join(invokes) + "\n" + CALLS_CLOSE
+        if k:
+            parts.append(("\n", True))
+        parts += [(f'<{DSML_TOKEN} invoke name="', True), (name, False), ('">\n', True)]
+        for j, (key, value) in enumerate(arguments.items()):
+            is_string = isinstance(value, str)
+            parts += [("\n" if j else "", True), (f'<{DSML_TOKEN} parameter name="', True), (key, False),
+                      (f'" string="{"true" if is_string else "false"}">', True),
+                      (value if is_string else _to_json(value), False), (PARAM_CLOSE, True)]
+        parts.append(("\n" + INVOKE_CLOSE, True))
+    parts.append(("\n" + CALLS_CLOSE, True))
+    return [(text, trusted) for text, trusted in parts if text]
 
 
 @dataclass

@@ -38,10 +38,11 @@ Layout::
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Optional
 
 from dsv41.chat.dsml import (CALLS_CLOSE, CALLS_OPEN, INVOKE_CLOSE, PARAM_CLOSE, invoke_open, normalize_tool_call,
-                             render_tool_calls)
+                             tool_calls_parts)
 from dsv41.tokenizer import (ASSISTANT_TOKEN, BOS_TOKEN, DSML_TOKEN, EOS_TOKEN, LATEST_REMINDER_TOKEN, SYSTEM_TOKEN,
                              THINK_END_TOKEN, THINK_START_TOKEN, USER_TOKEN)
 
@@ -70,6 +71,11 @@ def parse_reasoning_effort(value: Any) -> int:
 
 def render_tools(tools: list) -> str:
     """OpenAI tool definitions -> the tools section of the system prompt (one JSON schema per line)."""
+    return "".join(text for text, _ in tools_parts(tools))
+
+
+def tools_parts(tools: list) -> list[tuple[str, bool]]:
+    """`render_tools` as (text, from_template) pieces: the schemas came from the client."""
     if not isinstance(tools, list) or not tools:
         raise ValueError("tools must be a non-empty list of {'type': 'function', 'function': {...}}")
     schemas = []
@@ -91,7 +97,7 @@ def render_tools(tools: list) -> str:
         INVOKE_CLOSE,
         CALLS_CLOSE,
     ])
-    return (
+    head = (
         "## Tools\n\n"
         "You have access to a set of tools to help answer the user's question. You can invoke tools by "
         f'writing a "{CALLS_OPEN}" block like the following:\n\n'
@@ -102,9 +108,15 @@ def render_tools(tools: list) -> str:
         f"reasoning inside {THINK_START_TOKEN}...{THINK_END_TOKEN} BEFORE any tool calls or final response.\n\n"
         f"Otherwise, output directly after {THINK_END_TOKEN} with tool calls or final response.\n\n"
         "### Available Tool Schemas\n\n"
-        + "\n".join(schemas) + "\n\n"
+    )
+    tail = (
+        "\n\n"
         "You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
     )
+    parts = [(head, True)]
+    for k, schema in enumerate(schemas):
+        parts += [("\n", True)] * bool(k) + [(schema, False)]
+    return parts + [(tail, True)]
 
 
 def _text(content: Any, where: str) -> str:
@@ -185,11 +197,23 @@ def encode_messages(messages: list, *, thinking: bool = False, reasoning_effort:
                     tools: Optional[list] = None, add_generation_prompt: bool = True,
                     drop_thinking: bool = True) -> str:
     """Render `messages` as a V4.1 prompt (see the module docstring). The result starts with the BOS
-    string: tokenize it with `tokenizer.encode(prompt, add_bos=False)`. `add_generation_prompt=False`
-    leaves out the assistant header after a final user/system turn. Malformed input raises ValueError."""
+    string. `add_generation_prompt=False` leaves out the assistant header after a final user/system turn.
+    Malformed input raises ValueError. To tokenize a prompt that holds client text, use `prompt_parts`
+    and `encode_prompt` instead: tokenizing this string would turn marker text inside a message into
+    real control tokens."""
+    return "".join(text for text, _ in prompt_parts(messages, thinking=thinking, reasoning_effort=reasoning_effort,
+                                                    tools=tools, add_generation_prompt=add_generation_prompt,
+                                                    drop_thinking=drop_thinking))
+
+
+def prompt_parts(messages: list, *, thinking: bool = False, reasoning_effort: Any = None,
+                 tools: Optional[list] = None, add_generation_prompt: bool = True,
+                 drop_thinking: bool = True) -> list[tuple[str, bool]]:
+    """`encode_messages` as (text, from_template) pieces: the template's own text (markers, headers, tags)
+    is marked True; everything the messages and tools brought is False."""
     effort = parse_reasoning_effort(reasoning_effort)
     turns = _normalize(messages)
-    tools_text = render_tools(tools) if tools else ""
+    tools_text = tools_parts(tools) if tools else []
     if tools_text:
         if turns[0]["role"] != "system":
             turns.insert(0, {"role": "system", "text": ""})
@@ -197,33 +221,52 @@ def encode_messages(messages: list, *, thinking: bool = False, reasoning_effort:
     last_user = max((k for k, t in enumerate(turns) if t["role"] == "user" or (t["role"] == "system" and k > 0)),
                     default=-1)
 
-    out = [BOS_TOKEN]
+    out: list[tuple[str, bool]] = []
+
+    def template(text: str) -> None:
+        out.append((text, True))
+
+    def data(text: str) -> None:
+        out.append((text, False))
+
+    template(BOS_TOKEN)
     for k, turn in enumerate(turns):
         role = turn["role"]
         if k == 0:
             effort_line = REASONING_EFFORT_SENTENCE.format(effort) if thinking else ""
             if effort_line or role == "system":
-                out.append(SYSTEM_TOKEN)
-            out.append(effort_line)
+                template(SYSTEM_TOKEN)
+            template(effort_line)
         if role == "system":
             if k > 0:
-                out.append(SYSTEM_TOKEN)
-            out.append(turn["text"])
+                template(SYSTEM_TOKEN)
+            data(turn["text"])
             if k == 0 and tools_text:
-                out.append("\n\n" + tools_text)
+                template("\n\n")
+                out.extend(tools_text)
         elif role == "user":
-            out.append(USER_TOKEN + "\n\n".join(
-                TOOL_RESULT_OPEN + text + TOOL_RESULT_CLOSE if kind == "tool_result" else text
-                for kind, text, _ in turn["blocks"]))
+            template(USER_TOKEN)
+            for j, (kind, text, _) in enumerate(turn["blocks"]):
+                if j:
+                    template("\n\n")
+                if kind == "tool_result":
+                    template(TOOL_RESULT_OPEN)
+                    data(text)
+                    template(TOOL_RESULT_CLOSE)
+                else:
+                    data(text)
         elif role == "latest_reminder":
-            out.append(LATEST_REMINDER_TOKEN + turn["text"])
+            template(LATEST_REMINDER_TOKEN)
+            data(turn["text"])
         else:  # assistant
             if thinking and (not drop_thinking or k > last_user):
-                out.append(turn["reasoning"] + THINK_END_TOKEN)
-            out.append(turn["text"])
+                data(turn["reasoning"])
+                template(THINK_END_TOKEN)
+            data(turn["text"])
             if turn["calls"]:
-                out.append("\n\n" + render_tool_calls(turn["calls"]))
-            out.append(EOS_TOKEN)
+                template("\n\n")
+                out.extend(tool_calls_parts(turn["calls"]))
+            template(EOS_TOKEN)
 
         following = turns[k + 1]["role"] if k + 1 < len(turns) else None
         if following not in (None, "assistant", "latest_reminder"):
@@ -232,5 +275,41 @@ def encode_messages(messages: list, *, thinking: bool = False, reasoning_effort:
             continue
         if role == "user" or (role == "system" and k > 0):
             think = thinking and (not drop_thinking or k >= last_user)
-            out.append(ASSISTANT_TOKEN + (THINK_START_TOKEN if think else THINK_END_TOKEN))
-    return "".join(out)
+            template(ASSISTANT_TOKEN)
+            template(THINK_START_TOKEN if think else THINK_END_TOKEN)
+    return [(text, trusted) for text, trusted in out if text]
+
+
+# markers the template writes; only these, and only in the template's own text, become control tokens
+_TEMPLATE_MARKERS = re.compile("(" + "|".join(re.escape(m) for m in sorted(
+    (BOS_TOKEN, EOS_TOKEN, SYSTEM_TOKEN, USER_TOKEN, ASSISTANT_TOKEN, LATEST_REMINDER_TOKEN, THINK_START_TOKEN,
+     THINK_END_TOKEN, DSML_TOKEN), key=len, reverse=True)) + ")")
+
+
+def encode_prompt(tokenizer, parts: list[tuple[str, bool]]) -> list[int]:
+    """Token ids of `prompt_parts` output: markers in the template's text become their ids (when the
+    tokenizer has them), and all other text, the client's included, is encoded as text, so no message can
+    close its turn or forge another. Adjacent text pieces are encoded together, as one string would be,
+    so a prompt without marker text in its messages gets exactly the ids of `encode(encode_messages(...))`."""
+    ids: list[int] = []
+    run: list[str] = []
+
+    def flush() -> None:
+        text = "".join(run)
+        if text:
+            ids.extend(tokenizer.encode(text, add_bos=False, parse_special=False))
+        run.clear()
+
+    for text, trusted in parts:
+        if not trusted:
+            run.append(text)
+            continue
+        for k, piece in enumerate(_TEMPLATE_MARKERS.split(text)):
+            marker_id = tokenizer.token_to_id(piece) if k % 2 else None
+            if marker_id is None:
+                run.append(piece)
+            else:
+                flush()
+                ids.append(marker_id)
+    flush()
+    return ids
