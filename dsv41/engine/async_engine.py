@@ -83,7 +83,9 @@ class AsyncEngine:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model's context limit is "
                              f"{self.engine.max_model_len} tokens, prompt and output together")
         with self._lock:
-            if self._metrics["waiting"] + self._pending >= self.max_waiting:
+            # requests that can start at once (free run slots) do not count against the waiting queue
+            free_slots = max(0, self.engine.config.max_num_seqs - self._metrics["running"])
+            if self._metrics["waiting"] + self._pending >= self.max_waiting + free_slots:
                 raise EngineBusy(f"{self.max_waiting} requests are already waiting")
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -153,7 +155,9 @@ class AsyncEngine:
             if engine.has_unfinished():
                 try:
                     outputs = engine.step()
-                except Exception as exc:  # a bug must not hang every client: fail the live requests
+                except Exception as exc:  # noqa: BLE001
+                    # The engine isolates a failing request itself (finish_reason "error"); an exception
+                    # that still gets here is a bug in its bookkeeping, and must not hang every client.
                     for request_id in list(engine.requests):
                         engine.abort_request(request_id)
                         self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"))

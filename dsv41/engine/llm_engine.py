@@ -15,6 +15,7 @@ boundary and release.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -31,6 +32,8 @@ from dsv41.engine.sampling import sample, token_logprobs
 from dsv41.engine.sequence import Sequence, SequenceCache, StatePool, Status
 from dsv41.engine.types import RequestOutput, SamplingParams
 from dsv41.model.transformer import Transformer
+
+log = logging.getLogger("dsv41.engine")
 
 
 class LLMEngine:
@@ -61,7 +64,8 @@ class LLMEngine:
         self._finished_outputs: list[RequestOutput] = []
         self.stats = PrefixStats()
         self.counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_finished_total": 0,
-                         "preemptions_total": 0, "steps_total": 0}
+                         "preemptions_total": 0, "steps_total": 0, "failed_steps_total": 0,
+                         "requests_failed_total": 0}
         self._recent: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens generated) per step
 
     # ------------------------------------------------------------------ requests
@@ -135,7 +139,16 @@ class LLMEngine:
         chunks = [chunk for _, chunk, _ in plan]
         for seq, _, kind in plan:
             seq.cache.global_writes = kind != "rebuild"
-        logits = self.runner.forward(chunks)
+        try:
+            logits = self.runner.forward(chunks)
+        except Exception as exc:  # noqa: BLE001 - whatever broke, the other requests must go on
+            for seq, _, _ in plan:
+                if seq.cache is not None:
+                    seq.cache.global_writes = True
+            self._forward_failed(plan, exc)
+            outputs += self._finished_outputs
+            self._finished_outputs = []
+            return outputs
         self.counters["steps_total"] += 1
         row, generated = 0, 0
         for seq, chunk, kind in plan:
@@ -144,30 +157,83 @@ class LLMEngine:
                 seq.needs_rebuild = False
                 continue
             seq.num_computed = chunk.end
+            if seq.suspect_until is not None and seq.num_computed >= seq.suspect_until:
+                seq.suspect_until = None  # it got past the work of the failed batch alone: cleared
             self._register_full_blocks(seq)
             if seq.num_computed < seq.prefill_target:
                 continue
-            if kind == "prefill":
-                self._save_snapshot(seq)  # message boundary: end of the prompt
-            if seq.capture_logits:
-                seq.logits.append(logits[row].clone())
-            token = sample(logits[row], seq.params, seq.generator or self.generator)
-            if seq.params.logprobs is not None:
-                seq.pending_logprobs.append(token_logprobs(logits[row], token, seq.params.logprobs, self.tokenizer))
+            seq_logits = logits[row]
             row += 1
+            try:
+                out = self._sampled(seq, kind, seq_logits)
+            except Exception as exc:  # noqa: BLE001 - this request's own failure (sampling, decoding, stop)
+                outputs.append(self._fail(seq, exc))
+                continue
             generated += 1
-            seq.output_ids.append(token)
-            self._check_finished(seq, token)
-            out = self._output(seq)
-            if seq.status == Status.FINISHED:
-                self.running.remove(seq)
-                self._save_snapshot(seq)
-                self._release(seq)
-                self._finish(seq)
             outputs.append(out)
         self.counters["generation_tokens_total"] += generated
         self._recent.append((time.perf_counter(), generated))
         return outputs
+
+    def _sampled(self, seq: Sequence, kind: str, logits: torch.Tensor) -> RequestOutput:
+        """Sample the sequence's next token from its logits [vocab] and account for it."""
+        if kind == "prefill":
+            self._save_snapshot(seq)  # message boundary: end of the prompt
+        if seq.capture_logits:
+            seq.logits.append(logits.clone())
+        token = sample(logits, seq.params, seq.generator or self.generator)
+        if seq.params.logprobs is not None:
+            seq.pending_logprobs.append(token_logprobs(logits, token, seq.params.logprobs, self.tokenizer))
+        seq.output_ids.append(token)
+        self._check_finished(seq, token)
+        out = self._output(seq)
+        if seq.status == Status.FINISHED:
+            self.running.remove(seq)
+            self._save_snapshot(seq)
+            self._release(seq)
+            self._finish(seq)
+        return out
+
+    # ------------------------------------------------------------------ failures
+    MAX_FAILED_STEPS = 3  # a request in this many failed batches is failed even if it never failed alone
+
+    def _forward_failed(self, plan: list, exc: Exception) -> None:
+        """A forward pass raised. Alone in its batch, the request is the cause and fails by itself. In a
+        batch the culprit is unknown: every request of the batch is preempted (its state is rebuilt from
+        its tokens, so nothing half-written is kept) and marked suspect up to the position the failed
+        step was computing; suspects then run one at a time until they are past it (`_schedule`), so the
+        one that fails alone is found and the rest go on."""
+        self.counters["failed_steps_total"] += 1
+        work = [(seq, chunk.end) for seq, chunk, _ in plan if seq.status == Status.RUNNING]
+        if len(work) == 1:
+            self._finished_outputs.append(self._fail(work[0][0], exc))
+            return
+        log.warning("engine step over %d requests failed (%s: %s); retrying them one at a time",
+                    len(work), type(exc).__name__, exc)
+        for seq, end in work:
+            seq.failed_steps += 1
+            if seq.failed_steps >= self.MAX_FAILED_STEPS:
+                self._finished_outputs.append(self._fail(seq, exc))
+                continue
+            self._preempt(seq, count=False)
+            # one position past the failed work, so it also takes a decode step alone: a failure tied
+            # to the request rather than to a position (its decode always breaks) is caught too
+            seq.suspect_until = max(end + 1, seq.suspect_until or 0)
+
+    def _fail(self, seq: Sequence, exc: Exception) -> RequestOutput:
+        """Finish one request with finish_reason "error"; the details go to the log under its id."""
+        log.error("request %s failed: %s: %s", seq.request_id, type(exc).__name__, exc,
+                  exc_info=(type(exc), exc, exc.__traceback__))
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.finish_reason = "error"
+        seq.error = f"{type(exc).__name__}: {exc}"
+        self._finish(seq)
+        self.counters["requests_failed_total"] += 1
+        return self._output(seq)
 
     # ------------------------------------------------------------------ scheduling
     def _schedule(self) -> list[tuple[Sequence, Chunk, str]]:
@@ -177,6 +243,9 @@ class LLMEngine:
         plan = []
         # decodes first (one token each), then prefill work, each in arrival order
         order = sorted(self.running, key=lambda s: (s.in_prefill or s.needs_rebuild, s.arrival))
+        suspects = [s for s in order if s.suspect_until is not None]
+        if suspects:  # after a failed batch: the oldest suspect runs alone until it catches up
+            order = [min(suspects, key=lambda s: s.arrival)]
         for seq in order:
             if seq.status != Status.RUNNING:
                 continue  # preempted earlier in this loop
@@ -218,12 +287,12 @@ class LLMEngine:
                     return False
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, count: bool = True) -> None:
         self.running.remove(seq)
         self._release(seq)
         seq.status = Status.WAITING
         seq.preemptions += 1
-        self.counters["preemptions_total"] += 1
+        self.counters["preemptions_total"] += count
         # keep arrival order among the waiting: a preempted request goes back before later arrivals
         index = next((i for i, s in enumerate(self.waiting) if s.arrival > seq.arrival), len(self.waiting))
         self.waiting.insert(index, seq)
@@ -236,6 +305,8 @@ class LLMEngine:
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
+            if seq.queue_time_s is None:
+                seq.queue_time_s = time.monotonic() - seq.arrival_time
             self.running.append(seq)
 
     def _start(self, seq: Sequence) -> bool:
@@ -387,7 +458,8 @@ class LLMEngine:
         logprobs, seq.pending_logprobs = seq.pending_logprobs, []
         return RequestOutput(seq.request_id, new_ids, new_text, list(seq.output_ids), text[:visible], finished,
                              seq.finish_reason if finished else None, len(seq.prompt_ids), seq.num_cached_tokens,
-                             logprobs)
+                             logprobs, error=seq.error if finished else None,
+                             queue_time_s=seq.queue_time_s if finished else None)
 
     # ------------------------------------------------------------------ reporting
     def metrics(self) -> dict:

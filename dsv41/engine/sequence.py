@@ -13,6 +13,7 @@ The Engram id history is not stored: the engine hashes from the sequence's own t
 from __future__ import annotations
 
 import enum
+import time
 from typing import Optional
 
 import torch
@@ -180,6 +181,12 @@ class Sequence:
         self.pending_logprobs: list = []
         self.finish_reason: Optional[str] = None
         self.preemptions = 0
+        # in a batch whose forward failed: runs alone until it has computed past this position
+        self.suspect_until: Optional[int] = None
+        self.failed_steps = 0
+        self.error: Optional[str] = None  # why it failed (finish_reason "error")
+        self.arrival_time = time.monotonic()
+        self.queue_time_s: Optional[float] = None  # arrival to first admission
         self.capture_logits = False  # keep each sampled position's logits (checks and benchmarks)
         self.logits: list[torch.Tensor] = []
 

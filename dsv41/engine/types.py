@@ -11,7 +11,8 @@ from typing import Optional
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens for one request. temperature 0 is greedy; top_k 0 disables top-k."""
+    """How to pick tokens for one request. temperature 0 (or anything below 1e-5) is greedy; top_k 0
+    disables top-k."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -24,6 +25,11 @@ class SamplingParams:
     logprobs: Optional[int] = None  # None: none; n >= 0: the chosen token's logprob plus the top n
 
     MAX_LOGPROBS = 20
+    # Caps on what every step of the whole batch pays for: each stop string is searched for in new text
+    # at each step, each stop id is checked per token. OpenAI allows 4 stop strings.
+    MAX_STOP = 4
+    MAX_STOP_CHARS = 1024
+    MAX_STOP_TOKEN_IDS = 256
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the first out-of-range field."""
@@ -39,8 +45,15 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if len(self.stop) > self.MAX_STOP:
+            raise ValueError(f"stop accepts at most {self.MAX_STOP} strings, got {len(self.stop)}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
+        if any(len(s) > self.MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop strings may be at most {self.MAX_STOP_CHARS} characters long")
+        if len(self.stop_token_ids) > self.MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids accepts at most {self.MAX_STOP_TOKEN_IDS} ids, "
+                             f"got {len(self.stop_token_ids)}")
         if any(not (0 <= t < vocab_size) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must lie in [0, {vocab_size})")
 
@@ -64,7 +77,9 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finished: bool = False
-    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error" (see `error`)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose prefill was skipped thanks to the prefix cache
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    error: Optional[str] = None  # finish_reason "error": what failed (for logs, not for clients)
+    queue_time_s: Optional[float] = None  # on the final output: seconds from arrival to first admission
