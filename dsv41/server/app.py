@@ -1,22 +1,32 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over `dsv41.engine.AsyncEngine`.
 
 Routes: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions`, `POST /v1/chat/completions`
-(both with SSE when `stream: true`), `GET /health`, `GET /metrics` (Prometheus text).
+(both with SSE when `stream: true`), `GET /health`, `GET /metrics` (Prometheus, `prometheus_client`).
 
-Life of a request: the body is validated (pydantic, then model-dependent ranges), the prompt is
-tokenized (chat: rendered by the V4.1 encoder first), then `AsyncEngine.generate` yields
+Life of a request: with an API key set, every /v1 route needs `Authorization: Bearer <key>` (401);
+a body over `max_request_bytes` is refused with 413 while it is still arriving; the body is validated
+(pydantic, lone surrogates refused, then model-dependent ranges); a prompt whose text cannot fit the
+context is refused before tokenization, which runs in a worker thread, off the event loop (chat: the
+V4.1 encoder renders it first, and message text is tokenized as text, never as control tokens); then
+`AsyncEngine.generate` yields
 `RequestOutput` deltas from the engine thread. Everything that can be refused is refused before the
 first byte is sent, so a stream either starts with 200 or gets a 4xx in OpenAI's error shape: the
 first engine output is awaited before the response starts, which is also when a full queue
 (`EngineBusy` -> 429 + Retry-After) or an engine-side ValueError (-> 400) surfaces. A client that goes
 away aborts its request in the engine: while waiting, a watcher on the ASGI `receive` channel sees
 `http.disconnect`; during a stream, Starlette cancels the body iterator and its `finally` aborts.
+
+Failures: a request that fails in the engine fails alone (the engine retries its batch without it);
+its client gets a 500 (or an in-band error event once a stream has started) whose body says "internal
+error" and the request id, and the details go to the log under that id. No malformed input gives a 5xx.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -30,13 +40,24 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsv41.engine import AsyncEngine, EngineBusy, RequestOutput, SamplingParams, TokenLogprob
-from dsv41.server.chat import (ChatStreamSplitter, build_chat_prompt, parse_chat_output, parse_tool_calls,
-                               resolve_thinking)
+from dsv41.server.chat import (ChatStreamSplitter, PromptTooLong, build_chat_prompt, check_text_fits,
+                               parse_chat_output, parse_tool_calls, resolve_thinking)
 from dsv41.server.metrics import CONTENT_TYPE, ServerMetrics
 from dsv41.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, error_body
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "logprobs", "seed", "stop", "stop_token_ids")
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+MIN_REQUEST_BYTES = 8 << 20
+MAX_HEADER_BYTES = 64 << 10  # all header lines together; nginx's default allows 32 KiB
+# a context's worth of JSON: a token is a few bytes of text, and JSON escapes can take 6 bytes a byte
+REQUEST_BYTES_PER_TOKEN = 32
+
+log = logging.getLogger("dsv41.server")
+
+
+def default_max_request_bytes(max_model_len: int) -> int:
+    """The default body cap: 8 MiB, or 32 bytes per token of context when that is more."""
+    return max(MIN_REQUEST_BYTES, REQUEST_BYTES_PER_TOKEN * max_model_len)
 
 
 class ClientGone(Exception):
@@ -51,6 +72,8 @@ class ServerState:
     retry_after_s: int = 1
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    api_key: Optional[str] = None
+    max_request_bytes: int = MIN_REQUEST_BYTES
 
     @property
     def vocab_size(self) -> int:
@@ -62,13 +85,22 @@ class ServerState:
 
 
 def create_app(engine, async_engine=None, *, served_model_name: Optional[str] = None, max_waiting: int = 64,
-               retry_after_s: int = 1) -> FastAPI:
+               retry_after_s: int = 1, api_key: Optional[str] = None,
+               max_request_bytes: Optional[int] = None) -> FastAPI:
     """Build the app over a built `LLMEngine`. Without `async_engine`, one is made (queue bound
-    `max_waiting`) and started/stopped with the app; a given one is left to its owner."""
+    `max_waiting`) and started/stopped with the app; a given one is left to its owner. With `api_key`,
+    every /v1 route needs `Authorization: Bearer <api_key>`. Bodies over `max_request_bytes` (default
+    `default_max_request_bytes(max_model_len)`) get 413."""
     owns = async_engine is None
     if owns:
         async_engine = AsyncEngine(engine, max_waiting=max_waiting)
-    state = ServerState(engine, async_engine, served_model_name or engine.model_name, retry_after_s)
+    if max_request_bytes is None:
+        max_request_bytes = default_max_request_bytes(engine.max_model_len)
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+    state = ServerState(engine, async_engine, served_model_name or engine.model_name, retry_after_s,
+                        metrics=ServerMetrics(async_engine.metrics), api_key=api_key or None,
+                        max_request_bytes=max_request_bytes)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -82,6 +114,9 @@ def create_app(engine, async_engine=None, *, served_model_name: Optional[str] = 
 
     app = FastAPI(title="dsv41", lifespan=lifespan)
     app.state.server = state
+    # outermost last: responses (401/413 included) are counted, then the key, then the body cap
+    app.add_middleware(_LimitSize, max_bytes=state.max_request_bytes)
+    app.add_middleware(_RequireKey, api_key=state.api_key)
     app.add_middleware(_CountResponses, metrics=state.metrics)
     _install_error_handlers(app)
 
@@ -94,7 +129,7 @@ def create_app(engine, async_engine=None, *, served_model_name: Optional[str] = 
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(state.metrics.render(async_engine.metrics()), media_type=CONTENT_TYPE)
+        return PlainTextResponse(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def list_models():
@@ -119,10 +154,22 @@ def create_app(engine, async_engine=None, *, served_model_name: Optional[str] = 
 # ---------------------------------------------------------------------------------------------- errors
 
 
+class _ErrorResponse(JSONResponse):
+    """Error bodies are ASCII-escaped JSON: they may quote what the client sent, and text that cannot be
+    encoded (a lone surrogate) must not turn a 4xx into a 500."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def internal_error_message(request_id: str) -> str:
+    return f"internal error (request id {request_id}); the details are in the server log"
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return _ErrorResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, exc: RequestValidationError):
@@ -131,21 +178,86 @@ def _install_error_handlers(app: FastAPI) -> None:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         if err.get("type") == "json_invalid":
             detail = (err.get("ctx") or {}).get("error", err.get("msg"))
-            return JSONResponse(error_body(f"malformed JSON body: {detail}", "invalid_request_error", None,
-                                           "invalid_json"), status_code=400)
+            return _ErrorResponse(error_body(f"malformed JSON body: {detail}", "invalid_request_error", None,
+                                             "invalid_json"), status_code=400)
         where = ".".join(loc) or "body"
-        return JSONResponse(error_body(f"{where}: {err.get('msg')}", "invalid_request_error",
-                                       loc[0] if loc else None, "invalid_value"), status_code=400)
+        return _ErrorResponse(error_body(f"{where}: {err.get('msg')}", "invalid_request_error",
+                                         loc[0] if loc else None, "invalid_value"), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc: StarletteHTTPException):
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(error_body(str(exc.detail), type_), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return _ErrorResponse(error_body(str(exc.detail), type_, None, code), status_code=exc.status_code,
+                              headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def internal_error(request, exc: Exception):
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), status_code=500)
+        request_id = f"err-{uuid.uuid4().hex}"
+        log.error("internal error, request id %s: %s %s", request_id, request.method, request.url.path,
+                  exc_info=(type(exc), exc, exc.__traceback__))
+        return _ErrorResponse(error_body(internal_error_message(request_id), "server_error", None, "internal_error"),
+                              status_code=500, headers={"X-Request-Id": request_id})
+
+
+async def _send_error(send, status: int, message: str, code: str, headers: Optional[dict] = None) -> None:
+    """Answer from ASGI middleware, before the app has seen the request."""
+    response = _ErrorResponse(error_body(message, "invalid_request_error", None, code), status_code=status,
+                              headers=headers)
+    await response({"type": "http"}, None, send)
+
+
+class _RequireKey:
+    """With an API key, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise, as OpenAI and
+    vLLM answer); /health and /metrics stay open for probes and scrapers. Compared in constant time."""
+
+    def __init__(self, app, api_key: Optional[str]):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if self.expected is not None and scope["type"] == "http" and scope.get("path", "").startswith("/v1"):
+            given = dict(scope.get("headers") or ()).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                return await _send_error(send, 401, "Invalid or missing API key: send `Authorization: Bearer "
+                                         "<key>`.", "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+        return await self.app(scope, receive, send)
+
+
+class _LimitSize:
+    """Refuse header blocks over `MAX_HEADER_BYTES` with 431, and bodies over `max_bytes` with 413: at
+    once when Content-Length says so, otherwise as soon as the bytes received pass the cap (chunked
+    uploads), so a huge body is never held in memory. (uvicorn's own h11 limit, `H11_MAX_HEADER_BYTES`
+    in run.py, sits above this one: h11 can only answer 400 and drop the connection.)"""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    def _too_large(self) -> str:
+        return f"The request body is larger than this server accepts ({self.max_bytes} bytes)."
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = scope.get("headers") or ()
+        if sum(len(k) + len(v) + 4 for k, v in headers) > MAX_HEADER_BYTES:
+            return await _send_error(send, 431, f"The request headers are larger than this server accepts "
+                                     f"({MAX_HEADER_BYTES} bytes).", "headers_too_large")
+        declared = dict(headers).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await _send_error(send, 413, self._too_large(), "request_too_large")
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:  # FastAPI lets HTTPException out of body reading as it is
+                    raise StarletteHTTPException(413, self._too_large())
+            return message
+
+        return await self.app(scope, limited_receive, send)
 
 
 class _CountResponses:
@@ -212,6 +324,19 @@ def _sampling_params(state: ServerState, req, *, prompt_len: int, max_tokens: Op
     return params
 
 
+async def _off_loop(state: ServerState, fn, param: str):
+    """Run `fn` (render + tokenize: CPU-bound, proportional to the body) in a worker thread so the event
+    loop keeps serving other requests; map its refusals to 400s."""
+    try:
+        return await anyio.to_thread.run_sync(fn)
+    except PromptTooLong as exc:
+        raise bad_request(
+            f"This model's maximum context length is {state.max_model_len} tokens, but the prompt alone has at "
+            f"least {exc.min_tokens} tokens. Shorten the prompt.", param, "context_length_exceeded") from None
+    except ValueError as exc:
+        raise bad_request(str(exc), param) from None
+
+
 def _too_long(state: ServerState, prompt_len: int, max_tokens: int, param: str) -> APIError:
     return bad_request(
         f"This model's maximum context length is {state.max_model_len} tokens, but {prompt_len + max_tokens} were "
@@ -242,12 +367,12 @@ async def _guarded(state: ServerState, request: Request, request_id: str, coro):
     if not task.done():
         task.cancel()
         state.async_engine.abort(request_id)
-        state.metrics.add("client_disconnects")
+        state.metrics.client_disconnects.inc()
         raise ClientGone(request_id)
     try:
         return task.result()
     except EngineBusy as exc:
-        state.metrics.add("rejected_queue_full")
+        state.metrics.rejected_queue_full.inc()
         raise APIError(429, f"The server's request queue is full; retry later ({exc}).".replace(" ()", ""),
                        type="rate_limit_error", code="queue_full",
                        headers={"Retry-After": str(state.retry_after_s)}) from None
@@ -317,18 +442,28 @@ def _sse_response(body: AsyncIterator[str]) -> StreamingResponse:
 
 
 class _Timer:
+    """A request's latencies, observed into the server's histograms as its outputs arrive."""
+
     def __init__(self, metrics: ServerMetrics):
-        self.metrics, self.t0, self.first = metrics, time.perf_counter(), False
+        self.metrics, self.t0, self.last = metrics, time.perf_counter(), None
 
-    def token(self):
-        if not self.first:
-            self.first = True
-            self.metrics.add("ttft_sum", time.perf_counter() - self.t0)
-            self.metrics.add("ttft_count")
+    def output(self, out: RequestOutput):
+        if not out.new_token_ids:
+            return
+        now = time.perf_counter()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.t0)
+        else:  # several tokens in one output share the gap
+            gap = (now - self.last) / len(out.new_token_ids)
+            for _ in out.new_token_ids:
+                self.metrics.inter_token.observe(gap)
+        self.last = now
 
-    def done(self):
-        self.metrics.add("latency_sum", time.perf_counter() - self.t0)
-        self.metrics.add("latency_count")
+    def done(self, last: Optional[RequestOutput]):
+        if last is None or last.finish_reason in ("abort", "error"):
+            return
+        self.metrics.finished(e2e_s=time.perf_counter() - self.t0, queue_time_s=last.queue_time_s,
+                              prompt_tokens=last.num_prompt_tokens, generation_tokens=len(last.token_ids))
 
 
 async def _stream_body(state: ServerState, request_id: str, stream, first, timer: _Timer, on_output, on_end):
@@ -338,22 +473,28 @@ async def _stream_body(state: ServerState, request_id: str, stream, first, timer
     last = None
     try:
         async for out in _outputs(stream, first):
-            timer.token()
+            timer.output(out)
             last = out
+            if out.finish_reason == "error":  # failed in the engine (logged there under request_id)
+                finished = True
+                yield _sse(error_body(internal_error_message(request_id), "server_error", None, "internal_error"))
+                yield "data: [DONE]\n\n"
+                return
             for payload in on_output(out):
                 yield _sse(payload)
             finished = out.finished
         finished = True
-        timer.done()
+        timer.done(last)
         for payload in on_end(last):
             yield _sse(payload)
         yield "data: [DONE]\n\n"
     except (asyncio.CancelledError, GeneratorExit):
         if not finished:
-            state.metrics.add("client_disconnects")
+            state.metrics.client_disconnects.inc()
         raise
     except Exception as exc:  # the response has started: report in-band, as OpenAI-style servers do
-        yield _sse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+        log.error("request %s failed while streaming", request_id, exc_info=(type(exc), exc, exc.__traceback__))
+        yield _sse(error_body(internal_error_message(request_id), "server_error", None, "internal_error"))
         yield "data: [DONE]\n\n"
     finally:
         if not finished:
@@ -364,15 +505,23 @@ async def _stream_body(state: ServerState, request_id: str, stream, first, timer
 # ---------------------------------------------------------------------------------------------- completions
 
 
-def _completion_prompt(state: ServerState, prompt) -> list[int]:
+async def _completion_prompt(state: ServerState, prompt) -> list[int]:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise bad_request("batched prompts are not supported; send one prompt per request", "prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return state.engine.tokenizer.encode(prompt, add_bos=True)
+        tokenizer = state.engine.tokenizer
+
+        def tokenize() -> list[int]:
+            check_text_fits(tokenizer, len(prompt), state.max_model_len - 1)
+            return tokenizer.encode(prompt, add_bos=True)
+
+        return await _off_loop(state, tokenize, "prompt")
     if not prompt:
         raise bad_request("prompt must not be empty", "prompt")
+    if len(prompt) >= state.max_model_len:
+        raise _too_long(state, len(prompt), 0, "prompt")
     bad = [t for t in prompt if not (0 <= t < state.vocab_size)]
     if bad:
         raise bad_request(f"prompt token ids must lie in [0, {state.vocab_size}); got {bad[0]}", "prompt")
@@ -404,7 +553,7 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
         raise bad_request("best_of is not supported (only 1)", "best_of")
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
-    prompt_ids = _completion_prompt(state, req.prompt)
+    prompt_ids = await _completion_prompt(state, req.prompt)
     params = _sampling_params(state, req, prompt_len=len(prompt_ids),
                               max_tokens=16 if req.max_tokens is None else req.max_tokens,
                               logprobs=req.logprobs, prompt_param="prompt")
@@ -445,7 +594,7 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
     outs = await _run_to_end(state, request, request_id, prompt_ids, params, timer)
     if outs is None:
         return _disconnected_response()
-    last = _last(outs)
+    last = _last(outs, request_id)
     logprobs = lp.block([x for o in outs for x in o.new_logprobs]) if want_lp else None
     body = chunk(last.text, last.finish_reason, logprobs)
     body["usage"] = _usage(len(prompt_ids), last)
@@ -459,7 +608,7 @@ async def _run_to_end(state: ServerState, request: Request, request_id: str, pro
         outs = await _guarded(state, request, request_id, _collect(state, request_id, prompt_ids, params, timer))
     except ClientGone:
         return None
-    timer.done()
+    timer.done(outs[-1] if outs else None)
     return outs
 
 
@@ -469,7 +618,7 @@ async def _collect(state: ServerState, request_id: str, prompt_ids, params, time
     outs = []
     try:
         async for out in stream:
-            timer.token()
+            timer.output(out)
             outs.append(out)
             if out.finished:
                 break
@@ -478,10 +627,13 @@ async def _collect(state: ServerState, request_id: str, prompt_ids, params, time
     return outs
 
 
-def _last(outs: list[RequestOutput]) -> RequestOutput:
+def _last(outs: list[RequestOutput], request_id: str) -> RequestOutput:
     if not outs:
         raise APIError(500, "the engine returned no output")
     last = outs[-1]
+    if last.finish_reason == "error":  # failed in the engine, which logged it under request_id
+        raise APIError(500, internal_error_message(request_id), code="internal_error",
+                       headers={"X-Request-Id": request_id})
     if last.finish_reason == "abort":
         raise APIError(503, "the request was aborted by the engine", code="aborted")
     return last
@@ -532,11 +684,9 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
     except ValueError as exc:
         param = "chat_template_kwargs" if "chat_template_kwargs" in str(exc) else "reasoning_effort"
         raise bad_request(str(exc), param) from None
-    try:
-        prompt_ids = build_chat_prompt(state.engine.tokenizer, req.messages, thinking=thinking, effort=effort,
-                                       tools=tools)
-    except ValueError as exc:
-        raise bad_request(str(exc), "messages") from None
+    prompt_ids = await _off_loop(state, lambda: build_chat_prompt(
+        state.engine.tokenizer, req.messages, thinking=thinking, effort=effort, tools=tools,
+        token_limit=state.max_model_len - 1), "messages")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
     params = _sampling_params(state, req, prompt_len=len(prompt_ids), max_tokens=max_tokens,
@@ -552,7 +702,7 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
     outs = await _run_to_end(state, request, request_id, prompt_ids, params, timer)
     if outs is None:
         return _disconnected_response()
-    last = _last(outs)
+    last = _last(outs, request_id)
     parsed = parse_chat_output(last.text, thinking=thinking, tools=parse_tools)
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
     if thinking:

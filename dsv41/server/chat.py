@@ -1,6 +1,6 @@
 """Chat requests to prompt tokens, and generated text back to reasoning / content / tool calls.
 
-The prompt is rendered by `dsv41.chat.encoding.encode_messages` (spec §10-§11: `<think>` header in
+The prompt is rendered by `dsv41.chat.encoding.prompt_parts` (spec §10-§11: `<think>` header in
 thinking mode, reasoning effort at conversation index 0, tools and tool results) and the finished text is
 parsed by `dsv41.chat.dsml.parse_assistant_output`. Streaming needs the split as the text arrives, so
 `ChatStreamSplitter` tracks the two boundaries a V4.1 assistant turn can cross: `</think>` (reasoning ->
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from dsv41.chat.dsml import CALLS_OPEN, parse_assistant_output, parse_tool_calls_block
-from dsv41.chat.encoding import encode_messages, parse_reasoning_effort
+from dsv41.chat.encoding import encode_prompt, parse_reasoning_effort, prompt_parts
 from dsv41.tokenizer import EOS_TOKEN, THINK_END_TOKEN
 
 
@@ -36,13 +36,34 @@ def resolve_thinking(chat_template_kwargs: Optional[dict[str, Any]],
     return thinking, (effort if thinking else None)
 
 
+class PromptTooLong(ValueError):
+    """The text is too long for `token_limit` whatever its tokenization; `min_tokens` is a lower bound."""
+
+    def __init__(self, min_tokens: int, token_limit: int):
+        super().__init__(f"the prompt has at least {min_tokens} tokens; the limit is {token_limit}")
+        self.min_tokens, self.token_limit = min_tokens, token_limit
+
+
+def check_text_fits(tokenizer, num_chars: int, token_limit: Optional[int]) -> None:
+    """Raise PromptTooLong when `num_chars` characters cannot fit `token_limit` tokens: no token decodes
+    to more than `tokenizer.max_token_chars` characters. Costs nothing, so a huge body is refused before
+    its tokenization is paid for."""
+    if token_limit is not None:
+        min_tokens = -(-num_chars // max(1, tokenizer.max_token_chars))
+        if min_tokens > token_limit:
+            raise PromptTooLong(min_tokens, token_limit)
+
+
 def build_chat_prompt(tokenizer, messages: list[dict[str, Any]], *, thinking: bool, effort: Optional[int],
-                      tools: Optional[list[dict[str, Any]]]) -> list[int]:
-    """Render with the V4.1 encoder (ValueError on malformed messages) and tokenize. The rendered text
-    starts with the BOS token text, so no BOS is added."""
-    text = encode_messages(messages, thinking=thinking, reasoning_effort=effort,
-                           tools=tools or None, add_generation_prompt=True, drop_thinking=True)
-    return tokenizer.encode(text, add_bos=False)
+                      tools: Optional[list[dict[str, Any]]], token_limit: Optional[int] = None) -> list[int]:
+    """Render with the V4.1 encoder (ValueError on malformed messages) and tokenize. Control tokens come
+    only from the template: message content and tool definitions are tokenized as text, so marker strings
+    inside them stay text (`encode_prompt`). The rendered text starts with the BOS marker. With
+    `token_limit`, a prompt that cannot fit is refused (PromptTooLong) before it is tokenized."""
+    parts = prompt_parts(messages, thinking=thinking, reasoning_effort=effort, tools=tools or None,
+                         add_generation_prompt=True, drop_thinking=True)
+    check_text_fits(tokenizer, sum(len(text) for text, _ in parts), token_limit)
+    return encode_prompt(tokenizer, parts)
 
 
 def _held_back(text: str, marker: str) -> int:

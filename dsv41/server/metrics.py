@@ -1,20 +1,26 @@
-"""`/metrics` in the Prometheus text exposition format (version 0.0.4), without a client library.
+"""`/metrics` for Prometheus, through `prometheus_client`.
 
-Engine figures come from `AsyncEngine.metrics()` on every scrape; the server adds its own counters
-(HTTP responses by endpoint and status, queue-full rejections, client disconnects) and latency sums.
+Each `ServerMetrics` owns its own `CollectorRegistry` (no process-global state, so two apps in one
+process, as in the tests, keep separate counts). It holds:
+- the HTTP layer's counters: responses by endpoint and status, queue-full rejections, client disconnects;
+- the per-request histograms users graph for vLLM: time to first token, inter-token latency, end-to-end
+  latency, queue time (arrival to first admission, measured by the engine), prompt and generation lengths;
+- the engine's own figures (`AsyncEngine.metrics()`), read on every scrape by a collector: queue depths,
+  KV-pool use, prefix-cache hits, token counters. Keys the engine adds later are still exposed (as
+  counters when they end in `_total`, else gauges); the table below only adds names and help text.
 """
 
 from __future__ import annotations
 
-import math
-import threading
-from collections import defaultdict
+from typing import Callable, Optional
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "dsv41_"
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 
-# engine metric key -> (exposed name, type, help). Keys the engine adds later are still exposed
-# (as counters when they end in `_total`, else gauges), so this table only adds names and help text.
+# engine metric key -> (exposed name, type, help)
 ENGINE_METRICS = {
     "waiting": ("num_requests_waiting", "gauge", "Requests queued for admission."),
     "running": ("num_requests_running", "gauge", "Requests being prefilled or decoded."),
@@ -29,6 +35,10 @@ ENGINE_METRICS = {
     "generation_tokens_total": ("generation_tokens_total", "counter", "Tokens generated."),
     "generation_tokens_per_s": ("generation_tokens_per_second", "gauge", "Recent generation throughput."),
     "requests_finished_total": ("requests_finished_total", "counter", "Requests finished in the engine."),
+    "requests_failed_total": ("requests_failed_total", "counter",
+                              "Requests that failed alone (finish_reason error); the batch went on."),
+    "failed_steps_total": ("failed_steps_total", "counter",
+                           "Engine steps whose forward pass raised (their requests were retried one by one)."),
     "preemptions_total": ("preemptions_total", "counter", "Requests preempted for lack of KV blocks."),
     "kv_resident_bytes_per_token": ("kv_resident_bytes_per_token", "gauge",
                                     "Global KV bytes stored per token of the running sequences (packed FP4)."),
@@ -41,69 +51,71 @@ ENGINE_METRICS = {
     "steps_total": ("engine_steps_total", "counter", "Engine steps run."),
 }
 
-
-def _num(v) -> str:
-    v = float(v)
-    if math.isnan(v):
-        return "NaN"
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    return repr(int(v)) if v.is_integer() and abs(v) < 2**53 else repr(v)
+# buckets in the spirit of vLLM's: CPU-sized tails (a tiny model on 2 cores is slow), log-spaced
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0, 640.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 200000, 500000,
+                 1000000)
 
 
-def _escape(v: str) -> str:
-    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+class _EngineCollector:
+    """Turns the engine's metrics dict into samples at scrape time."""
 
+    def __init__(self, read: Callable[[], dict]):
+        self.read = read
 
-class ServerMetrics:
-    """Thread-safe counters kept by the HTTP layer."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.responses: dict[tuple[str, int], int] = defaultdict(int)
-        self.rejected_queue_full = 0
-        self.client_disconnects = 0
-        self.ttft_sum = 0.0
-        self.ttft_count = 0
-        self.latency_sum = 0.0
-        self.latency_count = 0
-
-    def response(self, endpoint: str, status: int) -> None:
-        with self._lock:
-            self.responses[(endpoint, status)] += 1
-
-    def add(self, name: str, value: float = 1) -> None:
-        with self._lock:
-            setattr(self, name, getattr(self, name) + value)
-
-    def render(self, engine_metrics: dict) -> str:
-        lines: list[str] = []
-
-        def metric(name, kind, help_, samples):
-            lines.append(f"# HELP {PREFIX}{name} {help_}")
-            lines.append(f"# TYPE {PREFIX}{name} {kind}")
-            for labels, value in samples:
-                lbl = "{" + ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items()) + "}" if labels else ""
-                lines.append(f"{PREFIX}{name}{lbl} {_num(value)}")
-
-        for key, value in engine_metrics.items():
+    def collect(self):
+        for key, value in self.read().items():
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
             name, kind, help_ = ENGINE_METRICS.get(
                 key, (key, "counter" if key.endswith("_total") else "gauge", f"Engine metric {key}."))
-            metric(name, kind, help_, [({}, value)])
-        with self._lock:
-            metric("http_responses_total", "counter", "HTTP responses by endpoint and status code.",
-                   [({"endpoint": e, "status": s}, n) for (e, s), n in sorted(self.responses.items())])
-            metric("requests_rejected_queue_full_total", "counter", "Requests refused because the queue was full.",
-                   [({}, self.rejected_queue_full)])
-            metric("client_disconnects_total", "counter", "Requests aborted because the client went away.",
-                   [({}, self.client_disconnects)])
-            metric("time_to_first_token_seconds", "summary", "Time from request arrival to the first token.",
-                   [])
-            lines.append(f"{PREFIX}time_to_first_token_seconds_sum {_num(self.ttft_sum)}")
-            lines.append(f"{PREFIX}time_to_first_token_seconds_count {_num(self.ttft_count)}")
-            metric("request_latency_seconds", "summary", "Time from request arrival to the last token.", [])
-            lines.append(f"{PREFIX}request_latency_seconds_sum {_num(self.latency_sum)}")
-            lines.append(f"{PREFIX}request_latency_seconds_count {_num(self.latency_count)}")
-        return "\n".join(lines) + "\n"
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(PREFIX + name, help_, value=float(value))
+
+
+class ServerMetrics:
+    """The server's metrics; thread-safe (prometheus_client's metrics are)."""
+
+    def __init__(self, engine_metrics: Optional[Callable[[], dict]] = None):
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.responses = Counter(PREFIX + "http_responses", "HTTP responses by endpoint and status code.",
+                                 ["endpoint", "status"], registry=r)
+        self.rejected_queue_full = Counter(PREFIX + "requests_rejected_queue_full",
+                                           "Requests refused because the queue was full.", registry=r)
+        self.client_disconnects = Counter(PREFIX + "client_disconnects",
+                                          "Requests aborted because the client went away.", registry=r)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
+                              "Time from request arrival to the first generated token.", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.inter_token = Histogram(PREFIX + "inter_token_latency_seconds",
+                                     "Time between successive generated tokens of a request.",
+                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
+                             "Time from request arrival to its last token.", buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds",
+                                    "Time a request waited in the engine's queue before it was admitted.",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Histogram(PREFIX + "request_prompt_tokens", "Prompt length of finished requests.",
+                                       buckets=TOKEN_BUCKETS, registry=r)
+        self.generation_tokens = Histogram(PREFIX + "request_generation_tokens",
+                                           "Generated length of finished requests.", buckets=TOKEN_BUCKETS,
+                                           registry=r)
+        if engine_metrics is not None:
+            r.register(_EngineCollector(engine_metrics))
+
+    def response(self, endpoint: str, status: int) -> None:
+        self.responses.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def finished(self, *, e2e_s: float, queue_time_s: Optional[float], prompt_tokens: int,
+                 generation_tokens: int) -> None:
+        """One request ran to its end (not aborted, not failed)."""
+        self.e2e.observe(e2e_s)
+        if queue_time_s is not None:
+            self.queue_time.observe(queue_time_s)
+        self.prompt_tokens.observe(prompt_tokens)
+        self.generation_tokens.observe(generation_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

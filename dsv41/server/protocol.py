@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class APIError(Exception):
@@ -39,6 +39,27 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+def find_invalid_text(value: Any, where: str = "body") -> Optional[str]:
+    """The path of the first string (or dict key) that is not valid Unicode: JSON's `\\ud800` escapes
+    decode to lone surrogates, which no tokenizer or UTF-8 encoder accepts. None when all is well."""
+    stack = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        elif isinstance(item, dict):
+            for key, sub in item.items():
+                if isinstance(key, str) and find_invalid_text(key) is not None:
+                    return f"{path} (a key)"
+                stack.append((sub, f"{path}.{key}"))
+        elif isinstance(item, list):
+            stack.extend((sub, f"{path}[{k}]") for k, sub in enumerate(item))
+    return None
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
 
@@ -57,6 +78,15 @@ class Tool(_Request):
 
 class _Sampling(_Request):
     """Fields shared by both endpoints."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        bad = find_invalid_text(data, "")
+        if bad is not None:
+            where = bad.lstrip(".") or "body"
+            raise ValueError(f"{where} is not valid Unicode text (it holds a lone surrogate)")
+        return data
 
     model: Optional[str] = None
     temperature: Optional[float] = None

@@ -1,9 +1,16 @@
 """Running the app: `serve` (uvicorn in the foreground, what `dsv41 serve` calls) and `ServerThread`
-(uvicorn on a background thread with its own event loop; tests and notebooks)."""
+(uvicorn on a background thread with its own event loop; tests and notebooks).
+
+Both bind their socket before anything else, so a port clash is reported at once (before a checkpoint
+is loaded), and both run uvicorn's h11 protocol with a header buffer large enough that the app itself
+answers oversized headers with 431 (h11 alone can only answer 400 and close).
+"""
 
 from __future__ import annotations
 
+import ipaddress
 import socket
+import sys
 import threading
 import time
 from typing import Optional
@@ -12,17 +19,65 @@ import uvicorn
 
 from dsv41.server.app import create_app
 
+# h11 buffers a request's head up to this; the app refuses anything over app.MAX_HEADER_BYTES with 431
+H11_MAX_HEADER_BYTES = 4 << 20
+
+
+
+class PortUnavailable(OSError):
+    """The address cannot be bound (in use, or not ours)."""
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening-ready socket on host:port (port 0: a free one); PortUnavailable names the address."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise PortUnavailable(f"cannot listen on {host}:{port}: {exc.strerror or exc} "
+                              f"(is another server there? pick another --port)") from None
+    return sock
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def uvicorn_config(app, log_level: str = "info", **kw) -> uvicorn.Config:
+    return uvicorn.Config(app, log_level=log_level, lifespan="on", http="h11",
+                          h11_max_incomplete_event_size=H11_MAX_HEADER_BYTES, **kw)
+
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, engine_config=None, seed: int = 0,
-          max_waiting: int = 64, served_model_name: Optional[str] = None, log_level: str = "info") -> None:
-    """Build the engine for `model` (preset name or checkpoint folder) and serve it until interrupted."""
+          max_waiting: int = 64, served_model_name: Optional[str] = None, log_level: str = "info",
+          api_key: Optional[str] = None, max_request_bytes: Optional[int] = None) -> None:
+    """Build the engine for `model` (preset name or checkpoint folder) and serve it until interrupted.
+    The port is bound first: a clash fails in a second, not after the weights have loaded."""
     from dsv41.engine import build_engine
 
-    engine = build_engine(model, engine_config=engine_config, seed=seed)
-    app = create_app(engine, served_model_name=served_model_name, max_waiting=max_waiting)
-    print(f"dsv41: serving {app.state.server.model_name} (max_model_len {engine.max_model_len}) "
-          f"on http://{host}:{port}/v1", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    sock = bind(host, port)
+    if not api_key and not is_loopback(host):
+        print(f"dsv41: WARNING: serving on {host}, reachable from other machines, without an API key; "
+              f"anyone who can reach it can use it. Set --api-key or DSV41_API_KEY.", file=sys.stderr, flush=True)
+    try:
+        engine = build_engine(model, engine_config=engine_config, seed=seed)
+        app = create_app(engine, served_model_name=served_model_name, max_waiting=max_waiting, api_key=api_key,
+                         max_request_bytes=max_request_bytes)
+        print(f"dsv41: serving {app.state.server.model_name} (max_model_len {engine.max_model_len}) "
+              f"on http://{host}:{sock.getsockname()[1]}/v1" + (" (API key required)" if api_key else ""),
+              flush=True)
+        server = uvicorn.Server(uvicorn_config(app, log_level, timeout_graceful_shutdown=5))
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
 
 
 class ServerThread:
@@ -30,12 +85,9 @@ class ServerThread:
     free port), so the port is known and there is no race with other processes."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
+        self._sock = bind(host, port)
         self.host, self.port = host, self._sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on",
-                                                    timeout_graceful_shutdown=2))
+        self.server = uvicorn.Server(uvicorn_config(app, log_level, timeout_graceful_shutdown=2))
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
                                         name="dsv41-server", daemon=True)
 

@@ -4,6 +4,7 @@ import json
 import random
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from dsv41.chat.dsml import parse_assistant_output, render_tool_calls
 from dsv41.server.chat import ChatStreamSplitter, parse_chat_output, parse_tool_calls, resolve_thinking
@@ -90,25 +91,33 @@ def test_resolve_thinking():
             resolve_thinking(bad_kwargs, bad_effort)
 
 
-def test_metrics_text_format():
-    m = ServerMetrics()
+def test_metrics_exposition():
+    """Rendered by prometheus_client and read back with its parser: engine figures under their names and
+    types, the server's counters and histograms."""
+    engine = {"waiting": 3, "running": 2, "kv_usage": 0.125, "generation_tokens_total": 40,
+              "new_thing_total": 5, "new_gauge": 1.5, "label": "ignored"}
+    m = ServerMetrics(lambda: engine)
     m.response("/v1/completions", 200)
     m.response("/v1/completions", 200)
     m.response("/v1/completions", 429)
-    m.add("rejected_queue_full")
-    text = m.render({"waiting": 3, "running": 2, "kv_usage": 0.125, "generation_tokens_total": 40,
-                     "new_thing_total": 5, "new_gauge": 1.5, "label": "ignored"})
-    lines = text.splitlines()
-    assert "dsv41_num_requests_waiting 3" in lines and "dsv41_num_requests_running 2" in lines
-    assert "dsv41_kv_cache_usage_ratio 0.125" in lines
-    assert "# TYPE dsv41_generation_tokens_total counter" in lines
-    assert "# TYPE dsv41_new_thing_total counter" in lines and "# TYPE dsv41_new_gauge gauge" in lines
-    assert 'dsv41_http_responses_total{endpoint="/v1/completions",status="200"} 2' in lines
-    assert 'dsv41_http_responses_total{endpoint="/v1/completions",status="429"} 1' in lines
-    assert "dsv41_requests_rejected_queue_full_total 1" in lines
-    assert not any("label" in line for line in lines)
-    for line in lines:  # every sample line is `name[{labels}] number`
-        if not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            float(value)
-            assert name.startswith("dsv41_")
+    m.rejected_queue_full.inc()
+    m.finished(e2e_s=0.3, queue_time_s=0.01, prompt_tokens=7, generation_tokens=4)
+    families = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    assert samples[("dsv41_num_requests_waiting", ())] == 3 and families["dsv41_num_requests_waiting"].type == "gauge"
+    assert samples[("dsv41_kv_cache_usage_ratio", ())] == 0.125
+    assert families["dsv41_generation_tokens"].type == "counter"
+    assert samples[("dsv41_generation_tokens_total", ())] == 40
+    assert families["dsv41_new_thing"].type == "counter" and families["dsv41_new_gauge"].type == "gauge"
+    assert samples[("dsv41_http_responses_total", (("endpoint", "/v1/completions"), ("status", "200")))] == 2
+    assert samples[("dsv41_http_responses_total", (("endpoint", "/v1/completions"), ("status", "429")))] == 1
+    assert samples[("dsv41_requests_rejected_queue_full_total", ())] == 1
+    assert not any("label" in name for name in families)
+    assert families["dsv41_request_prompt_tokens"].type == "histogram"
+    assert samples[("dsv41_request_prompt_tokens_sum", ())] == 7
+    assert samples[("dsv41_request_generation_tokens_count", ())] == 1
+    assert samples[("dsv41_e2e_request_latency_seconds_bucket", (("le", "0.5"),))] == 1
+    assert samples[("dsv41_e2e_request_latency_seconds_bucket", (("le", "0.25"),))] == 0
+    assert samples[("dsv41_request_queue_time_seconds_count", ())] == 1
+    # each ServerMetrics has its own registry: a second one starts from zero
+    assert b"dsv41_requests_rejected_queue_full_total 0.0" in ServerMetrics().render()
