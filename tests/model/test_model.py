@@ -55,19 +55,48 @@ def test_decode_equals_prefill_when_selection_cannot_flip():
         _assert_same_up_to_bf16_noise(_decode_steps(model, ids, prompt_len), full)
 
 
+def _selected(trace, key, b, t):
+    return sorted(i for i in trace[key][b, t].tolist() if i >= 0)
+
+
+def _first_selection_flips(model, ids, prompt_len):
+    """Per batch row, the first position whose top-k selection (any layer) differs between step-by-step
+    decode and one prefill, or the sequence length if none does."""
+    full = {}
+    model(ids, trace=full)
+    keys = [k for k in full if k.endswith(".topk_idxs")]
+    cache = model.new_cache(ids.size(0), ids.size(1))
+    flips = [ids.size(1)] * ids.size(0)
+    spans = [(0, prompt_len)] + [(p, p + 1) for p in range(prompt_len, ids.size(1))]
+    for a, b in spans:
+        step = {}
+        model(ids[:, a:b], a, cache, trace=step)
+        for row in range(ids.size(0)):
+            for t in range(a, b):
+                if t < flips[row] and any(_selected(step, k, row, t - a) != _selected(full, k, row, t) for k in keys):
+                    flips[row] = t
+    return flips
+
+
 @torch.inference_mode()
 def test_decode_tracks_prefill_with_sparse_selection():
     """Default tiny config (top-6 of up to 36 entries, 3 candidate blocks): a near-tie in the bf16 index
-    scores can pick a different entry in decode than in prefill (different GEMM shapes), so demand
-    exactness until then (the first such flip for these weights is at position 25) and agreement in
-    distribution overall (MoE routing pinned: this is about the attention selection)."""
+    scores can pick a different entry in decode than in prefill (different GEMM shapes). Where that first
+    happens depends on the CPU's accumulation order (position 25 on an AMD EPYC, 22 and 24 on an AMX Xeon),
+    so it is measured from the selections themselves: until then decode must equal prefill up to bf16
+    noise, and in distribution overall (MoE routing pinned: this is about the attention selection)."""
     model = pin_routing(init_random_weights(Transformer(tiny()), seed=1, std=0.1).eval())
     ids = _ids(2, 37, seed=3)
     full = model(ids)
     got = _decode_steps(model, ids, 4)
-    _assert_same_up_to_bf16_noise(got[:, :25], full[:, :25])
+    flips = _first_selection_flips(model, ids, 4)
+    assert min(flips) >= 12, flips  # enough decode steps before the first flip for the check to mean much
+    for row, flip in enumerate(flips):
+        _assert_same_up_to_bf16_noise(got[row, :flip], full[row, :flip])
     rms_ratio = (got - full).pow(2).mean().sqrt() / full.pow(2).mean().sqrt()
-    assert rms_ratio < 0.1 and (got.argmax(-1) == full.argmax(-1)).float().mean() > 0.95  # measured rms 0.063
+    # after a flip the two paths attend to different entries: measured rms 0.063 / argmax 0.97 (EPYC),
+    # 0.082 / 0.93 (AMX Xeon); a wrong ring slot or visibility rule gives rms ~1
+    assert rms_ratio < 0.15 and (got.argmax(-1) == full.argmax(-1)).float().mean() > 0.85
 
 
 @torch.inference_mode()
