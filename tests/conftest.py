@@ -34,3 +34,18 @@ def pin_routing(model, margin: float = 50.0):
                 for j in range(k):
                     gate.bias_vl[(layer.layer_id + k + j) % n] = margin
     return model
+
+
+def poison_sampling(monkeypatch, seed: int, message: str) -> None:
+    """Make the engine's sampling raise RuntimeError(message) for requests with this seed (a request
+    that fails on its own, for fault-isolation tests); every other request samples as usual."""
+    import dsv41.engine.llm_engine as llm_engine
+
+    real_sample = llm_engine.sample
+
+    def sample(logits, params, generator):
+        if params.seed == seed:
+            raise RuntimeError(message)
+        return real_sample(logits, params, generator)
+
+    monkeypatch.setattr(llm_engine, "sample", sample)

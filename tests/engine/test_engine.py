@@ -19,13 +19,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def model():
-    m = init_random_weights(Transformer(tiny()), seed=1).eval()
-    m.set_batch_invariant(16)
-    return m
-
-
-@pytest.fixture(scope="module")
 def pinned_model():
     """For comparisons across numerically different paths (a recomputed or restored state against the
     decode that built it): MoE selection pinned so that bf16 noise cannot flip an expert choice."""

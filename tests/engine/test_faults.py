@@ -5,35 +5,17 @@ batch finishes with the tokens it would have had alone, sampling caps, and burst
 import asyncio
 
 import pytest
-import torch
 
-import dsv41.engine.llm_engine as llm_engine
-from dsv41.config import tiny
-from dsv41.engine import AsyncEngine, EngineBusy, EngineConfig, LLMEngine, SamplingParams
-from dsv41.model.init import init_random_weights
-from dsv41.model.transformer import Transformer
-from dsv41.tokenizer import ByteTokenizer
+from dsv41.engine import AsyncEngine, EngineBusy, SamplingParams
+from tests.conftest import poison_sampling
+from tests.engine.test_engine import make as make_engine
+from tests.engine.test_engine import prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def model():
-    m = init_random_weights(Transformer(tiny()), seed=1).eval()
-    m.set_batch_invariant(16)
-    return m
-
-
-def make(model, **overrides) -> LLMEngine:
-    settings = dict(block_size=8, kv_pool_tokens=2048, prefill_chunk_size=16, max_num_batched_tokens=64,
-                    enable_prefix_caching=False)
-    settings.update(overrides)
-    return LLMEngine(model, ByteTokenizer(model.cfg.vocab_size), EngineConfig(**settings))
-
-
-def prompts(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 1000, (n,), generator=g).tolist() for n in lengths]
+def make(model, **overrides):
+    return make_engine(model, **{"enable_prefix_caching": False, **overrides})
 
 
 def run_all(engine, requests):
@@ -61,14 +43,7 @@ def test_near_zero_temperatures_are_greedy(model):
 def test_a_failing_sample_fails_its_request_alone(model, monkeypatch):
     healthy = prompts([11, 20, 7])
     alone = [make(model).generate([p], GREEDY)[0].token_ids for p in healthy]
-    real_sample = llm_engine.sample
-
-    def sample(logits, params, generator):
-        if params.seed == 666:
-            raise RuntimeError("poisoned sampler")
-        return real_sample(logits, params, generator)
-
-    monkeypatch.setattr(llm_engine, "sample", sample)
+    poison_sampling(monkeypatch, seed=666, message="poisoned sampler")
     engine = make(model)
     requests = {f"ok{k}": (p, GREEDY) for k, p in enumerate(healthy)}
     requests["bad"] = (prompts([13], seed=5)[0], SamplingParams(temperature=1.0, max_tokens=6, seed=666))

@@ -19,14 +19,6 @@ USER = [{"role": "user", "content": "Hi"}]
 
 
 @pytest.fixture(scope="module")
-def served():
-    engine = build_engine("tiny", EngineConfig(kv_pool_tokens=8192, max_model_len=1024), seed=0)
-    app = create_app(engine, max_waiting=64)
-    with ServerThread(app) as srv:
-        yield srv, engine, app.state.server.async_engine
-
-
-@pytest.fixture(scope="module")
 def client(served):
     return openai.OpenAI(base_url=served[0].base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
 

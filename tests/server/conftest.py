@@ -1,0 +1,14 @@
+import pytest
+
+from dsv41.engine import EngineConfig, build_engine
+from dsv41.server import create_app
+from dsv41.server.run import ServerThread
+
+
+@pytest.fixture(scope="module")
+def served():
+    """(ServerThread, LLMEngine, AsyncEngine): the real engine on the tiny preset behind uvicorn."""
+    engine = build_engine("tiny", EngineConfig(kv_pool_tokens=8192, max_model_len=1024), seed=0)
+    app = create_app(engine, max_waiting=64)
+    with ServerThread(app) as srv:
+        yield srv, engine, app.state.server.async_engine
