@@ -152,10 +152,14 @@ def _select(attn, x, qr, batch: DecodeBatch, pool: PagedKVPool) -> torch.Tensor:
     scores = ops.index_scores(q, keys, weights).masked_fill(~usable, -torch.inf)  # [B, 1, n]
     if idx.is_candidate_source:
         batch.shared["candidate_blocks"] = ops.candidate_blocks(scores, visible.view(b, 1, 1), idx.candidate_blocks,
-                                                                idx.candidate_block_size)
-    top = scores.topk(min(idx.topk, scores.size(-1)), dim=-1, sorted=False)
-    picked, order = entries.gather(-1, top.indices).sort(dim=-1)  # ascending positions, like select_topk
-    picked = torch.where(top.values.gather(-1, order) > -torch.inf, picked, -1)
+                                                                idx.candidate_block_size, idx.canonical_ties)
+    k = min(idx.topk, scores.size(-1))
+    if idx.canonical_ties:  # ties by entry position, not by where the gather put an entry in this row
+        top = ops.topk_canonical(scores, k, positions=entries)
+    else:
+        top = scores.topk(k, dim=-1, sorted=False).indices
+    picked, order = entries.gather(-1, top).sort(dim=-1)  # ascending positions, like select_topk
+    picked = torch.where(scores.gather(-1, top).gather(-1, order) > -torch.inf, picked, -1)
     if picked.size(-1) < idx.topk:  # a fixed width keeps each row's attention independent of the batch
         picked = torch.nn.functional.pad(picked, (0, idx.topk - picked.size(-1)), value=-1)
     return picked

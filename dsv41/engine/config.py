@@ -38,9 +38,15 @@ class EngineConfig:
     enable_prefix_caching: bool = field(default=True, metadata={"help": (
         "reuse the KV cache of earlier requests that share a prompt prefix (whole blocks and "
         "message-boundary snapshots)")})
+    exact_prefix_reuse: bool = field(default=True, metadata={"help": (
+        "a prefix-cache hit must compute exactly what a miss would (same tokens out): it resumes only from "
+        "a snapshot whose window state is kept and, in bounded mode, that ends before the last window of "
+        "the prompt (or was made with the same decoder start). --no-exact-prefix-reuse also resumes from "
+        "whole blocks alone, rebuilding the windows by an approximate replay: more reuse, not identical")})
     window_ttl_s: float = field(default=300.0, metadata={"help": (
         "seconds a finished request's sliding-window state is kept for a follow-up that continues it; "
-        "after that a prefix hit rebuilds the window by replaying the last window of tokens")})
+        "after that the snapshot can no longer be resumed from exactly (with --no-exact-prefix-reuse a hit "
+        "rebuilds the window by replaying the last window of tokens)")})
     max_snapshots: int = field(default=256, metadata={"help": (
         "most message-boundary snapshots (partial last block + window state of a finished prompt or "
         "reply) kept for prefix caching, least recently used dropped first; 0 keeps none")})

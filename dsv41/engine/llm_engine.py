@@ -42,9 +42,10 @@ class LLMEngine:
         config = config or EngineConfig()
         config.validate()
         self.config, self.tokenizer, self.model_name = config, tokenizer, model_name
-        self.model = model.eval()
+        # the model is borrowed: the runner applies the engine's numerics (batch-invariant GEMMs,
+        # canonical top-k ties, eval mode) around each forward and restores the model's own settings
+        self.model = model
         self.model_config: ModelConfig = model.cfg
-        model.set_batch_invariant(config.row_chunk if config.batch_invariant else 0)
         cfg = self.model_config
         bs = config.block_size
         num_blocks = config.kv_pool_tokens // bs
@@ -52,7 +53,7 @@ class LLMEngine:
         self.allocator = BlockAllocator(num_blocks)
         self.states = StatePool(cfg, config.max_num_seqs, model.device)
         self.snapshots = SnapshotStore(config.max_snapshots if config.enable_prefix_caching else 0, config.window_ttl_s)
-        self.runner = ModelRunner(model)
+        self.runner = ModelRunner(model, config.row_chunk if config.batch_invariant else 0)
         self.boundary = self.runner.boundary
         limit = config.max_model_len or cfg.max_position_embeddings
         self.max_model_len = min(limit, num_blocks * bs)
@@ -134,6 +135,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._finished_outputs = self._finished_outputs, []
         plan = self._schedule()
+        for seq in [s for s in self.running if s.restored_logits is not None]:
+            logits, seq.restored_logits = seq.restored_logits, None
+            try:
+                outputs.append(self._sampled(seq, "restored", logits))
+            except Exception as exc:  # noqa: BLE001 - this request's own failure
+                outputs.append(self._fail(seq, exc))
         if not plan:
             return outputs
         chunks = [chunk for _, chunk, _ in plan]
@@ -178,7 +185,7 @@ class LLMEngine:
     def _sampled(self, seq: Sequence, kind: str, logits: torch.Tensor) -> RequestOutput:
         """Sample the sequence's next token from its logits [vocab] and account for it."""
         if kind == "prefill":
-            self._save_snapshot(seq)  # message boundary: end of the prompt
+            self._save_snapshot(seq, logits)  # message boundary: end of the prompt
         if seq.capture_logits:
             seq.logits.append(logits.clone())
         token = sample(logits, seq.params, seq.generator or self.generator)
@@ -247,8 +254,8 @@ class LLMEngine:
         if suspects:  # after a failed batch: the oldest suspect runs alone until it catches up
             order = [min(suspects, key=lambda s: s.arrival)]
         for seq in order:
-            if seq.status != Status.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status != Status.RUNNING or seq.restored_logits is not None:
+                continue  # preempted earlier in this loop, or nothing to compute (a whole-prompt hit)
             tokens = seq.all_ids
             if seq.needs_rebuild:
                 start, end, kind = seq.rebuild_from, seq.num_computed, "rebuild"
@@ -316,18 +323,39 @@ class LLMEngine:
         tokens = seq.all_ids
         n = len(tokens)
         hashes = chain_hashes(tokens, bs, [])
+        w = mcfg.window_size
+        bounded = self.config.prefill_mode == "bounded"
+        if seq.decoder_start is None:  # fixed at first admission, so a recompute takes the same path
+            seq.decoder_start = max(0, len(seq.prompt_ids) - w) if bounded else 0
+        start = seq.decoder_start
+        exact = self.config.exact_prefix_reuse
         matched: list[int] = []
         if self.config.enable_prefix_caching:
-            for h in hashes[:(n - 1) // bs]:
+            for h in hashes[:(n if exact else n - 1) // bs]:
                 block = self.allocator.lookup(h)
                 if block is None:
                     break
                 matched.append(block)
+        snap = None
+        if self.config.enable_prefix_caching:
+            if exact:
+                # resume only where a miss computes the same: the windows kept, and the decoder either
+                # not yet started there (its windows begin at `start` in both paths) or started at `start`
+                # (a snapshot of the whole prompt serves when it kept the logits of its last position)
+                snap = self.snapshots.find(
+                    tokens, bs, hashes, len(matched), n, exact_blocks=False,
+                    accept=lambda s: s.window_valid and (s.length <= start or s.decoder_start == start)
+                    and (s.length < n or s.logits is not None))
+                matched = matched[:snap.length // bs] if snap is not None else []
+            else:
+                snap = self.snapshots.find(tokens, bs, hashes, len(matched), n - 1)
         revived = sum(1 for b in matched if self.allocator.refcount[b] == 0)
         to_allocate = math.ceil(n / bs) - len(matched)
         if self.allocator.num_available() - revived < to_allocate + len(self.running):
             if self.running or self.allocator.num_available() - revived < to_allocate:
                 return False
+        if self.config.enable_prefix_caching:
+            self.stats.queried_tokens += n
         for b in matched:
             self.allocator.acquire_cached(b)
         cache = SequenceCache(mcfg, self.pool, self.states, self.states.acquire())
@@ -335,10 +363,6 @@ class LLMEngine:
         seq.cache = cache
         seq.block_hashes = hashes[:len(matched)]
         length = len(matched) * bs
-        snap = None
-        if self.config.enable_prefix_caching:
-            self.stats.queried_tokens += n
-            snap = self.snapshots.find(tokens, bs, hashes, len(matched), n - 1)
         window_from = 0
         if snap is not None:
             length = snap.length
@@ -356,15 +380,15 @@ class LLMEngine:
                     cache.group[k][0].copy_(a)
                     cache.group[k][1].copy_(b)
             self.stats.snapshot_hits += 1
+            if snap.length == n:  # nothing left to compute: the first token comes from the kept logits
+                seq.restored_logits = snap.logits
         self.stats.hit_tokens += length
         seq.num_cached_tokens = length
         seq.num_computed = length
         seq.prefill_target = n
         seq.needs_rebuild = False
-        w = mcfg.window_size
-        bounded = self.config.prefill_mode == "bounded"
-        seq.decoder_from = max(length, n - w) if bounded else 0
-        decoder_needs_history = not bounded or n - w < length
+        seq.decoder_from = max(length, start) if bounded else 0
+        decoder_needs_history = not bounded or start < length
         if window_from is not None:  # no ring state: rebuild it from the cached global KV if needed
             window_from = max(0, length - w)
             cache.first = [window_from] * mcfg.n_layers
@@ -391,8 +415,9 @@ class LLMEngine:
             for i in range(full):
                 self.allocator.register(seq.cache.blocks[i], seq.block_hashes[i])
 
-    def _save_snapshot(self, seq: Sequence) -> None:
-        """Keep the partial tail block, partial groups and window rings at a message boundary."""
+    def _save_snapshot(self, seq: Sequence, logits: Optional[torch.Tensor] = None) -> None:
+        """Keep the partial tail block, partial groups and window rings at a message boundary, and at the
+        end of a prompt the logits of its last position (a repeat of the prompt then computes nothing)."""
         if not self.config.enable_prefix_caching or seq.cache is None:
             return
         bs, length = self.config.block_size, seq.num_computed
@@ -406,7 +431,8 @@ class LLMEngine:
             entries = torch.arange(first, length // lay.ratio)
             if entries.numel():
                 tail[layer] = self.pool.export_entries(layer, seq.cache.table, entries)
-        snap = Snapshot(length, tail, seq.cache.export_state(), time.monotonic())
+        snap = Snapshot(length, tail, seq.cache.export_state(), time.monotonic(), decoder_start=seq.decoder_start,
+                        logits=None if logits is None else logits.clone())
         self.snapshots.put(prefix_key(tokens, length, bs, hashes), snap)
 
     def _release(self, seq: Sequence) -> None:

@@ -18,6 +18,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import torch
+
 
 def chain_hashes(tokens: list[int], block_size: int, start_hashes: list[int]) -> list[int]:
     """Extend `start_hashes` (hashes of the first len(start_hashes) full blocks) over all full blocks."""
@@ -43,6 +45,8 @@ class Snapshot:
     state: dict  # SequenceCache.export_state() (window rings, partial groups, window starts)
     created: float
     window_valid: bool = True
+    decoder_start: int = 0  # the position the decoder layers' windows started at when this was computed
+    logits: Optional[torch.Tensor] = None  # fp32 [vocab] of the last position (end-of-prompt snapshots)
 
 
 @dataclass
@@ -78,18 +82,23 @@ class SnapshotStore:
             del self.lengths[snap.length]
 
     def find(self, tokens: list[int], block_size: int, block_hashes: list[int], n_full_blocks: int,
-             max_length: int) -> Optional[Snapshot]:
-        """Longest snapshot that is a prefix of tokens, extends exactly the n_full_blocks matched full
-        blocks, and leaves at least one token to compute."""
+             max_length: int, exact_blocks: bool = True,
+             accept: Optional[Callable[[Snapshot], bool]] = None) -> Optional[Snapshot]:
+        """Longest snapshot that is a prefix of tokens, leaves at least one token to compute (length <=
+        max_length), extends the first n_full_blocks matched full blocks (exactly those with
+        `exact_blocks`, else at most those), and that `accept` takes."""
         for length in sorted(self.lengths, reverse=True):
-            if length > max_length or length // block_size != n_full_blocks:
+            blocks = length // block_size
+            if length > max_length or blocks > n_full_blocks or (exact_blocks and blocks != n_full_blocks):
                 continue
             key = prefix_key(tokens, length, block_size, block_hashes)
             snap = self.entries.get(key)
             if snap is not None and snap.length == length:
-                self.entries.move_to_end(key)
                 if snap.window_valid and self.clock() - snap.created > self.ttl_s:
                     snap.window_valid = False
                     snap.state = {k: v for k, v in snap.state.items() if k == "group"}
+                if accept is not None and not accept(snap):
+                    continue
+                self.entries.move_to_end(key)
                 return snap
         return None

@@ -15,6 +15,7 @@ positions (the last `window_size` prompt tokens), with their windows starting at
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -40,14 +41,25 @@ class Chunk:
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer):
+    """Runs ragged batches of chunks through a model it borrows. With `row_chunk` (not None), every
+    forward runs under `model.numerics(row_chunk)`: batch-invariant GEMMs, canonical top-k ties, eval
+    mode, the model's own settings restored afterwards. None: the model's settings as they are."""
+
+    def __init__(self, model: Transformer, row_chunk: Optional[int] = None):
         self.model = model
         self.cfg = model.cfg
         self.boundary = model.cfg.decoder_boundary
+        self.row_chunk = row_chunk
 
-    @torch.inference_mode()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """Run the chunks; returns fp32 logits [n, vocab] for the chunks with want_logits, in order."""
+        if self.row_chunk is None:
+            return self._forward(chunks)
+        with self.model.numerics(self.row_chunk):
+            return self._forward(chunks)
+
+    @torch.inference_mode()
+    def _forward(self, chunks: list[Chunk]) -> torch.Tensor:
         model, cfg = self.model, self.cfg
         device = model.device
         ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.int64, device=device).unsqueeze(0)

@@ -166,7 +166,11 @@ class Sequence:
         self.cache: Optional[SequenceCache] = None
         self.num_computed = 0  # positions whose state is in the cache
         self.prefill_target = 0  # tokens to prefill before sampling (prompt + any output, after preemption)
-        self.decoder_from = 0  # bounded replay: positions below skip the decoder layers
+        self.decoder_from = 0  # bounded replay: positions below skip the decoder layers (this admission)
+        # where the decoder layers' windows start for this request (bounded: the prompt's last window),
+        # fixed at first admission so that a recompute after preemption computes what the first run did
+        self.decoder_start: Optional[int] = None
+        self.restored_logits: Optional[torch.Tensor] = None  # a whole-prompt snapshot hit: sample from these
         self.num_cached_tokens = 0
         self.needs_rebuild = False  # window rings must be rebuilt by replay before the next chunk
         self.rebuild_from = 0

@@ -94,6 +94,8 @@ class Indexer(nn.Module):
         self.uses_candidates = 0 <= cfg.candidate_source_layer < layer_id
         self.candidate_blocks, self.candidate_block_size = cfg.candidate_topk_blocks, cfg.candidate_block_size
         self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
+        # top-k ties to the lowest position (layout-independent); False: torch.topk's, like the reference
+        self.canonical_ties = True
         self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, cfg.dtype)
         self.weights_proj = Linear(cfg.dim, self.n_heads, "bf16")
         if self.owns_keys:
@@ -114,11 +116,12 @@ class Indexer(nn.Module):
         weights = self.weights_proj(x) * self.weight_scale
         scores = ops.mask_invisible(ops.index_scores(q, index_k, weights), visible)  # [B, S, T] bf16
         if self.is_candidate_source:
-            shared["candidates"] = ops.candidate_pool(scores, visible, self.candidate_blocks, self.candidate_block_size)
+            shared["candidates"] = ops.candidate_pool(scores, visible, self.candidate_blocks, self.candidate_block_size,
+                                                      self.canonical_ties)
             _trace(shared, f"debug.layers.{self.layer_id}.candidates", shared["candidates"])
         elif self.uses_candidates:
             scores = scores.masked_fill(~shared["candidates"], -torch.inf)
-        return ops.select_topk(scores, min(self.topk, index_k.size(1)), offset)
+        return ops.select_topk(scores, min(self.topk, index_k.size(1)), offset, self.canonical_ties)
 
 
 class Attention(nn.Module):

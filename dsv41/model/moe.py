@@ -29,6 +29,7 @@ class Gate(nn.Module):
         else:
             self.register_parameter("bias_vl", None)
         self.row_chunk = 0  # > 0: batch-invariant logits (see ops.invariant_matmul)
+        self.canonical_ties = True  # exact score ties go to the lowest expert id; False: torch.topk's
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, dim] -> fp32 affinities [T, E] (before the selection bias)."""
@@ -43,7 +44,7 @@ class Gate(nn.Module):
         bias = self.bias
         if image_mask is not None and self.bias_vl is not None:
             bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl, bias)
-        weights, indices = ops.route(scores, bias, self.topk, self.normalize, self.route_scale)
+        weights, indices = ops.route(scores, bias, self.topk, self.normalize, self.route_scale, self.canonical_ties)
         if aux is not None:
             aux.append((scores, indices))
         return weights, indices

@@ -148,8 +148,9 @@ def _compressed(attn, x: torch.Tensor, qr: torch.Tensor, ctx: _Context) -> tuple
     if opts.dense_indexer or t == 0:
         selected = torch.isfinite(logits.detach()) if idx.uses_candidates else visible.expand_as(logits)
     else:
-        top = logits.detach().topk(min(idx.topk, t), dim=-1)
-        selected = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, top.indices, top.values > -torch.inf)
+        scores = logits.detach()
+        top = ops.topk_canonical(scores, min(idx.topk, t))  # the inference selection, ties included
+        selected = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, top, scores.gather(-1, top) > -torch.inf)
     ctx.selected[attn.layer_id] = selected
     return rows, selected, logits
 

@@ -14,6 +14,7 @@ inference engine.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -136,6 +137,7 @@ class Transformer(nn.Module):
         # stored bf16 in the checkpoint, kept fp32 here so the logits come out in fp32
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=torch.float32)
         self.row_chunk = 0
+        self._numeric_modules: Optional[list] = None  # see numerics()
 
     @property
     def device(self) -> torch.device:
@@ -145,14 +147,45 @@ class Transformer(nn.Module):
         return ModelCache.create(self.cfg, batch_size, max_seq_len, self.device)
 
     def set_reference_numerics(self, enabled: bool = True) -> None:
-        """Reproduce the reference's fp32 summation order where it decides rounding (the hyper-connection
-        mix projection, a K = hc*dim dot product whose ulp-level order flips later bf16 roundings).
+        """Reproduce the reference's numerics where they decide discrete outcomes: its fp32 summation order
+        for the hyper-connection mix projection (a K = hc*dim dot product whose ulp-level order flips later
+        bf16 roundings), and `torch.topk`'s own tie-breaking in the indexer, candidate pool and MoE gate
+        (off: ties go to the lowest position / expert id, whatever the layout).
 
-        With it the fp8 golden set matches to 1e-5 on every logit; without it the results differ by
+        With it the fp8 golden sets match to 1e-5 on every logit; without it the results differ by
         legitimate accumulation-order noise. It loops over K in Python, so keep it for checks.
         """
         for layer in self.layers:
             layer.sequential_mixes = enabled
+        for module in self.modules():
+            if hasattr(module, "canonical_ties"):
+                module.canonical_ties = not enabled
+
+    @contextmanager
+    def numerics(self, row_chunk: int, reference: bool = False):
+        """Within the block: batch-invariant GEMMs in `row_chunk`-row chunks, reference or canonical
+        numerics (see `set_reference_numerics`) and eval mode; the model's own settings come back after,
+        so a caller that lends its model (the engine) does not change it. `self._numeric_modules` is the
+        list of modules holding such settings, found once."""
+        if self._numeric_modules is None:
+            self._numeric_modules = [m for m in self.modules()
+                                     if hasattr(m, "row_chunk") or hasattr(m, "canonical_ties")
+                                     or hasattr(m, "sequential_mixes")]
+        names = ("row_chunk", "canonical_ties", "sequential_mixes")
+        values = {"row_chunk": row_chunk, "canonical_ties": not reference, "sequential_mixes": reference}
+        saved = [(m, {n: getattr(m, n) for n in names if hasattr(m, n)}) for m in self._numeric_modules]
+        training = self.training
+        try:
+            for m, attrs in saved:
+                for n in attrs:
+                    setattr(m, n, values[n])
+            self.train(False)
+            yield self
+        finally:
+            for m, attrs in saved:
+                for n, v in attrs.items():
+                    setattr(m, n, v)
+            self.train(training)
 
     def set_batch_invariant(self, row_chunk: int = 16) -> None:
         """Make every token-wise GEMM run in fixed chunks of `row_chunk` rows (0 turns it off), so a

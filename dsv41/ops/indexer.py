@@ -3,6 +3,13 @@
 score[b, s, t] = sum_h ReLU(q[b, s, h] . k[b, t]) * w[b, s, h]; there is no softmax. Scores are kept
 in bf16 like the reference (the einsum and the head sum run in bf16), because top-k over these scores
 is discontinuous and the rounding decides ties at the boundary.
+
+Ties: bf16 scores tie exactly far more often than fp32 ones, and `torch.topk` breaks ties by where an
+entry sits in the row it is handed (and by its kernel's traversal), so the same scores laid out
+differently (a batch padded to its longest row, candidate entries gathered in block-rank order) can pick
+different entries. Every selection here therefore takes `canonical`: True breaks ties towards the lowest
+position (`topk_canonical`), a rule that depends only on the scores of the entries a query may see;
+False keeps `torch.topk`'s own choice, which is what the reference does (golden parity).
 """
 
 from __future__ import annotations
@@ -26,7 +33,38 @@ def mask_invisible(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     return scores.masked_fill(positions >= visible, -torch.inf)
 
 
-def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int, block_size: int) -> torch.Tensor:
+def topk_canonical(scores: torch.Tensor, k: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Indices [..., k] of the k largest entries of `scores` [..., N] along the last dim, ties broken
+    towards the lowest position, in descending score order (equal scores: ascending position).
+
+    `positions` [..., N] (optional, distinct per row) says where each entry really sits when the row is a
+    gather of entries in some other order; by default position = index. Invisible entries should be
+    -inf: they tie with each other and are then taken lowest position first, like any other tie.
+    """
+    n = scores.size(-1)
+    if positions is not None:  # (score desc, position asc) by two stable sorts; rows here are short
+        by_position = positions.argsort(dim=-1, stable=True)
+        ordered = scores.gather(-1, by_position)
+        return by_position.gather(-1, ordered.argsort(dim=-1, descending=True, stable=True)[..., :k])
+    # O(N): everything above the k-th value, then the lowest positions among those equal to it
+    kth = scores.topk(k, dim=-1).values[..., -1:]
+    above, equal = scores > kth, scores == kth
+    need = k - above.sum(-1, keepdim=True)
+    take = above | (equal & (equal.cumsum(-1) <= need))  # exactly k per row
+    index = torch.arange(n, device=scores.device)
+    chosen = torch.where(take, n - index, -1).topk(k, dim=-1).indices  # distinct keys: ascending positions
+    order = scores.gather(-1, chosen).argsort(dim=-1, descending=True, stable=True)
+    return chosen.gather(-1, order)
+
+
+def _topk(scores: torch.Tensor, k: int, canonical: bool, positions: torch.Tensor | None = None) -> torch.Tensor:
+    if canonical:
+        return topk_canonical(scores, k, positions)
+    return scores.topk(k, dim=-1).indices
+
+
+def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int, block_size: int,
+                     canonical: bool = True) -> torch.Tensor:
     """Level one of the two-level top-k: the `n_blocks` best blocks of `block_size` positions, a block
     scored by its best position, as block ids int64 [B, S, min(n_blocks, blocks)] (-1: no visible entry).
 
@@ -39,27 +77,31 @@ def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int,
     n_total = block_scores.size(-1)
     newest = torch.div(visible - 1, block_size, rounding_mode="floor")
     block_scores = block_scores.masked_fill(torch.arange(n_total, device=scores.device) == newest, torch.inf)
-    top = block_scores.topk(min(n_blocks, n_total), dim=-1)
-    return torch.where(top.values > -torch.inf, top.indices, -1)
+    top = _topk(block_scores, min(n_blocks, n_total), canonical)
+    return torch.where(block_scores.gather(-1, top) > -torch.inf, top, -1)
 
 
-def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int, block_size: int) -> torch.Tensor:
+def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int, block_size: int,
+                   canonical: bool = True) -> torch.Tensor:
     """The candidate pool as a boolean mask [B, S, T] over positions (see `candidate_blocks`); blocks with
     no visible entry are never kept."""
     width = scores.size(-1)
-    blocks = candidate_blocks(scores, visible, n_blocks, block_size)
+    blocks = candidate_blocks(scores, visible, n_blocks, block_size, canonical)
     n_total = -(-width // block_size)
     keep = torch.zeros(*blocks.shape[:-1], n_total + 1, dtype=torch.bool, device=scores.device)
     keep.scatter_(-1, torch.where(blocks >= 0, blocks, n_total), True)  # -1 goes to a spare column
     return keep[..., :n_total].repeat_interleave(block_size, dim=-1)[..., :width]
 
 
-def select_topk(scores: torch.Tensor, k: int, offset: int = 0) -> torch.Tensor:
+def select_topk(scores: torch.Tensor, k: int, offset: int = 0, canonical: bool = True) -> torch.Tensor:
     """The k best entries per query, in ascending position order, as int32 [B, S, k].
 
     Entries whose score is -inf (not visible, or outside the candidate pool) become -1; the others are
     shifted by `offset` (the window length, so they index into cat(window_kv, compressed_kv)).
     """
-    idx = scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+    if canonical:
+        idx = topk_canonical(scores, k).sort(dim=-1).values
+    else:
+        idx = scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
     usable = scores.gather(-1, idx) > -torch.inf
     return torch.where(usable, idx + offset, -1).int()

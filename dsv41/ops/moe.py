@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsv41.ops.indexer import topk_canonical
+
 
 def router_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
     """fp32 router logits [T, E] -> affinity scores [T, E] (sqrt(softplus) for V4.1)."""
@@ -17,12 +19,15 @@ def router_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
 
 
 def route(scores: torch.Tensor, bias: torch.Tensor, k: int, normalize: bool,
-          route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+          route_scale: float, canonical: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick k experts per token by scores + bias; weight them by the unbiased scores.
 
     scores [T, E] fp32, bias [E] or [T, E] fp32. Returns (weights [T, k] fp32, indices [T, k] int64).
+    canonical: exact ties go to the lowest expert id (`topk_canonical`); False keeps `torch.topk`'s choice
+    (the reference's).
     """
-    indices = (scores + bias).topk(k, dim=-1)[1]
+    biased = scores + bias
+    indices = topk_canonical(biased, k) if canonical else biased.topk(k, dim=-1)[1]
     weights = scores.gather(1, indices)
     if normalize and k > 1:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

@@ -129,37 +129,74 @@ def test_preemption_loses_nothing(pinned_model):
 
 
 def test_prefix_cache_follow_up_turn(model):
-    first, suffix = prompts([61, 6], seed=6)
+    """Exact reuse (the default): a follow-up resumes from the newest snapshot whose state a miss would
+    also compute, and its logits equal the miss path's bit for bit. Approximate reuse
+    (--no-exact-prefix-reuse) resumes from the reply's end and rebuilds expired windows by replay."""
+    first, suffix, long_suffix = prompts([61, 6, 20], seed=6)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    w = model.cfg.window_size
 
-    def follow_up(engine):
+    def follow_up(engine, tail):
         out = engine.generate([first], params)[0]
-        return first + out.token_ids + suffix
+        return first + out.token_ids + tail
 
-    # exact snapshot (window rings still live): everything but the last generated token is reused
+    # short follow-up: its decoder window starts inside the reply, where the reply's snapshot has other
+    # decoder states, so the end-of-prompt snapshot serves (the reply is recomputed)
     engine = make(model)
-    turn2 = follow_up(engine)
+    turn2 = follow_up(engine, suffix)
     cached = engine.prompt_logits(turn2)
-    # the reference is a full prefill: the snapshot holds decoder states from decode steps, not the
-    # bounded-replay approximation (measured max |dlogit| 0.003)
+    miss = make(model, enable_prefix_caching=False).prompt_logits(turn2)
+    assert engine.stats.snapshot_hits == 1 and engine.stats.hit_tokens == len(first)
+    assert torch.equal(cached, miss)
+
+    # a follow-up longer than the window: the reply's end (all but its last token) is reused, exactly
+    assert len(long_suffix) >= w
+    engine = make(model)
+    turn2 = follow_up(engine, long_suffix)
+    cached = engine.prompt_logits(turn2)
+    assert engine.stats.hit_tokens == len(first) + 5
+    assert torch.equal(cached, make(model, enable_prefix_caching=False).prompt_logits(turn2))
+
+    # approximate reuse: the reply's snapshot with its decoder states from the decode steps
+    engine = make(model, exact_prefix_reuse=False)
+    turn2 = follow_up(engine, suffix)
+    cached = engine.prompt_logits(turn2)
+    # the reference is a full prefill (measured max |dlogit| 0.003)
     fresh = make(model, enable_prefix_caching=False, prefill_mode="full").prompt_logits(turn2)
     assert engine.stats.snapshot_hits == 1 and engine.stats.window_rebuilds == 0
     assert engine.stats.hit_tokens == len(first) + 5
     assert close(cached, fresh, tol=0.02)
     fresh = make(model, enable_prefix_caching=False).prompt_logits(turn2)  # bounded, as the rebuild below
 
-    # window rings expired: restore the global KV and rebuild the rings by bounded replay
+    # window rings expired: exact reuse has nothing to resume from; approximate reuse restores the global
+    # KV and rebuilds the rings by bounded replay
     engine = make(model, window_ttl_s=0.0)
-    turn2 = follow_up(engine)
+    engine.prompt_logits(follow_up(engine, suffix))
+    assert engine.stats.hit_tokens == 0 and engine.stats.window_rebuilds == 0
+    engine = make(model, window_ttl_s=0.0, exact_prefix_reuse=False)
+    turn2 = follow_up(engine, suffix)
     rebuilt = engine.prompt_logits(turn2)
     assert engine.stats.window_rebuilds == 1 and engine.stats.hit_tokens == len(first) + 5
     assert (rebuilt - fresh).abs().max() < 1.0
 
-    # no snapshots: only whole blocks are shared
-    engine = make(model, max_snapshots=0)
-    turn2 = follow_up(engine)
+    # no snapshots: approximate reuse shares whole blocks only
+    engine = make(model, max_snapshots=0, exact_prefix_reuse=False)
+    turn2 = follow_up(engine, suffix)
     engine.prompt_logits(turn2)
     assert engine.stats.hit_tokens == (len(first) + 5) // 8 * 8
+
+
+def test_a_repeated_prompt_is_served_from_its_snapshot(model):
+    """The same prompt again: the end-of-prompt snapshot kept its last logits, so nothing is computed and
+    the tokens are the first run's."""
+    (prompt,) = prompts([37], seed=9)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine = make(model)
+    first = engine.generate([prompt], params)[0]
+    steps = engine.counters["steps_total"]
+    again = engine.generate([prompt], params)[0]
+    assert again.token_ids == first.token_ids and again.num_cached_tokens == len(prompt)
+    assert engine.counters["steps_total"] - steps == len(first.token_ids) - 1  # decode steps only
 
 
 def test_abort_and_finish_reasons(model):
@@ -302,13 +339,15 @@ def test_batched_decode_matches_the_model_per_sequence(model):
 
 
 def test_snapshot_restore_is_lossless(model):
-    """A follow-up turn restored from the message-boundary snapshot (tail block, partial groups, rings)
-    gives exactly the logits of one sequence that never stopped: prefill, decode the reply, prefill the
+    """A follow-up turn restored from the reply's snapshot (tail block, partial groups, rings; the
+    approximate-reuse mode, whose decoder continues the first turn's windows) gives exactly the logits of
+    one sequence that never stopped: prefill, decode the reply, prefill the
     next user message, with the same chunk boundaries."""
 
     cfg = model.cfg
     first, suffix, other = prompts([61, 6, 40], seed=12)
-    engine = make(model)  # prefill_chunk_size 16, block_size 8, bounded replay
+    # prefill_chunk_size 16, block_size 8, bounded replay; approximate reuse resumes at the reply's end
+    engine = make(model, exact_prefix_reuse=False)
     # 7 tokens: the snapshot is at an odd length (a ratio-2 partial group) inside a block (a tail)
     reply = engine.generate([first], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))[0].token_ids
     engine.generate([other], SamplingParams(temperature=0, max_tokens=2))  # reuses (scribbles on) freed blocks
