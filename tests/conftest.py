@@ -49,3 +49,16 @@ def poison_sampling(monkeypatch, seed: int, message: str) -> None:
         return real_sample(logits, params, generator)
 
     monkeypatch.setattr(llm_engine, "sample", sample)
+
+
+def tie_every_selection(model):
+    """Make every top-k choice an exact tie: indexer scores all 0 (their head weights zeroed) and every
+    router score equal (gate weights and bias zeroed). The tie-break alone then decides each selection,
+    so determinism tests see any layout dependence at once. Returns the model."""
+    with torch.no_grad():
+        for layer in model.layers:
+            if layer.attn.indexer is not None:
+                layer.attn.indexer.weights_proj.weight.zero_()  # scores = sum_h relu(q.k) * 0 = 0
+            layer.ffn.gate.weight.zero_()
+            layer.ffn.gate.bias.zero_()
+    return model

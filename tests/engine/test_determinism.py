@@ -12,21 +12,14 @@ from dsv41.model.init import init_random_weights
 from dsv41.model.transformer import Transformer
 from dsv41.ops import topk_canonical
 from dsv41.tokenizer import ByteTokenizer
+from tests.conftest import tie_every_selection
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
 def tied_model(seed: int = 1) -> Transformer:
-    """Random weights, except that every indexer score and every router score is exactly equal: all
-    top-k choices (index entries, candidate blocks, experts) are ties."""
-    model = init_random_weights(Transformer(tiny()), seed=seed).eval()
-    with torch.no_grad():
-        for layer in model.layers:
-            if layer.attn.indexer is not None:
-                layer.attn.indexer.weights_proj.weight.zero_()  # scores = sum_h relu(q.k) * 0 = 0
-            layer.ffn.gate.weight.zero_()
-            layer.ffn.gate.bias.zero_()
-    return model
+    """Random weights, except that all top-k choices (index entries, candidate blocks, experts) tie."""
+    return tie_every_selection(init_random_weights(Transformer(tiny()), seed=seed).eval())
 
 
 def make(model, **overrides) -> LLMEngine:

@@ -1,17 +1,16 @@
 """Determinism through the server (issue 10): 6 greedy requests sent one by one, all at once, staggered,
 and repeated with the prefix cache on (the default) give the same completions, on a model whose every
-top-k selection is an exact tie (tests/engine/test_determinism.tied_model)."""
+top-k selection is an exact tie (tests/conftest.tie_every_selection)."""
 
 import threading
 import time
 
 import httpx
 import pytest
-import torch
-
 from dsv41.engine import EngineConfig, build_engine
 from dsv41.server import create_app
 from dsv41.server.run import ServerThread
+from tests.conftest import tie_every_selection
 
 PROMPTS = [f"Question {k}: " + "tell me about the weather " * (2 * k + 1) for k in range(6)]
 
@@ -19,12 +18,7 @@ PROMPTS = [f"Question {k}: " + "tell me about the weather " * (2 * k + 1) for k 
 @pytest.fixture(scope="module")
 def tied_server():
     engine = build_engine("tiny", EngineConfig(kv_pool_tokens=8192, max_model_len=1024), seed=0)
-    with torch.no_grad():  # the engine borrows its model: make every indexer and router score tie
-        for layer in engine.model.layers:
-            if layer.attn.indexer is not None:
-                layer.attn.indexer.weights_proj.weight.zero_()
-            layer.ffn.gate.weight.zero_()
-            layer.ffn.gate.bias.zero_()
+    tie_every_selection(engine.model)  # the engine borrows its model: make every selection a tie
     with ServerThread(create_app(engine)) as srv:
         yield srv
 
