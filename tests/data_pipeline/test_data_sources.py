@@ -2,7 +2,6 @@
 that needs no network. No test here touches the network: downloads are made to fail by replacing
 `subprocess.run`, the only way the sources fetch anything."""
 
-import os
 import socket
 import subprocess
 import sysconfig
