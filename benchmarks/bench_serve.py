@@ -256,7 +256,9 @@ def main(argv=None) -> int:
                 [[g["prompt"], g["max_abs"], g["rms"], g["logit_rms"], g["argmax_agrees"]] for g in gaps]))
 
     turns, first_len, user_len, reply_len = (3, 200, 20, 8) if quick else (6, 1500, 60, 24)
-    variants = {"prefix cache": {}, "prefix cache, rings expired": {"window_ttl_s": 0.0},
+    variants = {"prefix cache (exact reuse)": {},
+                "prefix cache, approximate reuse": {"exact_prefix_reuse": False},
+                "approximate reuse, rings expired": {"exact_prefix_reuse": False, "window_ttl_s": 0.0},
                 "no prefix cache": {"enable_prefix_caching": False}}
     rows, conv = [], {}
     for name, overrides in variants.items():
