@@ -25,6 +25,7 @@ def test_bench_serve_quick_run(tmp_path):
     assert abs(kv["engine_measured_bytes_per_token"] / kv["analytic_bytes_per_token"] - 1) < 0.02
     assert kv["baseline_bf16_bytes_per_token"] > 3 * kv["analytic_bytes_per_token"]
     turns = result["multi_turn"]["variants"]
-    assert turns["prefix cache"]["snapshot_hits"] == result["multi_turn"]["turns"] - 1
+    for name in ("prefix cache (exact reuse)", "prefix cache, approximate reuse"):
+        assert turns[name]["snapshot_hits"] == result["multi_turn"]["turns"] - 1, name
     assert turns["no prefix cache"]["hit_rate"] == 0
     assert "decode step time vs context" in run.stdout
