@@ -109,17 +109,9 @@ def first_capture_difference(expected: dict, captured: dict) -> str | None:
     for name in sorted((k for k in expected if k.startswith(("hidden.", "debug."))), key=_capture_key):
         if name not in captured:
             continue
-        mine, ref = captured[name], expected[name]
-        if mine.shape != ref.shape:
-            return f"{name}: shape {tuple(mine.shape)} vs expected {tuple(ref.shape)}"
-        if ref.dtype == torch.bool or not ref.is_floating_point():
-            wrong = (mine.to(ref.dtype) != ref).sum().item()
-            if wrong:
-                return f"{name}: {wrong} of {ref.numel()} entries differ"
-        else:
-            diff = (mine.float() - ref.float()).abs().max().item()
-            if diff > 0:
-                return f"{name}: max abs diff {diff:.3g}"
+        found = _difference(None, name, captured[name], expected[name])
+        if found is not None:
+            return f"{name}: {found.detail}"
     return None
 
 

@@ -155,30 +155,32 @@ class Transformer(nn.Module):
         With it the fp8 golden sets match to 1e-5 on every logit; without it the results differ by
         legitimate accumulation-order noise. It loops over K in Python, so keep it for checks.
         """
-        for layer in self.layers:
-            layer.sequential_mixes = enabled
-        for module in self.modules():
-            if hasattr(module, "canonical_ties"):
-                module.canonical_ties = not enabled
+        self._set_numerics(sequential_mixes=enabled, canonical_ties=not enabled)
+
+    def _modules_with_numerics(self) -> list:
+        """The modules holding numerics settings (row_chunk, canonical_ties, sequential_mixes), found once."""
+        if self._numeric_modules is None:
+            self._numeric_modules = [m for m in self.modules() if hasattr(m, "row_chunk")
+                                     or hasattr(m, "canonical_ties") or hasattr(m, "sequential_mixes")]
+        return self._numeric_modules
+
+    def _set_numerics(self, **values) -> None:
+        """Set each named setting on every module that has it."""
+        for module in self._modules_with_numerics():
+            for name, value in values.items():
+                if hasattr(module, name):
+                    setattr(module, name, value)
 
     @contextmanager
     def numerics(self, row_chunk: int, reference: bool = False):
         """Within the block: batch-invariant GEMMs in `row_chunk`-row chunks, reference or canonical
         numerics (see `set_reference_numerics`) and eval mode; the model's own settings come back after,
-        so a caller that lends its model (the engine) does not change it. `self._numeric_modules` is the
-        list of modules holding such settings, found once."""
-        if self._numeric_modules is None:
-            self._numeric_modules = [m for m in self.modules()
-                                     if hasattr(m, "row_chunk") or hasattr(m, "canonical_ties")
-                                     or hasattr(m, "sequential_mixes")]
+        so a caller that lends its model (the engine) does not change it."""
         names = ("row_chunk", "canonical_ties", "sequential_mixes")
-        values = {"row_chunk": row_chunk, "canonical_ties": not reference, "sequential_mixes": reference}
-        saved = [(m, {n: getattr(m, n) for n in names if hasattr(m, n)}) for m in self._numeric_modules]
+        saved = [(m, {n: getattr(m, n) for n in names if hasattr(m, n)}) for m in self._modules_with_numerics()]
         training = self.training
         try:
-            for m, attrs in saved:
-                for n in attrs:
-                    setattr(m, n, values[n])
+            self._set_numerics(row_chunk=row_chunk, canonical_ties=not reference, sequential_mixes=reference)
             self.train(False)
             yield self
         finally:
@@ -192,10 +194,7 @@ class Transformer(nn.Module):
         token's logits do not depend on which other tokens share the batch (see ops.invariant_matmul)."""
         if row_chunk < 0:
             raise ValueError(f"row_chunk must be >= 0, got {row_chunk}")
-        for module in self.modules():
-            if hasattr(module, "row_chunk"):
-                module.row_chunk = row_chunk
-        self.row_chunk = row_chunk
+        self._set_numerics(row_chunk=row_chunk)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final hidden [..., dim] bf16 -> fp32 logits [..., vocab]."""

@@ -520,8 +520,6 @@ async def _completion_prompt(state: ServerState, prompt) -> list[int]:
         return await _off_loop(state, tokenize, "prompt")
     if not prompt:
         raise bad_request("prompt must not be empty", "prompt")
-    if len(prompt) >= state.max_model_len:
-        raise _too_long(state, len(prompt), 0, "prompt")
     bad = [t for t in prompt if not (0 <= t < state.vocab_size)]
     if bad:
         raise bad_request(f"prompt token ids must lie in [0, {state.vocab_size}); got {bad[0]}", "prompt")
