@@ -225,3 +225,15 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", verb
         print(f"[dsv41] {path}: {report.summary()}")
     model.load_report = report
     return model.to(device).eval()
+
+
+RUN_FILE = "dsv41_train.json"  # written by the trainer into its checkpoint/: training step and model name
+
+
+def checkpoint_run_info(folder: str) -> dict:
+    """A trained checkpoint's `RUN_FILE` ({} for a folder without one, e.g. a release or an older run's)."""
+    try:
+        with open(os.path.join(folder, RUN_FILE)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}

@@ -31,12 +31,13 @@ def build_engine(model: str, engine_config: Optional[EngineConfig] = None, seed:
         tokenizer = load_tokenizer(None, cfg.vocab_size)
         name = f"dsv41-{model}"
     elif os.path.isdir(model):
-        from dsv41.weights import load_model
+        from dsv41.weights import checkpoint_run_info, load_model
 
         net = load_model(model, device)
         cfg = net.cfg
         tokenizer = load_tokenizer(model, cfg.vocab_size)
-        name = os.path.basename(os.path.normpath(model))
+        # a trained checkpoint records its run's name: its folder is always called "checkpoint"
+        name = checkpoint_run_info(model).get("name") or os.path.basename(os.path.normpath(model))
     else:
         raise ValueError(f"{model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a model folder")
     if net.engram_hash is not None and not isinstance(tokenizer, ByteTokenizer):

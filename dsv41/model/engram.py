@@ -17,6 +17,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dsv41 import ops
@@ -136,8 +137,8 @@ class EngramTable(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] -> bf16 [..., dim] (or the table's own dtype once made trainable)."""
-        if self.scale is None:
-            return self.weight[ids]
+        if self.scale is None:  # trainable: F.embedding's backward is deterministic on CPU with many
+            return F.embedding(ids, self.weight)  # threads, unlike indexing's (issue 11)
         values = self.weight[ids].float().unflatten(-1, (-1, self.block)) * self.scale[ids].float().unsqueeze(-1)
         return values.flatten(-2).to(torch.bfloat16)
 

@@ -13,6 +13,22 @@ from dsv41.config import ModelConfig
 from dsv41.model.layers import Linear
 
 
+class RoutingRecord:
+    """Collects every router call of a training forward: (scores [T, E] fp32, expert ids [T, k], gate input
+    [T, dim]), in layer order. A plain object on purpose: FSDP2's pre-forward rebuilds list and dict
+    arguments that hold grad-requiring tensors, so appends to a list passed through a sharded block's
+    call would land in a copy and be lost for every layer after the first (issue 11)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def append(self, call: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        self.calls.append(call)
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+
 class Gate(nn.Module):
     """Router. The bias (and, for image tokens, `bias_vl`) only steers which experts are picked; the
     routing weights are the unbiased scores, normalised over the picks and scaled by `route_scale`."""
@@ -36,17 +52,17 @@ class Gate(nn.Module):
         logits = ops.invariant_matmul(x.float(), self.weight.float(), self.row_chunk) / self.temperature
         return ops.router_scores(logits, self.score_func)
 
-    def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None, aux: Optional[list] = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, dim] -> (weights [T, k] fp32, expert ids [T, k]). aux: if a list, receives
-        (scores, expert ids) for the training-time balancing (dsv41.model.training)."""
+    def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None,
+                aux: Optional[RoutingRecord] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, dim] -> (weights [T, k] fp32, expert ids [T, k]). aux: if given, receives
+        (scores, expert ids, x) for the training-time balancing (dsv41.model.training)."""
         scores = self.scores(x)
         bias = self.bias
         if image_mask is not None and self.bias_vl is not None:
             bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl, bias)
         weights, indices = ops.route(scores, bias, self.topk, self.normalize, self.route_scale, self.canonical_ties)
         if aux is not None:
-            aux.append((scores, indices))
+            aux.append((scores, indices, x))
         return weights, indices
 
 
@@ -78,8 +94,8 @@ class MoE(nn.Module):
             Expert(cfg.dim, cfg.moe_inter_dim, expert_fmt, cfg.swiglu_limit) for _ in range(n_experts))
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, cfg.dtype, cfg.swiglu_limit)
 
-    def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None, aux: Optional[list] = None
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None,
+                aux: Optional[RoutingRecord] = None) -> torch.Tensor:
         """x [B, S, dim] bf16 -> [B, S, dim] bf16. Routed outputs are summed in fp32 in expert order."""
         shape = x.shape
         x = x.reshape(-1, self.dim)

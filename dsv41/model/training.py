@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from dsv41 import ops
+from dsv41.model.moe import RoutingRecord
 from dsv41.model.transformer import Block, Transformer
 from dsv41.ops import qat as qat_ops
 from dsv41.ops.quant import FP4_BLOCK
@@ -48,10 +49,20 @@ class TrainOutput:
     logits: torch.Tensor  # [B, S, vocab] fp32
     indexer_kl: torch.Tensor  # scalar, mean over index-source layers
     balance_loss: torch.Tensor  # scalar, mean over MoE layers of the sequence-wise balance loss
+    # scalar, mean over MoE layers and sequences of the router input's shared fraction within the sequence
+    # (|mean_s x|^2 / mean_s |x|^2, differentiable): what the trainer's `shared_input_weight` penalises
+    shared_input_loss: Optional[torch.Tensor] = None
     expert_load: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> text tokens per expert [E]
     # layer -> image-span tokens per expert [E], for the layers whose router has a `bias_vl` (zeros
     # when the batch has no image tokens, so every rank reduces the same tensors)
     expert_load_vl: dict[int, torch.Tensor] = field(default_factory=dict)
+    # layer -> the gate input's first and second moments, summable over micro-batches and ranks:
+    # fp64 [dim + 4] = (sum_t x, sum_t |x|^2, tokens, sum over sequences of |mean_seq x|^2, sequences)
+    # (`gate_input_shared_fraction` turns them into the shared-component fractions)
+    gate_stats: dict[int, torch.Tensor] = field(default_factory=dict)
+    # layer -> the text tokens' router inputs [T, dim], detached (the trainer's look-ahead balancing
+    # re-scores them under changed router weights)
+    router_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def prepare_for_training(model: Transformer, dtype: torch.dtype = torch.float32) -> Transformer:
@@ -205,8 +216,8 @@ def forward_train(model: Transformer, input_ids: torch.Tensor, opts: Optional[Tr
     h = model.embed(input_ids).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [B, S, hc, dim]
     pre_mix = torch.zeros(b, s, cfg.hc_mult, dtype=torch.float32, device=device)
     pre_mix[..., 0] = 1.0
-    moe_aux: list = []
-    shared = {"moe_aux": moe_aux}
+    routing = RoutingRecord()  # not a list: see RoutingRecord
+    shared = {"moe_aux": routing}
     for i, layer in enumerate(model.layers):
         engram_ids = None
         if layer.engram is not None:
@@ -219,11 +230,42 @@ def forward_train(model: Transformer, input_ids: torch.Tensor, opts: Optional[Tr
     kl = torch.stack(ctx.kl).mean() if ctx.kl else zero
     balance, loads, loads_vl = [], {}, {}
     image = None if token_types is None else token_types.reshape(-1)  # rows of the router's [B*S, k] picks
-    for layer, (scores, indices) in zip(range(cfg.n_layers), moe_aux):
+    if len(routing) != cfg.n_layers:
+        raise RuntimeError(f"{len(routing)} of {cfg.n_layers} MoE layers reported their routing")
+    gate_stats, router_inputs, shared_terms = {}, {}, []
+    for layer, (scores, indices, x) in enumerate(routing.calls):
         n_experts = scores.size(-1)
+        gate_stats[layer] = gate_input_moments(x.detach().view(b, s, -1))
+        per_token = x.float().view(b, s, -1)
+        shared_terms.append((per_token.mean(1).square().sum(-1) /
+                             per_token.square().sum(-1).mean(1).clamp_min(1e-12)).mean())
+        router_inputs[layer] = x.detach() if image is None else x.detach()[~image]
         balance.append(ops.moe.sequence_balance_loss(scores.view(b, s, -1), indices.view(b, s, -1), n_experts))
         loads[layer] = ops.moe.expert_load(indices, n_experts, None if image is None else ~image)
         if model.layers[layer].ffn.gate.bias_vl is not None:
             loads_vl[layer] = (ops.moe.expert_load(indices, n_experts, image) if image is not None
                                else torch.zeros(n_experts, device=device))
-    return TrainOutput(logits, kl, torch.stack(balance).mean() if balance else zero, loads, loads_vl)
+    return TrainOutput(logits, kl, torch.stack(balance).mean() if balance else zero,
+                       torch.stack(shared_terms).mean() if shared_terms else zero, loads, loads_vl, gate_stats,
+                       router_inputs)
+
+
+def gate_input_moments(x: torch.Tensor) -> torch.Tensor:
+    """x [B, S, dim] (a router's input) -> fp64 [dim + 4]: sum_t x, sum_t |x|^2, B*S, sum_b |mean_s x_b|^2, B."""
+    x = x.double()
+    per_seq = x.mean(dim=1)  # [B, dim]
+    return torch.cat([x.sum(dim=(0, 1)), x.square().sum().view(1), x.new_tensor([x.shape[0] * x.shape[1]]),
+                      per_seq.square().sum().view(1), x.new_tensor([x.shape[0]])])
+
+
+def gate_input_shared_fraction(moments: torch.Tensor) -> tuple[float, float]:
+    """(global, per-sequence) share of the gate input's energy in a component common to its tokens:
+    |mean_t x|^2 / mean_t |x|^2 over all tokens, and the same within each sequence (averaged). Near 0 for
+    token-specific inputs; near 1 when every token carries the same vector and the router ranks the
+    experts alike for all of them (the routing collapse of issue 11)."""
+    total, sq, n, seq_sq, n_seq = moments[:-4], float(moments[-4]), float(moments[-3]), float(moments[-2]), float(moments[-1])
+    energy = sq / max(n, 1.0)
+    if energy <= 0:
+        return 0.0, 0.0
+    mean = total / max(n, 1.0)
+    return float(mean.square().sum()) / energy, seq_sq / max(n_seq, 1.0) / energy

@@ -6,8 +6,11 @@ A run folder holds:
   inference dtypes; the Engram tables are re-quantised to FP8 rows with UE8M0 scales.
 - `train_state/`: what resuming needs bit for bit: fp32 master weights (training names), the optimizer
   state (tensors in safetensors, the rest in JSON) and the step.
-Each folder is written next to its final place and swapped in with a rename, so a kill never leaves a
-half-written checkpoint behind.
+Each folder is written next to its final place (`NAME.tmp`), its files fsynced and a `COMPLETE` marker
+written last, then swapped in with two renames (`NAME` -> `NAME.old`, `NAME.tmp` -> `NAME`). A kill never
+leaves a half-written folder in place, and one between the renames leaves `NAME.old` and a complete
+`NAME.tmp`, which `recover_folder` (run when a trainer starts) puts back. `checkpoint/` also holds
+`dsv41_train.json` (`RUN_FILE`): the training step it was written at and the model's name.
 """
 
 from __future__ import annotations
@@ -23,18 +26,88 @@ from safetensors.torch import load_file, save_file
 from dsv41.config import ModelConfig
 from dsv41.model.transformer import Transformer
 from dsv41.ops.quant import fp8_quant
+from dsv41.weights import RUN_FILE, checkpoint_run_info  # noqa: F401 (re-exported for the trainer)
+
+COMPLETE = "COMPLETE"  # written last into a .tmp folder, after everything else is on disk
+TRAIN_STATE_FILES = ("weights.safetensors", "optimizer.safetensors", "state.json")
+CHECKPOINT_FILES = ("config.json", "model.safetensors")
+
+
+def _fsync(path: str, directory: bool = False) -> None:
+    """Flush a file, or a folder's entries, to disk: without it a power loss after the rename can leave the
+    renamed folder with empty files. Some systems cannot fsync a folder; that is not an error."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        if directory:
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not directory:
+            raise
+    finally:
+        os.close(fd)
+
+
+def _finish(tmp: str) -> None:
+    """Mark the written folder `tmp` complete: its files on disk first, then the marker, so a .tmp with
+    the marker is known whole."""
+    for name in sorted(os.listdir(tmp)):
+        _fsync(os.path.join(tmp, name))
+    with open(os.path.join(tmp, COMPLETE), "w") as f:
+        f.write("complete\n")
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync(tmp, directory=True)
 
 
 def _swap_in(tmp: str, final: str) -> None:
-    """Replace `final` by the finished folder `tmp` (old copy removed only after the rename)."""
+    """Replace `final` by the finished folder `tmp`. The previous copy is removed only after the second
+    rename; one left by an earlier kill (`final.old` with no `final`) is kept until then too."""
     old = final + ".old"
-    if os.path.exists(old):
-        shutil.rmtree(old)
     if os.path.exists(final):
+        if os.path.exists(old):
+            shutil.rmtree(old)
         os.replace(final, old)
     os.replace(tmp, final)
+    _fsync(os.path.dirname(os.path.abspath(final)), directory=True)
     if os.path.exists(old):
         shutil.rmtree(old)
+
+
+def recover_folder(final: str, required: tuple[str, ...]) -> Optional[str]:
+    """Undo a kill during a save of `final`: make the newest complete copy `final` and drop the others.
+
+    A `.tmp` is complete only with its marker (its files may be cut short otherwise); `final` and `.old`
+    only ever come from renaming a complete folder, and rmtree removes whole files, so they are complete
+    when all `required` files are there (folders written before the marker existed have none). A
+    complete `.tmp` is always the newest: it is written after `final` and renamed away before the next
+    save starts. Returns what was done, for the log, or None when there was nothing to do.
+    """
+    tmp, old = final + ".tmp", final + ".old"
+
+    def complete(folder: str, marker: bool) -> bool:
+        return (os.path.isdir(folder) and all(os.path.isfile(os.path.join(folder, n)) for n in required)
+                and (not marker or os.path.isfile(os.path.join(folder, COMPLETE))))
+
+    name = os.path.basename(final)
+    if complete(tmp, True):
+        _swap_in(tmp, final)
+        return f"recovered {final} from {name}.tmp, written completely before a kill stopped the save"
+    if complete(final, False):
+        stale = [p for p in (tmp, old) if os.path.exists(p)]
+        for path in stale:
+            shutil.rmtree(path)
+        return f"removed {', '.join(stale)} left by a killed save" if stale else None
+    if not os.path.exists(final) and complete(old, False):
+        os.replace(old, final)
+        _fsync(os.path.dirname(os.path.abspath(final)), directory=True)
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        return f"recovered {final} from {name}.old: a kill stopped the save that was replacing it"
+    return None
 
 
 def _fresh_tmp(final: str) -> str:
@@ -76,15 +149,19 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def save_checkpoint(folder: str, model: Transformer, cfg: ModelConfig, tokenizer_file: Optional[str],
-                    state: Optional[dict] = None) -> None:
+                    state: Optional[dict] = None, run_info: Optional[dict] = None) -> None:
     """Write the release-layout folder (`state`: a precomputed `inference_state`, e.g. gathered on all
-    ranks of a sharded run)."""
+    ranks of a sharded run; `run_info`: written as `RUN_FILE`, e.g. the training step and model name)."""
     tmp = _fresh_tmp(folder)
     save_file(state if state is not None else inference_state(model, cfg), os.path.join(tmp, "model.safetensors"),
               metadata={"format": "pt"})
     cfg.to_json(os.path.join(tmp, "config.json"))
     if tokenizer_file:
         shutil.copy(tokenizer_file, os.path.join(tmp, "tokenizer.json"))
+    if run_info is not None:
+        with open(os.path.join(tmp, RUN_FILE), "w") as f:
+            json.dump(run_info, f, indent=2)
+    _finish(tmp)
     _swap_in(tmp, folder)
 
 
@@ -142,12 +219,21 @@ def save_train_state(folder: str, model: torch.nn.Module, optimizer, step: int, 
     save_file(tensors, os.path.join(tmp, "optimizer.safetensors"))
     with open(os.path.join(tmp, "state.json"), "w") as f:
         json.dump({"step": step, "optimizer": tree, **extra}, f)
+    _finish(tmp)
     _swap_in(tmp, folder)
+
+
+def read_train_state_json(folder: str) -> dict:
+    """state.json without loading any tensor (the step, the saved config), to check before a load."""
+    with open(os.path.join(folder, "state.json")) as f:
+        state = json.load(f)
+    state.pop("optimizer", None)
+    return state
 
 
 def load_train_state(folder: str, model: torch.nn.Module, optimizer) -> dict:
     """Restore weights and optimizer state in place; returns the JSON state (with "step")."""
-    for name in ("weights.safetensors", "optimizer.safetensors", "state.json"):
+    for name in TRAIN_STATE_FILES:
         if not os.path.isfile(os.path.join(folder, name)):
             raise FileNotFoundError(f"{folder}: incomplete training state (no {name})")
     weights = load_file(os.path.join(folder, "weights.safetensors"))

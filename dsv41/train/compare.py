@@ -3,8 +3,11 @@
     python -m dsv41.train.compare runs/recipe runs/dense runs/noqat [--names ...] [--out docs/benchmarks/train]
 
 Prints one markdown table (validation loss at every evaluated step that all runs share, then the final
-train loss averaged over the last 10 logged steps, tokens/s and the worst expert-load ratio) and writes
-OUT.json and OUT.png (validation and smoothed train loss against tokens).
+train loss averaged over the last 10 logged steps, tokens/s and the worst expert-load ratio), then, for
+runs that logged per-layer routing, a routing table from step `--balanced-from` on (the worst max/mean
+load of any layer, the mean over steps of the worst layer's, the share of (step, layer) pairs above 1.5,
+the mean router-input shared fraction) and writes OUT.json and OUT.png (validation and smoothed train
+loss against tokens, and the worst layer's max/mean load per step).
 """
 
 from __future__ import annotations
@@ -41,7 +44,22 @@ def load_runs(runs: list[str], names: Optional[list[str]] = None) -> dict[str, l
     return {name: read_metrics(run) for name, run in zip(names, runs)}
 
 
-def summarize(metrics: dict[str, list[dict]]) -> dict:
+def routing_summary(rows: list[dict], start: int) -> Optional[dict]:
+    """Routing from step `start` on, for runs that logged per-layer load ratios (None otherwise)."""
+    rows = [r for r in rows if r["step"] >= start and r.get("load_ratio")]
+    if not rows:
+        return None
+    worst = [max(r["load_ratio"]) for r in rows]
+    pairs = [x for r in rows for x in r["load_ratio"]]
+    shared = [x for r in rows for x in r.get("gate_shared", [])]
+    return {"from_step": start, "steps": len(rows), "worst_load_ratio": max(worst),
+            "mean_worst_layer_load_ratio": sum(worst) / len(worst),
+            "mean_load_ratio": sum(pairs) / len(pairs),
+            "share_above_1_5": sum(x > 1.5 for x in pairs) / len(pairs),
+            "mean_gate_shared": sum(shared) / len(shared) if shared else None}
+
+
+def summarize(metrics: dict[str, list[dict]], balanced_from: int = 50) -> dict:
     evals = {name: {r["step"]: r for r in rows if "val_loss" in r} for name, rows in metrics.items()}
     shared = sorted(set.intersection(*(set(e) for e in evals.values()))) if evals else []
     summary = {"runs": {}, "eval_steps": shared}
@@ -54,6 +72,7 @@ def summarize(metrics: dict[str, list[dict]]) -> dict:
             "tokens_per_s_median": sorted(r["tokens_per_s"] for r in rows)[len(rows) // 2] if rows else 0.0,
             "max_load_ratio_last": rows[-1].get("max_load_ratio") if rows else None,
             "steps": rows[-1]["step"] if rows else 0,
+            "routing": routing_summary(rows, balanced_from),
         }
     return summary
 
@@ -66,6 +85,15 @@ def markdown_table(summary: dict) -> str:
         vals = " | ".join(f"{v:.3f}" for v in r["val_loss"])
         lines.append(f"| {name} | {vals} | {r['final_train_loss_last10']:.3f} | {r['tokens_per_s_median']:.0f} | "
                      f"{r['max_load_ratio_last']:.2f} |")
+    routed = {name: r["routing"] for name, r in summary["runs"].items() if r.get("routing")}
+    if routed:
+        start = next(iter(routed.values()))["from_step"]
+        lines += ["", f"| run (steps >= {start}) | worst layer max/mean, worst step | mean over steps | "
+                      "mean of all layers | (step, layer) > 1.5 | router input shared |", "|---|---|---|---|---|---|"]
+        for name, r in routed.items():
+            shared = "-" if r["mean_gate_shared"] is None else f"{r['mean_gate_shared']:.2f}"
+            lines.append(f"| {name} | {r['worst_load_ratio']:.2f} | {r['mean_worst_layer_load_ratio']:.2f} | "
+                         f"{r['mean_load_ratio']:.2f} | {100 * r['share_above_1_5']:.1f}% | {shared} |")
     return "\n".join(lines)
 
 
@@ -75,7 +103,9 @@ def plot(summary: dict, runs: dict[str, list[dict]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    routed = any(r.get("load_ratio") for rows in runs.values() for r in rows)
+    fig, axes = plt.subplots(1, 3 if routed else 2, figsize=(16 if routed else 11, 4))
+    left, right = axes[0], axes[1]
     for name, rows in runs.items():
         tokens = [r["tokens"] / 1e3 for r in rows]
         losses = [r["loss"] for r in rows]
@@ -86,9 +116,16 @@ def plot(summary: dict, runs: dict[str, list[dict]], path: str) -> None:
         left.plot(tokens, smooth, label=name)
         r = summary["runs"][name]
         right.plot([t / 1e3 for t in r["tokens"]], r["val_loss"], marker="o", label=name)
+        if routed:
+            logged = [row for row in rows if row.get("load_ratio")]
+            axes[2].plot([row["step"] for row in logged], [max(row["load_ratio"]) for row in logged], lw=0.8,
+                         label=name)
     left.set(title="train loss (EMA 0.8)", xlabel="tokens (thousands)", ylabel="loss")
     right.set(title="validation loss", xlabel="tokens (thousands)", ylabel="loss")
-    for ax in (left, right):
+    if routed:
+        axes[2].axhline(1.5, color="grey", ls="--", lw=0.8)
+        axes[2].set(title="worst layer's max/mean expert load", xlabel="step", yscale="log")
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
@@ -101,9 +138,11 @@ def main(argv=None) -> int:
     parser.add_argument("runs", nargs="+", help="run folders (dsv41 train --out)")
     parser.add_argument("--names", nargs="+", help="labels, one per run (default: folder names)")
     parser.add_argument("--out", help="write OUT.json and OUT.png")
+    parser.add_argument("--balanced-from", type=int, default=50, metavar="STEP",
+                        help="the routing table covers steps from this one on (default 50)")
     args = parser.parse_args(argv)
     metrics = load_runs(args.runs, args.names)
-    summary = summarize(metrics)
+    summary = summarize(metrics, args.balanced_from)
     print(markdown_table(summary))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -29,8 +29,9 @@ class TrainConfig:
         "micro-batches whose gradients are summed into one optimizer step")})
     lr: float = field(default=3e-3, metadata={"metavar": "LR", "help": (
         "base learning rate (reached after warm-up) of Muon, AdamW and the Sinkhorn optimizer")})
-    warmup: int = field(default=100, metadata={"metavar": "STEPS", "help": (
-        "steps of linear learning-rate warm-up before the cosine decay")})
+    warmup: Optional[int] = field(default=None, metadata={"metavar": "STEPS", "help": (
+        "steps of linear learning-rate warm-up before the cosine decay (default: auto, a tenth of --steps "
+        "capped at 100 and at least 1: min(100, max(1, steps // 10)))")})
     min_lr_ratio: float = field(default=0.1, metadata={"metavar": "RATIO", "help": (
         "the cosine decay ends at this fraction of --lr at the last step")})
     grad_clip: float = field(default=1.0, metadata={"metavar": "NORM", "help": (
@@ -57,6 +58,22 @@ class TrainConfig:
         "weight of the sequence-wise MoE balance loss")})
     bias_rate: float = field(default=1e-3, metadata={"metavar": "RATE", "help": (
         "per-step size of the aux-loss-free update of the routers' selection bias")})
+    bias_update: str = field(default="sign", metadata={"choices": ("sign", "proportional", "lookahead"), "help": (
+        "how the routers' selection bias follows the expert loads: 'sign' adds --bias-rate * sign(mean - "
+        "load) after each step (the release's rule); 'proportional' adds --bias-rate * (mean - load) / mean; "
+        "'lookahead' routes a probe batch with the weights the step will use and sets the text bias to the "
+        "one that balances it (see dsv41.train.balance)")})
+    embed_init_std: float = field(default=0.02, metadata={"metavar": "STD", "help": (
+        "standard deviation of the token embedding's initial values (the other matrices start at 0.02). "
+        "At 0.02 the blocks' outputs (window averages) soon outweigh the token in the residual stream and "
+        "the MoE routers see one shared vector; 1.0 keeps the router inputs token-specific")})
+    shared_input_weight: float = field(default=0.0, metadata={"metavar": "W", "help": (
+        "weight of a loss on every MoE router input's component shared by the tokens of a sequence "
+        "(its fraction of the input's energy), which otherwise grows until all tokens pick the same experts")})
+    decorrelate_router: bool = field(default=False, metadata={"help": (
+        "remove from every router matrix its response to the mean router input (of the probe batch under "
+        "'lookahead', else of the step), so a component shared by all tokens cannot rank the experts alike "
+        "for all of them")})
     eval_every: int = field(default=100, metadata={"metavar": "STEPS", "help": (
         "compute the validation loss every this many steps (and at the last)")})
     eval_batches: int = field(default=8, metadata={"metavar": "N", "help": (
@@ -72,20 +89,74 @@ class TrainConfig:
         "threads are often much faster")})
     device: str = field(default="auto", metadata={"choices": ("auto", "cpu", "cuda"), "help": (
         "'auto': CUDA when present (one GPU per process under torchrun), else CPU")})
+    allow_config_change: bool = field(default=False, metadata={"help": (
+        "resume even if flags that change the run differ from the saved run's")})
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_batches", "save_every",
                      "log_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TrainConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.warmup < 0 or self.lr <= 0:
+        if (self.warmup is not None and self.warmup < 0) or self.lr <= 0:
             raise ValueError("TrainConfig.warmup must be >= 0 and lr > 0")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"TrainConfig.device must be auto, cpu or cuda, got {self.device!r}")
         if self.ns_dtype not in NS_DTYPES:
             raise ValueError(f"TrainConfig.ns_dtype must be one of {sorted(NS_DTYPES)}, got {self.ns_dtype!r}")
+        if self.bias_update not in ("sign", "proportional", "lookahead"):
+            raise ValueError(f"TrainConfig.bias_update must be sign, proportional or lookahead, got {self.bias_update!r}")
+        if self.embed_init_std <= 0 or self.shared_input_weight < 0 or self.balance_weight < 0 or self.bias_rate < 0:
+            raise ValueError("TrainConfig.embed_init_std must be > 0; shared_input_weight, balance_weight and "
+                             "bias_rate must be >= 0")
         if not 0 <= self.min_lr_ratio <= 1 or not 0 <= self.replay_prob <= 1:
             raise ValueError("TrainConfig.min_lr_ratio and replay_prob must lie in [0, 1]")
 
+    @property
+    def warmup_steps(self) -> int:
+        """The warm-up in steps: --warmup, else a tenth of the run capped at 100 (a fixed 100 would keep a
+        30-step smoke run below the peak learning rate to its end)."""
+        return self.warmup if self.warmup is not None else _auto_warmup(self.steps)
+
     def replace(self, **changes) -> "TrainConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _auto_warmup(steps: int) -> int:
+    return min(100, max(1, steps // 10))
+
+
+# Fields a resume may change freely: they say where the run writes, how often it logs, evaluates and
+# saves, and on what it computes, not what it trains. Every other field, including ones added later,
+# counts as changing the run (a new field is unsafe until someone decides otherwise).
+RESUME_SAFE_FIELDS = ("out", "eval_every", "eval_batches", "save_every", "log_every", "threads", "device",
+                      "allow_config_change")
+
+
+def run_changes(saved: dict, now: dict, saved_world: int = 1, world: int = 1) -> list[str]:
+    """The "name: old -> new" of every run-changing field set differently in the saved run's config and
+    in this one. Only fields present in both are compared (a field this version lacks or the saved run
+    predates says nothing). `batch_size` is per process, so with another process count the global batch
+    is compared; the warm-up is compared as resolved, so an explicit --warmup equal to the automatic one
+    is no change."""
+    changes = []
+    for name in saved:
+        if name in RESUME_SAFE_FIELDS or name not in now:
+            continue
+        old, new = saved[name], now[name]
+        if name == "batch_size" and saved_world != world:
+            if old * saved_world != new * world:
+                changes.append(f"batch_size x processes: {old} x {saved_world} -> {new} x {world}")
+            continue
+        if name == "warmup" and "steps" in saved and "steps" in now:
+            old_steps = saved["warmup"] if saved["warmup"] is not None else _auto_warmup(saved["steps"])
+            new_steps = now["warmup"] if now["warmup"] is not None else _auto_warmup(now["steps"])
+            if old_steps != new_steps:
+                changes.append(f"warmup: {_shown(old, old_steps)} -> {_shown(new, new_steps)}")
+            continue
+        if old != new:
+            changes.append(f"{name}: {old} -> {new}")
+    return changes
+
+
+def _shown(warmup: Optional[int], steps: int) -> str:
+    return str(steps) if warmup is not None else f"auto ({steps})"

@@ -3,10 +3,14 @@
 One step: `grad_accum` micro-batches through `dsv41.model.training.forward_train` (QAT, indexer KL from
 step 0, balance loss); loss = LM + kl_weight * KL + balance_weight * balance; gradient clipping; the
 optimizer set (Muon / head-wise Muon / Sinkhorn momentum / AdamW, dsv41.optim) with warm-up and cosine
-decay; then the aux-loss-free bias update of every router from the step's expert loads.
+decay; then the aux-loss-free bias update of every router from the step's expert loads (or, with
+`--bias-update lookahead`, a bias solved before the step on a probe batch: dsv41.train.balance and
+docs/moe-balancing.md). Each step logs every MoE layer's max/mean load and router-input shared fraction.
 
 Batches are a function of (seed, step, rank) only, the model has no dropout and the optimizer state is
-saved exactly, so a run resumed from its last training state repeats the uninterrupted run on CPU.
+saved exactly, so a run resumed from its last training state repeats the uninterrupted run on CPU, with any
+number of threads. A start first recovers what a kill during a save left (`recover_folder`), refuses
+changed run flags unless told (`run_changes`) and cuts metrics.jsonl back to the resumed step.
 Under `torchrun --nproc-per-node N` the blocks are sharded with FSDP2 (`fully_shard`), each rank takes its
 slice of every global batch, and expert loads are summed over ranks before the bias update.
 """
@@ -26,20 +30,27 @@ import torch.nn.functional as F
 from dsv41 import ops
 from dsv41.config import preset
 from dsv41.model.init import init_random_weights
-from dsv41.model.training import TrainOptions, prepare_for_training
+from dsv41.model.training import TrainOptions, gate_input_shared_fraction, prepare_for_training
 from dsv41.model.transformer import Transformer
 from dsv41.optim import OptimConfig, build_optimizers
-from dsv41.train.checkpoint import (full_tensor, inference_state, load_train_state, save_checkpoint, save_train_state,
-                                    train_state_payload)
-from dsv41.train.config import NS_DTYPES, TrainConfig
+from dsv41.train.checkpoint import (CHECKPOINT_FILES, TRAIN_STATE_FILES, checkpoint_run_info, full_tensor,
+                                    inference_state, load_train_state, read_train_state_json, recover_folder,
+                                    save_checkpoint, save_train_state, train_state_payload)
+from dsv41.train.balance import (decorrelate_router, load_ratio, proportional_bias_update,
+                                 solve_balancing_bias)
+from dsv41.train.config import NS_DTYPES, TrainConfig, run_changes
+
+
+PROBE_SEED_OFFSET = 7919  # the look-ahead probe batches: the run's data order under seed + this
 
 
 def lr_scale(step: int, cfg: TrainConfig) -> float:
     """Linear warm-up to 1, then cosine to min_lr_ratio at the last step."""
-    if step < cfg.warmup:
-        return (step + 1) / cfg.warmup
-    span = max(cfg.steps - cfg.warmup, 1)
-    progress = min((step - cfg.warmup) / span, 1.0)
+    warmup = cfg.warmup_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    span = max(cfg.steps - warmup, 1)
+    progress = min((step - warmup) / span, 1.0)
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -112,6 +123,9 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         model = Transformer(self.model_cfg)
         init_random_weights(model, seed=cfg.seed)
+        if cfg.embed_init_std != 0.02:  # init_random_weights draws N(0, 0.02^2): rescale the same draw
+            with torch.no_grad():
+                model.embed.weight.mul_(cfg.embed_init_std / 0.02)
         if model.engram_hash is not None:
             model.set_engram_token_map(token_map)
         self.model = prepare_for_training(model).to(self.device)
@@ -130,17 +144,79 @@ class Trainer:
         if self.replicas and muon is not None:  # each rank orthogonalises its share of the matrices
             muon.split_work(self.rank, self.world)
         self.step = 0
-        self.history: list[dict] = []
+        self.history: list[dict] = []  # this process's steps; metrics.jsonl holds the whole run
+        self.resumed = False
         state_dir = os.path.join(cfg.out, "train_state")
+        if self.rank == 0:  # a kill during a save may have left only .old/.tmp copies: put them back first
+            for folder, files in ((state_dir, TRAIN_STATE_FILES), (self._checkpoint_dir, CHECKPOINT_FILES)):
+                note = recover_folder(folder, files)
+                if note:
+                    self._log(note)
+        if self.distributed:
+            dist.barrier()
         if os.path.isdir(state_dir):
+            self._check_resume_config(state_dir, read_train_state_json(state_dir))
             state = load_train_state(state_dir, self.model, self.optimizer)
             if self.replicas:
                 self.replicas.after_load(self.optimizer)
             self.step = state["step"]
-            self.history = state.get("history", [])
+            self.resumed = True
             self._log(f"resumed from {state_dir} at step {self.step}")
+            self._sync_checkpoint()
+        if self.rank == 0:
+            truncate_metrics(os.path.join(cfg.out, "metrics.jsonl"), self.step)
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def _checkpoint_dir(self) -> str:
+        return os.path.join(self.cfg.out, "checkpoint")
+
+    def _check_resume_config(self, state_dir: str, saved: dict) -> None:
+        """Refuse to resume under flags that change the run (listing them), unless allowed."""
+        changes = run_changes(saved.get("config", {}), dict(self.cfg.__dict__), saved.get("world_size", 1),
+                              self.world)
+        if not changes:
+            return
+        listed = "; ".join(changes)
+        if not self.cfg.allow_config_change:
+            raise ValueError(
+                f"{state_dir} was saved by a run with other settings ({listed}); resuming under these would "
+                f"silently train a mix of two runs. Give the saved values, use another --out, or pass "
+                f"--allow-config-change to resume anyway (extending --steps needs it too: it stretches the "
+                f"learning-rate schedule)")
+        self._log(f"resuming with changed settings (--allow-config-change): {listed}")
+
+    def _checkpoint_info(self) -> dict:
+        """What checkpoint/ records of its run: the step (checked on resume) and the model's name, which
+        `dsv41 serve` and chat report; it is the run folder's, since this folder is always `checkpoint`."""
+        run = os.path.basename(os.path.normpath(os.path.abspath(self.cfg.out)))
+        return {"name": f"dsv41-{self.cfg.preset}-{run}", "train_step": self.step, "preset": self.cfg.preset}
+
+    def _write_checkpoint(self, weights=None) -> None:
+        """checkpoint/ at the current step (every rank calls this: gathering `weights` is collective)."""
+        weights = weights if weights is not None else inference_state(self.model, self.model_cfg)
+        if self.rank == 0:
+            save_checkpoint(self._checkpoint_dir, self.model, self.model_cfg, self.tokenizer_file, weights,
+                            self._checkpoint_info())
+
+    def _sync_checkpoint(self) -> None:
+        """After loading the training state: a kill between the two writes of a save leaves checkpoint/ at
+        an older step (or none); say so and rewrite it now, so it never silently differs from the state."""
+        found = checkpoint_run_info(self._checkpoint_dir).get("train_step") if self.rank == 0 else None
+        if self.distributed:  # rank 0's view decides, so every rank joins the same collectives
+            holder = [found]
+            dist.broadcast_object_list(holder, src=0)
+            found = holder[0]
+        if found == self.step:
+            return
+        where = (f"step {found}" if found is not None
+                 else "an unknown step" if os.path.isdir(self._checkpoint_dir) else "nowhere (it is absent)")
+        self._log(f"{self._checkpoint_dir} is from {where}, the training state from step {self.step}: "
+                  f"rewriting it from the training state")
+        self._write_checkpoint()
+        if self.distributed:
+            dist.barrier()
+
     def _log(self, text: str) -> None:
         if self.rank == 0:
             print(f"[dsv41 train] {text}", file=sys.stderr, flush=True)
@@ -185,15 +261,19 @@ class Trainer:
         cfg, step = self.cfg, self.step
         t0 = time.perf_counter()
         self.optimizer.set_lr_scale(lr_scale(step, cfg))
+        if cfg.bias_update == "lookahead":
+            self._lookahead_balance()
         opts = self._options(step)
         sums = {"lm": 0.0, "kl": 0.0, "balance": 0.0}
         loads: dict[tuple[str, int], torch.Tensor] = {}  # (bias name, layer) -> tokens per expert
+        moments: dict[int, torch.Tensor] = {}  # layer -> router input moments (gate_input_moments)
         for micro in range(cfg.grad_accum):
             x, y = self.train_set.batch(step * cfg.grad_accum + micro, cfg.batch_size, cfg.seq_len, cfg.seed,
                                         rank=self.rank, world_size=self.world)
             x, y = x.to(self.device), y.to(self.device)
             lm, out = self._losses(x, y, opts)
-            loss = (lm + cfg.kl_weight * out.indexer_kl + cfg.balance_weight * out.balance_loss) / cfg.grad_accum
+            loss = (lm + cfg.kl_weight * out.indexer_kl + cfg.balance_weight * out.balance_loss
+                    + cfg.shared_input_weight * out.shared_input_loss) / cfg.grad_accum
             loss.backward()
             sums["lm"] += float(lm.detach()) / cfg.grad_accum
             sums["kl"] += float(out.indexer_kl.detach()) / cfg.grad_accum
@@ -201,15 +281,24 @@ class Trainer:
             for name, per_layer in (("bias", out.expert_load), ("bias_vl", out.expert_load_vl)):
                 for layer, load in per_layer.items():
                     loads[name, layer] = loads.get((name, layer), 0) + load
+            for layer, stats in out.gate_stats.items():
+                moments[layer] = moments.get(layer, 0) + stats
+        if self.distributed:
+            for stats in moments.values():
+                dist.all_reduce(stats)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         if self.replicas:
             self.replicas.gather_grads()
         self.optimizer.step()
+        if cfg.decorrelate_router and cfg.bias_update != "lookahead":  # (look-ahead: before the next step)
+            self._decorrelate_routers(moments)
         if self.replicas:
             self.replicas.scatter_params()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
         imbalance = self._update_router_bias(loads)
+        # (the loads are now summed over ranks in place)
+        ratios = {layer: load_ratio(load) for (name, layer), load in loads.items() if name == "bias"}
         if self.distributed:
             t = torch.tensor([sums["lm"], sums["kl"], sums["balance"]], dtype=torch.float64, device=self.device)
             dist.all_reduce(t)
@@ -219,11 +308,55 @@ class Trainer:
         self.step += 1
         return {"step": self.step, "loss": sums["lm"], "indexer_kl": sums["kl"], "balance": sums["balance"],
                 "lr_scale": lr_scale(step, cfg), "grad_norm": float(full_tensor(grad_norm)), "tokens": self.step * tokens,
-                "tokens_per_s": tokens / seconds, "max_load_ratio": imbalance}
+                "tokens_per_s": tokens / seconds, "max_load_ratio": imbalance,
+                "load_ratio": [round(ratios[layer], 4) for layer in sorted(ratios)],
+                "gate_shared": [round(gate_input_shared_fraction(moments[layer])[0], 4) for layer in sorted(moments)],
+                "gate_shared_seq": [round(gate_input_shared_fraction(moments[layer])[1], 4)
+                                    for layer in sorted(moments)]}
+
+    def _lookahead_balance(self) -> None:
+        """Balance the routers for the weights this step will use (dsv41.train.balance): route a probe batch
+        (same distribution, another seed, so the step's own routing stays out of sample), optionally
+        decorrelate every router from the probe's mean router input, then set each text bias to the one
+        that balances the probe's routing under the (decorrelated) router."""
+        cfg = self.cfg
+        x, _ = self.train_set.batch(self.step, cfg.batch_size, cfg.seq_len, cfg.seed + PROBE_SEED_OFFSET,
+                                    rank=self.rank, world_size=self.world)
+        with torch.no_grad():
+            out = self.model(x.to(self.device), train_options=TrainOptions(qat=cfg.qat,
+                                                                          dense_indexer=cfg.dense_attention))
+        if self.distributed:
+            for stats in out.gate_stats.values():
+                dist.all_reduce(stats)
+        if cfg.decorrelate_router:
+            self._decorrelate_routers(out.gate_stats)
+            if self.replicas:
+                self.replicas.scatter_params()
+        masters = dict((self.replicas.view() if self.replicas else self.model).named_parameters())
+        for layer, inputs in out.router_inputs.items():
+            gate = self.model.layers[layer].ffn.gate
+            weight = full_tensor(masters[f"layers.{layer}.ffn.gate.weight"].data).float()
+            scores = ops.router_scores(inputs.float() @ weight.T / gate.temperature, gate.score_func)
+            with torch.no_grad():
+                new = solve_balancing_bias(scores, full_tensor(gate.bias.data), gate.topk,
+                                           reduce=dist.all_reduce if self.distributed else None)
+                _assign(gate.bias, new)
+
+    def _decorrelate_routers(self, moments: dict[int, torch.Tensor]) -> None:
+        """Project every router matrix off the mean router input of `moments` (dsv41.train.balance). Runs on
+        the optimizer's masters (the full replicas under FSDP2), before they are cut into shards."""
+        target = dict((self.replicas.view() if self.replicas else self.model).named_parameters())
+        for layer, stats in moments.items():
+            weight = target[f"layers.{layer}.ffn.gate.weight"].data
+            if hasattr(weight, "to_local"):  # a sharded parameter (router on AdamW): FSDP2 splits the
+                weight = weight.to_local()  # rows (experts), so every local row is whole
+            decorrelate_router(weight, stats[:-4])
 
     def _update_router_bias(self, loads: dict[tuple[str, int], torch.Tensor]) -> float:
-        """b += rate * sign(mean - load) per router and modality (text tokens move `gate.bias`, image-span
-        tokens `gate.bias_vl`; loads summed over ranks); returns the worst max/mean text load."""
+        """The load-driven bias step per router and modality (--bias-update: b += rate * sign(mean - load), or
+        rate * (mean - load) / mean; under 'lookahead' the text bias was already set before the step): text
+        tokens move `gate.bias`, image-span tokens `gate.bias_vl`; loads are summed over ranks in place.
+        Returns the worst max/mean text load."""
         worst = 0.0
         for (name, layer), load in sorted(loads.items()):
             if self.distributed:
@@ -231,7 +364,12 @@ class Trainer:
             param = getattr(self.model.layers[layer].ffn.gate, name)
             with torch.no_grad():
                 bias = full_tensor(param.data)
-                new = ops.moe.balance_bias_update(bias, load.to(bias.dtype), self.cfg.bias_rate)
+                if self.cfg.bias_update == "lookahead" and name == "bias":
+                    new = bias  # set before the step, from the probe batch (_lookahead_balance)
+                elif self.cfg.bias_update == "proportional":
+                    new = proportional_bias_update(bias, load.to(bias.dtype), self.cfg.bias_rate)
+                else:
+                    new = ops.moe.balance_bias_update(bias, load.to(bias.dtype), self.cfg.bias_rate)
                 _assign(param, new)
             if name == "bias":
                 worst = max(worst, float(load.max() / load.mean().clamp_min(1e-9)))
@@ -245,11 +383,13 @@ class Trainer:
         weights = inference_state(self.model, self.model_cfg)
         if self.rank == 0:
             os.makedirs(cfg.out, exist_ok=True)
-            extra = {"history": self.history, "config": dict(cfg.__dict__)}
+            # no metrics history: metrics.jsonl is the record, and the state must not grow with every save.
+            # world_size: batch_size is per process, so a resume compares global batches.
+            extra = {"config": dict(cfg.__dict__), "world_size": self.world}
             save_train_state(os.path.join(cfg.out, "train_state"), self.model, self.optimizer, self.step, extra,
                              payload)
-            save_checkpoint(os.path.join(cfg.out, "checkpoint"), self.model, self.model_cfg, self.tokenizer_file,
-                            weights)
+        # after the state: a kill between the two leaves checkpoint/ behind, which a resume rewrites
+        self._write_checkpoint(weights)
         if self.distributed:
             dist.barrier()
 
@@ -275,8 +415,12 @@ class Trainer:
                 self.save()
         if bar is not None:
             bar.close()
-        if self.rank == 0 and self.history:
-            plot_losses(self.history, os.path.join(cfg.out, "loss.png"))
+        if self.rank == 0:
+            # after a resume this process saw only the later steps: plot the whole run from its record
+            history = read_metrics(metrics_path) if self.resumed else self.history
+            if history:
+                plot_losses(history, os.path.join(cfg.out, "loss.png"))
+                plot_routing(history, os.path.join(cfg.out, "routing.png"))
         return last
 
 
@@ -359,6 +503,43 @@ def _progress(total: int, done: int, enabled: bool):
     return tqdm(total=total, initial=done, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
 
 
+def read_metrics(path: str) -> list[dict]:
+    """The lines of metrics.jsonl; a line cut short by a kill is skipped."""
+    lines = []
+    if os.path.isfile(path):
+        with open(path) as f:
+            for text in f:
+                try:
+                    lines.append(json.loads(text))
+                except ValueError:
+                    continue
+    return lines
+
+
+def truncate_metrics(path: str, step: int) -> None:
+    """Drop the lines of steps after `step` (and torn lines): a resumed run redoes those steps and writes
+    them again. Rewritten through a rename, so a kill leaves the old file or the new one."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        texts = f.readlines()
+    keep = []
+    for text in texts:
+        try:
+            line = json.loads(text)
+        except ValueError:
+            continue
+        if isinstance(line, dict) and line.get("step", 0) <= step:
+            keep.append(text if text.endswith("\n") else text + "\n")
+    if keep == texts:
+        return
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
 def plot_losses(history: list[dict], path: str) -> None:
     import matplotlib
 
@@ -372,6 +553,34 @@ def plot_losses(history: list[dict], path: str) -> None:
         ax.plot([h["tokens"] for h in val], [h["val_loss"] for h in val], "o-", label="validation")
     ax.set(xlabel="tokens", ylabel="loss (nats/token)", title="dsv41 training")
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(path + ".part.png", dpi=100)
+    os.replace(path + ".part.png", path)
+    plt.close(fig)
+
+
+def plot_routing(history: list[dict], path: str) -> None:
+    """Per MoE layer: max/mean expert load and the router input's shared-component fraction, by step."""
+    rows = [h for h in history if h.get("load_ratio")]
+    if not rows:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in rows]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    cmap = plt.get_cmap("viridis")
+    n_layers = len(rows[0]["load_ratio"])
+    for layer in range(n_layers):
+        colour = cmap(layer / max(n_layers - 1, 1))
+        top.plot(steps, [h["load_ratio"][layer] for h in rows], color=colour, lw=0.8, label=f"layer {layer}")
+        if rows[0].get("gate_shared"):
+            bottom.plot(steps, [h["gate_shared"][layer] for h in rows], color=colour, lw=0.8)
+    top.axhline(1.5, color="grey", ls="--", lw=0.8)
+    top.set(ylabel="max / mean expert load", yscale="log", title="MoE routing per layer (dark: first layer)")
+    bottom.set(xlabel="step", ylabel="router input shared fraction", ylim=(0, 1))
     fig.tight_layout()
     fig.savefig(path + ".part.png", dpi=100)
     os.replace(path + ".part.png", path)

@@ -43,3 +43,17 @@ def test_bad_runs_are_reported(tmp_path):
     (bad / "metrics.jsonl").write_text('{"step": 1}\n{oops\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
         load_runs([str(bad)])
+
+
+def test_routing_table_from_the_given_step(tmp_path):
+    rows = [dict(row(s, 5.0 - s / 10), load_ratio=[1.2, ratio], gate_shared=[0.1, 0.3])
+            for s, ratio in ((1, 8.0), (2, 1.4), (3, 1.6), (4, 1.3))]
+    run = write_run(tmp_path / "r", rows)
+    routing = summarize(load_runs([run], ["R"]), balanced_from=2)["runs"]["R"]["routing"]
+    assert routing["steps"] == 3 and routing["worst_load_ratio"] == 1.6  # step 1's 8.0 is before the start
+    assert routing["mean_worst_layer_load_ratio"] == pytest.approx((1.4 + 1.6 + 1.3) / 3)
+    assert routing["share_above_1_5"] == pytest.approx(1 / 6)
+    assert routing["mean_gate_shared"] == pytest.approx(0.2)
+    assert "| R | 1.60 | 1.43 |" in markdown_table(summarize(load_runs([run], ["R"]), balanced_from=2))
+    legacy = write_run(tmp_path / "old", [row(1, 5.0)])  # runs from before the per-layer log
+    assert summarize(load_runs([legacy]))["runs"]["old"]["routing"] is None
