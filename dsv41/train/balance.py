@@ -1,23 +1,24 @@
-"""Keeping the MoE routers balanced while training (issue 11; spec-v41.md §7, training.md §5).
+"""Keeping the MoE routers balanced while training (issue 11; spec-v41.md §7, training.md §5;
+docs/moe-balancing.md has the measurements).
 
 The release balances its routers with the auxiliary-loss-free selection bias (b_e += 1e-3 * sign(mean
 load - load_e) per step) plus a 1e-4 sequence-wise balance loss, under a 2,000-step warm-up at lr 2.6e-4
 and million-token batches. At our scale (hundreds of steps, thousands of tokens per step, lr 3e-3) that
-is far too slow: within ~10 steps the routers' input (`ffn_norm(hc_pre(h))`) grows a component shared
-by every token, the per-expert logit offset it causes exceeds the per-token spread, every token ranks
-the experts alike and the layer collapses onto its top-k favourites (max/mean load 7-8 of a possible 8
-on `small`). The remedies here act on the training procedure only: the checkpoint format, the router
-and the inference path are unchanged.
+is far too slow: within ~10 steps the routers' input (`ffn_norm(hc_pre(h))`) is mostly a component
+shared by the tokens (window averages swamp the small initial embedding, then unigram learning), the
+per-expert logit offset it causes exceeds the per-token spread, every token ranks the experts alike and
+the layer collapses onto its top-k favourites. Everything here changes the training procedure only: the
+model, the checkpoint format and the inference path are unchanged.
 
-- `decorrelate_router`: after every optimizer step, remove from each router matrix its response to the
-  step's mean router input, W <- W - (W u) u^T with u the unit mean over the step's tokens (all ranks,
-  all micro-batches). A component common to all tokens then shifts no expert's logit, so the ranking
-  depends on what differs between tokens. Weight-only: the model keeps its shape and release names.
-- `proportional_bias_update`: the aux-loss-free bias with a step proportional to the relative load
-  error, b_e += rate * (mean - load_e) / mean, instead of a fixed-size sign step: it closes large gaps
-  in a few steps and settles without the +-rate oscillation of a large sign step.
+- `solve_balancing_bias`: the selection bias that balances a given batch's routing (a per-expert
+  Rprop search on its scores). The trainer's look-ahead (`--bias-update lookahead`) solves it before
+  every step on a probe batch routed with the weights the step will use: solved on the previous step it
+  is always one update out of date.
+- `decorrelate_router`: W <- W - (W u) u^T with u the unit mean router input, so a component common to
+  all tokens shifts no expert's logit.
+- `proportional_bias_update`: the load-driven bias with a step proportional to the relative load error.
 
-`load_ratio` and `gate_input_shared_fraction` (dsv41.model.training) are what the trainer logs.
+`load_ratio` and `dsv41.model.training.gate_input_shared_fraction` are what the trainer logs.
 """
 
 from __future__ import annotations
