@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from dsv41.config import ModelConfig
 from dsv41.model.transformer import Transformer
 from dsv41.ops.quant import fp8_quant
-from dsv41.weights import RUN_FILE, checkpoint_run_info  # noqa: F401 (re-exported for the trainer)
+from dsv41.weights import RUN_FILE
 
 COMPLETE = "COMPLETE"  # written last into a .tmp folder, after everything else is on disk
 TRAIN_STATE_FILES = ("weights.safetensors", "optimizer.safetensors", "state.json")

@@ -33,12 +33,13 @@ from dsv41.model.init import init_random_weights
 from dsv41.model.training import TrainOptions, gate_input_shared_fraction, prepare_for_training
 from dsv41.model.transformer import Transformer
 from dsv41.optim import OptimConfig, build_optimizers
-from dsv41.train.checkpoint import (CHECKPOINT_FILES, TRAIN_STATE_FILES, checkpoint_run_info, full_tensor,
+from dsv41.train.checkpoint import (CHECKPOINT_FILES, TRAIN_STATE_FILES, full_tensor,
                                     inference_state, load_train_state, read_train_state_json, recover_folder,
                                     save_checkpoint, save_train_state, train_state_payload)
 from dsv41.train.balance import (decorrelate_router, load_ratio, proportional_bias_update,
                                  solve_balancing_bias)
 from dsv41.train.config import NS_DTYPES, TrainConfig, run_changes
+from dsv41.weights import checkpoint_run_info
 
 
 PROBE_SEED_OFFSET = 7919  # the look-ahead probe batches: the run's data order under seed + this
@@ -272,9 +273,10 @@ class Trainer:
                                         rank=self.rank, world_size=self.world)
             x, y = x.to(self.device), y.to(self.device)
             lm, out = self._losses(x, y, opts)
-            loss = (lm + cfg.kl_weight * out.indexer_kl + cfg.balance_weight * out.balance_loss
-                    + cfg.shared_input_weight * out.shared_input_loss) / cfg.grad_accum
-            loss.backward()
+            loss = lm + cfg.kl_weight * out.indexer_kl + cfg.balance_weight * out.balance_loss
+            if cfg.shared_input_weight:  # (no backward through the term when it is off)
+                loss = loss + cfg.shared_input_weight * out.shared_input_loss
+            (loss / cfg.grad_accum).backward()
             sums["lm"] += float(lm.detach()) / cfg.grad_accum
             sums["kl"] += float(out.indexer_kl.detach()) / cfg.grad_accum
             sums["balance"] += float(out.balance_loss.detach()) / cfg.grad_accum
@@ -296,9 +298,8 @@ class Trainer:
             self.replicas.scatter_params()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
-        imbalance = self._update_router_bias(loads)
-        # (the loads are now summed over ranks in place)
-        ratios = {layer: load_ratio(load) for (name, layer), load in loads.items() if name == "bias"}
+        ratios = self._update_router_bias(loads)  # layer -> max/mean text load, summed over ranks
+        shared = {layer: gate_input_shared_fraction(stats) for layer, stats in moments.items()}
         if self.distributed:
             t = torch.tensor([sums["lm"], sums["kl"], sums["balance"]], dtype=torch.float64, device=self.device)
             dist.all_reduce(t)
@@ -308,11 +309,10 @@ class Trainer:
         self.step += 1
         return {"step": self.step, "loss": sums["lm"], "indexer_kl": sums["kl"], "balance": sums["balance"],
                 "lr_scale": lr_scale(step, cfg), "grad_norm": float(full_tensor(grad_norm)), "tokens": self.step * tokens,
-                "tokens_per_s": tokens / seconds, "max_load_ratio": imbalance,
+                "tokens_per_s": tokens / seconds, "max_load_ratio": max(ratios.values(), default=0.0),
                 "load_ratio": [round(ratios[layer], 4) for layer in sorted(ratios)],
-                "gate_shared": [round(gate_input_shared_fraction(moments[layer])[0], 4) for layer in sorted(moments)],
-                "gate_shared_seq": [round(gate_input_shared_fraction(moments[layer])[1], 4)
-                                    for layer in sorted(moments)]}
+                "gate_shared": [round(shared[layer][0], 4) for layer in sorted(shared)],
+                "gate_shared_seq": [round(shared[layer][1], 4) for layer in sorted(shared)]}
 
     def _lookahead_balance(self) -> None:
         """Balance the routers for the weights this step will use (dsv41.train.balance): route a probe batch
@@ -352,28 +352,28 @@ class Trainer:
                 weight = weight.to_local()  # rows (experts), so every local row is whole
             decorrelate_router(weight, stats[:-4])
 
-    def _update_router_bias(self, loads: dict[tuple[str, int], torch.Tensor]) -> float:
+    def _update_router_bias(self, loads: dict[tuple[str, int], torch.Tensor]) -> dict[int, float]:
         """The load-driven bias step per router and modality (--bias-update: b += rate * sign(mean - load), or
         rate * (mean - load) / mean; under 'lookahead' the text bias was already set before the step): text
         tokens move `gate.bias`, image-span tokens `gate.bias_vl`; loads are summed over ranks in place.
-        Returns the worst max/mean text load."""
-        worst = 0.0
+        Returns every layer's max/mean text load."""
+        ratios = {}
         for (name, layer), load in sorted(loads.items()):
             if self.distributed:
                 dist.all_reduce(load)
+            if name == "bias":
+                ratios[layer] = load_ratio(load)
+                if self.cfg.bias_update == "lookahead":
+                    continue  # set before the step, from the probe batch (_lookahead_balance)
             param = getattr(self.model.layers[layer].ffn.gate, name)
             with torch.no_grad():
                 bias = full_tensor(param.data)
-                if self.cfg.bias_update == "lookahead" and name == "bias":
-                    new = bias  # set before the step, from the probe batch (_lookahead_balance)
-                elif self.cfg.bias_update == "proportional":
+                if self.cfg.bias_update == "proportional":
                     new = proportional_bias_update(bias, load.to(bias.dtype), self.cfg.bias_rate)
                 else:
                     new = ops.moe.balance_bias_update(bias, load.to(bias.dtype), self.cfg.bias_rate)
                 _assign(param, new)
-            if name == "bias":
-                worst = max(worst, float(load.max() / load.mean().clamp_min(1e-9)))
-        return worst
+        return ratios
 
     def save(self) -> None:
         """Training state and release-layout checkpoint. Every rank gathers (FSDP2 collectives run in the

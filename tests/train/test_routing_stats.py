@@ -13,6 +13,7 @@ import torch.distributed as dist
 from dsv41.model.training import gate_input_moments, gate_input_shared_fraction
 from dsv41.train import TrainConfig, Trainer
 from dsv41.train.balance import decorrelate_router, load_ratio, proportional_bias_update
+from dsv41.train.trainer import PROBE_SEED_OFFSET
 
 SHARDED_FORWARD = r"""
 import os, sys, torch, torch.distributed as dist
@@ -168,7 +169,7 @@ def test_lookahead_balances_the_probe_with_the_weights_the_step_uses(tiny_corpus
     seen = []
     real_batch = trainer.train_set.batch
     monkeypatch.setattr(trainer.train_set, "batch", lambda *a, **k: seen.append(real_batch(*a, **k)) or seen[-1])
-    probe = trainer.train_set.batch(0, 4, 64, trainer.cfg.seed + 7919)[0]
+    probe = trainer.train_set.batch(0, 4, 64, trainer.cfg.seed + PROBE_SEED_OFFSET)[0]
     with torch.no_grad():  # what the look-ahead sees: the probe under the weights before it
         out = trainer.model(probe, train_options=TrainOptions())
     trainer._lookahead_balance()
