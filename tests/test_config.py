@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from dsv41.config import HF_RENAMES, ModelConfig, flash, preset, small, tiny
+from dsv41.config import HF_RENAMES, ModelConfig, flash, mini, preset, small, tiny
 from dsv41.accounting import account
 
 
@@ -24,7 +24,18 @@ def test_small_keeps_the_schedule_and_is_cpu_sized():
     assert 20e6 <= account(cfg)["params_active_decode"] <= 50e6
 
 
-@pytest.mark.parametrize("name", ["flash", "tiny", "small"])
+def test_mini_has_every_block_type_and_selects_at_1024_tokens():
+    """The text-model preset: every attention mode, and at its 1,024-token training length every
+    compressed layer holds more entries than the indexer selects (so sparse differs from dense)."""
+    cfg = mini()
+    modes = [cfg.attention_mode(i) for i in range(cfg.n_layers)]
+    assert set(modes) == {"swa", "full", "reindex", "reuse"} and cfg.engram_layer_ids
+    ratios = {r for r in cfg.compress_ratios if r}
+    assert ratios == {1, 2} and all(1024 // r >= 8 * cfg.index_topk for r in ratios)
+    assert 5e6 <= account(cfg)["params_active_decode"] <= account(cfg)["params_total"] <= 30e6
+
+
+@pytest.mark.parametrize("name", ["flash", "tiny", "small", "mini"])
 def test_json_round_trip(tmp_path, name):
     cfg = preset(name)
     path = tmp_path / "config.json"

@@ -8,6 +8,12 @@ runs that logged per-layer routing, a routing table from step `--balanced-from` 
 load of any layer, the mean over steps of the worst layer's, the share of (step, layer) pairs above 1.5,
 the mean router-input shared fraction) and writes OUT.json and OUT.png (validation and smoothed train
 loss against tokens, and the worst layer's max/mean load per step).
+
+With `--served`, each run's final `checkpoint/` is also scored as it is served: loaded and set up by the
+engine's own builder, run through the inference forward (FP8 window KV, FP4 compressed KV and index keys
+in the cache, the indexer's top-k), on the run's validation windows. The training log's validation
+loss uses each run's own training forward (dense attention, or no quantisation, for those variants),
+so only the served column says what a user of the checkpoint gets.
 """
 
 from __future__ import annotations
@@ -77,14 +83,58 @@ def summarize(metrics: dict[str, list[dict]], balanced_from: int = 50) -> dict:
     return summary
 
 
+def served_val_loss(checkpoint: str, data: str, seq_len: int, batch_size: int, batches: int) -> dict:
+    """Mean next-token loss of `checkpoint` on the first `batches` x `batch_size` validation windows of
+    `seq_len` tokens of the `dsv41 data` folder `data` (those the trainer evaluates), through the model
+    the engine serves: `build_engine`'s weights, tokenizer and Engram map, the inference forward with
+    its quantised KV cache, one prefill per window."""
+    import torch
+    import torch.nn.functional as F
+
+    from dsv41.data import TokenDataset
+    from dsv41.engine.build import build_engine
+
+    net = build_engine(checkpoint).model
+    if seq_len > net.cfg.max_position_embeddings:
+        raise ValueError(f"{checkpoint}: seq_len {seq_len} exceeds the model's {net.cfg.max_position_embeddings}")
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for x, y in TokenDataset.from_dir(data, "val").sequential_batches(batch_size, seq_len, batches):
+            logits = net(x)  # [B, S, vocab] fp32, a fresh cache per call
+            total += float(F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum"))
+            count += y.numel()
+    if not count:
+        raise ValueError(f"{data}: no validation window of {seq_len} tokens")
+    return {"served_val_loss": total / count, "served_tokens": count}
+
+
+def add_served(summary: dict, runs: list[str], names: list[str], batches: int) -> None:
+    """Score every run's checkpoint as served (`served_val_loss`) with its own data, sequence length and
+    evaluation batch size from its saved training config."""
+    for name, run in zip(names, runs):
+        state = os.path.join(run, "train_state", "state.json")
+        try:
+            with open(state) as f:
+                cfg = json.load(f)["config"]
+        except (OSError, ValueError, KeyError) as err:
+            raise ValueError(f"{run}: cannot read the run's config from {state} ({err})") from None
+        if not cfg.get("data"):
+            raise ValueError(f"{run}: trained on the default corpus (no --data folder recorded); --served needs "
+                             "a run trained with --data")
+        summary["runs"][name].update(served_val_loss(os.path.join(run, "checkpoint"), cfg["data"], cfg["seq_len"],
+                                                     cfg["batch_size"], batches))
+
+
 def markdown_table(summary: dict) -> str:
     steps = summary["eval_steps"]
-    head = "| run | " + " | ".join(f"val @ {s}" for s in steps) + " | train (last 10) | tok/s | max/mean load |"
-    lines = [head, "|" + "---|" * (len(steps) + 4)]
+    served = all("served_val_loss" in r for r in summary["runs"].values())
+    head = ("| run | " + " | ".join(f"val @ {s}" for s in steps) + " | train (last 10) | tok/s | max/mean load |"
+            + (" val as served |" if served else ""))
+    lines = [head, "|" + "---|" * (len(steps) + 4 + served)]
     for name, r in summary["runs"].items():
         vals = " | ".join(f"{v:.3f}" for v in r["val_loss"])
         lines.append(f"| {name} | {vals} | {r['final_train_loss_last10']:.3f} | {r['tokens_per_s_median']:.0f} | "
-                     f"{r['max_load_ratio_last']:.2f} |")
+                     f"{r['max_load_ratio_last']:.2f} |" + (f" {r['served_val_loss']:.3f} |" if served else ""))
     routed = {name: r["routing"] for name, r in summary["runs"].items() if r.get("routing")}
     if routed:
         start = next(iter(routed.values()))["from_step"]
@@ -140,9 +190,15 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="write OUT.json and OUT.png")
     parser.add_argument("--balanced-from", type=int, default=50, metavar="STEP",
                         help="the routing table covers steps from this one on (default 50)")
+    parser.add_argument("--served", action="store_true",
+                        help="also score each run's checkpoint/ through the inference forward, as served")
+    parser.add_argument("--served-batches", type=int, default=8, metavar="N",
+                        help="validation batches for --served (default 8, the trainer's default)")
     args = parser.parse_args(argv)
     metrics = load_runs(args.runs, args.names)
     summary = summarize(metrics, args.balanced_from)
+    if args.served:
+        add_served(summary, args.runs, list(metrics), args.served_batches)
     print(markdown_table(summary))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -63,6 +63,9 @@ class TrainConfig:
         "load) after each step (the release's rule); 'proportional' adds --bias-rate * (mean - load) / mean; "
         "'lookahead' routes a probe batch with the weights the step will use and sets the text bias to the "
         "one that balances it (see dsv41.train.balance)")})
+    probe_sequences: Optional[int] = field(default=None, metadata={"metavar": "N", "help": (
+        "sequences (per process) of the look-ahead probe batch (default: --batch-size). A larger probe fits "
+        "a bias that transfers better to the step's own batch, at the cost of a longer no-grad forward")})
     embed_init_std: float = field(default=0.02, metadata={"metavar": "STD", "help": (
         "standard deviation of the token embedding's initial values (the other matrices start at 0.02). "
         "At 0.02 the blocks' outputs (window averages) soon outweigh the token in the residual stream and "
@@ -105,6 +108,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.ns_dtype must be one of {sorted(NS_DTYPES)}, got {self.ns_dtype!r}")
         if self.bias_update not in ("sign", "proportional", "lookahead"):
             raise ValueError(f"TrainConfig.bias_update must be sign, proportional or lookahead, got {self.bias_update!r}")
+        if self.probe_sequences is not None and self.probe_sequences <= 0:
+            raise ValueError(f"TrainConfig.probe_sequences must be > 0, got {self.probe_sequences}")
         if self.embed_init_std <= 0 or self.shared_input_weight < 0 or self.balance_weight < 0 or self.bias_rate < 0:
             raise ValueError("TrainConfig.embed_init_std must be > 0; shared_input_weight, balance_weight and "
                              "bias_rate must be >= 0")

@@ -320,7 +320,8 @@ class Trainer:
         decorrelate every router from the probe's mean router input, then set each text bias to the one
         that balances the probe's routing under the (decorrelated) router."""
         cfg = self.cfg
-        x, _ = self.train_set.batch(self.step, cfg.batch_size, cfg.seq_len, cfg.seed + PROBE_SEED_OFFSET,
+        x, _ = self.train_set.batch(self.step, cfg.probe_sequences or cfg.batch_size, cfg.seq_len,
+                                    cfg.seed + PROBE_SEED_OFFSET,
                                     rank=self.rank, world_size=self.world)
         with torch.no_grad():
             out = self.model(x.to(self.device), train_options=TrainOptions(qat=cfg.qat,

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from dsv41.train.compare import load_runs, main, markdown_table, summarize
 
@@ -57,3 +58,29 @@ def test_routing_table_from_the_given_step(tmp_path):
     assert "| R | 1.60 | 1.43 |" in markdown_table(summarize(load_runs([run], ["R"]), balanced_from=2))
     legacy = write_run(tmp_path / "old", [row(1, 5.0)])  # runs from before the per-layer log
     assert summarize(load_runs([legacy]))["runs"]["old"]["routing"] is None
+
+
+def test_served_loss_matches_the_training_forward_of_the_same_weights(tiny_corpus, tmp_path):
+    """--served scores the checkpoint through the inference forward (quantised cache, top-k selection).
+    The trainer's last validation ran the training forward (QAT fake-quantisation, the same top-k) on the
+    same windows with the fp32 masters: an independent formulation that must agree up to bf16 storage of
+    the weights; and a broken checkpoint must score worse."""
+    from safetensors.torch import load_file, save_file
+
+    from dsv41.train import TrainConfig, Trainer
+    from dsv41.train.compare import served_val_loss
+
+    out = tmp_path / "run"
+    Trainer(TrainConfig(preset="tiny", data=tiny_corpus, out=str(out), steps=12, batch_size=4, seq_len=32, warmup=2,
+                        eval_every=12, eval_batches=2, save_every=12, threads=1)).run()
+    logged = [json.loads(x) for x in open(out / "metrics.jsonl")][-1]["val_loss"]
+    served = served_val_loss(str(out / "checkpoint"), tiny_corpus, 32, 4, 2)
+    assert served["served_tokens"] == 2 * 4 * 32
+    assert abs(served["served_val_loss"] - logged) < 0.03 * logged
+    assert main([str(out), "--served", "--served-batches", "2"]) == 0
+
+    path = out / "checkpoint" / "model.safetensors"
+    tensors = load_file(path)
+    tensors["head.weight"] = tensors["head.weight"][torch.randperm(tensors["head.weight"].size(0))]
+    save_file(tensors, path)
+    assert served_val_loss(str(out / "checkpoint"), tiny_corpus, 32, 4, 2)["served_val_loss"] > logged + 0.2

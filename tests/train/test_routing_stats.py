@@ -189,6 +189,18 @@ def test_lookahead_balances_the_probe_with_the_weights_the_step_uses(tiny_corpus
     assert len(metrics["load_ratio"]) == 10
 
 
+def test_the_probe_has_its_own_size(tiny_corpus, tmp_path, monkeypatch):
+    """--probe-sequences sets the probe batch's sequence count; the step's batch keeps --batch-size."""
+    trainer = Trainer(tiny_config(tiny_corpus, tmp_path, bias_update="lookahead", probe_sequences=7))
+    sizes = []
+    real_batch = trainer.train_set.batch
+    monkeypatch.setattr(trainer.train_set, "batch", lambda *a, **k: sizes.append(a[1]) or real_batch(*a, **k))
+    trainer._lookahead_balance()
+    assert sizes == [7]
+    with pytest.raises(ValueError, match="probe_sequences"):
+        TrainConfig(probe_sequences=0).validate()
+
+
 def test_new_balance_options_are_validated():
     with pytest.raises(ValueError, match="bias_update"):
         TrainConfig(bias_update="fast").validate()
