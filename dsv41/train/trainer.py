@@ -67,8 +67,11 @@ def default_data(cfg: TrainConfig, vocab_size: int) -> str:
     if os.path.isfile(os.path.join(folder, "meta.json")):
         return folder
     root = sysconfig.get_paths()["stdlib"]
+    # filter on the path below the root: a root that itself contains "test" (a venv under a tests folder)
+    # must not exclude every file
     files = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs
-                   if f.endswith(".py") and "site-packages" not in d and "test" not in d)[:400]
+                   if f.endswith(".py") and "site-packages" not in (rel := os.path.relpath(d, root))
+                   and "test" not in rel)[:400]
     docs = []
     for path in files:
         with open(path, encoding="utf-8", errors="replace") as fh:

@@ -95,3 +95,23 @@ def test_device_choice():
             resolve_device("cuda")
     with pytest.raises(ValueError, match="device"):
         TrainConfig(device="tpu").validate()
+
+
+def test_the_default_corpus_filters_below_the_stdlib_root(tmp_path, monkeypatch):
+    """The stdlib corpus leaves out test folders, judged below the stdlib root: a root whose own path
+    contains "test" used to exclude every file."""
+    import sysconfig
+
+    import dsv41.data.build as build
+    from dsv41.train.trainer import default_data
+
+    root = tmp_path / "test-venv" / "lib" / "python3"
+    for rel in ("json/__init__.py", "os.py", "unittest/case.py", "test/test_os.py", "site-packages/x.py"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("x = 1\n")
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(root)})
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    seen = []
+    monkeypatch.setattr(build, "build_dataset", lambda folder, vocab_size, documents: seen.extend(documents))
+    default_data(TrainConfig(), 512)
+    assert sorted(d.name for d in seen) == [os.path.join("json", "__init__.py"), "os.py"]
