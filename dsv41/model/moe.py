@@ -3,6 +3,7 @@ expert (spec-v41.md §7). Every backbone layer is MoE; DSpark blocks have their 
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -17,10 +18,16 @@ class RoutingRecord:
     """Collects every router call of a training forward: (scores [T, E] fp32, expert ids [T, k], gate input
     [T, dim]), in layer order. A plain object on purpose: FSDP2's pre-forward rebuilds list and dict
     arguments that hold grad-requiring tensors, so appends to a list passed through a sharded block's
-    call would land in a copy and be lost for every layer after the first (issue 11)."""
+    call would land in a copy and be lost for every layer after the first (issue 11).
 
-    def __init__(self) -> None:
+    capacity_factor > 0 bounds every expert's picks in this forward to ceil(factor x T x k / E) of the
+    call's T tokens (`ops.moe.capacity_topk`; training only, inference routes freely); `natural` then
+    holds each call's expert ids without the bound [T, k], for the balancing statistics."""
+
+    def __init__(self, capacity_factor: float = 0.0) -> None:
         self.calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.capacity_factor = capacity_factor
+        self.natural: list[torch.Tensor] = []
 
     def append(self, call: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
         self.calls.append(call)
@@ -61,6 +68,14 @@ class Gate(nn.Module):
         if image_mask is not None and self.bias_vl is not None:
             bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl, bias)
         weights, indices = ops.route(scores, bias, self.topk, self.normalize, self.route_scale, self.canonical_ties)
+        if aux is not None and aux.capacity_factor > 0:
+            aux.natural.append(indices)
+            capacity = math.ceil(aux.capacity_factor * x.size(0) * self.topk / scores.size(-1))
+            indices = ops.moe.capacity_topk(scores + bias, self.topk, capacity, self.canonical_ties)
+            weights = scores.gather(1, indices)  # as ops.route weighs its picks
+            if self.normalize and self.topk > 1:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            weights = weights * self.route_scale
         if aux is not None:
             aux.append((scores, indices, x))
         return weights, indices

@@ -42,6 +42,9 @@ class TrainOptions:
     qat_clip: bool = False  # clipped straight-through estimator
     dense_indexer: bool = False  # attend to every visible compressed entry (dense warm-up / ablation)
     replay_start: Optional[int] = None  # simulate bounded replay for the decoder from this position
+    # > 0: bound each expert's picks per router call to ceil(factor x tokens x k / experts), overflow moving
+    # to the token's next choice (ops.moe.capacity_topk); 0: route freely, as inference does
+    capacity_factor: float = 0.0
 
 
 @dataclass
@@ -63,6 +66,9 @@ class TrainOutput:
     # layer -> the text tokens' router inputs [T, dim], detached (the trainer's look-ahead balancing
     # re-scores them under changed router weights)
     router_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    # layer -> text tokens per expert [E] as the router picked them before the capacity bound (only with
+    # TrainOptions.capacity_factor > 0; expert_load then counts the picks the experts processed)
+    expert_load_natural: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def prepare_for_training(model: Transformer, dtype: torch.dtype = torch.float32) -> Transformer:
@@ -216,7 +222,7 @@ def forward_train(model: Transformer, input_ids: torch.Tensor, opts: Optional[Tr
     h = model.embed(input_ids).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [B, S, hc, dim]
     pre_mix = torch.zeros(b, s, cfg.hc_mult, dtype=torch.float32, device=device)
     pre_mix[..., 0] = 1.0
-    routing = RoutingRecord()  # not a list: see RoutingRecord
+    routing = RoutingRecord(opts.capacity_factor)  # not a list: see RoutingRecord
     shared = {"moe_aux": routing}
     for i, layer in enumerate(model.layers):
         engram_ids = None
@@ -232,7 +238,7 @@ def forward_train(model: Transformer, input_ids: torch.Tensor, opts: Optional[Tr
     image = None if token_types is None else token_types.reshape(-1)  # rows of the router's [B*S, k] picks
     if len(routing) != cfg.n_layers:
         raise RuntimeError(f"{len(routing)} of {cfg.n_layers} MoE layers reported their routing")
-    gate_stats, router_inputs, shared_terms = {}, {}, []
+    gate_stats, router_inputs, shared_terms, natural = {}, {}, [], {}
     for layer, (scores, indices, x) in enumerate(routing.calls):
         n_experts = scores.size(-1)
         gate_stats[layer] = gate_input_moments(x.detach().view(b, s, -1))
@@ -242,12 +248,14 @@ def forward_train(model: Transformer, input_ids: torch.Tensor, opts: Optional[Tr
         router_inputs[layer] = x.detach() if image is None else x.detach()[~image]
         balance.append(ops.moe.sequence_balance_loss(scores.view(b, s, -1), indices.view(b, s, -1), n_experts))
         loads[layer] = ops.moe.expert_load(indices, n_experts, None if image is None else ~image)
+        if routing.natural:
+            natural[layer] = ops.moe.expert_load(routing.natural[layer], n_experts, None if image is None else ~image)
         if model.layers[layer].ffn.gate.bias_vl is not None:
             loads_vl[layer] = (ops.moe.expert_load(indices, n_experts, image) if image is not None
                                else torch.zeros(n_experts, device=device))
     return TrainOutput(logits, kl, torch.stack(balance).mean() if balance else zero,
                        torch.stack(shared_terms).mean() if shared_terms else zero, loads, loads_vl, gate_stats,
-                       router_inputs)
+                       router_inputs, natural)
 
 
 def gate_input_moments(x: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,41 @@ def route(scores: torch.Tensor, bias: torch.Tensor, k: int, normalize: bool,
     return weights * route_scale, indices
 
 
+def capacity_topk(biased: torch.Tensor, k: int, capacity: int, canonical: bool = True) -> torch.Tensor:
+    """Top-k experts per token under a per-expert capacity: biased [T, E] fp32 (scores + bias) -> indices
+    [T, k] with no expert picked by more than `capacity` tokens (needs capacity * E >= T * k).
+
+    Deferred acceptance, every token proposing in parallel: each token picks its k best experts not yet
+    closed to it; an expert holding more than `capacity` picks keeps the `capacity` with the highest
+    biased score and closes itself to the rest, who move on to their next choice. The result is the
+    token-optimal stable assignment (independent of the order of proposals), so a token only leaves
+    a preferred expert for tokens that prefer it more, and when no expert overflows it equals the plain
+    top-k. Ties in the keep order go to the lower token index (stable sorts). Near a tight capacity a
+    token can be turned away by every expert but fewer than k (its picks must be distinct experts); such
+    a token keeps a closed pick, and only those picks exceed the capacity."""
+    t, e = biased.shape
+    if capacity * e < t * k:
+        raise ValueError(f"capacity {capacity} x {e} experts cannot hold {t} tokens x top-{k}")
+    masked = biased.clone()
+    token = torch.arange(t, device=biased.device).repeat_interleave(k)  # [T*k] row of each pick
+    while True:  # each round closes at least one (token, expert) pair, so at most T*E rounds
+        indices = topk_canonical(masked, k) if canonical else masked.topk(k, dim=-1)[1]
+        expert = indices.flatten()
+        load = torch.bincount(expert, minlength=e)
+        over = load > capacity
+        if not bool(over.any()):
+            return indices
+        order = torch.argsort(masked[token, expert], descending=True, stable=True)
+        order = order[torch.argsort(expert[order], stable=True)]  # by expert, best first within each
+        by_expert = expert[order]
+        rank = torch.arange(order.numel(), device=biased.device) - (torch.cumsum(load, 0) - load)[by_expert]
+        drop = order[over[by_expert] & (rank >= capacity)]
+        drop = drop[masked[token[drop], expert[drop]] > float("-inf")]
+        if drop.numel() == 0:  # only tokens that every open expert has turned away overflow: keep them
+            return indices
+        masked[token[drop], expert[drop]] = float("-inf")
+
+
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32; limit <= 0 disables the clamps."""
     gate, up = gate.float(), up.float()

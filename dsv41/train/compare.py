@@ -62,7 +62,17 @@ def routing_summary(rows: list[dict], start: int) -> Optional[dict]:
             "mean_worst_layer_load_ratio": sum(worst) / len(worst),
             "mean_load_ratio": sum(pairs) / len(pairs),
             "share_above_1_5": sum(x > 1.5 for x in pairs) / len(pairs),
-            "mean_gate_shared": sum(shared) / len(shared) if shared else None}
+            "mean_gate_shared": sum(shared) / len(shared) if shared else None,
+            "natural": _natural_summary(rows)}
+
+
+def _natural_summary(rows: list[dict]) -> Optional[dict]:
+    """Under --capacity-factor: the router's own picks before the bound (None for runs without one)."""
+    pairs = [x for r in rows for x in r.get("load_ratio_natural", [])]
+    if not pairs:
+        return None
+    return {"worst_load_ratio": max(pairs), "mean_load_ratio": sum(pairs) / len(pairs),
+            "share_above_1_5": sum(x > 1.5 for x in pairs) / len(pairs)}
 
 
 def summarize(metrics: dict[str, list[dict]], balanced_from: int = 50) -> dict:
@@ -139,11 +149,15 @@ def markdown_table(summary: dict) -> str:
     if routed:
         start = next(iter(routed.values()))["from_step"]
         lines += ["", f"| run (steps >= {start}) | worst layer max/mean, worst step | mean over steps | "
-                      "mean of all layers | (step, layer) > 1.5 | router input shared |", "|---|---|---|---|---|---|"]
+                      "mean of all layers | (step, layer) > 1.5 | router input shared | before the capacity bound: "
+                      "worst, mean, > 1.5 |", "|---|---|---|---|---|---|---|"]
         for name, r in routed.items():
             shared = "-" if r["mean_gate_shared"] is None else f"{r['mean_gate_shared']:.2f}"
+            n = r.get("natural")
+            natural = "-" if n is None else (f"{n['worst_load_ratio']:.2f}, {n['mean_load_ratio']:.2f}, "
+                                             f"{100 * n['share_above_1_5']:.1f}%")
             lines.append(f"| {name} | {r['worst_load_ratio']:.2f} | {r['mean_worst_layer_load_ratio']:.2f} | "
-                         f"{r['mean_load_ratio']:.2f} | {100 * r['share_above_1_5']:.1f}% | {shared} |")
+                         f"{r['mean_load_ratio']:.2f} | {100 * r['share_above_1_5']:.1f}% | {shared} | {natural} |")
     return "\n".join(lines)
 
 

@@ -66,6 +66,10 @@ class TrainConfig:
     probe_sequences: Optional[int] = field(default=None, metadata={"metavar": "N", "help": (
         "sequences (per process) of the look-ahead probe batch (default: --batch-size). A larger probe fits "
         "a bias that transfers better to the step's own batch, at the cost of a longer no-grad forward")})
+    capacity_factor: float = field(default=0.0, metadata={"metavar": "F", "help": (
+        "bound every expert's tokens in a training step to F x the mean load (per router call: "
+        "ceil(F x tokens x top-k / experts)); a token over the bound goes to its next choice. 0 (the "
+        "release's way) routes freely. Training only: inference always routes freely")})
     embed_init_std: float = field(default=0.02, metadata={"metavar": "STD", "help": (
         "standard deviation of the token embedding's initial values (the other matrices start at 0.02). "
         "At 0.02 the blocks' outputs (window averages) soon outweigh the token in the residual stream and "
@@ -108,6 +112,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.ns_dtype must be one of {sorted(NS_DTYPES)}, got {self.ns_dtype!r}")
         if self.bias_update not in ("sign", "proportional", "lookahead"):
             raise ValueError(f"TrainConfig.bias_update must be sign, proportional or lookahead, got {self.bias_update!r}")
+        if self.capacity_factor != 0 and self.capacity_factor < 1:
+            raise ValueError(f"TrainConfig.capacity_factor must be 0 (off) or >= 1, got {self.capacity_factor}")
         if self.probe_sequences is not None and self.probe_sequences <= 0:
             raise ValueError(f"TrainConfig.probe_sequences must be > 0, got {self.probe_sequences}")
         if self.embed_init_std <= 0 or self.shared_input_weight < 0 or self.balance_weight < 0 or self.bias_rate < 0:

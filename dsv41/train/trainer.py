@@ -233,7 +233,8 @@ class Trainer:
             if torch.rand((), generator=g) < cfg.replay_prob:
                 window = self.model_cfg.window_size
                 start = int(torch.randint(window, max(cfg.seq_len, window + 1), (), generator=g))
-        return TrainOptions(qat=cfg.qat, dense_indexer=cfg.dense_attention, replay_start=start)
+        return TrainOptions(qat=cfg.qat, dense_indexer=cfg.dense_attention, replay_start=start,
+                            capacity_factor=cfg.capacity_factor)
 
     def _losses(self, x: torch.Tensor, y: torch.Tensor, opts: TrainOptions):
         out = self.model(x, train_options=opts)  # through the module call: FSDP2 unshards around it
@@ -283,7 +284,9 @@ class Trainer:
             sums["lm"] += float(lm.detach()) / cfg.grad_accum
             sums["kl"] += float(out.indexer_kl.detach()) / cfg.grad_accum
             sums["balance"] += float(out.balance_loss.detach()) / cfg.grad_accum
-            for name, per_layer in (("bias", out.expert_load), ("bias_vl", out.expert_load_vl)):
+            # "natural": the router's own picks before the capacity bound (what the bias must correct)
+            for name, per_layer in (("bias", out.expert_load), ("bias_vl", out.expert_load_vl),
+                                    ("natural", out.expert_load_natural)):
                 for layer, load in per_layer.items():
                     loads[name, layer] = loads.get((name, layer), 0) + load
             for layer, stats in out.gate_stats.items():
@@ -301,7 +304,7 @@ class Trainer:
             self.replicas.scatter_params()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
-        ratios = self._update_router_bias(loads)  # layer -> max/mean text load, summed over ranks
+        ratios, natural = self._update_router_bias(loads)  # layer -> max/mean text load, summed over ranks
         shared = {layer: gate_input_shared_fraction(stats) for layer, stats in moments.items()}
         if self.distributed:
             t = torch.tensor([sums["lm"], sums["kl"], sums["balance"]], dtype=torch.float64, device=self.device)
@@ -315,7 +318,8 @@ class Trainer:
                 "tokens_per_s": tokens / seconds, "max_load_ratio": max(ratios.values(), default=0.0),
                 "load_ratio": [round(ratios[layer], 4) for layer in sorted(ratios)],
                 "gate_shared": [round(shared[layer][0], 4) for layer in sorted(shared)],
-                "gate_shared_seq": [round(shared[layer][1], 4) for layer in sorted(shared)]}
+                "gate_shared_seq": [round(shared[layer][1], 4) for layer in sorted(shared)],
+                **({"load_ratio_natural": [round(natural[layer], 4) for layer in sorted(natural)]} if natural else {})}
 
     def _lookahead_balance(self) -> None:
         """Balance the routers for the weights this step will use (dsv41.train.balance): route a probe batch
@@ -356,19 +360,24 @@ class Trainer:
                 weight = weight.to_local()  # rows (experts), so every local row is whole
             decorrelate_router(weight, stats[:-4])
 
-    def _update_router_bias(self, loads: dict[tuple[str, int], torch.Tensor]) -> dict[int, float]:
+    def _update_router_bias(self, loads: dict[tuple[str, int], torch.Tensor]) -> tuple[dict[int, float], dict[int, float]]:
         """The load-driven bias step per router and modality (--bias-update: b += rate * sign(mean - load), or
         rate * (mean - load) / mean; under 'lookahead' the text bias was already set before the step): text
         tokens move `gate.bias`, image-span tokens `gate.bias_vl`; loads are summed over ranks in place.
-        Returns every layer's max/mean text load."""
-        ratios = {}
-        for (name, layer), load in sorted(loads.items()):
+        Under --capacity-factor the text bias follows the router's picks before the bound ("natural").
+        Returns every layer's max/mean text load as processed, and before the bound ({} without one)."""
+        for key in sorted(loads):
             if self.distributed:
-                dist.all_reduce(load)
+                dist.all_reduce(loads[key])
+        ratios = {layer: load_ratio(load) for (name, layer), load in loads.items() if name == "bias"}
+        natural = {layer: load_ratio(load) for (name, layer), load in loads.items() if name == "natural"}
+        for (name, layer), load in sorted(loads.items()):
+            if name == "natural":
+                continue
             if name == "bias":
-                ratios[layer] = load_ratio(load)
                 if self.cfg.bias_update == "lookahead":
                     continue  # set before the step, from the probe batch (_lookahead_balance)
+                load = loads.get(("natural", layer), load)
             param = getattr(self.model.layers[layer].ffn.gate, name)
             with torch.no_grad():
                 bias = full_tensor(param.data)
@@ -377,7 +386,7 @@ class Trainer:
                 else:
                     new = ops.moe.balance_bias_update(bias, load.to(bias.dtype), self.cfg.bias_rate)
                 _assign(param, new)
-        return ratios
+        return ratios, natural
 
     def save(self) -> None:
         """Training state and release-layout checkpoint. Every rank gathers (FSDP2 collectives run in the

@@ -1,5 +1,6 @@
 """QAT fake quantisation and MoE balancing primitives (training.md §5, §7)."""
 
+import pytest
 import torch
 
 from dsv41.ops import moe, qat, quant
@@ -76,3 +77,41 @@ def test_sequence_balance_loss_values():
     s = torch.rand(b, t, e).requires_grad_()
     moe.sequence_balance_loss(s, idx, e).backward()
     assert s.grad is not None and torch.isfinite(s.grad).all()
+
+
+def _sequential_deferred_acceptance(biased, k, capacity):
+    """Token-proposing deferred acceptance, one proposal at a time (Gale-Shapley), in plain Python."""
+    t, e = biased.shape
+    prefs = [sorted(range(e), key=lambda j: -float(biased[i, j])) for i in range(t)]
+    nxt, held = [0] * t, {j: [] for j in range(e)}
+    free = [i for i in range(t) for _ in range(k)]
+    while free:
+        i = free.pop()
+        j = prefs[i][nxt[i]]
+        nxt[i] += 1
+        held[j].append(i)
+        if len(held[j]) > capacity:
+            worst = min(held[j], key=lambda x: float(biased[x, j]))
+            held[j].remove(worst)
+            free.append(worst)
+    return [sorted(j for j in range(e) if i in held[j]) for i in range(t)]
+
+
+def test_capacity_topk_is_the_stable_assignment_and_bounds_every_expert():
+    g = torch.Generator().manual_seed(0)
+    for t, e, k, factor in ((40, 8, 2, 1.1), (64, 16, 2, 1.25), (30, 6, 3, 1.5), (256, 16, 2, 1.5)):
+        biased = torch.randn(t, e, generator=g)
+        biased[:, 0] += 1.5  # a favourite expert that overflows
+        capacity = -(-int(factor * t * k) // e)
+        got = moe.capacity_topk(biased, k, capacity)
+        assert torch.bincount(got.flatten(), minlength=e).max() <= capacity
+        assert got.sort(dim=-1).values.tolist() == _sequential_deferred_acceptance(biased, k, capacity)
+    tight = torch.randn(40, 8, generator=torch.Generator().manual_seed(0))
+    tight[:, 0] += 1.5
+    picks = moe.capacity_topk(tight, 2, 10)  # capacity x experts = demand: one token runs out of experts
+    assert torch.bincount(picks.flatten(), minlength=8).max() <= 11
+    assert all(len(set(row)) == 2 for row in picks.tolist())
+    loose = moe.capacity_topk(biased, 3, biased.size(0))  # never binding: the plain top-k, in its order
+    assert torch.equal(loose, biased.topk(3, dim=-1)[1])
+    with pytest.raises(ValueError, match="cannot hold"):
+        moe.capacity_topk(biased, 3, 2)

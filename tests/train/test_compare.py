@@ -56,6 +56,12 @@ def test_routing_table_from_the_given_step(tmp_path):
     assert routing["share_above_1_5"] == pytest.approx(1 / 6)
     assert routing["mean_gate_shared"] == pytest.approx(0.2)
     assert "| R | 1.60 | 1.43 |" in markdown_table(summarize(load_runs([run], ["R"]), balanced_from=2))
+    assert routing["natural"] is None
+    bounded = write_run(tmp_path / "b", [dict(r, load_ratio_natural=[1.2, 2.0 + r["step"]]) for r in rows])
+    natural = summarize(load_runs([bounded], ["B"]), balanced_from=2)["runs"]["B"]["routing"]["natural"]
+    assert natural == {"worst_load_ratio": 6.0, "mean_load_ratio": pytest.approx((3 * 1.2 + 4 + 5 + 6) / 6),
+                       "share_above_1_5": 0.5}
+    assert "| 6.00, 3.10, 50.0% |" in markdown_table(summarize(load_runs([bounded], ["B"]), balanced_from=2))
     legacy = write_run(tmp_path / "old", [row(1, 5.0)])  # runs from before the per-layer log
     assert summarize(load_runs([legacy]))["runs"]["old"]["routing"] is None
 

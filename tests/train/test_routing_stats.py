@@ -201,6 +201,31 @@ def test_the_probe_has_its_own_size(tiny_corpus, tmp_path, monkeypatch):
         TrainConfig(probe_sequences=0).validate()
 
 
+def test_a_capacity_bound_caps_every_layer_and_logs_the_natural_routing(tiny_corpus, tmp_path):
+    """--capacity-factor bounds what every expert processes in a training step; the router's own picks
+    are logged beside it, and evaluation routes freely (the model as served)."""
+    from dsv41.model.training import TrainOptions
+
+    trainer = Trainer(tiny_config(tiny_corpus, tmp_path, capacity_factor=1.25, steps=3))
+    x, _ = trainer.train_set.batch(0, 4, 64, 0)
+    with torch.no_grad():
+        free = trainer.model(x, train_options=TrainOptions())
+        capped = trainer.model(x, train_options=TrainOptions(capacity_factor=1.25))
+    bound = -(-1.25 * 256 * 3 // 8)  # tiny: 4 x 64 tokens, top-3 of 8 experts
+    assert all(float(load.max()) <= bound for load in capped.expert_load.values())
+    # layer 0 sees the same input either way (later layers see the bounded routing's outputs)
+    assert torch.equal(capped.expert_load_natural[0], free.expert_load[0]) and len(capped.expert_load_natural) == 10
+    assert max(float(load.max()) for load in free.expert_load.values()) > bound  # the bound did bind
+    assert not torch.equal(free.logits, capped.logits) and not free.expert_load_natural
+    trainer.run()
+    lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert all(max(m["load_ratio"]) <= 1.25 + 1e-6 for m in lines)
+    assert all(len(m["load_ratio_natural"]) == 10 for m in lines)
+    assert max(max(m["load_ratio_natural"]) for m in lines) > 1.25
+    with pytest.raises(ValueError, match="capacity_factor"):
+        TrainConfig(capacity_factor=0.5).validate()
+
+
 def test_new_balance_options_are_validated():
     with pytest.raises(ValueError, match="bias_update"):
         TrainConfig(bias_update="fast").validate()

@@ -75,12 +75,18 @@ def test_router_bias_moves_per_modality():
     trainer.cfg, trainer.distributed = TrainConfig(bias_rate=0.01), False
     text = torch.tensor([9.0, 1, 1, 1, 1, 1, 1, 1])  # expert 0 overloaded
     image = torch.tensor([0.0, 0, 0, 0, 0, 0, 0, 8])  # expert 7 overloaded
-    ratios = trainer._update_router_bias({("bias", 2): text, ("bias_vl", 2): image, ("bias_vl", 3): torch.zeros(8)})
+    ratios, natural = trainer._update_router_bias({("bias", 2): text, ("bias_vl", 2): image,
+                                                   ("bias_vl", 3): torch.zeros(8)})
     gate = trainer.model.layers[2].ffn.gate
     assert torch.equal(gate.bias.data, 0.01 * torch.sign(text.mean() - text))
     assert torch.equal(gate.bias_vl.data, 0.01 * torch.sign(image.mean() - image))
     assert torch.count_nonzero(trainer.model.layers[3].ffn.gate.bias_vl) == 0
-    assert ratios == {2: 9.0 / 2.0}
+    assert ratios == {2: 9.0 / 2.0} and natural == {}
+    # under a capacity bound the text bias follows the router's own picks, not the bounded ones
+    capped = torch.tensor([3.0, 2, 2, 2, 2, 2, 2, 1])
+    ratios, natural = trainer._update_router_bias({("bias", 4): capped, ("natural", 4): text})
+    assert torch.equal(trainer.model.layers[4].ffn.gate.bias.data, 0.01 * torch.sign(text.mean() - text))
+    assert ratios == {4: 3.0 / 2.0} and natural == {4: 9.0 / 2.0}
 
 
 def test_device_choice():
