@@ -531,11 +531,17 @@ def flash() -> ModelConfig:
     return ModelConfig()
 
 
+def _cpu_scale(**fields: Any) -> ModelConfig:
+    """A test/CPU preset: bf16 weights throughout, no vision tower, no MTP/DSpark drafter."""
+    return ModelConfig(**{"n_mtp_layers": 0, "dtype": "bf16", "expert_dtype": None, "vision_n_layers": 0,
+                          **DSPARK_OFF, **fields})
+
+
 def tiny() -> ModelConfig:
     """The smallest config with every block type (SWA, Full r2, Reuse r2, Full r1 + candidate source,
     Reuse r1, Reindex) and two Engram layers. It equals the `v41-tiny-*` golden configs."""
-    return ModelConfig(
-        vocab_size=1024, dim=64, moe_inter_dim=32, n_layers=10, n_mtp_layers=0, n_heads=4,
+    return _cpu_scale(
+        vocab_size=1024, dim=64, moe_inter_dim=32, n_layers=10, n_heads=4,
         n_routed_experts=8, n_activated_experts=3, q_lora_rank=64, head_dim=64, rope_head_dim=16,
         o_groups=2, o_lora_rank=32, window_size=8,
         compress_ratios=(0, 0, 2, 2, 2, 2, 1, 1, 1, 1), kv_source_layers=(2, 4, 6),
@@ -544,9 +550,6 @@ def tiny() -> ModelConfig:
         candidate_source_layer=6, candidate_topk_blocks=3, candidate_block_size=4,
         engram_layer_ids=(1, 4), engram_num_embeddings=(660, 864), engram_vocab_size=100,
         engram_n_heads=2, engram_head_dim=32, engram_compressed_vocab_size=512,
-        dtype="bf16", expert_dtype=None, vision_n_layers=0,
-        dspark_block_size=0, dspark_noise_token_id=0, dspark_target_layer_ids=(),
-        dspark_n_routed_experts=0, dspark_n_activated_experts=0,
         max_position_embeddings=4096,
     )
 
@@ -555,8 +558,8 @@ def small() -> ModelConfig:
     """A CPU-trainable config that keeps the released schedule's shape: a 6-layer encoder (2 SWA,
     then 'Full + Reuse' ratio-2 groups) and a 6-layer decoder (ratio-1 Full + candidate source, then
     'Reindex + Reuse'), Engram before layer 1 and before the second encoder Full layer."""
-    return ModelConfig(
-        vocab_size=8192, dim=384, moe_inter_dim=384, n_layers=12, n_mtp_layers=0, n_heads=6,
+    return _cpu_scale(
+        vocab_size=8192, dim=384, moe_inter_dim=384, n_layers=12, n_heads=6,
         n_routed_experts=16, n_activated_experts=2, q_lora_rank=192, head_dim=128, rope_head_dim=32,
         o_groups=2, o_lora_rank=192, window_size=64,
         compress_ratios=(0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1), kv_source_layers=(2, 4, 6),
@@ -565,9 +568,6 @@ def small() -> ModelConfig:
         candidate_source_layer=6, candidate_topk_blocks=32, candidate_block_size=8,
         engram_layer_ids=(1, 4), engram_num_embeddings=(24064, 24336), engram_vocab_size=4000,
         engram_n_heads=2, engram_head_dim=64, engram_compressed_vocab_size=8192,
-        dtype="bf16", expert_dtype=None, vision_n_layers=0,
-        dspark_block_size=0, dspark_noise_token_id=0, dspark_target_layer_ids=(),
-        dspark_n_routed_experts=0, dspark_n_activated_experts=0,
         max_position_embeddings=8192,
     )
 
@@ -578,8 +578,8 @@ def mini() -> ModelConfig:
     cache, so sparse attention is a different model from dense. Every block type of the released
     schedule in 8 layers: SWA; a ratio-2 encoder (Full, Reuse, Full); a ratio-1 decoder (Full + candidate
     source, Reuse, Reindex, Reuse); Engram before layers 1 and 3."""
-    return ModelConfig(
-        vocab_size=8192, dim=256, moe_inter_dim=256, n_layers=8, n_mtp_layers=0, n_heads=4,
+    return _cpu_scale(
+        vocab_size=8192, dim=256, moe_inter_dim=256, n_layers=8, n_heads=4,
         n_routed_experts=8, n_activated_experts=2, q_lora_rank=128, head_dim=64, rope_head_dim=32,
         o_groups=2, o_lora_rank=128, window_size=64,
         compress_ratios=(0, 2, 2, 2, 1, 1, 1, 1), kv_source_layers=(1, 3, 4),
@@ -588,9 +588,6 @@ def mini() -> ModelConfig:
         candidate_source_layer=4, candidate_topk_blocks=16, candidate_block_size=8,
         engram_layer_ids=(1, 3), engram_num_embeddings=(12126, 12436), engram_vocab_size=2000,
         engram_n_heads=2, engram_head_dim=64, engram_compressed_vocab_size=8192,
-        dtype="bf16", expert_dtype=None, vision_n_layers=0,
-        dspark_block_size=0, dspark_noise_token_id=0, dspark_target_layer_ids=(),
-        dspark_n_routed_experts=0, dspark_n_activated_experts=0,
         max_position_embeddings=8192,
     )
 
