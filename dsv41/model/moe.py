@@ -72,10 +72,7 @@ class Gate(nn.Module):
             aux.natural.append(indices)
             capacity = math.ceil(aux.capacity_factor * x.size(0) * self.topk / scores.size(-1))
             indices = ops.moe.capacity_topk(scores + bias, self.topk, capacity, self.canonical_ties)
-            weights = scores.gather(1, indices)  # as ops.route weighs its picks
-            if self.normalize and self.topk > 1:
-                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-            weights = weights * self.route_scale
+            weights = ops.moe.route_weights(scores, indices, self.normalize, self.route_scale)
         if aux is not None:
             aux.append((scores, indices, x))
         return weights, indices

@@ -28,10 +28,16 @@ def route(scores: torch.Tensor, bias: torch.Tensor, k: int, normalize: bool,
     """
     biased = scores + bias
     indices = topk_canonical(biased, k) if canonical else biased.topk(k, dim=-1)[1]
+    return route_weights(scores, indices, normalize, route_scale), indices
+
+
+def route_weights(scores: torch.Tensor, indices: torch.Tensor, normalize: bool, route_scale: float) -> torch.Tensor:
+    """The weights of picked experts: their unbiased scores [T, E] at indices [T, k], normalised over the
+    picks when `normalize` (and k > 1), times `route_scale` -> fp32 [T, k]."""
     weights = scores.gather(1, indices)
-    if normalize and k > 1:
+    if normalize and indices.size(-1) > 1:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * route_scale, indices
+    return weights * route_scale
 
 
 def capacity_topk(biased: torch.Tensor, k: int, capacity: int, canonical: bool = True) -> torch.Tensor:

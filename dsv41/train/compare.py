@@ -122,12 +122,13 @@ def add_served(summary: dict, runs: list[str], names: list[str], batches: int) -
     """Score every run's checkpoint as served (`served_val_loss`) with its own data, sequence length and
     evaluation batch size from its saved training config."""
     for name, run in zip(names, runs):
-        state = os.path.join(run, "train_state", "state.json")
+        from dsv41.train.checkpoint import read_train_state_json
+
+        state = os.path.join(run, "train_state")
         try:
-            with open(state) as f:
-                cfg = json.load(f)["config"]
+            cfg = read_train_state_json(state)["config"]
         except (OSError, ValueError, KeyError) as err:
-            raise ValueError(f"{run}: cannot read the run's config from {state} ({err})") from None
+            raise ValueError(f"{run}: cannot read the run's config from {state}/state.json ({err})") from None
         if not cfg.get("data"):
             raise ValueError(f"{run}: trained on the default corpus (no --data folder recorded); --served needs "
                              "a run trained with --data")

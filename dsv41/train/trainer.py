@@ -38,6 +38,7 @@ from dsv41.train.checkpoint import (CHECKPOINT_FILES, TRAIN_STATE_FILES, full_te
                                     save_checkpoint, save_train_state, train_state_payload)
 from dsv41.train.balance import (decorrelate_router, load_ratio, proportional_bias_update,
                                  solve_balancing_bias)
+from dsv41.train.compare import read_metrics
 from dsv41.train.config import NS_DTYPES, TrainConfig, run_changes
 from dsv41.weights import checkpoint_run_info
 
@@ -430,7 +431,8 @@ class Trainer:
             bar.close()
         if self.rank == 0:
             # after a resume this process saw only the later steps: plot the whole run from its record
-            history = read_metrics(metrics_path) if self.resumed else self.history
+            resumed = self.resumed and os.path.isfile(metrics_path)
+            history = read_metrics(cfg.out) if resumed else self.history
             if history:
                 plot_losses(history, os.path.join(cfg.out, "loss.png"))
                 plot_routing(history, os.path.join(cfg.out, "routing.png"))
@@ -514,19 +516,6 @@ def _progress(total: int, done: int, enabled: bool):
     except ImportError:
         return None
     return tqdm(total=total, initial=done, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
-
-
-def read_metrics(path: str) -> list[dict]:
-    """The lines of metrics.jsonl; a line cut short by a kill is skipped."""
-    lines = []
-    if os.path.isfile(path):
-        with open(path) as f:
-            for text in f:
-                try:
-                    lines.append(json.loads(text))
-                except ValueError:
-                    continue
-    return lines
 
 
 def truncate_metrics(path: str, step: int) -> None:
