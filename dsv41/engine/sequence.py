@@ -127,8 +127,13 @@ class SequenceCache:
     def read_compressed(self, layer: int, b: int, n: int) -> torch.Tensor:
         return self.pool.read_kv(layer, self.table, torch.arange(n, device=self.table.device)).unsqueeze(0)
 
-    def read_index_keys(self, layer: int, b: int, n: int) -> torch.Tensor:
-        return self.pool.read_keys(layer, self.table, torch.arange(n, device=self.table.device)).unsqueeze(0)
+    def read_index_keys(self, layer: int, b: int, n: int, start: int = 0) -> torch.Tensor:
+        """Entries start..n-1, dequantised (only those: prefill scores the pool a block at a time)."""
+        return self.pool.read_keys(layer, self.table, torch.arange(start, n, device=self.table.device)).unsqueeze(0)
+
+    def read_index_keys_at(self, layer: int, b: int, entries: torch.Tensor) -> torch.Tensor:
+        """entries [1, ...] int64 -> dequantised keys [1, ..., index_dim]."""
+        return self.pool.keys_at(layer, self.pool.rows(layer, self.table, entries))
 
     def read_selected(self, layer: int, b: int, n: int, ids: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantise only the entries the queries picked (decode reads <= index_topk rows, not all n).

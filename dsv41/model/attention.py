@@ -96,6 +96,9 @@ class Indexer(nn.Module):
         self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
         # top-k ties to the lowest position (layout-independent); False: torch.topk's, like the reference
         self.canonical_ties = True
+        # canonical ties: score key blocks with a running top-k (False: materialise all scores; both tested equal)
+        self.streaming = True
+        self.score_budget = 1 << 22  # per-head scores held at once while streaming (tests shrink it)
         self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, cfg.dtype)
         self.weights_proj = Linear(cfg.dim, self.n_heads, "bf16")
         if self.owns_keys:
@@ -107,13 +110,18 @@ class Indexer(nn.Module):
         k = ops.apply_rope(self.k_norm(self.wk(latent)), freqs, self.rope_dim)
         return ops.fp4_qdq(k, FP4_BLOCK, "ue8m0")
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, index_k: torch.Tensor, freqs: torch.Tensor,
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, cache, source: int, n_keys: int, freqs: torch.Tensor,
                 visible: torch.Tensor, offset: int, shared: dict) -> torch.Tensor:
-        """x [B, S, dim], qr [B, S, q_lora]; index_k [B, T, index_head_dim] (T visible to the last query);
-        visible [S, 1] complete groups per query. Returns int32 [B, S, min(topk, T)] row ids + offset."""
+        """x [B, S, dim], qr [B, S, q_lora]; the index keys are the first `n_keys` entries of layer `source`
+        in `cache` (those visible to the last query); visible [S, 1] complete groups per query. Returns
+        int32 [B, S, min(topk, n_keys)] row ids + offset, ascending, -1 for unusable picks."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = ops.fp4_qdq(ops.apply_rope(q, freqs, self.rope_dim), FP4_BLOCK, "ue8m0")
         weights = self.weights_proj(x) * self.weight_scale
+        k = min(self.topk, n_keys)
+        if self.canonical_ties and self.streaming:
+            return self._select_streaming(q, weights, cache, source, n_keys, visible, offset, k, shared)
+        index_k = cache.read_index_keys(source, x.size(0), n_keys)
         scores = ops.mask_invisible(ops.index_scores(q, index_k, weights), visible)  # [B, S, T] bf16
         if self.is_candidate_source:
             shared["candidates"] = ops.candidate_pool(scores, visible, self.candidate_blocks, self.candidate_block_size,
@@ -121,7 +129,57 @@ class Indexer(nn.Module):
             _trace(shared, f"debug.layers.{self.layer_id}.candidates", shared["candidates"])
         elif self.uses_candidates:
             scores = scores.masked_fill(~shared["candidates"], -torch.inf)
-        return ops.select_topk(scores, min(self.topk, index_k.size(1)), offset, self.canonical_ties)
+        return ops.select_topk(scores, k, offset, self.canonical_ties)
+
+    def _select_streaming(self, q, weights, cache, source: int, n_keys: int, visible: torch.Tensor, offset: int,
+                          k: int, shared: dict) -> torch.Tensor:
+        """The same selection as the materialised path (tested equal) without ever holding scores for
+        all keys: key blocks are read (dequantised) one at a time, scored and merged into a running top-k
+        (`ops.merge_topk`); the candidate source keeps a running top-n of block maxima the same way; a
+        Reindex layer scores only the entries of its candidate blocks. Memory per step does not grow with
+        the context; time grows only through the Full layers' scoring."""
+        b, s = q.shape[:2]
+        device = q.device
+        if self.uses_candidates:
+            blocks = shared["candidate_blocks"]  # [B, S, n_blocks], from this forward's candidate source
+            entries, usable = ops.candidate_entries(blocks, visible, self.candidate_block_size)  # [B, S, E]
+            keys = cache.read_index_keys_at(source, b, entries.clamp_max(n_keys - 1))  # [B, S, E, D]
+            scores = ops.index_scores_gathered(q, keys, weights).masked_fill(~usable, -torch.inf)
+            top = ops.topk_canonical(scores, k, positions=entries)
+            picked_scores, picked = scores.gather(-1, top), entries.gather(-1, top)
+        else:
+            # key blocks of about `score_budget` per-head scores, a whole number of candidate blocks
+            size = self.candidate_block_size
+            step = max(size, self.score_budget // max(b * s * self.n_heads, 1) // size * size)
+            picked_scores = q.new_empty(b, s, 0)
+            picked = torch.empty(b, s, 0, dtype=torch.int64, device=device)
+            if self.is_candidate_source:
+                newest = torch.div(visible - 1, size, rounding_mode="floor")  # [S, 1]: always kept
+                n_top_blocks = min(self.candidate_blocks, -(-n_keys // size))
+                block_scores = q.new_empty(b, s, 0)
+                block_ids = torch.empty(b, s, 0, dtype=torch.int64, device=device)
+            for start in range(0, n_keys, step):
+                end = min(n_keys, start + step)
+                pos = torch.arange(start, end, device=device)
+                scores = ops.index_scores(q, cache.read_index_keys(source, b, end, start), weights)
+                scores = scores.masked_fill(pos >= visible, -torch.inf)  # [B, S, end - start]
+                picked_scores, picked = ops.merge_topk(picked_scores, picked, scores, pos, k)
+                if self.is_candidate_source:
+                    ids = torch.arange(start // size, -(-end // size), device=device)
+                    maxima = ops.block_maxima(scores, size).masked_fill(ids == newest, torch.inf)
+                    block_scores, block_ids = ops.merge_topk(block_scores, block_ids, maxima, ids, n_top_blocks)
+            if self.is_candidate_source:
+                # `candidate_blocks` order: best first, ties to the lowest block; -1 where nothing is visible
+                order = block_scores.argsort(dim=-1, descending=True, stable=True)
+                block_scores, block_ids = block_scores.gather(-1, order), block_ids.gather(-1, order)
+                shared["candidate_blocks"] = torch.where(block_scores > -torch.inf, block_ids, -1)
+                if shared.get("trace") is not None:
+                    _trace(shared, f"debug.layers.{self.layer_id}.candidates",
+                           ops.blocks_to_mask(shared["candidate_blocks"], n_keys, size))
+        # ascending positions, -1 for picks that are not visible (or outside the candidate pool)
+        order = torch.where(picked_scores > -torch.inf, picked, torch.iinfo(torch.int64).max).argsort(dim=-1)
+        picked, picked_scores = picked.gather(-1, order), picked_scores.gather(-1, order)
+        return torch.where(picked_scores > -torch.inf, picked + offset, -1).int()
 
 
 class Attention(nn.Module):
@@ -203,8 +261,7 @@ class Attention(nn.Module):
             else:
                 visible = (torch.arange(start_pos + 1, end + 1, device=x.device) // ratio).unsqueeze(-1)
                 freqs = self.rope(start_pos, s, x.device)
-                keys = cache.read_index_keys(self.kv_source, b, n_visible)
-                ids = self.indexer(x, qr, keys, freqs, visible, offset, shared)
+                ids = self.indexer(x, qr, cache, self.kv_source, n_visible, freqs, visible, offset, shared)
             shared.setdefault("topk", {})[self.layer_id] = ids
             _trace(shared, f"debug.layers.{self.layer_id}.topk_idxs", torch.where(ids >= 0, ids - offset, -1))
         else:

@@ -75,8 +75,14 @@ class ModelCache:
     def read_compressed(self, layer: int, b: int, n: int) -> torch.Tensor:
         return self.compressed_kv[layer][:b, :n]
 
-    def read_index_keys(self, layer: int, b: int, n: int) -> torch.Tensor:
-        return self.index_k[layer][:b, :n]
+    def read_index_keys(self, layer: int, b: int, n: int, start: int = 0) -> torch.Tensor:
+        return self.index_k[layer][:b, start:n]
+
+    def read_index_keys_at(self, layer: int, b: int, entries: torch.Tensor) -> torch.Tensor:
+        """Index keys of given entries per batch row: entries [b, ...] int64 -> [b, ..., index_head_dim]."""
+        keys = self.index_k[layer][:b]
+        rows = torch.arange(b, device=keys.device).view(b, *[1] * (entries.dim() - 1))
+        return keys[rows, entries]
 
     def read_selected(self, layer: int, b: int, n: int, ids: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The compressed rows a query set reads and ids into them (here: all n rows, ids unchanged)."""

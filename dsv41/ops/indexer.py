@@ -24,6 +24,15 @@ def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> tor
     return (per_head.relu() * weights.unsqueeze(-1)).sum(dim=2)
 
 
+def index_scores_gathered(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`index_scores` against a separate key list per query: q [B, S, H, D]; k [B, S, E, D] bf16 (query s's
+    own E entries, e.g. its candidate blocks); weights [B, S, H] -> scores [B, S, E] bf16. The same
+    operations, so an entry's score is the one `index_scores` gives it (the FP4 x FP4 products and their
+    partial sums are exact in fp32, so the GEMM's summation order does not matter)."""
+    per_head = torch.einsum("bshd,bsed->bshe", q, k)
+    return (per_head.relu() * weights.unsqueeze(-1)).sum(dim=2)
+
+
 def mask_invisible(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """Set scores of compressed entries a query cannot see yet to -inf.
 
@@ -71,9 +80,7 @@ def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int,
     scores [B, S, T] with invisible entries at -inf; visible [S, 1] (or [B, 1, 1], or a 0-dim) count of
     visible entries. The block holding the query's newest visible entry is always kept.
     """
-    width = scores.size(-1)
-    padded = F.pad(scores, (0, -width % block_size), value=-torch.inf)
-    block_scores = padded.unflatten(-1, (-1, block_size)).amax(dim=-1)  # [B, S, NB]
+    block_scores = block_maxima(scores, block_size)  # [B, S, NB]
     n_total = block_scores.size(-1)
     newest = torch.div(visible - 1, block_size, rounding_mode="floor")
     block_scores = block_scores.masked_fill(torch.arange(n_total, device=scores.device) == newest, torch.inf)
@@ -85,12 +92,51 @@ def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int, b
                    canonical: bool = True) -> torch.Tensor:
     """The candidate pool as a boolean mask [B, S, T] over positions (see `candidate_blocks`); blocks with
     no visible entry are never kept."""
-    width = scores.size(-1)
     blocks = candidate_blocks(scores, visible, n_blocks, block_size, canonical)
+    return blocks_to_mask(blocks, scores.size(-1), block_size)
+
+
+def blocks_to_mask(blocks: torch.Tensor, width: int, block_size: int) -> torch.Tensor:
+    """Block ids [..., n] (-1: none) -> boolean mask [..., width] over the positions they cover."""
     n_total = -(-width // block_size)
-    keep = torch.zeros(*blocks.shape[:-1], n_total + 1, dtype=torch.bool, device=scores.device)
+    keep = torch.zeros(*blocks.shape[:-1], n_total + 1, dtype=torch.bool, device=blocks.device)
     keep.scatter_(-1, torch.where(blocks >= 0, blocks, n_total), True)  # -1 goes to a spare column
     return keep[..., :n_total].repeat_interleave(block_size, dim=-1)[..., :width]
+
+
+def candidate_entries(blocks: torch.Tensor, visible: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions inside candidate blocks [..., n] (-1: none): (entries int64 [..., n * block_size], usable
+    bool, False for the padding of missing blocks and for positions at or past `visible` (broadcasting))."""
+    entries = (blocks.clamp_min(0).unsqueeze(-1) * block_size
+               + torch.arange(block_size, device=blocks.device)).flatten(-2)
+    usable = (blocks >= 0).repeat_interleave(block_size, dim=-1) & (entries < visible)
+    return entries, usable
+
+
+def merge_topk(kept_scores: torch.Tensor, kept_pos: torch.Tensor, scores: torch.Tensor, pos: torch.Tensor,
+               k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of a streaming top-k: the canonical top-k (score desc, ties to the lowest position) of the
+    kept entries and a new block, returned in ascending position order.
+
+    kept_* [..., m] (m <= k) in ascending position order; scores [..., n] of the block's entries at
+    positions `pos` ([n] or [..., n], ascending), all above every kept position. The union is then in
+    position order, so `topk_canonical` needs no positions; and since the order (score desc, position asc)
+    is total, the top-k of the union of the blocks' top-k's is the top-k of everything: streaming the
+    blocks in order gives exactly `topk_canonical` over the whole row (-inf entries included).
+    """
+    pos = pos.expand_as(scores)
+    merged_scores, merged_pos = torch.cat([kept_scores, scores], -1), torch.cat([kept_pos, pos], -1)
+    if merged_scores.size(-1) <= k:
+        return merged_scores, merged_pos
+    keep = topk_canonical(merged_scores, k).sort(dim=-1).values
+    return merged_scores.gather(-1, keep), merged_pos.gather(-1, keep)
+
+
+def block_maxima(scores: torch.Tensor, block_size: int) -> torch.Tensor:
+    """scores [..., T] -> [..., ceil(T / block_size)]: each block's best score (a short last block is
+    padded with -inf), the block score of the candidate pool."""
+    padded = F.pad(scores, (0, -scores.size(-1) % block_size), value=-torch.inf)
+    return padded.unflatten(-1, (-1, block_size)).amax(dim=-1)
 
 
 def select_topk(scores: torch.Tensor, k: int, offset: int = 0, canonical: bool = True) -> torch.Tensor:
