@@ -9,6 +9,7 @@ FP8 or FP4 x FP8 is exact in fp32, and the scales are powers of two).
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -78,7 +79,9 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch
 
     The chunks go to one batched GEMM (each batch entry is the same chunk-row GEMM, verified equal to
     separate calls in tests/ops) except for large bf16 weights, where this CPU's batched bf16 GEMM is slow
-    and separate calls are faster.
+    and separate calls are faster. There, whole runs of `WIDE_ROWS` rows go to one call when a probe on
+    this machine showed that call gives every row the bits of the `chunk`-row calls (`wide_rows_agree`;
+    then runs of 64): a prefill chunk of 1,024 tokens is then 4 calls, not 64, with the same result.
     """
     if not chunk:
         return F.linear(x, weight)
@@ -93,8 +96,34 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch
         parts = flat.view(-1, chunk, k)
         out = torch.bmm(parts, weight.t().expand(parts.size(0), k, weight.size(0))).flatten(0, 1)
     else:
-        out = torch.cat([F.linear(part, weight) for part in flat.split(chunk)])
+        parts, done = [], 0
+        for wide in (*WIDE_ROWS, chunk):  # greedy: the widest calls that agree first, `chunk` rows last
+            if wide != chunk and (n - done < wide or not wide_rows_agree(
+                    k, weight.size(0), weight.dtype, chunk, wide, torch.get_num_threads(), weight.device.type)):
+                continue
+            bulk = (flat.size(0) - done) // wide * wide
+            parts += [F.linear(part, weight) for part in flat[done:done + bulk].split(wide)]
+            done += bulk
+        out = torch.cat(parts)
     return out[:n].reshape(*lead, weight.size(0))
+
+
+WIDE_ROWS = (256, 64)  # row counts tried before `chunk`, widest first
+
+
+@functools.cache
+def wide_rows_agree(k: int, n: int, dtype: torch.dtype, chunk: int, wide: int, threads: int, device: str) -> bool:
+    """Does one `wide`-row GEMM [wide, k] x [k, n] give every row the same bits as `chunk`-row GEMMs?
+
+    GEMM libraries choose a kernel, and with it the summation order, from the shapes (and thread count),
+    never from the values, so one comparison on random data settles it for these shapes; the answer is
+    memoised per shape, dtype, thread count and device (a pure function of the machine and library).
+    On this CPU (oneDNN, bf16) most shapes agree; some (K = 768 at 33-128 rows) do not.
+    """
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(wide, k, generator=g).to(dtype=dtype, device=device)
+    w = torch.randn(n, k, generator=g).to(dtype=dtype, device=device)
+    return torch.equal(F.linear(x, w), torch.cat([F.linear(part, w) for part in x.split(chunk)]))
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, row_chunk: int = 0) -> torch.Tensor:

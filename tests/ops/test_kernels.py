@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from dsv41 import ops
@@ -99,3 +100,38 @@ def test_invariant_matmul_rows_do_not_depend_on_the_batch():
         for m in (1, 2, 3, 5, 16, 17, 33):  # each row's result is the same whatever else is in the call
             assert torch.equal(invariant_matmul(x[:m], w, 16), full[:m]), (dtype, k, n, m)
         assert torch.equal(invariant_matmul(x[5:9], w, 16), full[5:9])
+
+
+@pytest.mark.parametrize("k,n", [(384, 384), (768, 384), (192, 768)])
+def test_invariant_matmul_wide_calls_keep_rows_batch_invariant(k, n):
+    """Runs of 256 / 64 rows go to one call only where the machine's probe says it equals the 16-row calls;
+    either way each row's bits are those of a lone 16-row call, whatever the batch (up to 600 rows)."""
+    from dsv41.ops.gemm import WIDE_ROWS, invariant_matmul, wide_rows_agree
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(600, k, generator=g).bfloat16()
+    alone = torch.cat([invariant_matmul(row, w, 16) for row in x.split(1)])
+    for m in (600, 333, 256, 255, 100, 64, 17):
+        assert torch.equal(invariant_matmul(x[:m], w, 16), alone[:m]), m
+    assert torch.equal(invariant_matmul(x[37:400], w, 16), alone[37:400])
+    agree = [wide_rows_agree(k, n, torch.bfloat16, 16, wide, torch.get_num_threads(), "cpu") for wide in WIDE_ROWS]
+    assert all(isinstance(a, bool) for a in agree)
+
+
+def test_wide_rows_probe_can_say_no(monkeypatch):
+    """The probe compares real results: a GEMM whose wide calls round differently is refused."""
+    import torch.nn.functional as F
+
+    from dsv41.ops import gemm
+
+    real = F.linear
+
+    def skewed(x, w):  # a 'library' whose wide calls sum in another order
+        y = real(x, w)
+        return y + (y.abs() * 2 ** -7).to(y.dtype) if x.size(0) > 16 else y
+
+    monkeypatch.setattr(gemm.F, "linear", skewed)
+    assert not gemm.wide_rows_agree.__wrapped__(64, 32, torch.bfloat16, 16, 64, 1, "cpu")
+    monkeypatch.setattr(gemm.F, "linear", real)
+    assert gemm.wide_rows_agree.__wrapped__(64, 32, torch.bfloat16, 16, 64, 1, "cpu")
