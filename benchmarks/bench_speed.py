@@ -1,0 +1,284 @@
+"""Engine speed against the plain model loop, in one run (issue 12): decode, prefill, context scaling.
+
+    python benchmarks/bench_speed.py [--preset small] [--out bench_out] [--quick]
+    python benchmarks/bench_speed.py --prefill-curve 262144      # one long prompt: chunk time vs position
+
+Prints tables and writes bench_out/speed_<preset>.json and a PNG. Side by side (compare ratios; these
+machines are noisy):
+- decode tokens/s at batch 1/8/32 x context 512/4K/32K: the engine (batch-invariant, its default), the
+  engine without batch invariance, and the plain loop (the core model's forward + `ModelCache`, one
+  batch at one position). Contexts are laid down synthetically (random values on the storage grids, the
+  same state for both), so a decode step does the work it does after a real prefill;
+- decode step time vs context at batch 1;
+- prefill tokens/s and peak RSS at 512/4K/32K/128K (each in its own process, so the peak belongs to it):
+  the engine (bounded replay, 1,024-token chunks) and the plain loop (1,024-token chunks, no replay);
+- resident KV of the engine (packed pool) and the plain loop's bf16 containers.
+`--prefill-curve N` prefills one N-token prompt with the engine, recording each chunk's time and the
+process RSS, then times decode steps at that context (the 1M-token target's measured curve).
+Random weights: only speeds and sizes mean anything here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+from bench_serve import make_engine, random_prompts, synthetic_sequence, table
+from dsv41.config import preset
+from dsv41.engine import SamplingParams
+from dsv41.model.init import init_random_weights
+from dsv41.model.transformer import Transformer
+from dsv41.ops.quant import FP4_BLOCK, KV_FP4_BLOCK, fp4_qdq, fp8_qdq
+
+
+def build_model(name: str) -> Transformer:
+    return init_random_weights(Transformer(preset(name)), seed=1).eval()
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux: KiB
+
+
+# ---------------------------------------------------------------------- decode
+def engine_decode(model, batch: int, context: int, steps: int, **overrides) -> dict:
+    engine = make_engine(model, kv_pool_tokens=batch * (context + 256) + 4096, max_model_len=context + 4096,
+                         **overrides)
+    for i in range(batch):
+        synthetic_sequence(engine, context, seed=i)
+    engine.step()  # warm-up
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    seconds = time.perf_counter() - t
+    return {"tok_s": batch * steps / seconds, "step_ms": seconds / steps * 1e3,
+            "resident_kv_bytes": engine.resident_kv_bytes()["global_kv_bytes"]}
+
+
+def plain_decode(model, batch: int, context: int, steps: int) -> dict:
+    """The plain loop at a synthetic context: the same grid-valued state in the bf16 containers."""
+    model.set_batch_invariant(0)
+    cfg = model.cfg
+    cache = model.new_cache(batch, context + steps + 2)
+    for b in range(batch):
+        g = torch.Generator().manual_seed(b)
+        for layer in cfg.kv_source_layers:
+            n = context // cfg.compress_ratios[layer]
+            cache.compressed_kv[layer][b, :n] = fp4_qdq(torch.randn(n, cfg.head_dim, generator=g).bfloat16(),
+                                                        KV_FP4_BLOCK, "e4m3")
+            cache.index_k[layer][b, :n] = fp4_qdq(torch.randn(n, cfg.index_head_dim, generator=g).bfloat16(),
+                                                  FP4_BLOCK, "ue8m0")
+        for layer in range(cfg.n_layers):
+            cache.window_kv[layer][b] = fp8_qdq(torch.randn(cfg.window_size, cfg.head_dim, generator=g).bfloat16())
+    container = sum(t.numel() * t.element_size() for d in (cache.compressed_kv, cache.index_k) for t in d.values())
+    token = torch.full((batch, 1), 7)
+    with torch.inference_mode():
+        model(token, context, cache, last_only=True)  # warm-up
+        t = time.perf_counter()
+        for i in range(steps):
+            token = model(token, context + 1 + i, cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
+        seconds = time.perf_counter() - t
+    return {"tok_s": batch * steps / seconds, "step_ms": seconds / steps * 1e3,
+            "container_bytes": container}
+
+
+# ---------------------------------------------------------------------- prefill (one process per point)
+def prefill_point(preset_name: str, n: int, variant: str, threads: int) -> dict:
+    torch.set_num_threads(threads)
+    model = build_model(preset_name)
+    (prompt,) = random_prompts(1, n, model.cfg.vocab_size, seed=1)
+    before = peak_rss_gb()
+    if variant == "engine":
+        engine = make_engine(model, kv_pool_tokens=n + 4096, max_model_len=n + 4096, max_num_batched_tokens=1024)
+        engine.prompt_logits(prompt[:16])  # warm-up
+        t = time.perf_counter()
+        engine.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        seconds = time.perf_counter() - t
+    else:
+        model.set_batch_invariant(0)
+        cache = model.new_cache(1, n + 1)
+        ids = torch.tensor([prompt])
+        t = time.perf_counter()
+        with torch.inference_mode():
+            for start in range(0, n, 1024):
+                model(ids[:, start:start + 1024], start, cache, last_only=True)
+        seconds = time.perf_counter() - t
+    return {"prompt": n, "variant": variant, "seconds": seconds, "tok_s": n / seconds,
+            "peak_rss_gb": peak_rss_gb(), "rss_before_gb": before}
+
+
+def run_prefill_point(args, n: int, variant: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--preset", args.preset, "--threads", str(args.threads),
+           "--prefill-point", str(n), variant]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------- the long-prompt curve
+def prefill_curve(args) -> dict:
+    torch.set_num_threads(args.threads)
+    model = build_model(args.preset)
+    n = args.prefill_curve
+    (prompt,) = random_prompts(1, n, model.cfg.vocab_size, seed=1)
+    engine = make_engine(model, kv_pool_tokens=n + 4096, max_model_len=n + 4096, max_num_batched_tokens=1024)
+    engine.add_request("long", prompt, SamplingParams(temperature=0, max_tokens=1 << 30, ignore_eos=True))
+    seq = engine.requests["long"]
+    points, t0 = [], time.perf_counter()
+    while seq.in_prefill or not seq.output_ids:
+        t = time.perf_counter()
+        engine.step()
+        points.append({"position": seq.num_computed, "chunk_s": time.perf_counter() - t,
+                       "elapsed_s": time.perf_counter() - t0, "rss_gb": peak_rss_gb()})
+        if len(points) % 32 == 0:
+            p = points[-1]
+            print(f"  {p['position']:>9} tokens  {p['elapsed_s']:8.1f} s  chunk {p['chunk_s']:.2f} s  "
+                  f"peak RSS {p['rss_gb']:.2f} GB", flush=True)
+    prefill_s = time.perf_counter() - t0
+    steps = []
+    for _ in range(5):
+        t = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - t)
+    kv = engine.resident_kv_bytes()
+    return {"preset": args.preset, "threads": args.threads, "prompt": n, "prefill_s": prefill_s, "points": points,
+            "decode_step_s": steps, "peak_rss_gb": peak_rss_gb(), "resident_kv_bytes": kv["global_kv_bytes"]}
+
+
+# ---------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefill-curve", type=int, default=0, metavar="N", help="prefill one N-token prompt, per chunk")
+    ap.add_argument("--prefill-point", nargs=2, metavar=("N", "VARIANT"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.prefill_point:
+        print(json.dumps(prefill_point(args.preset, int(args.prefill_point[0]), args.prefill_point[1], args.threads)))
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    if args.prefill_curve:
+        result = prefill_curve(args)
+        path = os.path.join(args.out, f"prefill_curve_{args.preset}_{args.prefill_curve}.json")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"prefill {result['prompt']} tokens: {result['prefill_s']:.0f} s, peak RSS {result['peak_rss_gb']:.2f} GB,"
+              f" decode step {min(result['decode_step_s']) * 1e3:.0f} ms; wrote {path}")
+        return 0
+
+    torch.set_num_threads(args.threads)
+    model = build_model(args.preset)
+    quick = args.quick
+    results: dict = {"preset": args.preset, "threads": args.threads, "torch": torch.__version__}
+
+    batches, contexts = ([1, 8], [512, 2048]) if quick else ([1, 8, 32], [512, 4096, 32768])
+    steps = 3 if quick else 6
+    rows, decode = [], []
+    for ctx in contexts:
+        for b in batches:
+            eng = engine_decode(model, b, ctx, steps)
+            fast = engine_decode(model, b, ctx, steps, batch_invariant=False)
+            plain = plain_decode(model, b, ctx, steps)
+            decode.append({"batch": b, "context": ctx, "engine_tok_s": eng["tok_s"],
+                           "engine_not_invariant_tok_s": fast["tok_s"], "plain_tok_s": plain["tok_s"],
+                           "ratio": eng["tok_s"] / plain["tok_s"], "ratio_not_invariant": fast["tok_s"] / plain["tok_s"]})
+            rows.append([b, ctx, eng["tok_s"], fast["tok_s"], plain["tok_s"], eng["tok_s"] / plain["tok_s"],
+                         fast["tok_s"] / plain["tok_s"]])
+            print(table("", ["batch", "context", "engine", "engine no-inv", "plain", "engine/plain", "no-inv/plain"],
+                        [rows[-1]]).splitlines()[-1], flush=True)
+    results["decode"] = decode
+    print(table(f"\n[decode tok/s] {args.preset}, {steps} steps after a warm-up, synthetic context",
+                ["batch", "context", "engine tok/s", "engine (no batch inv.)", "plain loop tok/s", "engine/plain",
+                 "no-inv./plain"], rows))
+
+    step_contexts = [1024, 4096] if quick else [1024, 4096, 16384, 32768, 65536]
+    rows, scaling = [], []
+    for ctx in step_contexts:
+        eng, plain = engine_decode(model, 1, ctx, steps), plain_decode(model, 1, ctx, steps)
+        scaling.append({"context": ctx, "engine_step_ms": eng["step_ms"], "plain_step_ms": plain["step_ms"],
+                        "engine_resident_kv_bytes": eng["resident_kv_bytes"]})
+    for r in scaling:
+        r["engine_vs_first"] = r["engine_step_ms"] / scaling[0]["engine_step_ms"]
+        r["plain_vs_first"] = r["plain_step_ms"] / scaling[0]["plain_step_ms"]
+        rows.append([r["context"], r["engine_step_ms"], r["plain_step_ms"], r["engine_vs_first"], r["plain_vs_first"],
+                     r["engine_resident_kv_bytes"] / 2 ** 20])
+    results["decode_step_vs_context"] = scaling
+    print(table(f"\n[decode step vs context] {args.preset}, batch 1",
+                ["context", "engine ms", "plain ms", f"engine / {step_contexts[0]}", f"plain / {step_contexts[0]}",
+                 "engine resident KV MiB"], rows))
+
+    prompts = [512, 2048] if quick else [512, 4096, 32768, 131072]
+    rows, prefill = [], []
+    for n in prompts:
+        eng = run_prefill_point(args, n, "engine")
+        plain = run_prefill_point(args, n, "plain") if n <= 32768 else None
+        prefill.append({"prompt": n, "engine": eng, "plain": plain})
+        rows.append([n, eng["tok_s"], eng["peak_rss_gb"], plain["tok_s"] if plain else "not run",
+                     plain["peak_rss_gb"] if plain else "-", eng["tok_s"] / plain["tok_s"] if plain else "-"])
+        print(table("", ["prompt", "engine tok/s", "engine RSS", "plain tok/s", "plain RSS", "ratio"],
+                    [rows[-1]]).splitlines()[-1], flush=True)
+    first = prefill[0]["engine"]["seconds"] / prompts[0]
+    for p in prefill:
+        p["engine_per_token_vs_first"] = p["engine"]["seconds"] / p["prompt"] / first
+    results["prefill"] = prefill
+    print(table(f"\n[prefill] {args.preset}, 1,024-token chunks, one process per point (peak RSS of that process)",
+                ["prompt", "engine tok/s", "engine peak RSS GB", "plain loop tok/s", "plain peak RSS GB",
+                 "engine/plain"], rows))
+    print("engine per-token prefill time vs the first prompt: "
+          + ", ".join(f"{p['prompt']}: {p['engine_per_token_vs_first']:.2f}x" for p in prefill))
+
+    path = os.path.join(args.out, f"speed_{args.preset}.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2)
+    plot(results, os.path.join(args.out, f"speed_{args.preset}.png"))
+    print(f"\nwrote {path} and the plot")
+    return 0
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    d = results["decode"]
+    labels = [f"b{r['batch']}\n{r['context'] // 1024 or r['context']}{'K' if r['context'] >= 1024 else ''}" for r in d]
+    x = range(len(d))
+    for off, key, label in ((-0.27, "engine_tok_s", "engine"), (0, "engine_not_invariant_tok_s", "engine, no batch inv."),
+                            (0.27, "plain_tok_s", "plain loop")):
+        axes[0].bar([i + off for i in x], [r[key] for r in d], 0.27, label=label)
+    axes[0].set_xticks(list(x), labels, fontsize=7)
+    axes[0].set_yscale("log")
+    axes[0].set(xlabel="batch / context", ylabel="decode tokens/s", title="decode throughput")
+    axes[0].legend(fontsize=8)
+    c = results["decode_step_vs_context"]
+    axes[1].plot([r["context"] for r in c], [r["engine_step_ms"] for r in c], "o-", label="engine")
+    axes[1].plot([r["context"] for r in c], [r["plain_step_ms"] for r in c], "s-", label="plain loop")
+    axes[1].set_xscale("log", base=2)
+    axes[1].set(xlabel="context tokens", ylabel="decode step ms (batch 1)", title="decode step vs context")
+    axes[1].legend()
+    p = results["prefill"]
+    axes[2].plot([r["prompt"] for r in p], [r["engine"]["tok_s"] for r in p], "o-", label="engine tok/s")
+    pp = [r for r in p if r["plain"]]
+    axes[2].plot([r["prompt"] for r in pp], [r["plain"]["tok_s"] for r in pp], "s-", label="plain loop tok/s")
+    axes[2].set_xscale("log", base=2)
+    axes[2].set(xlabel="prompt tokens", ylabel="prefill tokens/s", title="prefill")
+    ax2 = axes[2].twinx()
+    ax2.plot([r["prompt"] for r in p], [r["engine"]["peak_rss_gb"] for r in p], "k:", label="engine peak RSS")
+    ax2.set_ylabel("peak RSS GB")
+    axes[2].legend(loc="lower left", fontsize=8)
+    fig.suptitle(f"dsv41 engine vs plain loop, preset {results['preset']} (random weights, {results['threads']} threads)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
