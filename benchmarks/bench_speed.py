@@ -43,7 +43,16 @@ def build_model(name: str) -> Transformer:
 
 
 def peak_rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux: KiB
+    """This process's peak resident set (VmHWM). Not getrusage's ru_maxrss: Linux carries that across
+    exec, so a child started by a big parent would report the parent's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1e6  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
 
 
 # ---------------------------------------------------------------------- decode
@@ -121,7 +130,8 @@ def run_prefill_point(args, n: int, variant: str) -> dict:
 
 
 # ---------------------------------------------------------------------- the long-prompt curve
-def prefill_curve(args) -> dict:
+def prefill_curve(args, path: str) -> dict:
+    """Writes the points so far to `path` every 32 chunks (a long run stopped early keeps its curve)."""
     torch.set_num_threads(args.threads)
     model = build_model(args.preset)
     n = args.prefill_curve
@@ -136,6 +146,9 @@ def prefill_curve(args) -> dict:
         points.append({"position": seq.num_computed, "chunk_s": time.perf_counter() - t,
                        "elapsed_s": time.perf_counter() - t0, "rss_gb": peak_rss_gb()})
         if len(points) % 32 == 0:
+            with open(path, "w") as f:
+                json.dump({"preset": args.preset, "threads": args.threads, "prompt": n, "partial": True,
+                           "points": points}, f, indent=1)
             p = points[-1]
             print(f"  {p['position']:>9} tokens  {p['elapsed_s']:8.1f} s  chunk {p['chunk_s']:.2f} s  "
                   f"peak RSS {p['rss_gb']:.2f} GB", flush=True)
@@ -165,8 +178,8 @@ def main(argv=None) -> int:
         return 0
     os.makedirs(args.out, exist_ok=True)
     if args.prefill_curve:
-        result = prefill_curve(args)
         path = os.path.join(args.out, f"prefill_curve_{args.preset}_{args.prefill_curve}.json")
+        result = prefill_curve(args, path)
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
         print(f"prefill {result['prompt']} tokens: {result['prefill_s']:.0f} s, peak RSS {result['peak_rss_gb']:.2f} GB,"
@@ -272,7 +285,8 @@ def plot(results: dict, path: str) -> None:
     axes[2].set_xscale("log", base=2)
     axes[2].set(xlabel="prompt tokens", ylabel="prefill tokens/s", title="prefill")
     ax2 = axes[2].twinx()
-    ax2.plot([r["prompt"] for r in p], [r["engine"]["peak_rss_gb"] for r in p], "k:", label="engine peak RSS")
+    rss = [r for r in p if r["engine"].get("peak_rss_gb") is not None]
+    ax2.plot([r["prompt"] for r in rss], [r["engine"]["peak_rss_gb"] for r in rss], "k:o", label="engine peak RSS")
     ax2.set_ylabel("peak RSS GB")
     axes[2].legend(loc="lower left", fontsize=8)
     fig.suptitle(f"dsv41 engine vs plain loop, preset {results['preset']} (random weights, {results['threads']} threads)")

@@ -141,21 +141,24 @@ def _select(attn, x, qr, batch: DecodeBatch, pool: PagedKVPool) -> torch.Tensor:
         size = idx.candidate_block_size
         entries = (blocks.clamp_min(0).unsqueeze(-1) * size + torch.arange(size, device=pos.device)).flatten(-2)
         usable = (blocks >= 0).repeat_interleave(size, dim=-1) & (entries < visible.view(b, 1, 1))
+        keys = pool.keys_at(src, pool.rows_batched(src, batch.tables, torch.minimum(entries, last)[:, 0]))  # [B, n, d]
     else:
         entries = torch.arange(t, device=pos.device).expand(b, 1, t)
         usable = entries < visible.view(b, 1, 1)
-    keys = pool.keys_at(src, pool.rows_batched(src, batch.tables, torch.minimum(entries, last)[:, 0]))  # [B, n, d]
+        # every visible key: whole blocks at once (the entries past a sequence's own end are masked above)
+        per = pool.sources[src].entries_per_block
+        keys = pool.keys_of_blocks(src, batch.tables[:, :-(-t // per)])[:, :t]  # [B, t, d]
     freqs = attn.rope.at(pos, x.device)
     q = idx.wq_b(qr).unflatten(-1, (idx.n_heads, idx.head_dim))
     q = ops.fp4_qdq(_rope_rows(q, freqs, idx.rope_dim), FP4_BLOCK, "ue8m0")
     weights = idx.weights_proj(x) * idx.weight_scale
-    scores = ops.index_scores(q, keys, weights).masked_fill(~usable, -torch.inf)  # [B, 1, n]
+    scores = ops.index_scores_mm(q, keys, weights).masked_fill(~usable, -torch.inf)  # [B, 1, n]
     if idx.is_candidate_source:
         batch.shared["candidate_blocks"] = ops.candidate_blocks(scores, visible.view(b, 1, 1), idx.candidate_blocks,
                                                                 idx.candidate_block_size, idx.canonical_ties)
     k = min(idx.topk, scores.size(-1))
     if idx.canonical_ties:  # ties by entry position, not by where the gather put an entry in this row
-        top = ops.topk_canonical(scores, k, positions=entries)
+        top = ops.topk_canonical(scores, k, positions=entries if idx.uses_candidates else None)
     else:
         top = scores.topk(k, dim=-1, sorted=False).indices
     picked, order = entries.gather(-1, top).sort(dim=-1)  # ascending positions, like select_topk

@@ -102,6 +102,23 @@ class PagedKVPool:
         scale = self.key_scale[layer][rows].view(torch.float8_e8m0fnu).float()
         return fp4_dequant_bf16(self.key_codes[layer][rows], scale, FP4_BLOCK)
 
+    def keys_of_blocks(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
+        """Dequantised index keys of whole blocks: block ids [..., nb] -> bf16 [..., nb * entries_per_block,
+        index_dim], in entry order. One gather per block instead of one per entry (the scan of every key
+        that Full index layers do each step); entries past what was written hold stale values, so callers
+        mask them."""
+        per = self.sources[layer].entries_per_block
+        codes = self.key_codes[layer].view(self.num_blocks, per, -1)[blocks]  # [..., nb, per, D/2]
+        scale = self.key_scale[layer].view(self.num_blocks, per, -1)[blocks].view(torch.float8_e8m0fnu).float()
+        return fp4_dequant_bf16(codes, scale, FP4_BLOCK).flatten(-3, -2)
+
+    def read_key_range(self, layer: int, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Dequantised index keys of entries start..end-1 of one sequence -> bf16 [end - start, index_dim]."""
+        per = self.sources[layer].entries_per_block
+        first, last = start // per, -(-end // per)
+        keys = self.keys_of_blocks(layer, table[first:last])
+        return keys[start - first * per:end - first * per]
+
     # ------------------------------------------------------------------ access
     def write(self, layer: int, table: torch.Tensor, first: int, kv: torch.Tensor, keys) -> None:
         """Store entries first..first+n-1 of one sequence: kv [n, head_dim], keys [n, index_dim] or None."""

@@ -129,7 +129,7 @@ class SequenceCache:
 
     def read_index_keys(self, layer: int, b: int, n: int, start: int = 0) -> torch.Tensor:
         """Entries start..n-1, dequantised (only those: prefill scores the pool a block at a time)."""
-        return self.pool.read_keys(layer, self.table, torch.arange(start, n, device=self.table.device)).unsqueeze(0)
+        return self.pool.read_key_range(layer, self.table, start, n).unsqueeze(0)
 
     def read_index_keys_at(self, layer: int, b: int, entries: torch.Tensor) -> torch.Tensor:
         """entries [1, ...] int64 -> dequantised keys [1, ..., index_dim]."""

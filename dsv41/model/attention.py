@@ -161,7 +161,7 @@ class Indexer(nn.Module):
             for start in range(0, n_keys, step):
                 end = min(n_keys, start + step)
                 pos = torch.arange(start, end, device=device)
-                scores = ops.index_scores(q, cache.read_index_keys(source, b, end, start), weights)
+                scores = ops.index_scores_mm(q, cache.read_index_keys(source, b, end, start), weights)
                 scores = scores.masked_fill(pos >= visible, -torch.inf)  # [B, S, end - start]
                 picked_scores, picked = ops.merge_topk(picked_scores, picked, scores, pos, k)
                 if self.is_candidate_source:

@@ -70,3 +70,23 @@ def test_allocator_refcounts_and_lru_eviction():
     assert alloc.allocate() == c
     assert alloc.allocate() == a  # evicts the oldest cached block
     assert alloc.lookup(111) is None and alloc.lookup(222) == b
+
+
+def test_block_key_reads_equal_entry_reads():
+    """`keys_of_blocks` / `read_key_range` (whole-block gathers, the indexer's scans) return exactly the
+    per-entry reads, for scattered tables and ranges that start and end inside blocks."""
+    cfg = tiny()
+    pool = PagedKVPool(cfg, block_size=8, num_blocks=7)
+    table = torch.tensor([5, 0, 3, 6])
+    g = torch.Generator().manual_seed(1)
+    for layer in cfg.kv_source_layers:
+        n = 32 // cfg.compress_ratios[layer]
+        keys = fp4_qdq(torch.randn(n, cfg.index_head_dim, generator=g).bfloat16() * 4, FP4_BLOCK, "ue8m0")
+        kv = fp4_qdq(torch.randn(n, cfg.head_dim, generator=g).bfloat16(), KV_FP4_BLOCK, "e4m3")
+        pool.write(layer, table, 0, kv, keys)
+        assert torch.equal(pool.keys_of_blocks(layer, table), keys)
+        assert torch.equal(pool.keys_of_blocks(layer, table.view(2, 2)), keys.view(2, n // 2, -1))
+        for start, end in ((0, n), (1, n - 1), (3, 5), (n - 2, n)):
+            assert torch.equal(pool.read_key_range(layer, table, start, end), keys[start:end]), (layer, start, end)
+            assert torch.equal(pool.read_key_range(layer, table, start, end),
+                               pool.read_keys(layer, table, torch.arange(start, end)))

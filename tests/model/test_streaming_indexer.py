@@ -115,3 +115,26 @@ def test_engine_prefill_and_decode_same_with_streaming(mode):
         results.append((first, out.token_ids))
     assert torch.equal(results[0][0], results[1][0])
     assert results[0][1] == results[1][1]
+
+
+@pytest.mark.parametrize("b,s,h,d,t", [(1, 1, 8, 64, 5000), (3, 1, 8, 64, 300), (1, 64, 4, 64, 777), (2, 5, 16, 128, 40)])
+def test_index_scores_mm_equals_the_einsum_reference(b, s, h, d, t):
+    """On FP4-rounded q and k (what the indexer scores), the 2-D GEMM formulation gives the einsum's bits,
+    including keys whose scales differ by 2^8 from each other."""
+    from dsv41.ops.quant import FP4_BLOCK
+
+    g = torch.Generator().manual_seed(t)
+    q = ops.fp4_qdq(torch.randn(b, s, h, d, generator=g), FP4_BLOCK, "ue8m0").bfloat16()
+    spread = 2.0 ** torch.randint(-4, 5, (b, t, 1), generator=g)
+    k = ops.fp4_qdq(torch.randn(b, t, d, generator=g) * spread, FP4_BLOCK, "ue8m0").bfloat16()
+    w = torch.randn(b, s, h, generator=g).bfloat16()
+    assert torch.equal(ops.index_scores_mm(q, k, w), ops.index_scores(q, k, w))
+
+
+def test_fp4_dequant_bf16_equals_the_fp32_dequant():
+    from dsv41.ops.quant import KV_FP4_BLOCK, fp4_dequant, fp4_dequant_bf16, fp4_quant
+
+    x = torch.randn(3, 50, 128, generator=torch.Generator().manual_seed(0)) * 10
+    for block, fmt in ((32, "ue8m0"), (KV_FP4_BLOCK, "e4m3")):
+        codes, scale = fp4_quant(x, block, fmt)
+        assert torch.equal(fp4_dequant_bf16(codes, scale, block), fp4_dequant(codes, scale, block).bfloat16())
