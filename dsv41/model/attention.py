@@ -99,6 +99,9 @@ class Indexer(nn.Module):
         # canonical ties: score key blocks with a running top-k (False: materialise all scores; both tested equal)
         self.streaming = True
         self.score_budget = 1 << 22  # per-head scores held at once while streaming (tests shrink it)
+        # pieces scored per merge: the [S, H, piece] intermediates stay small (the scoring is memory-bound)
+        # while the top-k merge, whose cost is per call, runs once per merge_every pieces
+        self.merge_every = 8
         self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, cfg.dtype)
         self.weights_proj = Linear(cfg.dim, self.n_heads, "bf16")
         if self.owns_keys:
@@ -158,10 +161,12 @@ class Indexer(nn.Module):
                 n_top_blocks = min(self.candidate_blocks, -(-n_keys // size))
                 block_scores = q.new_empty(b, s, 0)
                 block_ids = torch.empty(b, s, 0, dtype=torch.int64, device=device)
-            for start in range(0, n_keys, step):
-                end = min(n_keys, start + step)
+            span = step * self.merge_every  # keys scored (in pieces of `step`) per merge into the top-k
+            for start in range(0, n_keys, span):
+                end = min(n_keys, start + span)
                 pos = torch.arange(start, end, device=device)
-                scores = ops.index_scores_mm(q, cache.read_index_keys(source, b, end, start), weights)
+                scores = torch.cat([ops.index_scores_mm(q, cache.read_index_keys(source, b, min(end, a + step), a), weights)
+                                    for a in range(start, end, step)], dim=-1)
                 scores = scores.masked_fill(pos >= visible, -torch.inf)  # [B, S, end - start]
                 picked_scores, picked = ops.merge_topk(picked_scores, picked, scores, pos, k)
                 if self.is_candidate_source:

@@ -60,20 +60,29 @@ def topk_canonical(scores: torch.Tensor, k: int, positions: torch.Tensor | None 
     gather of entries in some other order; by default position = index. Invisible entries should be
     -inf: they tie with each other and are then taken lowest position first, like any other tie.
     """
-    n = scores.size(-1)
     if positions is not None:  # (score desc, position asc) by two stable sorts; rows here are short
         by_position = positions.argsort(dim=-1, stable=True)
         ordered = scores.gather(-1, by_position)
         return by_position.gather(-1, ordered.argsort(dim=-1, descending=True, stable=True)[..., :k])
-    # O(N): everything above the k-th value, then the lowest positions among those equal to it
-    kth = scores.topk(k, dim=-1).values[..., -1:]
-    above, equal = scores > kth, scores == kth
-    need = k - above.sum(-1, keepdim=True)
-    take = above | (equal & (equal.cumsum(-1) <= need))  # exactly k per row
-    index = torch.arange(n, device=scores.device)
-    chosen = torch.where(take, n - index, -1).topk(k, dim=-1).indices  # distinct keys: ascending positions
-    order = scores.gather(-1, chosen).argsort(dim=-1, descending=True, stable=True)
-    return chosen.gather(-1, order)
+    # one top-k over distinct integer keys (score, then position reversed): exactly the canonical order
+    return canonical_keys(scores).topk(k, dim=-1).indices
+
+
+def canonical_keys(scores: torch.Tensor) -> torch.Tensor:
+    """Integer keys [..., N], all distinct, ordered like (score desc, position asc): the score's bits made
+    monotone (negative floats get their magnitude bits flipped; -0.0 first becomes +0.0, so equal scores
+    get equal high halves) in the high half, N-1-position in the low half. int32 for 16-bit scores
+    (bf16/fp16) over at most 2^16 entries, int64 otherwise (fp32 bits). -inf sorts below every finite
+    score and ties like any other value."""
+    n = scores.size(-1)
+    small = scores.dtype in (torch.bfloat16, torch.float16) and n <= 1 << 16
+    width, bits_dtype, key_dtype = (16, torch.int16, torch.int32) if small else (32, torch.int32, torch.int64)
+    values = scores if small else scores.float()
+    keys = (values + 0.0).view(bits_dtype).to(key_dtype)  # + 0.0 maps -0.0 to +0.0
+    keys ^= (keys >> (2 * width - 1)) & ((1 << (width - 1)) - 1)  # negatives: flip the magnitude bits
+    keys <<= width
+    keys |= n - 1 - torch.arange(n, dtype=key_dtype, device=scores.device)
+    return keys
 
 
 def _topk(scores: torch.Tensor, k: int, canonical: bool, positions: torch.Tensor | None = None) -> torch.Tensor:
