@@ -163,6 +163,56 @@ def prefill_curve(args, path: str) -> dict:
             "decode_step_s": steps, "peak_rss_gb": peak_rss_gb(), "resident_kv_bytes": kv["global_kv_bytes"]}
 
 
+def extrapolate_curve(result: dict, target: int) -> dict:
+    """Fit chunk time = a + b * position (least squares over the chunks past 8K tokens, or past a quarter of a shorter prompt) and sum it
+    over the chunks of a `target`-token prompt; decode step extrapolated linearly in the context from
+    the curve's context (its growth is the Full layers' key scan)."""
+    pts = [p for p in result["points"] if p["position"] > min(8192, result["prompt"] // 4)]
+    xs = torch.tensor([float(p["position"]) for p in pts], dtype=torch.float64)
+    ys = torch.tensor([p["chunk_s"] for p in pts], dtype=torch.float64)
+    design = torch.stack([torch.ones_like(xs), xs], 1)
+    a, b = torch.linalg.lstsq(design, ys.unsqueeze(1)).solution.squeeze(1).tolist()
+    chunk = 1024
+    total = sum(a + b * min(p + chunk, target) for p in range(0, target, chunk))
+    out = {"fit_chunk_s": [a, b], "target": target, "prefill_s": total,
+           "measured_prefill_s": result.get("prefill_s"), "measured_prompt": result["prompt"]}
+    steps = result.get("decode_step_s")
+    if steps:
+        out["decode_step_s_measured"] = min(steps)
+    return out
+
+
+def plot_curve(result: dict, fit: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = result["points"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    x = [p["position"] for p in pts]
+    axes[0].plot(x, [p["chunk_s"] for p in pts], ".", ms=3, label="measured chunk time")
+    a, b = fit["fit_chunk_s"]
+    xs = [0, fit["target"]]
+    axes[0].plot(xs, [a + b * v for v in xs], "--", label=f"fit {a:.2f} s + {b * 1e6:.2f} us x position")
+    axes[0].set(xlabel="position (tokens)", ylabel="s per 1,024-token chunk", title="prefill chunk time")
+    axes[0].legend()
+    axes[1].plot(x, [p["elapsed_s"] / 60 for p in pts], label="elapsed (measured)")
+    target = fit["target"]
+    ext = list(range(0, target + 1, 8192))
+    axes[1].plot(ext, [sum(a + b * min(p + 1024, t) for p in range(0, t, 1024)) / 60 for t in ext], "--",
+                 label=f"fit: {fit['prefill_s'] / 60:.0f} min at {target:,}")
+    ax2 = axes[1].twinx()
+    ax2.plot(x, [p["rss_gb"] for p in pts], "k:", label="peak RSS GB")
+    ax2.set_ylabel("peak RSS GB")
+    ax2.set_ylim(0, max(4.0, max(p["rss_gb"] for p in pts) * 1.2))
+    axes[1].set(xlabel="prompt tokens", ylabel="minutes", title="prefill time and peak RSS")
+    axes[1].legend(loc="upper left")
+    fig.suptitle(f"one long prompt, preset {result['preset']}, {result['threads']} threads (random weights)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 # ---------------------------------------------------------------------- main
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -172,11 +222,22 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prefill-curve", type=int, default=0, metavar="N", help="prefill one N-token prompt, per chunk")
     ap.add_argument("--prefill-point", nargs=2, metavar=("N", "VARIANT"), help=argparse.SUPPRESS)
+    ap.add_argument("--plot-curve", metavar="JSON", help="fit, extrapolate to 1,048,576 tokens and plot a curve file")
     args = ap.parse_args(argv)
     if args.prefill_point:
         print(json.dumps(prefill_point(args.preset, int(args.prefill_point[0]), args.prefill_point[1], args.threads)))
         return 0
     os.makedirs(args.out, exist_ok=True)
+    if args.plot_curve:
+        with open(args.plot_curve) as f:
+            result = json.load(f)
+        fit = extrapolate_curve(result, 1 << 20)
+        result["extrapolation"] = fit
+        with open(args.plot_curve, "w") as f:
+            json.dump(result, f, indent=1)
+        plot_curve(result, fit, args.plot_curve.replace(".json", ".png"))
+        print(json.dumps(fit, indent=1))
+        return 0
     if args.prefill_curve:
         path = os.path.join(args.out, f"prefill_curve_{args.preset}_{args.prefill_curve}.json")
         result = prefill_curve(args, path)

@@ -3,6 +3,11 @@ import os
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Triton kernels run in its interpreter on CPU (tests/ops/test_triton.py). The variable is read when
+    # functions are decorated, Triton's own library included, so it is set before anything imports it.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from dsv41.config import tiny
 from dsv41.model.init import init_random_weights
 from dsv41.model.transformer import Transformer

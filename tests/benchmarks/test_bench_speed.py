@@ -36,3 +36,10 @@ def test_bench_speed_prefill_curve(tmp_path):
     positions = [p["position"] for p in result["points"]]
     assert positions[-1] >= 3000 and positions == sorted(positions)
     assert len(result["decode_step_s"]) == 5 and result["resident_kv_bytes"] > 0
+    curve = str(tmp_path / "prefill_curve_tiny_3000.json")
+    run = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path), "--plot-curve", curve],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    fit = json.loads((tmp_path / "prefill_curve_tiny_3000.json").read_text())["extrapolation"]
+    assert fit["target"] == 1 << 20 and fit["prefill_s"] > result["prefill_s"]
+    assert (tmp_path / "prefill_curve_tiny_3000.png").stat().st_size > 10_000
