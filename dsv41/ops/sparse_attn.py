@@ -33,15 +33,16 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, indi
     for start in range(0, indices.size(-1), BLOCK):
         idx = indices[:, :, start:start + BLOCK].long()  # [B, M, k]
         valid = idx != -1
-        rows = kvf[batch, idx.clamp_min(0)] * valid.unsqueeze(-1)  # [B, M, k, D], empty slots zeroed
+        # in-place steps on fresh tensors: the same operations and roundings without new allocations
+        rows = kvf[batch, idx.clamp_min(0)].mul_(valid.unsqueeze(-1))  # [B, M, k, D], empty slots zeroed
         logits = torch.einsum("bmhd,bmkd->bmhk", qf, rows)
-        logits = torch.where(valid.unsqueeze(2), logits, -torch.inf) * scale
+        logits = logits.masked_fill_(~valid.unsqueeze(2), -torch.inf).mul_(scale)
         new_max = torch.maximum(running_max, logits.amax(dim=-1))
         rescale = torch.exp(running_max - new_max)
-        probs = torch.exp(logits - new_max.unsqueeze(-1))
-        denom = denom * rescale + probs.sum(dim=-1)
+        probs = logits.sub_(new_max.unsqueeze(-1)).exp_()
+        denom = denom.mul_(rescale).add_(probs.sum(dim=-1))
         pv = torch.einsum("bmhk,bmkd->bmhd", probs.to(torch.bfloat16).float(), rows)
-        out = out * rescale.unsqueeze(-1) + pv
+        out = out.mul_(rescale.unsqueeze(-1)).add_(pv)
         running_max = new_max
     denom = denom + torch.exp(attn_sink.float() - running_max)
     return (out / denom.unsqueeze(-1)).to(torch.bfloat16)
