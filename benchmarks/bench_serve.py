@@ -207,13 +207,18 @@ def table(title: str, header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="tiny")
+def benchmark_args(description: str, preset_name: str) -> argparse.ArgumentParser:
+    """The options every benchmark takes: --preset, --out, --quick, --threads."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--preset", default=preset_name)
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = benchmark_args(__doc__.split("\n")[0], "tiny").parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = preset(args.preset)
     model = init_random_weights(Transformer(cfg), seed=1).eval()
@@ -294,13 +299,19 @@ def main(argv=None) -> int:
     print(table(f"\n[resident KV] {args.preset}, context {contexts[-1]}", ["quantity", "value"],
                 [[k, float(v)] for k, v in sizes.items() if k != "context"]))
 
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"serve_{args.preset}.json")
+    write_results(results, args.out, f"serve_{args.preset}", plot)
+    return 0
+
+
+def write_results(results: dict, out: str, stem: str, plot_fn) -> str:
+    """out/stem.json with the results and out/stem.png drawn by plot_fn(results, path)."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"{stem}.json")
     with open(path, "w") as f:
         json.dump(results, f, indent=2)
-    plot(results, os.path.join(args.out, f"serve_{args.preset}.png"))
+    plot_fn(results, os.path.join(out, f"{stem}.png"))
     print(f"\nwrote {path} and the plot")
-    return 0
+    return path
 
 
 def plot(results: dict, path: str) -> None:

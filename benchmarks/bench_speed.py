@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from bench_serve import make_engine, random_prompts, synthetic_sequence, table
+from bench_serve import benchmark_args, make_engine, random_prompts, synthetic_sequence, table, write_results
 from dsv41.config import preset
 from dsv41.engine import SamplingParams
 from dsv41.model.init import init_random_weights
@@ -215,11 +215,7 @@ def plot_curve(result: dict, fit: dict, path: str) -> None:
 
 # ---------------------------------------------------------------------- main
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="small")
-    ap.add_argument("--out", default="bench_out")
-    ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap = benchmark_args(__doc__.split("\n")[0], "small")
     ap.add_argument("--prefill-curve", type=int, default=0, metavar="N", help="prefill one N-token prompt, per chunk")
     ap.add_argument("--prefill-point", nargs=2, metavar=("N", "VARIANT"), help=argparse.SUPPRESS)
     ap.add_argument("--plot-curve", metavar="JSON", help="fit, extrapolate to 1,048,576 tokens and plot a curve file")
@@ -308,11 +304,7 @@ def main(argv=None) -> int:
     print("engine per-token prefill time vs the first prompt: "
           + ", ".join(f"{p['prompt']}: {p['engine_per_token_vs_first']:.2f}x" for p in prefill))
 
-    path = os.path.join(args.out, f"speed_{args.preset}.json")
-    with open(path, "w") as f:
-        json.dump(results, f, indent=2)
-    plot(results, os.path.join(args.out, f"speed_{args.preset}.png"))
-    print(f"\nwrote {path} and the plot")
+    write_results(results, args.out, f"speed_{args.preset}", plot)
     return 0
 
 
