@@ -273,16 +273,17 @@ def main(argv=None) -> int:
     for ctx in step_contexts:
         eng, plain = engine_decode(model, 1, ctx, steps), plain_decode(model, 1, ctx, steps)
         scaling.append({"context": ctx, "engine_step_ms": eng["step_ms"], "plain_step_ms": plain["step_ms"],
-                        "engine_resident_kv_bytes": eng["resident_kv_bytes"]})
+                        "engine_resident_kv_bytes": eng["resident_kv_bytes"],
+                        "plain_container_bytes": plain["container_bytes"]})
     for r in scaling:
         r["engine_vs_first"] = r["engine_step_ms"] / scaling[0]["engine_step_ms"]
         r["plain_vs_first"] = r["plain_step_ms"] / scaling[0]["plain_step_ms"]
         rows.append([r["context"], r["engine_step_ms"], r["plain_step_ms"], r["engine_vs_first"], r["plain_vs_first"],
-                     r["engine_resident_kv_bytes"] / 2 ** 20])
+                     r["engine_resident_kv_bytes"] / 2 ** 20, r["plain_container_bytes"] / 2 ** 20])
     results["decode_step_vs_context"] = scaling
     print(table(f"\n[decode step vs context] {args.preset}, batch 1",
                 ["context", "engine ms", "plain ms", f"engine / {step_contexts[0]}", f"plain / {step_contexts[0]}",
-                 "engine resident KV MiB"], rows))
+                 "engine resident KV MiB", "plain bf16 containers MiB"], rows))
 
     prompts = [512, 2048] if quick else [512, 4096, 32768, 131072]
     rows, prefill = [], []

@@ -138,9 +138,7 @@ def _select(attn, x, qr, batch: DecodeBatch, pool: PagedKVPool) -> torch.Tensor:
     last = (visible - 1).clamp_min(0).view(b, 1, 1)
     if idx.uses_candidates:
         blocks = batch.shared["candidate_blocks"]  # [B, 1, n_blocks]
-        size = idx.candidate_block_size
-        entries = (blocks.clamp_min(0).unsqueeze(-1) * size + torch.arange(size, device=pos.device)).flatten(-2)
-        usable = (blocks >= 0).repeat_interleave(size, dim=-1) & (entries < visible.view(b, 1, 1))
+        entries, usable = ops.candidate_entries(blocks, visible.view(b, 1, 1), idx.candidate_block_size)
         keys = pool.keys_at(src, pool.rows_batched(src, batch.tables, torch.minimum(entries, last)[:, 0]))  # [B, n, d]
     else:
         entries = torch.arange(t, device=pos.device).expand(b, 1, t)

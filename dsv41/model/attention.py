@@ -150,6 +150,9 @@ class Indexer(nn.Module):
             scores = ops.index_scores_gathered(q, keys, weights).masked_fill(~usable, -torch.inf)
             top = ops.topk_canonical(scores, k, positions=entries)
             picked_scores, picked = scores.gather(-1, top), entries.gather(-1, top)
+            # ascending positions, unusable picks last (their slots become -1 below)
+            order = torch.where(picked_scores > -torch.inf, picked, torch.iinfo(torch.int64).max).argsort(dim=-1)
+            picked, picked_scores = picked.gather(-1, order), picked_scores.gather(-1, order)
         else:
             # key blocks of about `score_budget` per-head scores, a whole number of candidate blocks
             size = self.candidate_block_size
@@ -181,9 +184,8 @@ class Indexer(nn.Module):
                 if shared.get("trace") is not None:
                     _trace(shared, f"debug.layers.{self.layer_id}.candidates",
                            ops.blocks_to_mask(shared["candidate_blocks"], n_keys, size))
-        # ascending positions, -1 for picks that are not visible (or outside the candidate pool)
-        order = torch.where(picked_scores > -torch.inf, picked, torch.iinfo(torch.int64).max).argsort(dim=-1)
-        picked, picked_scores = picked.gather(-1, order), picked_scores.gather(-1, order)
+        # picks in ascending positions (the merge keeps position order, and a Full layer's -inf picks are
+        # the invisible positions, after every visible one); -1 for those not visible or not in the pool
         return torch.where(picked_scores > -torch.inf, picked + offset, -1).int()
 
 

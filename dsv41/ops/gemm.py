@@ -96,12 +96,12 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch
         parts = flat.view(-1, chunk, k)
         out = torch.bmm(parts, weight.t().expand(parts.size(0), k, weight.size(0))).flatten(0, 1)
     else:
-        parts, done = [], 0
+        parts, done, rows = [], 0, flat.size(0)
         for wide in (*WIDE_ROWS, chunk):  # greedy: the widest calls that agree first, `chunk` rows last
-            if wide != chunk and (n - done < wide or not wide_rows_agree(
+            if wide != chunk and (rows - done < wide or not wide_rows_agree(
                     k, weight.size(0), weight.dtype, chunk, wide, torch.get_num_threads(), weight.device.type)):
                 continue
-            bulk = (flat.size(0) - done) // wide * wide
+            bulk = (rows - done) // wide * wide
             parts += [F.linear(part, weight) for part in flat[done:done + bulk].split(wide)]
             done += bulk
         out = torch.cat(parts)

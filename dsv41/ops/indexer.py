@@ -27,8 +27,9 @@ def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> tor
 def index_scores_mm(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """`index_scores` with the per-head dot products as one 2-D GEMM per batch row, [S*H, D] x [D, T]:
     this CPU's batched bf16 GEMM (what the einsum becomes) is 10-20x slower at decode shapes. Same
-    shapes in and out, same bf16 roundings (ReLU and weight applied in place); the products of FP4-rounded q and k and their partial sums
-    are exact in fp32, so the GEMM's summation order does not change a score (tested equal)."""
+    shapes in and out, same bf16 roundings (ReLU and weight applied in place); the products of
+    FP4-rounded q and k and their partial sums are exact in fp32, so the GEMM's summation order does not
+    change a score (tested equal)."""
     b, s, h, d = q.shape
     per_head = torch.stack([(q[i].reshape(s * h, d) @ k[i].t()).view(s, h, -1) for i in range(b)])  # [B,S,H,T]
     # in place on the fresh GEMM output: the same roundings, no new multi-MB tensors (2.6x faster here)

@@ -25,6 +25,8 @@ def test_bench_speed_quick_run(tmp_path):
     assert all(p["engine"]["peak_rss_gb"] > 0.05 for p in result["prefill"])
     kv = [r["engine_resident_kv_bytes"] for r in result["decode_step_vs_context"]]
     assert kv[1] > 3 * kv[0]  # the pool holds the context: 4x the tokens, about 4x the bytes
+    # the plain loop's bf16 containers take several times the packed pool's bytes at the same context
+    assert all(r["plain_container_bytes"] > 2 * r["engine_resident_kv_bytes"] for r in result["decode_step_vs_context"])
 
 
 @pytest.mark.slow

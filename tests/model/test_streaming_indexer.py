@@ -29,11 +29,12 @@ def test_merge_topk_streams_to_the_canonical_topk(width, k, step):
     assert torch.equal(kept_s, scores.gather(-1, want))
 
 
-def test_merge_topk_is_not_the_plain_topk_on_ties():
-    """The check above can fail: torch.topk's own tie order differs from the canonical one here."""
-    scores = torch.zeros(1, 1, 40, dtype=torch.bfloat16)
-    canonical = ops.topk_canonical(scores, 5).sort(dim=-1).values
-    assert torch.equal(canonical, torch.arange(5).view(1, 1, 5))
+def test_canonical_topk_takes_the_lowest_positions_among_ties():
+    """A row of equal scores (and one of -inf, as invisible entries are) keeps positions 0..k-1, in
+    order: the tie rule the streaming merge relies on."""
+    for value in (0.0, -torch.inf):
+        scores = torch.full((1, 1, 40), value, dtype=torch.bfloat16)
+        assert torch.equal(ops.topk_canonical(scores, 5), torch.arange(5).view(1, 1, 5))
 
 
 def _model(cfg, seed=1):
