@@ -165,16 +165,20 @@ class Indexer(nn.Module):
                 block_scores = q.new_empty(b, s, 0)
                 block_ids = torch.empty(b, s, 0, dtype=torch.int64, device=device)
             span = step * self.merge_every  # keys scored (in pieces of `step`) per merge into the top-k
+            all_visible = int(visible.min())  # keys below this are visible to every query: nothing to mask
             for start in range(0, n_keys, span):
                 end = min(n_keys, start + span)
                 pos = torch.arange(start, end, device=device)
                 scores = torch.cat([ops.index_scores_mm(q, cache.read_index_keys(source, b, min(end, a + step), a), weights)
                                     for a in range(start, end, step)], dim=-1)
-                scores = scores.masked_fill(pos >= visible, -torch.inf)  # [B, S, end - start]
+                if end > all_visible:
+                    scores = scores.masked_fill(pos >= visible, -torch.inf)  # [B, S, end - start]
                 picked_scores, picked = ops.merge_topk(picked_scores, picked, scores, pos, k)
                 if self.is_candidate_source:
                     ids = torch.arange(start // size, -(-end // size), device=device)
-                    maxima = ops.block_maxima(scores, size).masked_fill(ids == newest, torch.inf)
+                    maxima = ops.block_maxima(scores, size)
+                    if end > all_visible - size:  # a query's newest block may lie in this span
+                        maxima = maxima.masked_fill(ids == newest, torch.inf)
                     block_scores, block_ids = ops.merge_topk(block_scores, block_ids, maxima, ids, n_top_blocks)
             if self.is_candidate_source:
                 # `candidate_blocks` order: best first, ties to the lowest block; -1 where nothing is visible

@@ -14,8 +14,12 @@ False keeps `torch.topk`'s own choice, which is what the reference does (golden 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+
+from dsv41.ops import fused
 
 
 def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -31,9 +35,36 @@ def index_scores_mm(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> 
     FP4-rounded q and k and their partial sums are exact in fp32, so the GEMM's summation order does not
     change a score (tested equal)."""
     b, s, h, d = q.shape
-    per_head = torch.stack([(q[i].reshape(s * h, d) @ k[i].t()).view(s, h, -1) for i in range(b)])  # [B,S,H,T]
-    # in place on the fresh GEMM output: the same roundings, no new multi-MB tensors (2.6x faster here)
-    return per_head.relu_().mul_(weights.unsqueeze(-1)).sum(dim=2)
+    fuse = s * k.size(1) >= 1 << 12 and fused.enabled() and epilogue_fusion_agrees(h, q.device.type)
+    rows = []
+    for i in range(b):
+        per_head = (q[i].reshape(s * h, d) @ k[i].t()).view(s, h, -1)  # [S, H, T] bf16
+        if fuse:  # one pass: ReLU, weight and head sum fused, the same bf16 roundings
+            rows.append(_compiled_epilogue()(per_head, weights[i]))
+        else:  # in place on the fresh GEMM output: the same roundings, no new multi-MB tensors
+            rows.append(per_head.relu_().mul_(weights[i].unsqueeze(-1)).sum(dim=1))
+    return rows[0].unsqueeze(0) if b == 1 else torch.stack(rows)
+
+
+def score_epilogue(per_head: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """per_head [S, H, T] bf16, weights [S, H] bf16 -> [S, T] bf16: sum_h ReLU(per_head) * w_h, the weighted
+    terms rounded to bf16 and summed over heads in order (fp32 accumulator, one final rounding), as ATen does."""
+    return (per_head.relu() * weights.unsqueeze(-1)).sum(dim=1)
+
+
+@functools.cache
+def _compiled_epilogue():
+    return fused.compile_fused(score_epilogue, emulate_precision_casts=True)
+
+
+@functools.cache
+def epilogue_fusion_agrees(heads: int, device: str) -> bool:
+    """Is the compiled `score_epilogue` bit-identical to the eager one here, for this head count? Small
+    calls (decode) stay eager: the compiled call's fixed cost is larger than what it saves there."""
+    g = torch.Generator().manual_seed(0)
+    cases = [(torch.randn(s, heads, t, generator=g).bfloat16().to(device) * 4, torch.rand(s, heads, generator=g).bfloat16().to(device))
+             for s, t in ((1, 4096), (3, 1500), (64, 1024))]
+    return fused.agrees(_compiled_epilogue(), score_epilogue, cases)
 
 
 def index_scores_gathered(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -78,6 +109,14 @@ def canonical_keys(scores: torch.Tensor) -> torch.Tensor:
     score and ties like any other value."""
     n = scores.size(-1)
     small = scores.dtype in (torch.bfloat16, torch.float16) and n <= 1 << 16
+    if small and scores.numel() >= 1 << 16 and fused.enabled() and keys16_fusion_agrees(scores.device.type):
+        return _compiled_keys16()(scores)  # one pass instead of six (integer ops: exact either way)
+    return _canonical_keys_eager(scores)
+
+
+def _canonical_keys_eager(scores: torch.Tensor) -> torch.Tensor:
+    n = scores.size(-1)
+    small = scores.dtype in (torch.bfloat16, torch.float16) and n <= 1 << 16
     width, bits_dtype, key_dtype = (16, torch.int16, torch.int32) if small else (32, torch.int32, torch.int64)
     values = scores if small else scores.float()
     keys = (values + 0.0).view(bits_dtype).to(key_dtype)  # + 0.0 maps -0.0 to +0.0
@@ -85,6 +124,32 @@ def canonical_keys(scores: torch.Tensor) -> torch.Tensor:
     keys <<= width
     keys |= n - 1 - torch.arange(n, dtype=key_dtype, device=scores.device)
     return keys
+
+
+def canonical_keys16(scores: torch.Tensor) -> torch.Tensor:
+    """`canonical_keys` for 16-bit scores written as one expression (what the fused kernel compiles)."""
+    n = scores.size(-1)
+    keys = (scores + 0.0).view(torch.int16).to(torch.int32)
+    keys = keys ^ ((keys >> 31) & 0x7FFF)
+    return (keys << 16) | (n - 1 - torch.arange(n, dtype=torch.int32, device=scores.device))
+
+
+@functools.cache
+def _compiled_keys16():
+    return fused.compile_fused(canonical_keys16)
+
+
+@functools.cache
+def keys16_fusion_agrees(device: str) -> bool:
+    """Is the compiled `canonical_keys16` identical to the eager `canonical_keys` here (bf16 and fp16, with
+    ties, -0.0, +-inf)?"""
+    g = torch.Generator().manual_seed(0)
+    cases = []
+    for dtype, (rows, n) in ((torch.bfloat16, (1, 65536)), (torch.bfloat16, (300, 777)), (torch.float16, (64, 2048))):
+        scores = (torch.randint(-9, 10, (rows, n), generator=g) / 4).to(dtype)
+        scores[:, ::7], scores[:, 1::11], scores[:, 2::13] = -torch.inf, -0.0, torch.inf
+        cases.append((scores.to(device),))
+    return fused.agrees(_compiled_keys16(), _canonical_keys_eager, cases)
 
 
 def _topk(scores: torch.Tensor, k: int, canonical: bool, positions: torch.Tensor | None = None) -> torch.Tensor:

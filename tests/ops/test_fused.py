@@ -1,0 +1,129 @@
+"""Fused (compiled) kernels against their eager references: bit-identical, batch-invariant, never used
+where they are not (the probe must be able to say no), and no change to the model's outputs."""
+
+import shutil
+
+import pytest
+import torch
+
+from dsv41 import ops
+from dsv41.ops import fused, indexer, sinkhorn
+
+needs_compiler = pytest.mark.skipif(not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
+                                    reason="torch.compile on CPU needs a C++ compiler")
+
+
+def _mixes(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, 24, generator=g) * 3, torch.rand(3, generator=g) + 0.5, torch.randn(24, generator=g)
+
+
+@needs_compiler
+@pytest.mark.parametrize("shape", [(1, 1), (1, 7), (5, 1), (3, 300)])
+def test_fused_sinkhorn_is_bit_identical_to_the_eager_reference(shape, monkeypatch):
+    mixes, scale, base = _mixes(shape, sum(shape))
+    with torch.inference_mode():
+        got = ops.hc_split_sinkhorn(mixes, scale, base, 4, 20, 1e-6)
+        monkeypatch.setenv("DSV41_FUSED", "0")
+        want = ops.hc_split_sinkhorn(mixes, scale, base, 4, 20, 1e-6)
+    assert sinkhorn.fused_normalize_agrees(4, 20, 1e-6, "cpu")  # the fused path did run above
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@needs_compiler
+def test_fused_sinkhorn_rows_do_not_depend_on_the_batch():
+    mixes, scale, base = _mixes((40, 1), 3)
+    with torch.inference_mode():
+        whole = ops.hc_split_sinkhorn(mixes, scale, base, 4, 20, 1e-6)[2]
+        for i in (0, 17, 39):
+            assert torch.equal(ops.hc_split_sinkhorn(mixes[i:i + 1], scale, base, 4, 20, 1e-6)[2], whole[i:i + 1])
+
+
+def test_sinkhorn_under_autograd_takes_the_eager_path_and_has_gradients():
+    mixes, scale, base = _mixes((2, 3), 4)
+    mixes.requires_grad_(True)
+    pre, post, comb = ops.hc_split_sinkhorn(mixes, scale, base, 4, 20, 1e-6)
+    (comb.square().sum() + pre.sum() + post.sum()).backward()
+    assert mixes.grad is not None and mixes.grad[..., 8:].abs().sum() > 0
+    assert torch.equal(comb.detach(), sinkhorn.sinkhorn_normalize(
+        torch.exp((mixes.detach()[..., 8:] * scale[2] + base[8:]).unflatten(-1, (4, 4))
+                  - (mixes.detach()[..., 8:] * scale[2] + base[8:]).unflatten(-1, (4, 4)).amax(-1, keepdim=True)),
+        20, 1e-6))
+
+
+def test_the_probe_says_no_to_another_summation_order_and_to_a_kernel_that_fails():
+    """A row sum paired as (c0 + c2) + (c1 + c3) (what a vectorising compiler may emit) differs from ATen's
+    left-to-right sum in the last bit on some rows: `agrees` must reject it, and a fused version that
+    cannot be built must fall back with a warning rather than fail the model."""
+    def paired(comb, iters, eps):
+        c0, c1, c2, c3 = comb.unbind(-1)
+        comb = comb / ((c0 + c2) + (c1 + c3)).unsqueeze(-1) + eps
+        return comb / (comb.sum(dim=-2, keepdim=True) + eps)
+
+    def reference(comb, iters, eps):
+        comb = comb / comb.sum(dim=-1, keepdim=True) + eps
+        return comb / (comb.sum(dim=-2, keepdim=True) + eps)
+
+    def broken(comb, iters, eps):
+        raise RuntimeError("no compiler")
+
+    g = torch.Generator().manual_seed(0)
+    cases = [(torch.exp(torch.randn(517, 4, 4, generator=g) * 3), 1, 1e-6)]
+    assert fused.agrees(sinkhorn.fused_normalize, reference, cases)  # the explicit left-to-right chain
+    assert not fused.agrees(paired, reference, cases)
+    with pytest.warns(UserWarning, match="eager reference"):
+        assert not fused.agrees(broken, reference, cases)
+
+
+@needs_compiler
+@pytest.mark.parametrize("s,h,t", [(1, 8, 4096), (7, 8, 999), (64, 4, 512), (300, 16, 64)])
+def test_fused_index_score_epilogue_is_bit_identical(s, h, t):
+    """bf16 products with ties, zeros and negatives (ReLU), weights of both signs."""
+    g = torch.Generator().manual_seed(s * t)
+    per_head = (torch.randint(-6, 7, (s, h, t), generator=g) / 2 + torch.randn(s, h, t, generator=g) * 0.1).bfloat16()
+    weights = torch.randn(s, h, generator=g).bfloat16()
+    with torch.inference_mode():
+        got = indexer._compiled_epilogue()(per_head, weights)
+    assert torch.equal(got, indexer.score_epilogue(per_head, weights))
+    assert torch.equal(got, per_head.clone().relu_().mul_(weights.unsqueeze(-1)).sum(dim=1))  # the in-place eager
+
+
+@needs_compiler
+def test_model_logits_are_the_same_with_and_without_fused_kernels(monkeypatch):
+    from dsv41.config import small
+    from dsv41.model.init import init_random_weights
+    from dsv41.model.transformer import Transformer
+
+    cfg = small()
+    model = init_random_weights(Transformer(cfg), seed=3).eval()
+    ids = torch.randint(3, cfg.vocab_size, (2, 600), generator=torch.Generator().manual_seed(2))
+    out = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("DSV41_FUSED", flag)
+        with torch.inference_mode():
+            cache = model.new_cache(2, 700)
+            prefill = model(ids[:, :512], 0, cache)  # 512 queries x 256 keys: the fused epilogue's size
+            decode = torch.cat([model(ids[:, i:i + 1], i, cache) for i in range(512, 520)], dim=1)
+        out.append((prefill, decode))
+    assert indexer.epilogue_fusion_agrees(cfg.index_n_heads, "cpu")
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype,rows,n", [(torch.bfloat16, 1, 65536), (torch.bfloat16, 64, 4160), (torch.float16, 300, 301)])
+def test_fused_canonical_keys_are_the_eager_keys(dtype, rows, n, monkeypatch):
+    """Ties, -0.0 next to +0.0, +-inf: the same int32 keys, so the same top-k (checked against a sort)."""
+    g = torch.Generator().manual_seed(n)
+    scores = (torch.randint(-9, 10, (rows, n), generator=g) / 4).to(dtype)
+    scores[:, ::7], scores[:, 1::11], scores[:, 2::13] = -torch.inf, -0.0, torch.inf
+    with torch.inference_mode():
+        got = ops.indexer.canonical_keys(scores)
+        top = ops.topk_canonical(scores, 64)
+        monkeypatch.setenv("DSV41_FUSED", "0")
+        want = ops.indexer.canonical_keys(scores)
+    assert indexer.keys16_fusion_agrees("cpu") and got.dtype == torch.int32
+    assert torch.equal(got, want)
+    # independent: sort by (score desc, position asc) with -0.0 == +0.0
+    order = sorted(range(n), key=lambda i: (-float(scores[0, i]), i))[:64]
+    assert top[0].tolist() == order
