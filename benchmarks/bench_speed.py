@@ -21,6 +21,7 @@ Random weights: only speeds and sizes mean anything here.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -39,7 +40,9 @@ from dsv41.ops.quant import FP4_BLOCK, KV_FP4_BLOCK, fp4_qdq, fp8_qdq
 
 
 def build_model(name: str) -> Transformer:
-    return init_random_weights(Transformer(preset(name)), seed=1).eval()
+    model = init_random_weights(Transformer(preset(name)), seed=1).eval()
+    model.prepare_kernels()  # compile the fused kernels before anything is timed (the engine does it too)
+    return model
 
 
 def peak_rss_gb() -> float:
@@ -56,6 +59,20 @@ def peak_rss_gb() -> float:
 
 
 # ---------------------------------------------------------------------- decode
+@contextlib.contextmanager
+def eager_kernels():
+    """The engine with the eager reference kernels instead of the fused ones (dsv41.ops.fused)."""
+    previous = os.environ.get("DSV41_FUSED")
+    os.environ["DSV41_FUSED"] = "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["DSV41_FUSED"]
+        else:
+            os.environ["DSV41_FUSED"] = previous
+
+
 def engine_decode(model, batch: int, context: int, steps: int, **overrides) -> dict:
     engine = make_engine(model, kv_pool_tokens=batch * (context + 256) + 4096, max_model_len=context + 4096,
                          **overrides)
@@ -100,10 +117,12 @@ def plain_decode(model, batch: int, context: int, steps: int) -> dict:
 # ---------------------------------------------------------------------- prefill (one process per point)
 def prefill_point(preset_name: str, n: int, variant: str, threads: int) -> dict:
     torch.set_num_threads(threads)
+    if variant == "engine-eager":  # the engine with the eager reference kernels (no fused ones)
+        os.environ["DSV41_FUSED"] = "0"
     model = build_model(preset_name)
     (prompt,) = random_prompts(1, n, model.cfg.vocab_size, seed=1)
     before = peak_rss_gb()
-    if variant == "engine":
+    if variant.startswith("engine"):
         engine = make_engine(model, kv_pool_tokens=n + 4096, max_model_len=n + 4096, max_num_batched_tokens=1024)
         engine.prompt_logits(prompt[:16])  # warm-up
         t = time.perf_counter()
@@ -255,18 +274,21 @@ def main(argv=None) -> int:
         for b in batches:
             eng = engine_decode(model, b, ctx, steps)
             fast = engine_decode(model, b, ctx, steps, batch_invariant=False)
+            with eager_kernels():
+                eager = engine_decode(model, b, ctx, steps)
             plain = plain_decode(model, b, ctx, steps)
             decode.append({"batch": b, "context": ctx, "engine_tok_s": eng["tok_s"],
-                           "engine_not_invariant_tok_s": fast["tok_s"], "plain_tok_s": plain["tok_s"],
+                           "engine_not_invariant_tok_s": fast["tok_s"], "engine_eager_kernels_tok_s": eager["tok_s"],
+                           "plain_tok_s": plain["tok_s"],
                            "ratio": eng["tok_s"] / plain["tok_s"], "ratio_not_invariant": fast["tok_s"] / plain["tok_s"]})
-            rows.append([b, ctx, eng["tok_s"], fast["tok_s"], plain["tok_s"], eng["tok_s"] / plain["tok_s"],
+            rows.append([b, ctx, eng["tok_s"], fast["tok_s"], eager["tok_s"], plain["tok_s"], eng["tok_s"] / plain["tok_s"],
                          fast["tok_s"] / plain["tok_s"]])
-            print(table("", ["batch", "context", "engine", "engine no-inv", "plain", "engine/plain", "no-inv/plain"],
-                        [rows[-1]]).splitlines()[-1], flush=True)
+            print(table("", ["batch", "context", "engine", "engine no-inv", "engine eager", "plain", "engine/plain",
+                             "no-inv/plain"], [rows[-1]]).splitlines()[-1], flush=True)
     results["decode"] = decode
     print(table(f"\n[decode tok/s] {args.preset}, {steps} steps after a warm-up, synthetic context",
-                ["batch", "context", "engine tok/s", "engine (no batch inv.)", "plain loop tok/s", "engine/plain",
-                 "no-inv./plain"], rows))
+                ["batch", "context", "engine tok/s", "engine (no batch inv.)", "engine (eager kernels)",
+                 "plain loop tok/s", "engine/plain", "no-inv./plain"], rows))
 
     step_contexts = [1024, 4096] if quick else [1024, 4096, 16384, 32768, 65536]
     rows, scaling = [], []
@@ -289,19 +311,21 @@ def main(argv=None) -> int:
     rows, prefill = [], []
     for n in prompts:
         eng = run_prefill_point(args, n, "engine")
+        eager = run_prefill_point(args, n, "engine-eager") if n >= 32768 and not quick else None
         plain = run_prefill_point(args, n, "plain") if n <= 32768 else None
-        prefill.append({"prompt": n, "engine": eng, "plain": plain})
-        rows.append([n, eng["tok_s"], eng["peak_rss_gb"], plain["tok_s"] if plain else "not run",
+        prefill.append({"prompt": n, "engine": eng, "engine_eager_kernels": eager, "plain": plain})
+        rows.append([n, eng["tok_s"], eng["peak_rss_gb"], eager["tok_s"] if eager else "not run",
+                     plain["tok_s"] if plain else "not run",
                      plain["peak_rss_gb"] if plain else "-", eng["tok_s"] / plain["tok_s"] if plain else "-"])
-        print(table("", ["prompt", "engine tok/s", "engine RSS", "plain tok/s", "plain RSS", "ratio"],
+        print(table("", ["prompt", "engine tok/s", "engine RSS", "engine eager", "plain tok/s", "plain RSS", "ratio"],
                     [rows[-1]]).splitlines()[-1], flush=True)
     first = prefill[0]["engine"]["seconds"] / prompts[0]
     for p in prefill:
         p["engine_per_token_vs_first"] = p["engine"]["seconds"] / p["prompt"] / first
     results["prefill"] = prefill
     print(table(f"\n[prefill] {args.preset}, 1,024-token chunks, one process per point (peak RSS of that process)",
-                ["prompt", "engine tok/s", "engine peak RSS GB", "plain loop tok/s", "plain peak RSS GB",
-                 "engine/plain"], rows))
+                ["prompt", "engine tok/s", "engine peak RSS GB", "engine (eager kernels) tok/s", "plain loop tok/s",
+                 "plain peak RSS GB", "engine/plain"], rows))
     print("engine per-token prefill time vs the first prompt: "
           + ", ".join(f"{p['prompt']}: {p['engine_per_token_vs_first']:.2f}x" for p in prefill))
 
@@ -319,9 +343,12 @@ def plot(results: dict, path: str) -> None:
     d = results["decode"]
     labels = [f"b{r['batch']}\n{r['context'] // 1024 or r['context']}{'K' if r['context'] >= 1024 else ''}" for r in d]
     x = range(len(d))
-    for off, key, label in ((-0.27, "engine_tok_s", "engine"), (0, "engine_not_invariant_tok_s", "engine, no batch inv."),
-                            (0.27, "plain_tok_s", "plain loop")):
-        axes[0].bar([i + off for i in x], [r[key] for r in d], 0.27, label=label)
+    bars = [("engine_tok_s", "engine"), ("engine_not_invariant_tok_s", "engine, no batch inv."),
+            ("engine_eager_kernels_tok_s", "engine, eager kernels"), ("plain_tok_s", "plain loop")]
+    bars = [(key, label) for key, label in bars if all(key in r for r in d)]
+    width = 0.8 / len(bars)
+    for j, (key, label) in enumerate(bars):
+        axes[0].bar([i + (j - (len(bars) - 1) / 2) * width for i in x], [r[key] for r in d], width, label=label)
     axes[0].set_xticks(list(x), labels, fontsize=7)
     axes[0].set_yscale("log")
     axes[0].set(xlabel="batch / context", ylabel="decode tokens/s", title="decode throughput")

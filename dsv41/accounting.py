@@ -1,8 +1,8 @@
 """Parameter and KV-cache accounting from a config (spec-v41.md §2, §8, §9, §12).
 
 Counts are logical parameters (an FP4 byte holds two), without quantisation scales. Components the
-model code does not build yet (vision tower + aligner, DSpark drafter) are counted from their published
-shapes (spec §1.3, §12b), so these two figures are estimates (biases and small norms may be missing).
+model code does not build yet (vision tower + aligner) are counted from their published shapes (spec
+§1.3), so that figure is an estimate; the DSpark drafter is counted from its built modules.
 
 Active parameters per token:
 - decode: every backbone layer (attention incl. compressor/indexer, router, top-k routed + shared
@@ -16,6 +16,8 @@ Active parameters per token:
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from dsv41.config import ModelConfig
 from dsv41.model.cache import fixed_state_bytes_per_sequence, global_kv_bytes_per_token
@@ -85,14 +87,19 @@ def vision_params(cfg: ModelConfig) -> int:
 
 
 def dspark_params(cfg: ModelConfig) -> int:
-    """DSpark drafter under mtp.*: per stage a ratio-0 block with its own MoE; stage 0 adds main_proj and
-    main_norm; the last stage adds a norm, the Markov head and the confidence head (spec §12b)."""
-    if not (cfg.n_mtp_layers and cfg.dspark_block_size):
+    """DSpark drafter under mtp.* (spec §12b), counted from the built modules (on the meta device, so no
+    memory): per stage a ratio-0 block with its own MoE; stage 0 adds main_proj and main_norm; the last
+    stage a norm, the Markov head and the confidence head. Packed FP4 bytes count two parameters."""
+    if not cfg.drafter_stages:
         return 0
-    total = sum(layer_params(cfg, cfg.n_layers + i).total for i in range(cfg.n_mtp_layers))
-    total += len(cfg.dspark_target_layer_ids) * cfg.dim * cfg.dim + cfg.dim  # main_proj + main_norm
-    total += cfg.dim + 2 * cfg.vocab_size * cfg.dspark_markov_rank + (cfg.dim + cfg.dspark_markov_rank)
-    return total
+    from dsv41.model.dspark import DSparkStage
+    from dsv41.ops import RotaryTable
+
+    rope = RotaryTable(cfg.rope_head_dim, cfg.rope_theta)
+    with torch.device("meta"):
+        stages = [DSparkStage(cfg, k, rope) for k in range(cfg.drafter_stages)]
+    return sum(p.numel() * (2 if p.dtype == torch.int8 else 1) for stage in stages
+               for name, p in stage.named_parameters() if not name.endswith(".scale"))
 
 
 def account(cfg: ModelConfig) -> dict:
@@ -136,7 +143,7 @@ def account(cfg: ModelConfig) -> dict:
         "params_total": total,
         "params_backbone": backbone,
         "params_engram_tables": engram_tables,
-        "params_dspark_estimate": dspark,
+        "params_dspark": dspark,
         "params_active_decode": decode_active,
         "params_active_prefill": prefill_active,
         "backbone_breakdown": breakdown,
@@ -158,7 +165,7 @@ def format_table(cfg_name: str, acc: dict) -> str:
     for key, value in acc["backbone_breakdown"].items():
         lines.append(f"    {key:<40} {b(value)}")
     lines.append(f"  Engram tables                              {b(acc['params_engram_tables'])}")
-    lines.append(f"  DSpark drafter (estimate)                  {b(acc['params_dspark_estimate'])}")
+    lines.append(f"  DSpark drafter                             {b(acc['params_dspark'])}")
     lines.append(f"  active per decode token                    {b(acc['params_active_decode'])}")
     lines.append(f"  active per prefill token (CED)             {b(acc['params_active_prefill'])}")
     lines.append("")

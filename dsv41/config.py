@@ -309,6 +309,11 @@ class ModelConfig:
     def vision_enabled(self) -> bool:
         return self.vision_n_layers > 0
 
+    @property
+    def drafter_stages(self) -> int:
+        """DSpark stages the model builds (`mtp.*`): n_mtp_layers when the drafter is configured, else 0."""
+        return self.n_mtp_layers if self.dspark_block_size else 0
+
     def moe_shape(self, layer: int) -> tuple[int, int]:
         """(routed experts, activated experts) of a layer; DSpark blocks have their own (spec §12b)."""
         if layer < self.n_layers:

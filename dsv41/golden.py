@@ -94,6 +94,10 @@ class GoldenResult:
     identical_decode_steps: int | None = None  # leading decode steps whose captures are all identical
     final_cache_diff: CaptureDiff | None = None  # the first `*_final` cache that differs
     final_caches_compared: int = 0
+    # sets with a DSpark drafter (`spec.*` expected values; None otherwise):
+    spec_max_abs: float | None = None  # largest |mine - expected| over the drafter's logits and confidence
+    spec_tokens_equal: bool | None = None  # every drafted id equal
+    first_spec_diff: CaptureDiff | None = None  # the first (step, capture) of the drafter that differs
 
 
 def _capture_key(name: str) -> tuple:
@@ -211,6 +215,16 @@ def exact_required(folder: str) -> bool:
         return True  # without a noise study, demand exactness
 
 
+def spec_capture_names(n_stages: int) -> list[str]:
+    """The drafter's per-step captures in the order its README checks them (each one feeds the next)."""
+    stages = [f"spec.stages.{k}.{name}" for k in range(n_stages) for name in ("attn_out", "ffn_out", "out", "pre_mix_out")]
+    return (["spec.main_hidden", "spec.main_x"] + stages + ["spec.final_norm", "spec.base_logits", "spec.markov_embed",
+            "spec.markov_bias", "spec.logits", "spec.output_ids", "spec.confidence"])
+
+
+SPEC_VERDICT = ("spec.base_logits", "spec.markov_bias", "spec.logits", "spec.confidence")  # judged at EXACT_ATOL
+
+
 def run_golden(folder: str, reference_numerics: bool = True, verbose: bool = True,
                trace: bool = False) -> GoldenResult:
     """Run the folder's prefill and decode steps and compare the logits (and the prefill captures);
@@ -231,16 +245,28 @@ def run_golden(folder: str, reference_numerics: bool = True, verbose: bool = Tru
     captured: dict = {}
     step_names = decode_capture_names(expected) if trace else []
     step_diffs: list[CaptureDiff | None] = []
+    # the DSpark drafter runs after every backbone forward (its rings hold backbone rows)
+    spec = "spec.base_logits" in expected and len(model.mtp) > 0
+    drafter: dict | None = {} if spec else None
+    spec_steps: list[dict] = []
     lines = []
     with torch.inference_mode():
         t0 = time.perf_counter()
-        prefill = model(prompt, 0, cache, last_only=True, trace=captured)[:, -1]
+        prefill = model(prompt, 0, cache, last_only=True, trace=captured, drafter_inputs=drafter)[:, -1]
+        if spec:
+            captured["spec.main_hidden_prefill"] = drafter["main_hidden"]
+            model.draft_prefill(drafter["main_hidden"], 0, cache)
         decode = []
         for t in range(n):
             step_trace = {} if step_names else None
-            decode.append(model(steps[:, t:t + 1], s + t, cache, last_only=True, trace=step_trace)[:, -1])
+            decode.append(model(steps[:, t:t + 1], s + t, cache, last_only=True, trace=step_trace,
+                                drafter_inputs=drafter)[:, -1])
             if step_names:
                 step_diffs.append(step_capture_difference(t, step_names, expected, step_trace))
+            if spec:
+                spec_trace = {"spec.main_hidden": drafter["main_hidden"][:, 0]}
+                model.draft(inputs["spec_input_ids"][t].long(), drafter["main_hidden"], s + t, cache, trace=spec_trace)
+                spec_steps.append(spec_trace)
         seconds = time.perf_counter() - t0
     ref_prefill = expected["prefill_logits"]
     prefill_err = (prefill - ref_prefill).abs().max().item()
@@ -271,10 +297,15 @@ def run_golden(folder: str, reference_numerics: bool = True, verbose: bool = Tru
         passed = exact or (prefill_err <= LOOSE_PREFILL_ATOL and rms_ratio <= LOOSE_DECODE_RMS_RATIO
                            and agreement >= LOOSE_ARGMAX_AGREEMENT)
     lines.append(f"  decode rms ratio {rms_ratio:.4f}, argmax agreement {agreement:.3f}, max abs overall {worst:.3e}")
+    spec_result = _compare_spec(expected, captured, spec_steps, len(model.mtp), lines) if spec else None
+    if spec_result is not None:
+        passed = passed and spec_result[0] <= EXACT_ATOL and spec_result[1]
     first = first_capture_difference(expected, captured)
     lines.append(f"  first differing capture: {first or 'none (all captures identical)'}")
     result = GoldenResult(name, tolerance, prefill_err, decode_abs, decode_rel, rms_ratio, agreement, exact, passed,
                           first, lines)
+    if spec_result is not None:
+        result.spec_max_abs, result.spec_tokens_equal, result.first_spec_diff = spec_result
     if trace and not step_names:
         lines.append("  decode captures: none in this set (no per-step decode.* captures to compare)")
     elif trace:
@@ -301,6 +332,32 @@ def run_golden(folder: str, reference_numerics: bool = True, verbose: bool = Tru
     if verbose:
         print("\n".join(lines))
     return result
+
+
+def _compare_spec(expected: dict, captured: dict, steps: list[dict], n_stages: int,
+                  lines: list[str]) -> tuple[float, bool, CaptureDiff | None]:
+    """The drafter against the set's `spec.*` values: (max abs over its logits and confidence, drafted ids all
+    equal, the first differing capture in check order)."""
+    prefill = expected.get("spec.main_hidden_prefill")
+    if prefill is not None and not torch.equal(captured["spec.main_hidden_prefill"], prefill):
+        lines.append("  DSpark: spec.main_hidden_prefill differs")
+    names = [n for n in spec_capture_names(n_stages) if n in expected]
+    first = None
+    for t, trace in enumerate(steps):
+        for name in names:
+            diff = _difference(t, name, trace[name], expected[name][t])
+            if diff is not None:
+                first = diff
+                break
+        if first is not None:
+            break
+    worst = max((trace[n].float() - expected[n][t].float()).abs().max().item()
+                for t, trace in enumerate(steps) for n in SPEC_VERDICT if n in expected)
+    tokens = all(torch.equal(trace["spec.output_ids"], expected["spec.output_ids"][t]) for t, trace in enumerate(steps))
+    lines.append(f"  DSpark drafter ({len(steps)} steps): logits / bias / confidence max abs {worst:.3e}, "
+                 f"drafted ids {'all equal' if tokens else 'DIFFER'}")
+    lines.append(f"  DSpark first differing capture: {first if first is not None else 'none (all identical)'}")
+    return worst, tokens, first
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,6 +54,7 @@ class LLMEngine:
         self.states = StatePool(cfg, config.max_num_seqs, model.device)
         self.snapshots = SnapshotStore(config.max_snapshots if config.enable_prefix_caching else 0, config.window_ttl_s)
         self.runner = ModelRunner(model, config.row_chunk if config.batch_invariant else 0)
+        self.fused_kernels = model.prepare_kernels()  # compile now, not inside the first request
         self.boundary = self.runner.boundary
         limit = config.max_model_len or cfg.max_position_embeddings
         self.max_model_len = min(limit, num_blocks * bs)

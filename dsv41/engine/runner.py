@@ -22,7 +22,8 @@ import torch
 from dsv41 import ops
 from dsv41.engine.batched import DecodeBatch, decode_attend
 from dsv41.engine.sequence import SequenceCache
-from dsv41.model.transformer import Block, Transformer
+from dsv41.model.block import Block
+from dsv41.model.transformer import Transformer
 
 
 @dataclass

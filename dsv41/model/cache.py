@@ -1,7 +1,8 @@
 """The persistent per-sequence decode state of a V4.1 model (spec-v41.md §8).
 
 Exactly what the model needs between calls, and nothing it can recompute:
-- every layer's sliding-window ring of post-RoPE, FP8-rounded KV  [B, window, head_dim];
+- every layer's sliding-window ring of post-RoPE, FP8-rounded KV  [B, window, head_dim] (and one per
+  DSpark drafter stage, holding backbone rows);
 - for each kv-source layer (spec §2: 2, 8, 14, 20 in Flash): the compressed KV latents
   [B, max_len/ratio, head_dim] (post-RoPE, FP4-rounded) and the indexer keys [B, max_len/ratio, index_head_dim];
 - for each ratio-2 kv source: the partial compression group (kv and gate scores, fp32 [B, ratio, head_dim]);
@@ -37,7 +38,9 @@ class ModelCache:
         if batch_size <= 0 or max_seq_len <= 0:
             raise ValueError(f"cache needs batch_size > 0 and max_seq_len > 0, got {batch_size}, {max_seq_len}")
         bf16 = dict(dtype=torch.bfloat16, device=device)
-        window = [torch.zeros(batch_size, cfg.window_size, cfg.head_dim, **bf16) for _ in range(cfg.n_layers)]
+        # one ring per layer; the DSpark stages (layer ids n_layers..) hold backbone rows for the drafter
+        window = [torch.zeros(batch_size, cfg.window_size, cfg.head_dim, **bf16)
+                  for _ in range(cfg.n_layers + cfg.drafter_stages)]
         cache = cls(batch_size, max_seq_len, window)
         for layer in cfg.kv_source_layers:
             ratio = cfg.compress_ratios[layer]

@@ -25,15 +25,18 @@ with these training-time differences:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from dsv41 import ops
+from dsv41.model.block import Block
 from dsv41.model.moe import RoutingRecord
-from dsv41.model.transformer import Block, Transformer
 from dsv41.ops import qat as qat_ops
 from dsv41.ops.quant import FP4_BLOCK
+
+if TYPE_CHECKING:  # annotations only: transformer.py imports this module (forward_train)
+    from dsv41.model.transformer import Transformer
 
 
 @dataclass

@@ -22,90 +22,12 @@ from torch import nn
 
 from dsv41 import ops
 from dsv41.config import ModelConfig
-from dsv41.model.attention import Attention, _trace
+from dsv41.model.attention import _trace
+from dsv41.model import dspark
+from dsv41.model.block import Block
 from dsv41.model.cache import ModelCache
-from dsv41.model.engram import Engram, EngramLayout, NgramHasher
+from dsv41.model.engram import EngramLayout, NgramHasher
 from dsv41.model.layers import RMSNorm
-from dsv41.model.moe import MoE
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rope: ops.RotaryTable, engram_rows: Optional[int] = None):
-        super().__init__()
-        self.layer_id = layer_id
-        self.eps = cfg.norm_eps
-        self.hc, self.sinkhorn_iters, self.hc_eps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps
-        self.engram = Engram(cfg, layer_id, engram_rows) if engram_rows is not None else None
-        self.attn = Attention(cfg, layer_id, rope)
-        self.ffn = MoE(cfg, layer_id)
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        n_mix, width = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult * cfg.dim
-        f32 = dict(dtype=torch.float32)
-        self.hc_attn_fn = nn.Parameter(torch.zeros(n_mix, width, **f32))
-        self.hc_ffn_fn = nn.Parameter(torch.zeros(n_mix, width, **f32))
-        self.hc_attn_base = nn.Parameter(torch.zeros(n_mix, **f32))
-        self.hc_ffn_base = nn.Parameter(torch.zeros(n_mix, **f32))
-        self.hc_attn_scale = nn.Parameter(torch.ones(3, **f32))
-        self.hc_ffn_scale = nn.Parameter(torch.ones(3, **f32))
-        # bit-exact reference numerics for the fp32 mix projection (slow; see set_reference_numerics)
-        self.sequential_mixes = False
-        self.row_chunk = 0  # > 0: batch-invariant mix projection (see ops.invariant_matmul)
-
-    def hc_mixes(self, h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor):
-        """h [B, S, hc, dim] -> (pre [B,S,hc], post [B,S,hc], comb [B,S,hc,hc]), one RMS statistic per token."""
-        flat = h.flatten(2).float()
-        rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.eps)
-        if self.sequential_mixes:
-            mixes = ops.linear_fp32_sequential(flat, fn) * rstd
-        else:
-            mixes = ops.invariant_matmul(flat, fn, self.row_chunk) * rstd
-        return ops.hc_split_sinkhorn(mixes, scale, base, self.hc, self.sinkhorn_iters, self.hc_eps)
-
-    @staticmethod
-    def hc_pre(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-        """Collapse the copies: [B,S,hc,dim] x [B,S,hc] -> [B,S,dim] in h's dtype."""
-        return torch.sum(pre.unsqueeze(-1) * h.float(), dim=2).to(h.dtype)
-
-    @staticmethod
-    def hc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        """copy_j = post_j * out + sum_i comb[i, j] * residual_i; [B,S,dim] -> [B,S,hc,dim]."""
-        mixed = torch.sum(comb.unsqueeze(-1) * residual.unsqueeze(-2), dim=2)
-        return (post.unsqueeze(-1) * out.unsqueeze(-2) + mixed).type_as(out)
-
-    def forward(self, h: torch.Tensor, start_pos: int, pre_mix: torch.Tensor, cache, shared: dict,
-                image_mask: Optional[torch.Tensor] = None, attend=None,
-                engram_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [B, S, hc, dim] bf16, pre_mix [B, S, hc] fp32 -> (h, the FFN pre mix for the next block).
-
-        attend: replaces the attention call (the training forward); engram_ids: apply this block's Engram
-        first (the training forward routes everything through the module call, so FSDP2 hooks see it)."""
-        if engram_ids is not None and self.engram is not None:
-            h = self.engram(h, engram_ids, None if image_mask is None else ~image_mask)
-        if attend is None:
-            attend = lambda x: self.attn(x, start_pos, cache, shared)  # noqa: E731
-        return self.run(h, pre_mix, attend, shared, image_mask)
-
-    def run(self, h: torch.Tensor, pre_mix: torch.Tensor, attend, shared: dict,
-            image_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block with the attention call supplied by the caller (`attend`: normed input -> output),
-        so the engine can run one block over a ragged batch of sequences."""
-        residual = h
-        attn_pre, attn_post, attn_comb = self.hc_mixes(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
-        x = attend(self.attn_input(h, pre_mix))
-        _trace(shared, f"hidden.layers.{self.layer_id}.attn_out", x)
-        h = self.hc_post(x, residual, attn_post, attn_comb)
-
-        residual = h
-        ffn_pre, ffn_post, ffn_comb = self.hc_mixes(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
-        x = self.ffn(self.ffn_norm(self.hc_pre(h, attn_pre)), image_mask, shared.get("moe_aux"))
-        _trace(shared, f"hidden.layers.{self.layer_id}.ffn_out", x)
-        h = self.hc_post(x, residual, ffn_post, ffn_comb)
-        return h, ffn_pre
-
-    def attn_input(self, h: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
-        """The normed attention input: the copies collapsed with the previous block's pre mix."""
-        return self.attn_norm(self.hc_pre(h, pre_mix))
 
 
 class Transformer(nn.Module):
@@ -134,6 +56,8 @@ class Transformer(nn.Module):
             Block(cfg, i, self.rope_yarn if cfg.compress_ratios[i] else self.rope_plain, engram_rows.get(i))
             for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        # the DSpark drafter (mtp.*): sliding-window stages sharing embed and head with the backbone
+        self.mtp = nn.ModuleList(dspark.DSparkStage(cfg, k, self.rope_plain) for k in range(cfg.drafter_stages))
         # stored bf16 in the checkpoint, kept fp32 here so the logits come out in fp32
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=torch.float32)
         self.row_chunk = 0
@@ -199,6 +123,16 @@ class Transformer(nn.Module):
             if training:
                 self.train(True)
 
+    def prepare_kernels(self) -> dict:
+        """Build and check the fused kernels this model uses (dsv41.ops.fused) now rather than inside the
+        first request: compiling them takes seconds (tens on a cold cache). Returns which are in use."""
+        cfg, device = self.cfg, self.device.type
+        used = {"sinkhorn": ops.sinkhorn.fused_normalize_agrees(cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, device)}
+        if any(layer.attn.indexer is not None for layer in self.layers):
+            used["index_score_epilogue"] = ops.indexer.epilogue_fusion_agrees(cfg.index_n_heads, device)
+            used["topk_keys"] = ops.indexer.keys16_fusion_agrees(device)
+        return {name: ok and ops.fused.enabled() for name, ok in used.items()}
+
     def set_batch_invariant(self, row_chunk: int = 16) -> None:
         """Make every token-wise GEMM run in fixed chunks of `row_chunk` rows (0 turns it off), so a
         token's logits do not depend on which other tokens share the batch (see ops.invariant_matmul)."""
@@ -218,7 +152,8 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, start_pos: int = 0, cache: Optional[ModelCache] = None,
                 last_only: bool = False, trace: Optional[dict] = None,
-                token_types: Optional[torch.Tensor] = None, train_options=None) -> torch.Tensor:
+                token_types: Optional[torch.Tensor] = None, train_options=None,
+                drafter_inputs: Optional[dict] = None) -> torch.Tensor:
         """input_ids [B, S] int64 at positions start_pos..start_pos+S-1.
 
         cache: state from earlier calls (required when start_pos > 0); without one a temporary cache
@@ -227,6 +162,8 @@ class Transformer(nn.Module):
         token_types: optional [B, S] bool, True for image-span tokens (VL routing bias, Engram off).
         train_options: a `dsv41.model.training.TrainOptions` runs the training forward instead and returns
         its `TrainOutput` (called through the module so wrappers such as FSDP2 see the call).
+        drafter_inputs: if a dict, receives "main_hidden" [B, S, n_targets * dim] bf16, what the DSpark
+        drafter reads (every position, also with last_only); see `draft_prefill` and `draft`.
         """
         if train_options is not None:  # the differentiable training forward (dsv41.model.training)
             from dsv41.model.training import forward_train
@@ -257,16 +194,39 @@ class Transformer(nn.Module):
         h = x.unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)  # [B, S, hc, dim]
         pre_mix = torch.zeros(b, s, self.cfg.hc_mult, dtype=torch.float32, device=h.device)
         pre_mix[:, :, 0] = 1.0  # layer 0 collapses onto copy 0
+        targets = self.cfg.dspark_target_layer_ids if drafter_inputs is not None and len(self.mtp) else ()
+        hidden = []
         for i, layer in enumerate(self.layers):
             if layer.engram is not None:
                 column = self.engram_layout.layer_ids.index(i)
                 h = layer.engram(h, hash_ids[:, :, column], text_mask)
                 _trace(shared, f"hidden.layers.{i}.engram_out", h)
+            if i in targets:  # the stream entering the block (after its Engram), in layer order
+                hidden.append(dspark.main_hidden(h))
             h, pre_mix = layer(h, start_pos, pre_mix, cache, shared, image_mask)
             _trace(shared, f"hidden.layers.{i}.out", h)
             _trace(shared, f"hidden.layers.{i}.pre_mix_out", pre_mix)
+        if targets:
+            drafter_inputs["main_hidden"] = torch.cat(hidden, dim=-1)
         x = self.norm(Block.hc_pre(h, pre_mix))
         if last_only:
             x = x[:, -1:]
         _trace(shared, "hidden.final_norm_last", x[:, -1])
         return self.logits(x)
+
+    # ------------------------------------------------------------------ DSpark drafter (dsv41.model.dspark)
+    def draft_prefill(self, main_hidden: torch.Tensor, start_pos: int, cache: ModelCache) -> None:
+        """Write the drafter's rings for positions start_pos.. from a forward's `drafter_inputs`."""
+        self._need_drafter()
+        dspark.prefill(self.mtp, main_hidden, start_pos, cache)
+
+    def draft(self, first: torch.Tensor, main_hidden: torch.Tensor, pos: int, cache: ModelCache,
+              trace: Optional[dict] = None, choose=None) -> "dspark.Draft":
+        """Draft dspark_block_size tokens after backbone position `pos` (see dsv41.model.dspark.draft)."""
+        self._need_drafter()
+        return dspark.draft(self, first, main_hidden, pos, cache, trace, choose)
+
+    def _need_drafter(self) -> None:
+        if not len(self.mtp):
+            raise ValueError("this model has no DSpark drafter (config n_mtp_layers / dspark_block_size)")
+

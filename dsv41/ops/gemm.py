@@ -60,14 +60,48 @@ def linear_fp32_sequential(x: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
 
     x [..., K] fp32, weight [N, K] fp32 -> [..., N] fp32. This is the summation order of a GEMM
     micro-kernel that keeps one accumulator per output (the order the reference outputs were produced
-    with); BLAS libraries on other CPUs split K differently and land 1 ulp away. The FMA is emulated in
-    fp64 (the product of two fp32 values is exact there). Slow: use it for bit-exact checks only.
+    with); BLAS libraries on other CPUs split K differently and land 1 ulp away. Each step is an exactly
+    rounded fp32 FMA (`fma_fp32`). Slow: use it for bit-exact checks only.
     """
     xd, wd = x.double(), weight.double()
     acc = torch.zeros(*x.shape[:-1], weight.size(0), dtype=torch.float32, device=x.device)
     for k in range(x.size(-1)):
-        acc = (acc.double() + xd[..., k:k + 1] * wd[:, k]).float()
+        acc = fma_fp32(acc, xd[..., k:k + 1] * wd[:, k])
     return acc
+
+
+def linear_fp32_lanes(x: torch.Tensor, weight: torch.Tensor, lanes: int = 4) -> torch.Tensor:
+    """y = x @ W^T in fp32 with `lanes` interleaved partial sums per output (term k goes to partial k % lanes,
+    each summed left to right), then combined by halves ((p0 + p2) + (p1 + p3) for 4): a vectorised dot
+    product's order. The DSpark golden's Markov-head bias ([B, rank] x [rank, V]) was computed in this
+    order by the reference's BLAS (measured: bit-exact on every value; the sequential and this machine's
+    BLAS orders differ in the last bit on 16% of them). x [..., K], weight [N, K] -> [..., N]."""
+    k = x.size(-1)
+    pad = -k % lanes
+    xs = torch.nn.functional.pad(x, (0, pad)).unflatten(-1, (-1, lanes))  # [..., K/lanes, lanes]
+    ws = torch.nn.functional.pad(weight, (0, pad)).unflatten(-1, (-1, lanes))  # [N, K/lanes, lanes]
+    partial = torch.zeros(*x.shape[:-1], weight.size(0), lanes, dtype=torch.float32, device=x.device)
+    for i in range(xs.size(-2)):  # products of bf16-valued inputs are exact in fp32; each add rounds once
+        partial = partial + xs[..., i, None, :] * ws[:, i]
+    while partial.size(-1) > 1:
+        half = partial.size(-1) // 2
+        partial = partial[..., :half] + partial[..., half:]
+    return partial[..., 0]
+
+
+def fma_fp32(acc: torch.Tensor, product: torch.Tensor) -> torch.Tensor:
+    """round_fp32(acc + product) with ONE rounding: acc fp32, product fp64 holding an exact fp32 x fp32
+    product (48 significant bits). Adding in fp64 and then rounding to fp32 rounds twice, which is wrong
+    whenever the fp64 rounding lands exactly on an fp32 halfway point; so the fp64 sum is rounded to odd
+    instead (TwoSum gives its exact error; an inexact sum with an even last bit moves one ulp towards the
+    error), after which the fp32 rounding is the correctly rounded result (53 >= 24 + 2 bits)."""
+    a = acc.double()
+    s = a + product
+    bb = s - a
+    err = (a - (s - bb)) + (product - bb)  # exact: a + product = s + err
+    even = (s.view(torch.int64) & 1) == 0
+    s = torch.where((err != 0) & even, torch.nextafter(s, s + err), s)
+    return s.float()
 
 
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch.Tensor:

@@ -151,8 +151,11 @@ def test_flash_builds_on_meta_and_matches_accounting():
     logical = sum(p.numel() * (2 if p.dtype == torch.int8 else 1)
                   for n, p in model.named_parameters() if not n.endswith(".scale"))
     acc = account(cfg)
-    # the module tree holds backbone + Engram tables; vision and DSpark are counted from their shapes
-    assert logical == acc["params_total"] - vision_params(cfg) - dspark_params(cfg)
+    # the module tree holds backbone + Engram tables + the DSpark drafter; vision is counted from its shapes
+    assert logical == acc["params_total"] - vision_params(cfg)
+    drafter = sum(p.numel() * (2 if p.dtype == torch.int8 else 1)
+                  for n, p in model.mtp.named_parameters() if not n.endswith(".scale"))
+    assert drafter == dspark_params(cfg) and 14.0e9 < drafter < 14.4e9  # "~14.2B DSpark" (spec §12)
     assert acc["params_total"] == 763_205_315_794  # HF safetensors.total of the release (spec §12)
     assert acc["kv_bytes_per_token"] == 890
     assert model.layers[20].attn.compressor is not None and model.layers[21].attn.compressor is None

@@ -1,0 +1,101 @@
+"""One backbone block: (Engram) + attention and MoE sublayers joined by single-pass mHC (spec-v41.md §2,
+§5, §6). The DSpark drafter's stages are blocks too (dsv41.model.dspark).
+
+Single-pass mHC (spec §6): a block's attention collapses the copies with the `pre` mix computed by the
+previous block's FFN (layer 0: one-hot on copy 0); the FFN collapses with the `pre` computed from this
+block's attention input. `post` and `comb` of each sublayer expand its output back to the copies and
+mix the residual.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from dsv41 import ops
+from dsv41.config import ModelConfig
+from dsv41.model.attention import Attention, _trace
+from dsv41.model.engram import Engram
+from dsv41.model.layers import RMSNorm
+from dsv41.model.moe import MoE
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rope: ops.RotaryTable, engram_rows: Optional[int] = None):
+        super().__init__()
+        self.layer_id = layer_id
+        self.eps = cfg.norm_eps
+        self.hc, self.sinkhorn_iters, self.hc_eps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps
+        self.engram = Engram(cfg, layer_id, engram_rows) if engram_rows is not None else None
+        self.attn = Attention(cfg, layer_id, rope)
+        self.ffn = MoE(cfg, layer_id)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        n_mix, width = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult * cfg.dim
+        f32 = dict(dtype=torch.float32)
+        self.hc_attn_fn = nn.Parameter(torch.zeros(n_mix, width, **f32))
+        self.hc_ffn_fn = nn.Parameter(torch.zeros(n_mix, width, **f32))
+        self.hc_attn_base = nn.Parameter(torch.zeros(n_mix, **f32))
+        self.hc_ffn_base = nn.Parameter(torch.zeros(n_mix, **f32))
+        self.hc_attn_scale = nn.Parameter(torch.ones(3, **f32))
+        self.hc_ffn_scale = nn.Parameter(torch.ones(3, **f32))
+        # bit-exact reference numerics for the fp32 mix projection (slow; see set_reference_numerics)
+        self.sequential_mixes = False
+        self.row_chunk = 0  # > 0: batch-invariant mix projection (see ops.invariant_matmul)
+
+    def hc_mixes(self, h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor):
+        """h [B, S, hc, dim] -> (pre [B,S,hc], post [B,S,hc], comb [B,S,hc,hc]), one RMS statistic per token."""
+        flat = h.flatten(2).float()
+        rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.eps)
+        if self.sequential_mixes:
+            mixes = ops.linear_fp32_sequential(flat, fn) * rstd
+        else:
+            mixes = ops.invariant_matmul(flat, fn, self.row_chunk) * rstd
+        return ops.hc_split_sinkhorn(mixes, scale, base, self.hc, self.sinkhorn_iters, self.hc_eps)
+
+    @staticmethod
+    def hc_pre(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """Collapse the copies: [B,S,hc,dim] x [B,S,hc] -> [B,S,dim] in h's dtype."""
+        return torch.sum(pre.unsqueeze(-1) * h.float(), dim=2).to(h.dtype)
+
+    @staticmethod
+    def hc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """copy_j = post_j * out + sum_i comb[i, j] * residual_i; [B,S,dim] -> [B,S,hc,dim]."""
+        mixed = torch.sum(comb.unsqueeze(-1) * residual.unsqueeze(-2), dim=2)
+        return (post.unsqueeze(-1) * out.unsqueeze(-2) + mixed).type_as(out)
+
+    def forward(self, h: torch.Tensor, start_pos: int, pre_mix: torch.Tensor, cache, shared: dict,
+                image_mask: Optional[torch.Tensor] = None, attend=None,
+                engram_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [B, S, hc, dim] bf16, pre_mix [B, S, hc] fp32 -> (h, the FFN pre mix for the next block).
+
+        attend: replaces the attention call (the training forward); engram_ids: apply this block's Engram
+        first (the training forward routes everything through the module call, so FSDP2 hooks see it)."""
+        if engram_ids is not None and self.engram is not None:
+            h = self.engram(h, engram_ids, None if image_mask is None else ~image_mask)
+        if attend is None:
+            attend = lambda x: self.attn(x, start_pos, cache, shared)  # noqa: E731
+        return self.run(h, pre_mix, attend, shared, image_mask)
+
+    def run(self, h: torch.Tensor, pre_mix: torch.Tensor, attend, shared: dict,
+            image_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block with the attention call supplied by the caller (`attend`: normed input -> output),
+        so the engine can run one block over a ragged batch of sequences."""
+        residual = h
+        attn_pre, attn_post, attn_comb = self.hc_mixes(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
+        x = attend(self.attn_input(h, pre_mix))
+        _trace(shared, f"hidden.layers.{self.layer_id}.attn_out", x)
+        h = self.hc_post(x, residual, attn_post, attn_comb)
+
+        residual = h
+        ffn_pre, ffn_post, ffn_comb = self.hc_mixes(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
+        x = self.ffn(self.ffn_norm(self.hc_pre(h, attn_pre)), image_mask, shared.get("moe_aux"))
+        _trace(shared, f"hidden.layers.{self.layer_id}.ffn_out", x)
+        h = self.hc_post(x, residual, ffn_post, ffn_comb)
+        return h, ffn_pre
+
+    def attn_input(self, h: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
+        """The normed attention input: the copies collapsed with the previous block's pre mix."""
+        return self.attn_norm(self.hc_pre(h, pre_mix))

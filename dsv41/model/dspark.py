@@ -1,0 +1,188 @@
+"""The DSpark speculative drafter shipped under `mtp.{0,1,2}.*` (spec-v41.md §12b, §13; the golden set
+`v41-dspark-fp8` README documents the reference's `forward_spec`).
+
+What feeds it: for every backbone layer in `dspark_target_layer_ids` (ascending), the hyper-connection
+stream entering that block (after the layer's own Engram), averaged over the copies in bf16, concatenated
+along features -> `main_hidden` [B, S, n_targets * dim]. Stage 0's `main_proj` + `main_norm` turn it into
+`main_x` [B, S, dim], handed to every stage.
+
+Each stage is a sliding-window block (its own MoE, no compressor, indexer or Engram) whose window ring holds
+only backbone ("main") rows: `kv_norm(wkv(main_x))` RoPE'd at the backbone position and FP8-rounded. A
+prefill writes the prompt's last `window` main rows; every decode step writes the new backbone position's
+row first and then drafts, so the drafter must run after every backbone forward.
+
+Drafting at backbone position p: the block [last token, noise x (k-1)] at positions p+1..p+k goes through
+the stages (the attention reads every filled ring slot plus all k draft keys, no causal mask inside the
+block; draft keys are never stored), the last stage's norm and the shared backbone head give base logits
+for the k positions; the Markov head adds a bias conditioned on the previous draft token (sequential:
+token i+1 is chosen from base_logits[i] + bias(token i)); the confidence head scores each position from
+[collapsed stream before the norm, Markov embedding] (fp32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from dsv41 import ops
+from dsv41.config import ModelConfig
+from dsv41.model.attention import _trace
+from dsv41.model.block import Block
+from dsv41.model.layers import Linear, RMSNorm
+
+
+class MarkovHead(nn.Module):
+    """Logit bias from the previous draft token: head(embed[token]); embed bf16 [V, rank], head fp32 [V, rank]
+    (bf16 on disk, promoted like the backbone head)."""
+
+    def __init__(self, vocab: int, rank: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, rank, dtype=torch.bfloat16)
+        self.head = nn.Linear(rank, vocab, bias=False, dtype=torch.float32)
+
+
+class ConfidenceHead(nn.Module):
+    """Predicted acceptance of a draft position: proj([x, markov embedding]) in fp32, one logit."""
+
+    def __init__(self, dim: int, rank: int):
+        super().__init__()
+        self.proj = nn.Linear(dim + rank, 1, bias=False, dtype=torch.float32)
+
+
+class DSparkStage(Block):
+    """`mtp.<k>`: a ratio-0 block (layer id n_layers + k); stage 0 adds `main_proj`/`main_norm`, the last
+    stage `norm`, `markov_head` and `confidence_head`."""
+
+    def __init__(self, cfg: ModelConfig, k: int, rope: ops.RotaryTable):
+        super().__init__(cfg, cfg.n_layers + k, rope)
+        self.stage = k
+        if k == 0:
+            self.main_proj = Linear(len(cfg.dspark_target_layer_ids) * cfg.dim, cfg.dim, cfg.dtype)
+            self.main_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        if k == cfg.n_mtp_layers - 1:
+            self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+            self.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank)
+            self.confidence_head = ConfidenceHead(cfg.dim, cfg.dspark_markov_rank)
+
+    def main_kv(self, main_x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """main_x [B, S, dim] -> this stage's ring rows [B, S, head_dim]: kv_norm(wkv(.)), RoPE, FP8 rounding."""
+        attn = self.attn
+        return ops.fp8_qdq(ops.apply_rope(attn.kv_norm(attn.wkv(main_x)), freqs, attn.rope_dim))
+
+    def draft_attention(self, x: torch.Tensor, ring: torch.Tensor, filled: int, pos: int) -> torch.Tensor:
+        """x [B, k, dim] normed draft inputs at positions pos+1..pos+k; ring [B, W, head_dim] with slots
+        0..filled-1 holding main rows. Every query reads those slots (in slot order) and all k draft keys."""
+        attn = self.attn
+        b, k, _ = x.shape
+        freqs = attn.rope(pos + 1, k, x.device)
+        _, q, kv = attn.project(x, freqs)  # draft keys: the window format, never stored
+        rows = torch.cat([ring, kv], dim=1)  # [B, W + k, head_dim]
+        w = ring.size(1)
+        ids = torch.cat([torch.arange(filled, device=x.device), w + torch.arange(k, device=x.device)])
+        ids = ids.int().expand(b, k, -1)
+        return attn.output(ops.sparse_attn(q, rows, attn.attn_sink, ids, attn.softmax_scale), freqs)
+
+
+@dataclass
+class Draft:
+    """One drafting call. tokens [B, k + 1]: the given first token, then the k drafted ones."""
+
+    tokens: torch.Tensor
+    logits: torch.Tensor  # [B, k, V] fp32: base + Markov bias (what token i+1 was chosen from)
+    base_logits: torch.Tensor  # [B, k, V] fp32
+    markov_bias: torch.Tensor  # [B, k, V] fp32
+    confidence: torch.Tensor  # [B, k] fp32 logits of acceptance
+
+
+def main_hidden(h: torch.Tensor) -> torch.Tensor:
+    """The drafter's view of a target layer: the stream entering the block [B, S, hc, dim] bf16 averaged
+    over the copies (one bf16 rounding) -> [B, S, dim]."""
+    return h.mean(dim=2)
+
+
+def main_x(stages: nn.ModuleList, hidden: torch.Tensor) -> torch.Tensor:
+    """main_hidden [B, S, n_targets * dim] bf16 -> main_x [B, S, dim] = main_norm(main_proj(.))."""
+    first = stages[0]
+    return first.main_norm(first.main_proj(hidden))
+
+
+def prefill(stages: nn.ModuleList, hidden: torch.Tensor, start_pos: int, cache) -> None:
+    """Write the main rows of positions start_pos.. (hidden [B, S, F]) into every stage's ring (the last
+    `window` of them; slot = position % window). Nothing else runs."""
+    b, s, _ = hidden.shape
+    mx = main_x(stages, hidden)
+    for stage in stages:
+        w = stage.attn.window
+        keep = min(s, w)
+        rows = stage.main_kv(mx[:, s - keep:], stage.attn.rope(start_pos + s - keep, keep, hidden.device))
+        slots = torch.arange(start_pos + s - keep, start_pos + s, device=hidden.device) % w
+        cache.window_write(stage.layer_id, b, slots, rows)
+
+
+def draft(model, first: torch.Tensor, hidden: torch.Tensor, pos: int, cache, trace: Optional[dict] = None,
+          choose: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> Draft:
+    """Draft k = dspark_block_size tokens after backbone position `pos`.
+
+    first [B] int64: the token at pos + 1 (the backbone's choice at pos); hidden [B, 1, F]: main_hidden of
+    the backbone forward at pos. Writes position pos's main row into every stage's ring first. choose:
+    picks token i+1 from logits [B, V] (default argmax, the reference's temperature 0).
+    """
+    cfg = model.cfg
+    stages = model.mtp
+    b = first.size(0)
+    k, hc = cfg.dspark_block_size, cfg.hc_mult
+    device = first.device
+    shared: dict = {"trace": trace}
+    mx = main_x(stages, hidden)  # [B, 1, dim]
+    _trace(shared, "spec.main_x", mx[:, 0])
+    ids = torch.full((b, k), cfg.dspark_noise_token_id, dtype=torch.long, device=device)
+    ids[:, 0] = first
+    h = model.embed(ids).unsqueeze(2).repeat(1, 1, hc, 1)  # [B, k, hc, dim]
+    pre_mix = torch.zeros(b, k, hc, dtype=torch.float32, device=device)
+    pre_mix[:, :, 0] = 1.0
+    for stage in stages:
+        w = stage.attn.window
+        row = stage.main_kv(mx, stage.attn.rope(pos, 1, device))
+        cache.window_write(stage.layer_id, b, torch.tensor([pos % w], device=device), row)
+        ring = cache.window_read(stage.layer_id, b)
+        filled = min(w, pos + 1)
+        stage_trace: Optional[dict] = {} if trace is not None else None
+        h, pre_mix = stage.run(h, pre_mix, lambda x, s=stage, r=ring: s.draft_attention(x, r, filled, pos),
+                               {"trace": stage_trace})
+        if trace is not None:
+            prefix = f"hidden.layers.{stage.layer_id}."
+            for name in ("attn_out", "ffn_out"):
+                trace[f"spec.stages.{stage.stage}.{name}"] = stage_trace[prefix + name]
+            trace[f"spec.stages.{stage.stage}.out"] = h.clone()
+            trace[f"spec.stages.{stage.stage}.pre_mix_out"] = pre_mix.clone()
+    last = stages[-1]
+    xh = Block.hc_pre(h, pre_mix)  # [B, k, dim] bf16, before the norm
+    _trace(shared, "spec.collapsed", xh)
+    normed = last.norm(xh)
+    _trace(shared, "spec.final_norm", normed)
+    base = model.logits(normed)  # [B, k, V] fp32, the shared head
+    tokens = [first]
+    biases, logits, embeds = [], [], []
+    for i in range(k):
+        e = last.markov_head.embed(tokens[-1])  # [B, rank] bf16
+        if last.sequential_mixes:  # reference numerics: the reference BLAS's order (see ops.linear_fp32_lanes)
+            bias = ops.linear_fp32_lanes(e.float(), last.markov_head.head.weight)
+        else:
+            bias = ops.invariant_matmul(e.float(), last.markov_head.head.weight, model.row_chunk)  # [B, V] fp32
+        row = base[:, i] + bias
+        tokens.append(row.argmax(-1) if choose is None else choose(row))
+        embeds.append(e)
+        biases.append(bias)
+        logits.append(row)
+    embed = torch.stack(embeds, dim=1)  # [B, k, rank]
+    confidence = ops.invariant_matmul(torch.cat([xh, embed], dim=-1).float(), last.confidence_head.proj.weight,
+                                      model.row_chunk)[..., 0]
+    _trace(shared, "spec.markov_embed", embed)
+    result = Draft(torch.stack(tokens, dim=1), torch.stack(logits, dim=1), base, torch.stack(biases, dim=1), confidence)
+    if trace is not None:
+        trace.update({"spec.base_logits": base, "spec.markov_bias": result.markov_bias, "spec.logits": result.logits,
+                      "spec.output_ids": result.tokens, "spec.confidence": confidence})
+    return result
