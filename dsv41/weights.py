@@ -10,8 +10,10 @@ reference's convert.py does:
 - bf16 tensors the model keeps in fp32 (`head.weight`, ratio-2 compressor `wkv`/`wgate`) are upcast;
 - packed FP4 experts stored as int8/uint8/float4_e2m1fn_x2 are taken as int8 bytes.
 Weights are read with safetensors only: pickle checkpoints (`pytorch_model.bin`) are refused, since
-unpickling runs whatever code the file holds. Vision (`vision.*`, `aligner.*`, `image_*`) and DSpark
-(`mtp.*`) tensors are not implemented yet: they are skipped and reported by name, never dropped silently.
+unpickling runs whatever code the file holds. Vision (`vision.*`, `aligner.*`, `image_*`) tensors are not
+implemented yet, and DSpark (`mtp.*`) tensors are used only when the config describes the drafter
+(n_mtp_layers and dspark_block_size): otherwise they are skipped and reported by name, never dropped
+silently. The drafter's stages have no `embed`/`head` of their own (the release ties them to the backbone's).
 """
 
 from __future__ import annotations
