@@ -183,10 +183,12 @@ def prefill_curve(args, path: str) -> dict:
 
 
 def extrapolate_curve(result: dict, target: int) -> dict:
-    """Fit chunk time = a + b * position (least squares over the chunks past 8K tokens, or past a quarter of a shorter prompt) and sum it
-    over the chunks of a `target`-token prompt; decode step extrapolated linearly in the context from
-    the curve's context (its growth is the Full layers' key scan)."""
-    pts = [p for p in result["points"] if p["position"] > min(8192, result["prompt"] // 4)]
+    """Fit chunk time = a + b * position (least squares over the chunks past 8K tokens, or past a quarter of a shorter prompt,
+    never the first chunk: it carries the process's first-call costs) and sum it over the chunks of a
+    `target`-token prompt; decode step extrapolated linearly in the context from the curve's context (its
+    growth is the Full layers' key scan)."""
+    first = result["points"][0]["position"]
+    pts = [p for p in result["points"] if p["position"] > max(first, min(8192, result["prompt"] // 4))]
     xs = torch.tensor([float(p["position"]) for p in pts], dtype=torch.float64)
     ys = torch.tensor([p["chunk_s"] for p in pts], dtype=torch.float64)
     design = torch.stack([torch.ones_like(xs), xs], 1)

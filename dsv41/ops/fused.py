@@ -32,14 +32,18 @@ def agrees(fused: Callable, reference: Callable, cases: Iterable[tuple]) -> bool
     """Does `fused(*args)` equal `reference(*args)` bit for bit (every output) on every case?
     False (with a warning) if the fused version cannot be built here. Call it once per shape family and
     cache the verdict."""
+    cases = list(cases)
     try:
-        with torch.no_grad():
-            for args in cases:
-                got, want = fused(*args), reference(*args)
-                got = got if isinstance(got, tuple) else (got,)
-                want = want if isinstance(want, tuple) else (want,)
-                if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
-                    return False
+        # under both modes the model runs in: the compiler keys its kernels on the grad mode, so this also
+        # builds both now instead of inside the first request
+        for mode in (torch.no_grad, torch.inference_mode):
+            with mode():
+                for args in cases:
+                    got, want = fused(*args), reference(*args)
+                    got = got if isinstance(got, tuple) else (got,)
+                    want = want if isinstance(want, tuple) else (want,)
+                    if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
+                        return False
     except Exception as err:  # no C++ compiler, an unsupported device: the eager reference is used
         warnings.warn(f"fused kernel unavailable, using the eager reference ({type(err).__name__}: {err})")
         return False
