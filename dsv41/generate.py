@@ -181,13 +181,13 @@ def generate_speculative(model: Transformer, prompt: torch.Tensor, max_new_token
         pos += a + 1
         token = nxt
     tokens = torch.stack(out, dim=1)
-    stats.emitted += tokens.size(1)
     if eos_id is not None:  # as `generate`: eos repeats after a row's first one; stop when every row has one
         hit = (tokens == eos_id).int().cumsum(1) > 0
         tokens = torch.where(hit, eos_id, tokens)
         done_at = hit.all(0).nonzero()
         if len(done_at):
             tokens = tokens[:, :int(done_at[0]) + 1]
+    stats.emitted += tokens.size(1)
     return tokens
 
 

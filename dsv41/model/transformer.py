@@ -127,11 +127,13 @@ class Transformer(nn.Module):
         """Build and check the fused kernels this model uses (dsv41.ops.fused) now rather than inside the
         first request: compiling them takes seconds (tens on a cold cache). Returns which are in use."""
         cfg, device = self.cfg, self.device.type
+        if not ops.fused.enabled():  # DSV41_FUSED=0: nothing is compiled
+            return {}
         used = {"sinkhorn": ops.sinkhorn.fused_normalize_agrees(cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, device)}
         if any(layer.attn.indexer is not None for layer in self.layers):
             used["index_score_epilogue"] = ops.indexer.epilogue_fusion_agrees(cfg.index_n_heads, device)
             used["topk_keys"] = ops.indexer.keys16_fusion_agrees(device)
-        return {name: ok and ops.fused.enabled() for name, ok in used.items()}
+        return used
 
     def set_batch_invariant(self, row_chunk: int = 16) -> None:
         """Make every token-wise GEMM run in fixed chunks of `row_chunk` rows (0 turns it off), so a
