@@ -56,6 +56,16 @@ class EngineConfig:
     row_chunk: int = field(default=16, metadata={"help": (
         "rows per GEMM chunk when --batch-invariant is on; changing it changes the numerics slightly")})
 
+    speculative: bool = field(default=False, metadata={"help": (
+        "DSpark speculative decoding with the checkpoint's drafter (mtp.*): each step drafts up to "
+        "dspark_block_size tokens per request and verifies them in one target pass; greedy output is "
+        "identical to plain decoding, sampling keeps the target distribution")})
+    num_speculative_tokens: Optional[int] = field(default=None, metadata={"help": (
+        "most tokens drafted per step with --speculative (default and maximum: the model's dspark_block_size)")})
+    speculative_min_confidence: float = field(default=0.0, metadata={"help": (
+        "with --speculative, verify only the leading draft positions whose predicted acceptance (the "
+        "drafter's confidence head, running product of sigmoids) is at least this; 0 verifies every draft")})
+
     def validate(self) -> None:
         for name in ("block_size", "kv_pool_tokens", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
             if getattr(self, name) <= 0:
@@ -66,5 +76,10 @@ class EngineConfig:
             raise ValueError("EngineConfig.prefill_chunk_size must not exceed max_num_batched_tokens")
         if self.kv_pool_tokens < self.block_size:
             raise ValueError("EngineConfig.kv_pool_tokens must hold at least one block")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
+            raise ValueError(f"EngineConfig.num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if not 0.0 <= self.speculative_min_confidence <= 1.0:
+            raise ValueError("EngineConfig.speculative_min_confidence must be in [0, 1], got "
+                             f"{self.speculative_min_confidence}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"EngineConfig.max_model_len must be > 0, got {self.max_model_len}")

@@ -28,8 +28,8 @@ from dsv41.engine.config import EngineConfig
 from dsv41.engine.kv_pool import BlockAllocator, PagedKVPool, PoolExhausted
 from dsv41.engine.prefix_cache import PrefixStats, Snapshot, SnapshotStore, chain_hashes, prefix_key
 from dsv41.engine.runner import Chunk, ModelRunner
-from dsv41.engine.sampling import sample, token_logprobs
-from dsv41.engine.sequence import Sequence, SequenceCache, StatePool, Status
+from dsv41.engine.sampling import sample, token_logprobs, verify_draft
+from dsv41.engine.sequence import DraftRings, Sequence, SequenceCache, StatePool, Status
 from dsv41.engine.types import RequestOutput, SamplingParams
 from dsv41.model.transformer import Transformer
 
@@ -51,9 +51,18 @@ class LLMEngine:
         num_blocks = config.kv_pool_tokens // bs
         self.pool = PagedKVPool(cfg, bs, num_blocks, model.device)
         self.allocator = BlockAllocator(num_blocks)
-        self.states = StatePool(cfg, config.max_num_seqs, model.device)
+        self.speculative = config.speculative
+        if self.speculative and not len(model.mtp):
+            raise ValueError("--speculative needs a model with a DSpark drafter (mtp.* weights; config "
+                             "n_mtp_layers and dspark_block_size); this one has none")
+        self.num_draft = 0
+        if self.speculative:
+            k = cfg.dspark_block_size
+            self.num_draft = k if config.num_speculative_tokens is None else min(k, config.num_speculative_tokens)
+        self.states = StatePool(cfg, config.max_num_seqs, model.device, drafter=self.speculative)
         self.snapshots = SnapshotStore(config.max_snapshots if config.enable_prefix_caching else 0, config.window_ttl_s)
-        self.runner = ModelRunner(model, config.row_chunk if config.batch_invariant else 0)
+        self.runner = ModelRunner(model, config.row_chunk if config.batch_invariant else 0,
+                                  capture_hidden=self.speculative)
         self.fused_kernels = model.prepare_kernels()  # compile now, not inside the first request
         self.boundary = self.runner.boundary
         limit = config.max_model_len or cfg.max_position_embeddings
@@ -68,6 +77,11 @@ class LLMEngine:
         self.counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_finished_total": 0,
                          "preemptions_total": 0, "steps_total": 0, "failed_steps_total": 0,
                          "requests_failed_total": 0}
+        if self.speculative:
+            self.counters.update({"spec_decode_steps_total": 0, "spec_decode_draft_tokens_total": 0,
+                                  "spec_decode_accepted_tokens_total": 0, "spec_decode_emitted_tokens_total": 0})
+            self.accepted_at = [0] * self.num_draft  # per draft position: verified with a draft kept there
+            self.verified_at = [0] * self.num_draft
         self._recent: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens generated) per step
 
     # ------------------------------------------------------------------ requests
@@ -145,8 +159,10 @@ class LLMEngine:
         if not plan:
             return outputs
         chunks = [chunk for _, chunk, _ in plan]
-        for seq, _, kind in plan:
+        for seq, chunk, kind in plan:
             seq.cache.global_writes = kind != "rebuild"
+            if kind == "decode" and seq.draft_tokens:  # a rejected draft is undone from this copy
+                seq.saved_state = seq.cache.save_positions(chunk.start, chunk.end)
         try:
             logits = self.runner.forward(chunks)
         except Exception as exc:  # noqa: BLE001 - whatever broke, the other requests must go on
@@ -164,6 +180,13 @@ class LLMEngine:
             if kind == "rebuild":
                 seq.needs_rebuild = False
                 continue
+            if kind == "decode" and self.speculative:
+                rows = logits[row:row + chunk.n_logits]
+                row += chunk.n_logits
+                before = len(seq.output_ids)
+                outputs.append(self._verified(seq, chunk, rows))
+                generated += len(seq.output_ids) - before
+                continue
             seq.num_computed = chunk.end
             if seq.suspect_until is not None and seq.num_computed >= seq.suspect_until:
                 seq.suspect_until = None  # it got past the work of the failed batch alone: cleared
@@ -179,6 +202,14 @@ class LLMEngine:
                 continue
             generated += 1
             outputs.append(out)
+        if self.speculative:
+            try:
+                self._draft([(seq, chunk) for seq, chunk, kind in plan if kind != "rebuild"])
+            except Exception as exc:  # noqa: BLE001 - drafting is an optimisation: decode on without it
+                log.warning("DSpark drafting failed (%s: %s); these requests decode one token this step",
+                            type(exc).__name__, exc)
+                for seq, _, _ in plan:
+                    seq.draft_tokens, seq.draft_logits = [], None
         self.counters["generation_tokens_total"] += generated
         self._recent.append((time.perf_counter(), generated))
         return outputs
@@ -187,13 +218,21 @@ class LLMEngine:
         """Sample the sequence's next token from its logits [vocab] and account for it."""
         if kind == "prefill":
             self._save_snapshot(seq, logits)  # message boundary: end of the prompt
+        token = sample(logits, seq.params, seq.generator or self.generator)
+        self._append_token(seq, token, logits)
+        return self._emit(seq)
+
+    def _append_token(self, seq: Sequence, token: int, logits: torch.Tensor) -> None:
+        """Add one token (chosen from logits [vocab]) to the output; sets the finish reason if it ends it."""
         if seq.capture_logits:
             seq.logits.append(logits.clone())
-        token = sample(logits, seq.params, seq.generator or self.generator)
         if seq.params.logprobs is not None:
             seq.pending_logprobs.append(token_logprobs(logits, token, seq.params.logprobs, self.tokenizer))
         seq.output_ids.append(token)
         self._check_finished(seq, token)
+
+    def _emit(self, seq: Sequence) -> RequestOutput:
+        """The output since the last one; a finished sequence leaves the batch (snapshot, release)."""
         out = self._output(seq)
         if seq.status == Status.FINISHED:
             self.running.remove(seq)
@@ -201,6 +240,97 @@ class LLMEngine:
             self._release(seq)
             self._finish(seq)
         return out
+
+    # ------------------------------------------------------------------ DSpark speculative decoding
+    def _verified(self, seq: Sequence, chunk: Chunk, rows: torch.Tensor) -> RequestOutput:
+        """A decode step with speculation on: the chunk ran the last known token and the draft; rows
+        [n + 1, vocab] are the logits at the last known token and at each draft. Keeps the longest valid
+        prefix plus one token. Whatever the rejected positions (or those past a finish inside the draft)
+        wrote is undone (`SequenceCache.keep_positions`), so the state is that of plain decoding."""
+        draft, seq.draft_tokens = seq.draft_tokens, []
+        draft_logits, seq.draft_logits = seq.draft_logits, None
+        saved, seq.saved_state = seq.saved_state, None
+        n = len(draft)
+        try:
+            accepted, nxt = verify_draft(rows, draft, draft_logits, seq.params, seq.generator or self.generator)
+            emitted = 0
+            for i, token in enumerate(draft[:accepted] + [nxt]):
+                self._append_token(seq, token, rows[i])
+                emitted += 1
+                if seq.finish_reason is not None:
+                    break
+        except Exception as exc:  # noqa: BLE001 - this request's own failure (sampling, decoding, stop)
+            return self._fail(seq, exc)
+        # positions up to the last token's predecessor are final; a draft's rejected tail is undone
+        seq.num_computed = len(seq) - 1
+        if saved is not None:
+            seq.cache.keep_positions(saved, seq.num_computed)
+        if seq.suspect_until is not None and seq.num_computed >= seq.suspect_until:
+            seq.suspect_until = None
+        self._register_full_blocks(seq)
+        c = self.counters
+        if n:
+            c["spec_decode_steps_total"] += 1
+            c["spec_decode_draft_tokens_total"] += n
+            c["spec_decode_accepted_tokens_total"] += accepted
+            c["spec_decode_emitted_tokens_total"] += emitted
+            for i in range(n):
+                self.verified_at[i] += 1
+                self.accepted_at[i] += accepted > i
+        return self._emit(seq)
+
+    def _draft(self, work: list[tuple[Sequence, Chunk]]) -> None:
+        """After a forward: write the drafter rings' rows of the positions it computed and kept, then draft
+        the next block for every decoding sequence, all in one batched drafter pass."""
+        model = self.model
+        todo = []
+        for seq, chunk in work:
+            if seq.status != Status.RUNNING or seq.cache is None or chunk.main_hidden is None:
+                continue
+            first_pos, m = chunk.hidden_start, chunk.main_hidden.size(0)
+            last = min(first_pos + m, len(seq) - 1) - 1  # the last position both computed and kept
+            if last < first_pos:
+                continue
+            can_draft = not seq.in_prefill and not seq.needs_rebuild and last == len(seq) - 2
+            budget = min(self.num_draft, seq.params.max_tokens - len(seq.output_ids) - 1,
+                         self.max_model_len - len(seq) - 1)
+            can_draft = can_draft and budget > 0
+            write_from = max(first_pos, seq.rows_end if seq.rows_first is not None else first_pos)
+            write_to = last if can_draft else last + 1  # a draft writes the row at `last` itself
+            if write_from < write_to:
+                self.runner.draft_rows(chunk.main_hidden[write_from - first_pos:write_to - first_pos].unsqueeze(0),
+                                       write_from, seq.cache)
+                self._rows_written(seq, write_from, write_to)
+            if can_draft:
+                todo.append((seq, chunk.main_hidden[last - first_pos], last, budget))
+        if not todo:
+            return
+        seqs = [t[0] for t in todo]
+        pos = torch.tensor([t[2] for t in todo], dtype=torch.int64)
+        for seq, _, p, _ in todo:
+            self._rows_written(seq, p, p + 1)
+        rings = DraftRings(self.states, [s.cache.slot for s in seqs], [s.rows_first for s in seqs])
+        first = torch.tensor([s.all_ids[-1] for s in seqs], dtype=torch.int64, device=model.device)
+        hidden = torch.stack([t[1] for t in todo]).unsqueeze(1)  # [B, 1, F]
+
+        def choose(logits: torch.Tensor) -> torch.Tensor:  # each request draws with its own params
+            picks = [sample(logits[i], s.params, s.generator or self.generator) for i, s in enumerate(seqs)]
+            return torch.tensor(picks, dtype=torch.int64, device=logits.device)
+
+        result = self.runner.draft(first, hidden, pos, rings, choose)
+        likely = None
+        if self.config.speculative_min_confidence > 0:
+            likely = torch.sigmoid(result.confidence.float()).cumprod(-1) >= self.config.speculative_min_confidence
+        for i, (seq, _, _, budget) in enumerate(todo):
+            n = budget if likely is None else int(likely[i, :budget].sum())  # a running product: a prefix
+            seq.draft_tokens = result.tokens[i, 1:n + 1].tolist()
+            seq.draft_logits = result.logits[i, :n].float().cpu()
+
+    @staticmethod
+    def _rows_written(seq: Sequence, start: int, end: int) -> None:
+        if seq.rows_first is None or start > seq.rows_end:  # a gap: the readable rows start again here
+            seq.rows_first = start
+        seq.rows_end = max(seq.rows_end, end)
 
     # ------------------------------------------------------------------ failures
     MAX_FAILED_STEPS = 3  # a request in this many failed batches is failed even if it never failed alone
@@ -265,7 +395,11 @@ class LLMEngine:
                 end = min(seq.prefill_target, (start // cfg.prefill_chunk_size + 1) * cfg.prefill_chunk_size)
                 kind = "prefill"
             else:
-                start, end, kind = seq.num_computed, seq.num_computed + 1, "decode"
+                start, end, kind = seq.num_computed, len(tokens), "decode"
+                if seq.draft_tokens and end + len(seq.draft_tokens) - start > budget:
+                    seq.draft_tokens, seq.draft_logits = [], None  # no room this step: verify nothing
+                end += len(seq.draft_tokens)
+                tokens = tokens + seq.draft_tokens
             if end - start > budget:
                 continue
             if not self._reserve_blocks(seq, end, plan):
@@ -274,7 +408,9 @@ class LLMEngine:
             lookback = self.model_config.engram_max_ngram_size - 1
             chunk = Chunk(seq.cache, tokens[start:end], start, tokens[max(0, start - lookback):start],
                           decoder_from=seq.rebuild_decoder_from if kind == "rebuild" else seq.decoder_from,
-                          want_logits=kind != "rebuild" and end >= seq.prefill_target, end=end, decode=kind == "decode")
+                          want_logits=kind != "rebuild" and end >= seq.prefill_target, end=end,
+                          decode=kind == "decode" and end - start == 1,
+                          n_logits=len(seq.draft_tokens) + 1 if kind == "decode" else 1)
             plan.append((seq, chunk, kind))
         return plan
 
@@ -323,6 +459,8 @@ class LLMEngine:
         mcfg, bs = self.model_config, self.config.block_size
         tokens = seq.all_ids
         n = len(tokens)
+        seq.draft_tokens, seq.draft_logits, seq.saved_state = [], None, None  # a new cache: no draft, no rows
+        seq.rows_first, seq.rows_end = None, 0
         hashes = chain_hashes(tokens, bs, [])
         w = mcfg.window_size
         bounded = self.config.prefill_mode == "bounded"
@@ -503,7 +641,19 @@ class LLMEngine:
                 "kv_fixed_state_bytes": kv["fixed_state_bytes"], "kv_usage": used / total,
                 "prefix_cache_queried_tokens": q, "prefix_cache_hit_tokens": h, "prefix_cache_hit_rate": h / q if q else 0.0,
                 "prefix_cache_snapshot_hits": self.stats.snapshot_hits, "window_rebuilds": self.stats.window_rebuilds,
-                "generation_tokens_per_s": rate, **self.counters}
+                "generation_tokens_per_s": rate, **self.counters, **self._spec_metrics()}
+
+    def _spec_metrics(self) -> dict:
+        """DSpark acceptance: the fraction of drafted tokens kept, tokens emitted per verify step, and the
+        acceptance rate at each draft position (verified there with every earlier draft kept)."""
+        if not self.speculative:
+            return {}
+        c = self.counters
+        out = {"spec_decode_acceptance_rate": c["spec_decode_accepted_tokens_total"] / max(c["spec_decode_draft_tokens_total"], 1),
+               "spec_decode_mean_emitted_per_step": c["spec_decode_emitted_tokens_total"] / max(c["spec_decode_steps_total"], 1)}
+        for i, (a, v) in enumerate(zip(self.accepted_at, self.verified_at)):
+            out[f"spec_decode_acceptance_rate_position_{i}"] = a / max(v, 1)
+        return out
 
     def resident_kv_bytes(self) -> dict:
         """Measured bytes of the live sequences' state: global KV entries actually stored (by kv source,

@@ -22,6 +22,7 @@ import torch
 from dsv41 import ops
 from dsv41.engine.batched import DecodeBatch, decode_attend
 from dsv41.engine.sequence import SequenceCache
+from dsv41.model import dspark
 from dsv41.model.block import Block
 from dsv41.model.transformer import Transformer
 
@@ -38,7 +39,12 @@ class Chunk:
     want_logits: bool = True  # logits of the last position
     end: int = 0  # the scheduler's end position (tokens/start change when the decoder part is trimmed)
     decode: bool = False  # one token of a running sequence: batched with the other decode tokens
+    n_logits: int = 1  # with want_logits: logits of this many trailing positions (a DSpark verify: n + 1)
     shared: dict = field(default_factory=dict)
+    # filled by a forward with capture_hidden: the drafter's main_hidden [n, F] of the positions that
+    # reached the target layers, hidden_start.. (the chunk's positions after any bounded-replay trim)
+    main_hidden: Optional[torch.Tensor] = None
+    hidden_start: int = 0
 
 
 class ModelRunner:
@@ -46,11 +52,13 @@ class ModelRunner:
     forward runs under `model.numerics(row_chunk)`: batch-invariant GEMMs, canonical top-k ties, eval
     mode, the model's own settings restored afterwards. None: the model's settings as they are."""
 
-    def __init__(self, model: Transformer, row_chunk: Optional[int] = None):
+    def __init__(self, model: Transformer, row_chunk: Optional[int] = None, capture_hidden: bool = False):
         self.model = model
         self.cfg = model.cfg
         self.boundary = model.cfg.decoder_boundary
         self.row_chunk = row_chunk
+        # DSpark: keep the target layers' mean-over-copies inputs (dsv41.model.dspark.main_hidden)
+        self.targets = tuple(model.cfg.dspark_target_layer_ids) if capture_hidden and len(model.mtp) else ()
 
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """Run the chunks; returns fp32 logits [n, vocab] for the chunks with want_logits, in order."""
@@ -59,6 +67,28 @@ class ModelRunner:
         with self.model.numerics(self.row_chunk):
             return self._forward(chunks)
 
+    def draft(self, first: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, rings, choose) -> "dspark.Draft":
+        """One batched DSpark draft (dsv41.model.dspark.draft, per-row positions) under the runner's numerics."""
+        if self.row_chunk is None:
+            return self._draft(first, hidden, pos, rings, choose)
+        with self.model.numerics(self.row_chunk):
+            return self._draft(first, hidden, pos, rings, choose)
+
+    @torch.inference_mode()
+    def _draft(self, first, hidden, pos, rings, choose):
+        return dspark.draft(self.model, first, hidden, pos, rings, choose=choose)
+
+    def draft_rows(self, hidden: torch.Tensor, start: int, cache: SequenceCache) -> None:
+        """Write one sequence's drafter-ring rows for positions start.. (hidden [1, S, F])."""
+        if self.row_chunk is None:
+            return self._draft_rows(hidden, start, cache)
+        with self.model.numerics(self.row_chunk):
+            return self._draft_rows(hidden, start, cache)
+
+    @torch.inference_mode()
+    def _draft_rows(self, hidden, start, cache):
+        dspark.prefill(self.model.mtp, hidden, start, cache)
+
     @torch.inference_mode()
     def _forward(self, chunks: list[Chunk]) -> torch.Tensor:
         model, cfg = self.model, self.cfg
@@ -66,7 +96,7 @@ class ModelRunner:
         ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.int64, device=device).unsqueeze(0)
         positions = torch.cat([torch.arange(c.start, c.start + len(c.tokens)) for c in chunks])
         for c in chunks:
-            c.shared = {}
+            c.shared, c.main_hidden = {}, None
         decodes = [c for c in chunks if c.decode]
         batch = DecodeBatch.build([c.cache for c in decodes], [c.start for c in decodes], device) if decodes else None
         hash_ids = self._engram_hashes(chunks) if model.engram_hash is not None else None
@@ -74,24 +104,34 @@ class ModelRunner:
         h = model.embed(ids).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [1, T, hc, dim]
         pre_mix = torch.zeros(1, ids.size(1), cfg.hc_mult, dtype=torch.float32, device=device)
         pre_mix[..., 0] = 1.0
+        hidden: list[torch.Tensor] = []
         for i, layer in enumerate(model.layers):
             if i == self.boundary:
                 keep = self._skip_decoder(layer, chunks, h, pre_mix)
                 if keep is not None:
                     h, pre_mix, positions = h[:, keep], pre_mix[:, keep], positions[keep]
                     hash_ids = None if hash_ids is None else hash_ids[:, keep]
+                    hidden = [x[:, keep] for x in hidden]
                     chunks = [c for c in chunks if c.tokens]
                 if not chunks:
                     break
             if layer.engram is not None:
                 h = layer.engram(h, hash_ids[:, :, model.engram_layout.layer_ids.index(i)])
+            if i in self.targets:
+                hidden.append(dspark.main_hidden(h))  # [1, T, dim], the stream entering the block
             h, pre_mix = layer.run(h, pre_mix, lambda x: self._attend(layer.attn, x, positions, chunks, batch), {})
 
+        if self.targets and len(hidden) == len(self.targets):
+            main = torch.cat(hidden, dim=-1)[0]  # [T, n_targets * dim]
+            offset = 0
+            for c in chunks:
+                c.main_hidden, c.hidden_start = main[offset:offset + len(c.tokens)], c.start
+                offset += len(c.tokens)
         last, offset = [], 0
         for c in chunks:
             offset += len(c.tokens)
             if c.want_logits:
-                last.append(offset - 1)
+                last.extend(range(offset - min(c.n_logits, len(c.tokens)), offset))
         if not last:
             return torch.empty(0, cfg.vocab_size)
         index = torch.tensor(last, device=device)

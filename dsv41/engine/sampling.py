@@ -17,9 +17,18 @@ GREEDY_TEMPERATURE = 1e-5
 def sample(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator]) -> int:
     """logits [vocab] fp32 -> one token id. Temperature below `GREEDY_TEMPERATURE` (0 included) is greedy
     (ties go to the lowest id). Logits without a finite maximum raise ValueError (that request fails)."""
+    probs = sampling_probs(logits, params)
+    if probs is None:
+        return int(logits.float().cpu().argmax())
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> Optional[torch.Tensor]:
+    """The distribution `sample` draws from (fp32 [vocab] on the CPU, after temperature, top-k, top-p), or
+    None when the request is greedy."""
     logits = logits.float().cpu()
     if params.temperature < GREEDY_TEMPERATURE:
-        return int(logits.argmax())
+        return None
     logits = logits / params.temperature
     if 0 < params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
@@ -31,7 +40,36 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: Optional[tor
         sorted_probs, order = probs.sort(descending=True)
         outside = sorted_probs.cumsum(0) - sorted_probs > params.top_p  # keep the smallest prefix reaching top_p
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs.masked_fill(outside, 0.0))
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return probs
+
+
+def verify_draft(target: torch.Tensor, draft: list[int], draft_logits: Optional[torch.Tensor],
+                 params: SamplingParams, generator: Optional[torch.Generator]) -> tuple[int, int]:
+    """DSpark verification of one sequence: target [n + 1, vocab] fp32 logits at the last known token and
+    at each of the n drafted tokens; draft_logits [n, vocab], what each draft was sampled from (`sample`
+    with the same params). Returns (drafts accepted a, the token after them).
+
+    Greedy: drafts are kept while they equal the target's argmax, then the argmax follows, exactly what
+    one-token decoding picks. Sampled (standard speculative sampling): draft d is kept with probability
+    min(1, p(d) / q(d)); at the first rejection the token comes from norm(max(p - q, 0)); with every
+    draft kept, from p at the last position. The tokens then follow the target's distribution p."""
+    n = len(draft)
+    if params.temperature < GREEDY_TEMPERATURE:
+        choice = target.float().cpu().argmax(-1).tolist()
+        a = 0
+        while a < n and draft[a] == choice[a]:
+            a += 1
+        return a, choice[a]
+    for i, d in enumerate(draft):
+        p = sampling_probs(target[i], params)
+        q = sampling_probs(draft_logits[i], params)
+        if float(torch.rand((), generator=generator)) * float(q[d]) < float(p[d]):
+            continue
+        residual = (p - q).clamp_min(0)
+        total = float(residual.sum())
+        residual = residual / total if total > 0 else p
+        return i, int(torch.multinomial(residual, 1, generator=generator))
+    return n, int(torch.multinomial(sampling_probs(target[n], params), 1, generator=generator))
 
 
 def token_logprobs(logits: torch.Tensor, token: int, top_n: int, tokenizer) -> TokenLogprob:

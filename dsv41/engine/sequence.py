@@ -28,8 +28,9 @@ class StatePool:
     """The fixed per-sequence state of every running sequence, one slot each, in shared tensors so a
     decode step can read and write all sequences' rings at once (dsv41.engine.batched)."""
 
-    def __init__(self, cfg: ModelConfig, n_slots: int, device=None):
-        n, w, d = cfg.n_layers, cfg.window_size, cfg.head_dim
+    def __init__(self, cfg: ModelConfig, n_slots: int, device=None, drafter: bool = False):
+        # with `drafter`, one more ring per DSpark stage (layer ids n_layers..), holding backbone rows
+        n, w, d = cfg.n_layers + (cfg.drafter_stages if drafter else 0), cfg.window_size, cfg.head_dim
         self.window_codes = torch.zeros(n_slots, n, w, d, dtype=torch.float8_e4m3fn, device=device)
         # UE8M0 scales kept as their raw bytes (torch has no indexed writes for float8_e8m0fnu); 127 = 2^0
         self.window_scale = torch.full((n_slots, n, w, d // FP8_BLOCK), 127, dtype=torch.uint8, device=device)
@@ -70,6 +71,8 @@ class SequenceCache:
         self.group = {layer: (states.group_kv[layer][slot:slot + 1], states.group_score[layer][slot:slot + 1])
                       for layer in states.group_kv}  # [1, ratio, D] views
         self.global_writes = True  # False while replaying positions whose global entries are cached
+        self.keep_group_rows = None  # set during a DSpark verify (save_positions .. keep_positions)
+        self._group_rows: dict = {}
 
     # ------------------------------------------------------------------ blocks
     def set_blocks(self, blocks: list[int]) -> None:
@@ -101,6 +104,47 @@ class SequenceCache:
         for k, (a, b) in state["group"].items():
             self.group[k][0].copy_(a)
             self.group[k][1].copy_(b)
+
+    # ------------------------------------------------------------------ DSpark verify rollback
+    def save_positions(self, start: int, end: int) -> dict:
+        """Before a forward over positions start..end-1 whose tail may be rejected: a copy of what it
+        overwrites in place, the backbone ring slots of those positions (they still hold positions
+        start - W ..), and from now on the compressors' per-position rows (`keep_group_rows`), from which
+        the partial groups of any accepted prefix are rebuilt. Global entries (compressed KV, index keys)
+        need no copy: those past the accepted point are rewritten before anything reads them."""
+        n, w = self.cfg.n_layers, self.cfg.window_size
+        slots = torch.arange(start, min(end, start + w), device=self.window_codes.device) % w
+        self._group_rows = {}
+        self.keep_group_rows = self._keep_group_rows
+        return {"start": start, "end": end, "codes": self.window_codes[:n, slots].clone(),
+                "scale": self.window_scale[:n, slots].clone()}
+
+    def _keep_group_rows(self, layer: int, first: int, kv: torch.Tensor, score: torch.Tensor) -> None:
+        """Called by a compressor (dsv41.model.attention) with its fp32 rows [1, n, D] of positions first..
+        (the pending rows of the group, then the new ones)."""
+        self._group_rows[layer] = (first, kv, score)
+
+    def keep_positions(self, saved: dict, end: int) -> None:
+        """After the forward: keep positions < end, undo the rest. The state is then bit for bit what
+        computing positions < end alone leaves (the readable part of it: ring slots of the last W
+        positions, the pending part of each partial group)."""
+        self.keep_group_rows = None
+        rows, self._group_rows = self._group_rows, {}
+        n, w, start = self.cfg.n_layers, self.cfg.window_size, saved["start"]
+        if end >= saved["end"]:
+            return
+        rejected = torch.arange(end, min(saved["end"], end + w), device=self.window_codes.device)
+        at = (rejected - start) % w  # where each rejected position's slot sits in the copy
+        self.window_codes[:n, rejected % w] = saved["codes"][:, at]
+        self.window_scale[:n, rejected % w] = saved["scale"][:, at]
+        for layer, (kv, score) in self.group.items():
+            ratio = kv.size(1)
+            pending = end % ratio  # positions end - pending .. end - 1 form the partial group
+            if pending:
+                first, all_kv, all_score = rows[layer]
+                a = end - pending - first
+                kv[:, :pending] = all_kv[:, a:a + pending]
+                score[:, :pending] = all_score[:, a:a + pending]
 
     # ------------------------------------------------------------------ the model's cache protocol (b = 1)
     def window_first(self, layer: int) -> int:
@@ -147,6 +191,30 @@ class SequenceCache:
         remapped = ids.clone()
         remapped[valid] = (inverse + offset).to(ids.dtype)
         return rows, remapped
+
+
+class DraftRings:
+    """The DSpark stages' rings of several sequences, for one batched draft (dsv41.model.dspark.draft with
+    per-row positions): reads dequantise each sequence's ring, writes store one row per sequence."""
+
+    def __init__(self, states: StatePool, slots: list[int], rows_first: list[int]):
+        device = states.window_codes.device
+        self.states = states
+        self.slots = torch.tensor(slots, dtype=torch.int64, device=device)  # [B]
+        self.first = torch.tensor(rows_first, dtype=torch.int64)  # [B]
+
+    def draft_first(self) -> torch.Tensor:
+        return self.first
+
+    def window_read(self, layer: int, b: int) -> torch.Tensor:
+        s = self.states
+        return fp8_dequant(s.window_codes[self.slots, layer], _ue8m0(s.window_scale[self.slots, layer])).bfloat16()
+
+    def window_write_rows(self, layer: int, ring_slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """rows [B, 1, D] into slot ring_slots[b] of sequence b's ring."""
+        codes, scale = fp8_quant(rows[:, 0])
+        self.states.window_codes[self.slots, layer, ring_slots] = codes
+        self.states.window_scale[self.slots, layer, ring_slots] = scale.to(torch.float8_e8m0fnu).view(torch.uint8)
 
 
 def _ue8m0(raw: torch.Tensor) -> torch.Tensor:
@@ -198,6 +266,13 @@ class Sequence:
         self.queue_time_s: Optional[float] = None  # arrival to first admission
         self.capture_logits = False  # keep each sampled position's logits (checks and benchmarks)
         self.logits: list[torch.Tensor] = []
+        # DSpark speculation (EngineConfig.speculative): the draft to verify with the next step, the
+        # drafter rings' readable positions [rows_first, rows_end), the state saved before a verify
+        self.draft_tokens: list[int] = []
+        self.draft_logits: Optional[torch.Tensor] = None  # [n, vocab] fp32: what each draft was drawn from
+        self.rows_first: Optional[int] = None
+        self.rows_end = 0
+        self.saved_state: Optional[dict] = None
 
     @property
     def all_ids(self) -> list[int]:

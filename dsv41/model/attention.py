@@ -61,6 +61,9 @@ class Compressor(nn.Module):
         if pending:
             kv = torch.cat([state_kv[:b, :pending], kv], dim=1)
             score = torch.cat([state_score[:b, :pending], score], dim=1)
+        keep = getattr(cache, "keep_group_rows", None)  # a cache that may roll back to inside this chunk
+        if keep is not None:
+            keep(self.layer_id, start_pos - pending, kv, score)
         n_groups = (pending + s) // ratio
         used = n_groups * ratio
         leftover = pending + s - used

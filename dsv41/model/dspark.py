@@ -72,18 +72,37 @@ class DSparkStage(Block):
         attn = self.attn
         return ops.fp8_qdq(ops.apply_rope(attn.kv_norm(attn.wkv(main_x)), freqs, attn.rope_dim))
 
-    def draft_attention(self, x: torch.Tensor, ring: torch.Tensor, filled: int, pos: int) -> torch.Tensor:
-        """x [B, k, dim] normed draft inputs at positions pos+1..pos+k; ring [B, W, head_dim] with slots
-        0..filled-1 holding main rows. Every query reads those slots (in slot order) and all k draft keys."""
+    def draft_attention(self, x: torch.Tensor, ring: torch.Tensor, ring_ids: torch.Tensor,
+                        freqs: torch.Tensor) -> torch.Tensor:
+        """x [B, k, dim] normed draft inputs; ring [B, W, head_dim]; ring_ids [B, n] int: the ring slots to
+        read (slot order), -1 padding after them; freqs: the draft positions' rotations ([k, r] or
+        [B, k, r]). Every query reads those slots and all k draft keys (after the slots)."""
         attn = self.attn
         b, k, _ = x.shape
-        freqs = attn.rope(pos + 1, k, x.device)
         _, q, kv = attn.project(x, freqs)  # draft keys: the window format, never stored
         rows = torch.cat([ring, kv], dim=1)  # [B, W + k, head_dim]
         w = ring.size(1)
-        ids = torch.cat([torch.arange(filled, device=x.device), w + torch.arange(k, device=x.device)])
-        ids = ids.int().expand(b, k, -1)
+        keys = (w + torch.arange(k, device=x.device, dtype=ring_ids.dtype)).expand(b, k)
+        ids = torch.cat([ring_ids, keys], dim=1)
+        if bool((ring_ids < 0).any()):  # rows with fewer slots: the draft keys follow each row's own slots
+            order = torch.sort((ids < 0).int(), dim=1, stable=True).indices
+            ids = ids.gather(1, order)
+        ids = ids.int().unsqueeze(1).expand(b, k, -1)
         return attn.output(ops.sparse_attn(q, rows, attn.attn_sink, ids, attn.softmax_scale), freqs)
+
+
+def ring_slots(pos: torch.Tensor, first: torch.Tensor, window: int) -> torch.Tensor:
+    """The ring slots holding positions max(first, pos - window + 1)..pos, in slot order, per row:
+    pos, first [B] -> [B, window] int64, -1 where a slot holds nothing readable (compacted to the left
+    when every row has the same count)."""
+    lo = torch.maximum(first, pos - window + 1)  # [B]
+    span = pos - lo + 1  # slots held
+    slot = torch.arange(window, device=pos.device)
+    valid = (slot.unsqueeze(0) - lo.unsqueeze(1)) % window < span.unsqueeze(1)  # [B, W]
+    ids = torch.where(valid, slot, -1)
+    order = torch.sort((~valid).int(), dim=1, stable=True).indices  # the readable slots first, in slot order
+    ids = ids.gather(1, order)
+    return ids[:, :int(span.max())]
 
 
 @dataclass
@@ -129,6 +148,10 @@ def draft(model, first: torch.Tensor, hidden: torch.Tensor, pos: int, cache, tra
     first [B] int64: the token at pos + 1 (the backbone's choice at pos); hidden [B, 1, F]: main_hidden of
     the backbone forward at pos. Writes position pos's main row into every stage's ring first. choose:
     picks token i+1 from logits [B, V] (default argmax, the reference's temperature 0).
+
+    pos: an int (every row at the same position; `cache` a ModelCache-like store whose rows start at 0), or
+    an int64 tensor [B] of per-row positions, when `cache` also offers `window_write_rows(layer, slots [B],
+    rows [B, 1, D])` and `draft_first()` -> [B] (the first position whose main row each ring holds).
     """
     cfg = model.cfg
     stages = model.mtp
@@ -143,14 +166,27 @@ def draft(model, first: torch.Tensor, hidden: torch.Tensor, pos: int, cache, tra
     h = model.embed(ids).unsqueeze(2).repeat(1, 1, hc, 1)  # [B, k, hc, dim]
     pre_mix = torch.zeros(b, k, hc, dtype=torch.float32, device=device)
     pre_mix[:, :, 0] = 1.0
+    per_row = isinstance(pos, torch.Tensor)  # the engine: each row at its own position
+    if per_row:
+        pos_t = pos.to(device)
+        first_pos = cache.draft_first().to(device)  # [B]: the first position with a main row, per row
+        draft_pos = (pos_t.unsqueeze(1) + torch.arange(1, k + 1, device=device)).flatten()
     for stage in stages:
-        w = stage.attn.window
-        row = stage.main_kv(mx, stage.attn.rope(pos, 1, device))
-        cache.window_write(stage.layer_id, b, torch.tensor([pos % w], device=device), row)
+        attn = stage.attn
+        w = attn.window
+        if per_row:
+            row = stage.main_kv(mx, attn.rope.at(pos_t, device).unsqueeze(1))  # [B, 1, head_dim]
+            cache.window_write_rows(stage.layer_id, pos_t % w, row)
+            ring_ids = ring_slots(pos_t, first_pos, w)
+            freqs = attn.rope.at(draft_pos, device).view(b, k, -1)
+        else:
+            row = stage.main_kv(mx, attn.rope(pos, 1, device))
+            cache.window_write(stage.layer_id, b, torch.tensor([pos % w], device=device), row)
+            ring_ids = torch.arange(min(w, pos + 1), device=device).expand(b, -1)
+            freqs = attn.rope(pos + 1, k, device)
         ring = cache.window_read(stage.layer_id, b)
-        filled = min(w, pos + 1)
         stage_trace: Optional[dict] = {} if trace is not None else None
-        h, pre_mix = stage.run(h, pre_mix, lambda x, s=stage, r=ring: s.draft_attention(x, r, filled, pos),
+        h, pre_mix = stage.run(h, pre_mix, lambda x, s=stage, r=ring, i=ring_ids, f=freqs: s.draft_attention(x, r, i, f),
                                {"trace": stage_trace})
         if trace is not None:
             prefix = f"hidden.layers.{stage.layer_id}."

@@ -68,15 +68,17 @@ class RotaryTable:
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor, rope_dim: int, inverse: bool = False) -> torch.Tensor:
     """Rotate the last `rope_dim` channels of x; returns a new tensor of x's dtype.
 
-    x: [B, S, D] or [B, S, H, D]; freqs: complex64 [S, rope_dim/2]. `inverse` applies the conjugate
-    rotation (used to take the query's rotation back off the attention output).
+    x: [B, S, D] or [B, S, H, D]; freqs: complex64 [S, rope_dim/2], or [B, S, rope_dim/2] when each row has
+    its own positions (the engine's batched DSpark drafts). `inverse` applies the conjugate rotation (used
+    to take the query's rotation back off the attention output).
     """
     rot = torch.view_as_complex(x[..., -rope_dim:].float().unflatten(-1, (-1, 2)))
     if inverse:
         freqs = freqs.conj()
+    rows = freqs.size(0) if freqs.ndim == 3 else 1
     if x.ndim == 3:
-        freqs = freqs.view(1, x.size(1), rot.size(-1))
+        freqs = freqs.view(rows, x.size(1), rot.size(-1))
     else:
-        freqs = freqs.view(1, x.size(1), 1, rot.size(-1))
+        freqs = freqs.view(rows, x.size(1), 1, rot.size(-1))
     rotated = torch.view_as_real(rot * freqs).flatten(-2).to(x.dtype)
     return torch.cat([x[..., :-rope_dim], rotated], dim=-1)
