@@ -401,6 +401,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_args(p_train)
     p_train.set_defaults(func=cmd_train)
 
+    p_draft = sub.add_parser("train-drafter", help="train a DSpark drafter (mtp.*) for a trained checkpoint, "
+                                                    "backbone frozen; then serve it with --speculative")
+    _add_drafter_args(p_draft)
+    p_draft.set_defaults(func=cmd_train_drafter)
+
     sub.add_parser("data", help="build a training data folder (tokenizer + token shards) from public-domain text "
                                 "it downloads, or from this Python's standard library offline (dsv41 data --help)")
     return parser
@@ -416,6 +421,23 @@ def cmd_train(args) -> int:
         shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in last.items()}
         print(json.dumps(shown))
     return 0
+
+
+def cmd_train_drafter(args) -> int:
+    from dsv41.train.drafter import DrafterConfig, train_drafter
+
+    given = {f.name: getattr(args, f"drafter_{f.name}") for f in dataclasses.fields(DrafterConfig)
+             if getattr(args, f"drafter_{f.name}", None) is not None}
+    last = train_drafter(DrafterConfig(**given))
+    print(json.dumps({"step": last["step"], "draft_loss": round(last["draft_loss"], 4), **last.get("val", {})}))
+    return 0
+
+
+def _add_drafter_args(p: argparse.ArgumentParser) -> None:
+    from dsv41.train.drafter import DrafterConfig
+
+    for f in dataclasses.fields(DrafterConfig):
+        _add_field_option(p, f, f"drafter_{f.name}", **({"type": str} if f.name in ("model", "data") else {}))
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:

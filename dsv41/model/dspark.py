@@ -222,3 +222,81 @@ def draft(model, first: torch.Tensor, hidden: torch.Tensor, pos: int, cache, tra
         trace.update({"spec.base_logits": base, "spec.markov_bias": result.markov_bias, "spec.logits": result.logits,
                       "spec.output_ids": result.tokens, "spec.confidence": confidence})
     return result
+
+
+# ---------------------------------------------------------------------------------------- training
+@dataclass
+class DraftTrainOutput:
+    logits: torch.Tensor  # [A, k, V] fp32: base + Markov bias of the true previous token
+    confidence: torch.Tensor  # [A, k] fp32 logits, from detached features (a probe: no gradient into the blocks)
+
+
+def draft_train(model, main_hidden: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor, anchors: torch.Tensor,
+                qat: bool = True) -> DraftTrainOutput:
+    """The drafter's training forward, differentiable in the `mtp.*` weights only (spec §12b: trained after
+    pre-training with the backbone frozen; the shared embedding and head get no gradient).
+
+    main_hidden [B, T, F]: the frozen backbone's drafter inputs over whole sequences; tokens [B, T]; for
+    each of A anchors, rows[a] (a sequence) and anchors[a] = p, a backbone position with p + k < T. Each
+    anchor drafts positions p+1..p+k exactly as `draft` does at inference (ring = main rows of positions
+    p-W+1..p, input [token p+1, noise x (k-1)], no mask inside the block), except that the Markov bias at
+    draft position i is conditioned on the true token p+1+i (teacher forcing) and the attention is a dense
+    masked softmax. Roundings are straight-through fake quantisation (QAT) with `qat`."""
+    from dsv41.ops import qat as qat_ops
+
+    cfg = model.cfg
+    stages = model.mtp
+    k, hc = cfg.dspark_block_size, cfg.hc_mult
+    device = tokens.device
+    a_n = anchors.numel()
+    t = main_hidden.size(1)  # backbone positions (tokens may run further: the drafted ones)
+    # activations in the drafter's master dtype when it trains in fp32, else bf16 (FP8/FP4 weights)
+    dtype = torch.float32 if stages[0].main_proj.weight.dtype == torch.float32 else torch.bfloat16
+    mx = main_x(stages, main_hidden.to(dtype))  # [B, T, dim]
+    offsets = torch.arange(k, device=device)
+    ids = torch.full((a_n, k), cfg.dspark_noise_token_id, dtype=torch.long, device=device)
+    ids[:, 0] = tokens[rows, anchors + 1]
+    with torch.no_grad():
+        h = model.embed(ids).to(dtype)
+    h = h.unsqueeze(2).repeat(1, 1, hc, 1)  # [A, k, hc, dim]
+    pre_mix = torch.zeros(a_n, k, hc, dtype=torch.float32, device=device)
+    pre_mix[:, :, 0] = 1.0
+    draft_pos = anchors.unsqueeze(1) + 1 + offsets  # [A, k]
+    for stage in stages:
+        attn = stage.attn
+        w = attn.window
+        all_rows = ops.apply_rope(attn.kv_norm(attn.wkv(mx)), attn.rope(0, t, device), attn.rope_dim)
+        all_rows = qat_ops.fp8_fake_quant(all_rows) if qat else all_rows  # [B, T, head_dim]
+        ring_pos = anchors.unsqueeze(1) - w + 1 + torch.arange(w, device=device)  # [A, W]
+        ring_ok = ring_pos >= 0
+        ring = all_rows[rows.unsqueeze(1), ring_pos.clamp_min(0)]  # [A, W, head_dim]
+        freqs = attn.rope.at(draft_pos.flatten(), device).view(a_n, k, -1)
+
+        def attend(x, attn=attn, ring=ring, ring_ok=ring_ok, freqs=freqs):
+            q = ops.apply_rope(attn.wq_b(attn.q_norm(attn.wq_a(x))).unflatten(-1, (attn.n_heads, attn.head_dim)),
+                               freqs, attn.rope_dim)
+            kv = ops.apply_rope(attn.kv_norm(attn.wkv(x)), freqs, attn.rope_dim)
+            kv = qat_ops.fp8_fake_quant(kv) if qat else kv
+            keys = torch.cat([ring, kv], dim=1).float()  # [A, W + k, head_dim]
+            ok = torch.cat([ring_ok, torch.ones(a_n, k, dtype=torch.bool, device=device)], dim=1)
+            logits = torch.einsum("akhd,and->akhn", q.float(), keys) * attn.softmax_scale
+            logits = logits.masked_fill(~ok.view(a_n, 1, 1, -1), -torch.inf)
+            # the inference kernel's numerics (ops.sparse_attn): probabilities relative to the max, rounded
+            # to bf16 before they weight the rows (straight through), the sink only in the denominator
+            top = logits.amax(-1, keepdim=True).clamp_min(-1e30).detach()
+            probs = torch.exp(logits - top)
+            denom = probs.sum(-1) + torch.exp(attn.attn_sink.float().view(1, 1, -1) - top[..., 0])
+            rounded = probs + (probs.bfloat16().float() - probs).detach()
+            o = (torch.einsum("akhn,and->akhd", rounded, keys) / denom.unsqueeze(-1)).to(q.dtype)
+            return attn.output(o, freqs)
+
+        h, pre_mix = stage(h, 0, pre_mix, None, {}, None, attend=attend)
+    last = stages[-1]
+    xh = Block.hc_pre(h, pre_mix)  # [A, k, dim]
+    base = model.logits(last.norm(xh))  # [A, k, V] fp32; the head is frozen, the gradient flows through
+    prev = tokens[rows.unsqueeze(1), draft_pos]  # [A, k]: the true token at p+1+i
+    embed = last.markov_head.embed(prev)  # [A, k, rank]
+    bias = last.markov_head.head(embed.float())
+    features = torch.cat([xh.detach(), embed.detach()], dim=-1).float()
+    confidence = last.confidence_head.proj(features)[..., 0]
+    return DraftTrainOutput(base + bias, confidence)

@@ -49,6 +49,16 @@ ENGINE_METRICS = {
     "window_rebuilds": ("window_rebuilds_total", "counter",
                         "Admissions that rebuilt window rings by bounded replay over cached global KV."),
     "steps_total": ("engine_steps_total", "counter", "Engine steps run."),
+    "spec_decode_steps_total": ("spec_decode_steps_total", "counter",
+                                "DSpark verify passes (a request's step with a draft to verify)."),
+    "spec_decode_draft_tokens_total": ("spec_decode_draft_tokens_total", "counter", "Tokens drafted and verified."),
+    "spec_decode_accepted_tokens_total": ("spec_decode_accepted_tokens_total", "counter",
+                                          "Drafted tokens the target accepted."),
+    "spec_decode_emitted_tokens_total": ("spec_decode_emitted_tokens_total", "counter",
+                                         "Tokens emitted by verify passes (accepted drafts + one from the target)."),
+    "spec_decode_acceptance_rate": ("spec_decode_acceptance_rate", "gauge", "Accepted / drafted tokens."),
+    "spec_decode_mean_emitted_per_step": ("spec_decode_mean_emitted_per_step", "gauge",
+                                          "Tokens emitted per verify pass (plain decoding: 1)."),
 }
 
 # buckets in the spirit of vLLM's: CPU-sized tails (a tiny model on 2 cores is slow), log-spaced
