@@ -64,6 +64,14 @@ class DrafterConfig:
     position_decay: float = field(default=0.8, metadata={"help": "loss weight of draft position i: decay^i"})
     confidence_weight: float = field(default=0.1, metadata={"help": "weight of the confidence head's loss"})
     qat: bool = field(default=True, metadata={"help": "straight-through FP8 rounding of the drafter's ring rows"})
+    self_distill: int = field(default=0, metadata={"help": (
+        "windows of the backbone's own text to generate first (the engine continues a short data prompt "
+        "to --seq-len tokens); training then mixes them with data windows. The drafter is judged on the "
+        "backbone's own outputs, so this moves training to the distribution it is used on")})
+    self_distill_temperature: float = field(default=0.0, metadata={"help": (
+        "sampling temperature of the generated windows (0: greedy, what greedy serving produces)")})
+    self_distill_fraction: float = field(default=0.5, metadata={"help": (
+        "fraction of each batch drawn from the generated windows")})
     eval_every: int = field(default=25, metadata={"help": "steps between validation measurements"})
     eval_batches: int = field(default=4, metadata={"help": "validation batches per measurement"})
     seed: int = field(default=0, metadata={"help": "data order, anchors and drafter initialisation"})
@@ -114,6 +122,31 @@ def build_drafter_model(backbone: Transformer, dcfg: ModelConfig, seed: int) -> 
     net.requires_grad_(False)
     net.mtp.float().requires_grad_(True)
     return net.eval()
+
+
+def generate_windows(net: Transformer, cfg: DrafterConfig, data: TokenDataset, tokenizer) -> torch.Tensor:
+    """[n, seq_len] windows of the backbone's own text: a 32-token data prompt (from a seed stream of its
+    own) continued by the engine to seq_len tokens (the drafter is not used: plain decoding)."""
+    from dsv41.engine import EngineConfig, LLMEngine, SamplingParams
+
+    prompt_len = min(32, cfg.seq_len // 2)
+    x, _ = data.batch(0, cfg.self_distill, prompt_len, cfg.seed + 4242)
+    engine = LLMEngine(net, tokenizer, EngineConfig(enable_prefix_caching=False, max_num_seqs=32,
+                                                    kv_pool_tokens=max(65536, 32 * cfg.seq_len * 2)))
+    params = [SamplingParams(temperature=cfg.self_distill_temperature, max_tokens=cfg.seq_len - prompt_len,
+                             ignore_eos=True, seed=cfg.seed + i) for i in range(cfg.self_distill)]
+    outs = engine.generate(x.tolist(), params)
+    return torch.tensor([p + o.token_ids for p, o in zip(x.tolist(), outs)], dtype=torch.int64)
+
+
+def _batch(step: int, cfg: DrafterConfig, data: TokenDataset, generated) -> torch.Tensor:
+    x, _ = data.batch(step, cfg.batch_size, cfg.seq_len, cfg.seed)
+    if generated is None:
+        return x
+    gen = torch.Generator().manual_seed(cfg.seed * 100003 + step)
+    n = int(round(cfg.batch_size * cfg.self_distill_fraction))
+    pick = torch.randint(0, generated.size(0), (n,), generator=gen)
+    return torch.cat([generated[pick], x[n:]], dim=0)
 
 
 def _lr_scale(step: int, cfg: DrafterConfig) -> float:
@@ -177,6 +210,16 @@ def train_drafter(cfg: DrafterConfig, progress: bool = True) -> dict:
     train_set = TokenDataset.from_dir(cfg.data, "train")
     val_set = TokenDataset.from_dir(cfg.data, "val")
     os.makedirs(cfg.out, exist_ok=True)
+    generated = None
+    if cfg.self_distill:
+        from dsv41.tokenizer import load_tokenizer
+
+        t0 = time.perf_counter()
+        generated = generate_windows(net, cfg, train_set, load_tokenizer(cfg.model, net.cfg.vocab_size))
+        print(f"[dsv41] generated {generated.numel():,} tokens of the backbone's own text "
+              f"({generated.size(0)} windows) in {time.perf_counter() - t0:.0f} s")
+        held = max(1, generated.size(0) // 10)  # held out: the acceptance on the backbone's own text
+        generated, generated_val = generated[:-held], generated[-held:]
     log_path = os.path.join(cfg.out, "metrics.jsonl")
     gen = torch.Generator().manual_seed(cfg.seed)
     history = []
@@ -189,7 +232,7 @@ def train_drafter(cfg: DrafterConfig, progress: bool = True) -> dict:
             t0 = time.perf_counter()
             for group in opt.param_groups:
                 group["lr"] = cfg.lr * _lr_scale(step, cfg)
-            x, _ = train_set.batch(step, cfg.batch_size, cfg.seq_len, cfg.seed)
+            x = _batch(step, cfg, train_set, generated)
             hidden, target_logits = backbone_pass(net, x)
             losses = draft_losses(net, cfg, x, hidden, target_logits, gen)
             opt.zero_grad(set_to_none=True)
@@ -203,6 +246,8 @@ def train_drafter(cfg: DrafterConfig, progress: bool = True) -> dict:
                       "lr": opt.param_groups[0]["lr"], "step_s": time.perf_counter() - t0}
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 record["val"] = evaluate(net, cfg, val_set)
+                if generated is not None:
+                    record["val_generated"] = evaluate(net, cfg, val_set, generated_val)
             log.write(json.dumps(record) + "\n")
             log.flush()
             history.append(record)
@@ -228,13 +273,17 @@ def train_drafter(cfg: DrafterConfig, progress: bool = True) -> dict:
 
 
 @torch.no_grad()
-def evaluate(net: Transformer, cfg: DrafterConfig, val_set: TokenDataset) -> dict:
-    """Validation: draft loss and the greedy acceptance per position (teacher-forced data prefixes:
-    position i counts when the drafter's argmax equals the backbone's at i and at every earlier one)."""
+def evaluate(net: Transformer, cfg: DrafterConfig, val_set: TokenDataset, windows=None) -> dict:
+    """Validation: draft loss and the greedy acceptance per position (teacher-forced prefixes: position i
+    counts when the drafter's argmax equals the backbone's at i and at every earlier one), on held-out
+    data windows or on the given windows [n, seq_len] (held-out generated text)."""
     gen = torch.Generator().manual_seed(12345)
     totals, kl, accepted = 0.0, 0.0, None
     for i in range(cfg.eval_batches):
-        x, _ = val_set.batch(i, cfg.batch_size, cfg.seq_len, cfg.seed + 1)
+        if windows is not None:
+            x = windows[(torch.arange(cfg.batch_size) + i * cfg.batch_size) % windows.size(0)]
+        else:
+            x, _ = val_set.batch(i, cfg.batch_size, cfg.seq_len, cfg.seed + 1)
         hidden, logits = backbone_pass(net, x)
         out = draft_losses(net, cfg, x, hidden, logits, gen)
         totals += float(out["draft_loss"])
@@ -261,9 +310,11 @@ def _plot(history: list[dict], path: str) -> None:
     ax1.set_yscale("log")
     ax1.legend()
     if evals:
-        k = len(evals[0]["val"]["accepted_at"])
+        key = "val_generated" if "val_generated" in evals[0] else "val"
+        k = len(evals[0][key]["accepted_at"])
         for i in range(k):
-            ax2.plot([r["step"] for r in evals], [r["val"]["accepted_at"][i] for r in evals], "o-", label=f"position {i + 1}")
+            ax2.plot([r["step"] for r in evals], [r[key]["accepted_at"][i] for r in evals], "o-", label=f"position {i + 1}")
+        ax2.set_title("held-out generated text" if key == "val_generated" else "held-out data")
     ax2.set_xlabel("step")
     ax2.set_ylabel("greedy acceptance (validation, with earlier positions)")
     ax2.legend()

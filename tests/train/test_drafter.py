@@ -78,14 +78,16 @@ def test_drafter_learns_and_the_checkpoint_serves_speculatively(tiny_corpus, tmp
     out = tmp_path / "drafter"
     cfg = DrafterConfig(model=folder, data=tiny_corpus, out=str(out), steps=30, batch_size=4, seq_len=32, anchors=8,
                         warmup=3, lr=3e-3, eval_every=15, eval_batches=2, stages=2, block_size=3, markov_rank=16,
-                        threads=1)
+                        threads=1, self_distill=6)  # half of each batch: the backbone's own greedy text
     last = train_drafter(cfg, progress=False)
     import json
     records = [json.loads(line) for line in open(out / "metrics.jsonl")]
     first = sum(r["kl"] for r in records[:5]) / 5  # KL to the backbone's distribution (CE minus its entropy)
     final = sum(r["kl"] for r in records[-5:]) / 5
     assert final < 0.5 * first, (first, final)
-    assert last["val"]["mean_accepted"] >= 0 and len(last["val"]["accepted_at"]) == 3
+    assert len(last["val"]["accepted_at"]) == 3
+    # on held-out text the backbone wrote itself, teacher-forced greedy agreement is measured too
+    assert 0 <= last["val_generated"]["mean_accepted"] <= 3
     assert (out / "acceptance.png").stat().st_size > 5000
     # the backbone's tensors are written back unchanged; the drafter's are new
     before = load_file(os.path.join(folder, "model.safetensors"))

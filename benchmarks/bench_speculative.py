@@ -1,0 +1,162 @@
+"""DSpark speculative decoding against plain decoding on the engine, in one run (issue 13).
+
+    python benchmarks/bench_speculative.py --model runs/small-dspark/checkpoint --data data/shakespeare
+
+For each batch size (default 1 and 8), the same greedy requests (prompts: windows of the data folder's
+validation split) run on fresh engines: plain decoding, speculative decoding with every draft verified,
+and speculative decoding with the confidence head choosing the draft length. Decode tokens/s are timed
+from the step after every request has its first token to the last step (prefill excluded, identical for
+all). Checks that the speculative outputs equal the plain ones token for token, and reports the
+acceptance per draft position (the fraction of verify passes whose draft was accepted up to and
+including that position), tokens per target pass and the speed-up. Prints tables, writes
+<out>/speculative_<name>.json and a PNG. These machines are noisy: compare the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_serve import table  # noqa: E402
+
+from dsv41.data.shards import TokenDataset  # noqa: E402
+from dsv41.engine import EngineConfig, SamplingParams, build_engine  # noqa: E402
+
+
+def prompts_from(data: str, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    val = TokenDataset.from_dir(data, "val")
+    x, _ = val.batch(0, n, length, seed)
+    return x.tolist()
+
+
+def run(model: str, prompts: list[list[int]], new_tokens: int, **engine_options) -> dict:
+    engine = build_engine(model, EngineConfig(enable_prefix_caching=False, max_num_seqs=max(8, len(prompts)),
+                                              **engine_options))
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    engine.generate([prompts[0][:16]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
+    for key in [k for k in engine.counters if k.startswith("spec_")]:
+        engine.counters[key] = 0
+    if engine.speculative:
+        engine.accepted_at = [0] * engine.num_draft
+        engine.verified_at = [0] * engine.num_draft
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, params)
+    outputs: dict[str, list[int]] = {}
+    seqs = {rid: engine.requests[rid] for rid in ids}
+    t_start = time.perf_counter()
+    while any(not s.output_ids for s in seqs.values()):
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.token_ids
+    t_decode = time.perf_counter()
+    first_tokens = sum(len(s.output_ids) for s in seqs.values())
+    steps = 0
+    while engine.has_unfinished():
+        steps += 1
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.token_ids
+    t_end = time.perf_counter()
+    decoded = sum(len(outputs[r]) for r in ids) - first_tokens
+    result = {"decode_tokens_per_s": decoded / (t_end - t_decode), "decode_s": t_end - t_decode,
+              "prefill_s": t_decode - t_start, "decode_steps": steps, "tokens": [outputs[r] for r in ids]}
+    if engine.speculative:
+        c = engine.counters
+        passes = max(c["spec_decode_steps_total"], 1)
+        result.update({
+            "verify_passes": c["spec_decode_steps_total"], "drafted": c["spec_decode_draft_tokens_total"],
+            "accepted": c["spec_decode_accepted_tokens_total"],
+            "tokens_per_pass": c["spec_decode_emitted_tokens_total"] / passes,
+            "mean_accepted_length": c["spec_decode_accepted_tokens_total"] / passes,
+            # accepted up to and including position i, per verify pass that drafted position i
+            "acceptance_at": [a / max(v, 1) for a, v in zip(engine.accepted_at, engine.verified_at)],
+            "verified_at": list(engine.verified_at)})
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, help="a checkpoint folder with a DSpark drafter (dsv41 train-drafter)")
+    ap.add_argument("--data", required=True, help="data folder whose validation split gives the prompts")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--min-confidence", type=float, default=0.3,
+                    help="the confidence-limited variant's threshold on the predicted acceptance")
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--name", default="small")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    variants = {"plain": {}, "speculative": {"speculative": True},
+                f"speculative, confidence >= {args.min_confidence}": {
+                    "speculative": True, "speculative_min_confidence": args.min_confidence}}
+    results = {"model": args.model, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+               "threads": args.threads, "batches": {}}
+    rows, accept_rows = [], []
+    for batch in args.batches:
+        prompts = prompts_from(args.data, batch, args.prompt_len)
+        runs = {name: run(args.model, prompts, args.new_tokens, **opts) for name, opts in variants.items()}
+        base = runs["plain"]
+        for name, r in runs.items():
+            r["identical_to_plain"] = r["tokens"] == base["tokens"]
+            r["speedup"] = r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+            rows.append([batch, name, r["decode_tokens_per_s"], r["speedup"], r.get("tokens_per_pass", 1.0),
+                         r.get("mean_accepted_length", 0.0), r["identical_to_plain"]])
+            if "acceptance_at" in r:
+                accept_rows.append([batch, name] + [round(a, 3) for a in r["acceptance_at"]])
+        results["batches"][str(batch)] = {name: {k: v for k, v in r.items() if k != "tokens"} for name, r in runs.items()}
+        results["batches"][str(batch)]["sample"] = runs["plain"]["tokens"][0][:32]
+    print(table("decode (greedy; prefill excluded)", ["batch", "variant", "tokens/s", "vs plain", "tokens/pass",
+                                                      "accepted/pass", "same tokens"], rows))
+    k = len(accept_rows[0]) - 2 if accept_rows else 0
+    print()
+    print(table("acceptance per draft position (accepted through position i / verify passes drafting it)",
+                ["batch", "variant"] + [f"pos {i + 1}" for i in range(k)], accept_rows))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"speculative_{args.name}.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2)
+    plot(results, os.path.join(args.out, f"speculative_{args.name}.png"))
+    print(f"\nwrote {path} and the plot")
+    return 0 if all(r[-1] for r in rows) else 1
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    batches = list(results["batches"])
+    names = [n for n in results["batches"][batches[0]] if n != "sample"]
+    width = 0.8 / len(names)
+    for j, name in enumerate(names):
+        ax1.bar([i + j * width for i in range(len(batches))],
+                [results["batches"][b][name]["decode_tokens_per_s"] for b in batches], width, label=name)
+    ax1.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(batches))], [f"batch {b}" for b in batches])
+    ax1.set_ylabel("decode tokens/s")
+    ax1.legend(fontsize=8)
+    for b in batches:
+        for name in names:
+            r = results["batches"][b][name]
+            if "acceptance_at" in r:
+                ax2.plot(range(1, len(r["acceptance_at"]) + 1), r["acceptance_at"], "o-", label=f"batch {b}, {name}")
+    ax2.set_xlabel("draft position")
+    ax2.set_ylabel("accepted through this position")
+    ax2.set_ylim(0, 1)
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
