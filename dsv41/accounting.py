@@ -1,8 +1,7 @@
 """Parameter and KV-cache accounting from a config (spec-v41.md §2, §8, §9, §12).
 
-Counts are logical parameters (an FP4 byte holds two), without quantisation scales. Components the
-model code does not build yet (vision tower + aligner) are counted from their published shapes (spec
-§1.3), so that figure is an estimate; the DSpark drafter is counted from its built modules.
+Counts are logical parameters (an FP4 byte holds two), without quantisation scales. The vision tower +
+aligner and the DSpark drafter are counted from their built modules (on the meta device).
 
 Active parameters per token:
 - decode: every backbone layer (attention incl. compressor/indexer, router, top-k routed + shared
@@ -72,18 +71,18 @@ def layer_params(cfg: ModelConfig, layer: int, engram_rows: int = 0) -> LayerPar
 
 
 def vision_params(cfg: ModelConfig) -> int:
-    """ViT (linear patch embedding with bias; per layer qkv + out projections with biases, SwiGLU MLP,
-    2 norms; final norm) + aligner (3x3 pixel-unshuffle -> 2-layer MLP with biases) + the three
-    image-span embeddings. The biases are inferred: with them the Flash total equals the published
-    checkpoint count exactly."""
+    """ViT + aligner + the three image-span embeddings (`vision.*`, `aligner.*`, `image_*`), counted from
+    the built modules (dsv41.vision, on the meta device). With the Flash shapes this makes the total equal
+    the published checkpoint count exactly."""
     if not cfg.vision_enabled:
         return 0
-    w = cfg.vision_dim
-    per_layer = 4 * w * w + 4 * w + 3 * w * cfg.vision_inter_dim + 2 * w
-    vit = 3 * cfg.vision_patch_size ** 2 * w + w + cfg.vision_n_layers * per_layer + w
-    unshuffled = w * cfg.vision_downsample_ratio ** 2
-    aligner = unshuffled * cfg.dim + cfg.dim + cfg.dim * cfg.dim + cfg.dim
-    return vit + aligner + 3 * cfg.dim
+    from dsv41.vision.vit import Aligner, VisionTransformer
+
+    with torch.device("meta"):
+        vit = VisionTransformer(cfg.vision_dim, cfg.vision_n_layers, cfg.vision_n_heads, cfg.vision_inter_dim,
+                                cfg.vision_patch_size, cfg.vision_rope_theta)
+        aligner = Aligner(cfg.vision_dim, cfg.dim, cfg.vision_downsample_ratio)
+    return sum(p.numel() for m in (vit, aligner) for p in m.parameters()) + 3 * cfg.dim
 
 
 def dspark_params(cfg: ModelConfig) -> int:
@@ -137,7 +136,7 @@ def account(cfg: ModelConfig) -> dict:
         "norms_and_hc": sum(lp.norms_and_hc for lp in layers) + final_norm,
         "embed_and_head": embed + head,
         "engram_projections": sum(lp.engram_projection for lp in layers),
-        "vision_estimate": vision,
+        "vision": vision,
     }
     return {
         "params_total": total,

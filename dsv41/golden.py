@@ -240,6 +240,10 @@ def run_golden(folder: str, reference_numerics: bool = True, verbose: bool = Tru
         model.set_engram_token_map(inputs["engram_token_map"])
     prompt, steps = inputs["input_ids"].long(), inputs["decode_ids"].long()
     b, s = prompt.shape
+    vision_lines: list[str] = []
+    vision_ok, inputs_embeds, token_types = True, None, inputs.get("token_types")
+    if any(k.startswith("image_pixels.") for k in inputs):
+        vision_ok, inputs_embeds, token_types = _vision_inputs(model, inputs, expected, vision_lines)
     n = steps.size(1)
     cache = model.new_cache(b, s + n)
     captured: dict = {}
@@ -252,7 +256,8 @@ def run_golden(folder: str, reference_numerics: bool = True, verbose: bool = Tru
     lines = []
     with torch.inference_mode():
         t0 = time.perf_counter()
-        prefill = model(prompt, 0, cache, last_only=True, trace=captured, drafter_inputs=drafter)[:, -1]
+        prefill = model(prompt, 0, cache, last_only=True, trace=captured, drafter_inputs=drafter,
+                        token_types=token_types, inputs_embeds=inputs_embeds)[:, -1]
         if spec:
             captured["spec.main_hidden_prefill"] = drafter["main_hidden"]
             model.draft_prefill(drafter["main_hidden"], 0, cache)
@@ -297,6 +302,8 @@ def run_golden(folder: str, reference_numerics: bool = True, verbose: bool = Tru
         passed = exact or (prefill_err <= LOOSE_PREFILL_ATOL and rms_ratio <= LOOSE_DECODE_RMS_RATIO
                            and agreement >= LOOSE_ARGMAX_AGREEMENT)
     lines.append(f"  decode rms ratio {rms_ratio:.4f}, argmax agreement {agreement:.3f}, max abs overall {worst:.3e}")
+    lines.extend(vision_lines)
+    passed = passed and vision_ok
     spec_result = _compare_spec(expected, captured, spec_steps, len(model.mtp), lines) if spec else None
     if spec_result is not None:
         passed = passed and spec_result[0] <= EXACT_ATOL and spec_result[1]
@@ -332,6 +339,37 @@ def run_golden(folder: str, reference_numerics: bool = True, verbose: bool = Tru
     if verbose:
         print("\n".join(lines))
     return result
+
+
+def _vision_inputs(model, inputs: dict, expected: dict, lines: list[str]):
+    """Preprocess the set's images, embed the prompt with their spans, and compare every vision stage
+    with the set's `vision.*` values exactly (its README: bit-identical). Returns (all equal,
+    inputs_embeds, token_types)."""
+    from dsv41.vision.processor import IMAGE_START, ImageProcessor
+
+    types = inputs["token_types"].long()
+    starts = (types == IMAGE_START).nonzero().tolist()  # (row, start) in row-major order = image numbering
+    processor = ImageProcessor.from_config(model.cfg)
+    images = [(row, start, processor(inputs[f"image_pixels.{k}"])) for k, (row, start) in enumerate(starts)]
+    trace: dict = {}
+    with torch.inference_mode():
+        embeds, built_types = model.embed_inputs(inputs["input_ids"].long(), images, trace)
+    mine = {f"vision.images.{k}.patches": image.patches for k, (_, _, image) in enumerate(images)}
+    mine.update(trace)
+    mine["vision.embed_merged"] = embeds
+    ok = torch.equal(built_types, types)
+    differ = [] if ok else ["token_types (span layout)"]
+    for name in sorted(n for n in expected if n.startswith("vision.")):
+        got = mine.get(name)
+        if got is None or got.shape != expected[name].shape or not torch.equal(got, expected[name]):
+            ok = False
+            detail = "missing" if got is None else (
+                f"shape {tuple(got.shape)} vs {tuple(expected[name].shape)}" if got.shape != expected[name].shape
+                else f"max abs {(got.float() - expected[name].float()).abs().max().item():.3e}")
+            differ.append(f"{name} ({detail})")
+    lines.append(f"  vision: {len(images)} images; processor / ViT / aligner / merged embedding "
+                 + ("all bit-identical" if ok else "DIFFER: " + ", ".join(differ)))
+    return ok, embeds, types
 
 
 def _compare_spec(expected: dict, captured: dict, steps: list[dict], n_stages: int,

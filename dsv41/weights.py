@@ -10,10 +10,10 @@ reference's convert.py does:
 - bf16 tensors the model keeps in fp32 (`head.weight`, ratio-2 compressor `wkv`/`wgate`) are upcast;
 - packed FP4 experts stored as int8/uint8/float4_e2m1fn_x2 are taken as int8 bytes.
 Weights are read with safetensors only: pickle checkpoints (`pytorch_model.bin`) are refused, since
-unpickling runs whatever code the file holds. Vision (`vision.*`, `aligner.*`, `image_*`) tensors are not
-implemented yet, and DSpark (`mtp.*`) tensors are used only when the config describes the drafter
-(n_mtp_layers and dspark_block_size): otherwise they are skipped and reported by name, never dropped
-silently. The drafter's stages have no `embed`/`head` of their own (the release ties them to the backbone's).
+unpickling runs whatever code the file holds. Vision (`vision.*`, `aligner.*`, `image_*`) tensors are used
+only when the config describes the vision tower (vision_n_layers > 0), and DSpark (`mtp.*`) tensors only
+when it describes the drafter (n_mtp_layers and dspark_block_size): otherwise they are skipped and
+reported by name, never dropped silently. The drafter's stages have no `embed`/`head` of their own (the release ties them to the backbone's).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dsv41.config import ModelConfig
 from dsv41.model.transformer import Transformer
 from dsv41.ops.quant import FP8_BLOCK, dequant_fp8_weight
 
-UNIMPLEMENTED_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline", "mtp.")
+OPTIONAL_PART_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline", "mtp.")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SHARD_NAME = re.compile(r"model-(\d+)-of-(\d+)\.safetensors")
@@ -52,7 +52,7 @@ class LoadReport:
             for name in self.skipped:
                 key = name.split(".")[0]
                 groups[key] = groups.get(key, 0) + 1
-            lines.append("skipped (not implemented yet): " + ", ".join(f"{k}.* ({n})" for k, n in sorted(groups.items())))
+            lines.append("skipped (parts the config leaves out): " + ", ".join(f"{k}.* ({n})" for k, n in sorted(groups.items())))
         return "; ".join(lines)
 
 
@@ -201,7 +201,7 @@ def load_weights(model: Transformer, path: str) -> LoadReport:
     for name in where:
         if name in consumed:
             continue
-        if name.startswith(UNIMPLEMENTED_PREFIXES):
+        if name.startswith(OPTIONAL_PART_PREFIXES):
             report.skipped.append(name)
         else:
             unknown.append(name)

@@ -28,6 +28,8 @@ from dsv41.model.block import Block
 from dsv41.model.cache import ModelCache
 from dsv41.model.engram import EngramLayout, NgramHasher
 from dsv41.model.layers import RMSNorm
+from dsv41.vision.processor import ImagePatches
+from dsv41.vision.vit import Aligner, VisionTransformer
 
 
 class Transformer(nn.Module):
@@ -60,6 +62,15 @@ class Transformer(nn.Module):
         self.mtp = nn.ModuleList(dspark.DSparkStage(cfg, k, self.rope_plain) for k in range(cfg.drafter_stages))
         # stored bf16 in the checkpoint, kept fp32 here so the logits come out in fp32
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=torch.float32)
+        if cfg.vision_enabled:  # DeepSeek-ViT + aligner + the span markers' learned embeddings (dsv41.vision)
+            self.vision = VisionTransformer(cfg.vision_dim, cfg.vision_n_layers, cfg.vision_n_heads,
+                                            cfg.vision_inter_dim, cfg.vision_patch_size, cfg.vision_rope_theta)
+            self.aligner = Aligner(cfg.vision_dim, cfg.dim, cfg.vision_downsample_ratio)
+            self.image_start = nn.Parameter(torch.zeros(cfg.dim, dtype=torch.bfloat16))
+            self.image_end = nn.Parameter(torch.zeros(cfg.dim, dtype=torch.bfloat16))
+            self.image_newline = nn.Parameter(torch.zeros(cfg.dim, dtype=torch.bfloat16))
+        else:
+            self.vision = self.aligner = None
         self.row_chunk = 0
         self._numeric_modules: Optional[list] = None  # see numerics()
 
@@ -152,16 +163,56 @@ class Transformer(nn.Module):
             raise ValueError("this model has no Engram layers")
         self.engram_hash.set_token_map(token_map)
 
+    # ------------------------------------------------------------------ images (dsv41.vision)
+    def embed_image(self, image: ImagePatches, trace: Optional[dict] = None, name: str = "") -> torch.Tensor:
+        """One preprocessed image -> its span's input embeddings [span_length, dim] bf16: IMAGE_START, the
+        aligner rows with IMAGE_NEW_LINE after each row of llm_w, IMAGE_END (golden README "Span layout")."""
+        if self.vision is None:
+            raise ValueError("this model has no vision tower (config vision_n_layers = 0)")
+        features = self.vision(image.patches.to(self.device), image.vit_h, image.vit_w)  # [vit_h * vit_w, vision_dim]
+        rows = self.aligner(features, image.vit_h, image.vit_w)  # [llm_h * llm_w, dim]
+        if trace is not None:
+            trace[f"{name}vit_out"], trace[f"{name}aligner_out"] = features, rows
+        grid = rows.view(image.llm_h, image.llm_w, -1)
+        newline = self.image_newline.expand(image.llm_h, 1, -1)
+        body = torch.cat([grid, newline], dim=1).reshape(-1, rows.size(-1))  # [llm_h * (llm_w + 1), dim]
+        return torch.cat([self.image_start[None], body, self.image_end[None]])
+
+    def embed_inputs(self, input_ids: torch.Tensor, images: Optional[list] = None,
+                     trace: Optional[dict] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Token embeddings [B, S, dim] with image spans filled in, and the [B, S] int64 token types
+        (-1 text, 0..3 the span's kinds) or None without images. `images`: (row, start, ImagePatches)
+        triples, the span occupying positions start .. start + span_length - 1 of that row."""
+        x = self.embed(input_ids)  # [B, S, dim] bf16
+        if not images:
+            return x, None
+        x = x.clone()
+        types = torch.full(input_ids.shape, -1, dtype=torch.long, device=input_ids.device)
+        for k, (row, start, image) in enumerate(images):
+            end = start + image.span_length
+            if start < 0 or end > input_ids.size(1):
+                raise ValueError(f"image {k}: span {start}..{end - 1} lies outside the {input_ids.size(1)} positions")
+            if (types[row, start:end] >= 0).any():
+                raise ValueError(f"image {k}: its span overlaps another image's")
+            if (input_ids[row, start:end] != self.cfg.image_token_id).any():
+                raise ValueError(f"image {k}: span positions must carry image_token_id {self.cfg.image_token_id}")
+            x[row, start:end] = self.embed_image(image, trace, f"vision.images.{k}.")
+            types[row, start:end] = torch.tensor(image.token_types(), device=types.device)
+        return x, types
+
     def forward(self, input_ids: torch.Tensor, start_pos: int = 0, cache: Optional[ModelCache] = None,
                 last_only: bool = False, trace: Optional[dict] = None,
                 token_types: Optional[torch.Tensor] = None, train_options=None,
-                drafter_inputs: Optional[dict] = None) -> torch.Tensor:
+                drafter_inputs: Optional[dict] = None, inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
         """input_ids [B, S] int64 at positions start_pos..start_pos+S-1.
 
         cache: state from earlier calls (required when start_pos > 0); without one a temporary cache
         sized to this call is used. Returns fp32 logits [B, S, vocab], or [B, 1, vocab] with last_only.
         trace: if a dict, receives named intermediates (the golden sets' `hidden.*`/`debug.*` names).
-        token_types: optional [B, S] bool, True for image-span tokens (VL routing bias, Engram off).
+        token_types: optional [B, S], bool (True inside image spans) or int64 (-1 text, >= 0 a span kind):
+        span tokens route with `bias_vl` and are dead to Engram.
+        inputs_embeds: optional [B, S, dim] bf16 replacing the token embeddings (image spans filled in,
+        see `embed_inputs`); input_ids still feed the Engram hash.
         train_options: a `dsv41.model.training.TrainOptions` runs the training forward instead and returns
         its `TrainOutput` (called through the module so wrappers such as FSDP2 see the call).
         drafter_inputs: if a dict, receives "main_hidden" [B, S, n_targets * dim] bf16, what the DSpark
@@ -186,12 +237,19 @@ class Transformer(nn.Module):
 
         shared: dict = {"trace": trace}
         image_mask = token_types
+        if image_mask is not None and image_mask.dtype != torch.bool:
+            image_mask = image_mask >= 0
         text_mask = None if image_mask is None else ~image_mask
         hash_ids = None
         if self.engram_hash is not None:
             hash_ids = self.engram_hash(input_ids, start_pos, cache.engram_ids, text_mask)
 
-        x = self.embed(input_ids)  # [B, S, dim] bf16
+        if inputs_embeds is None:
+            x = self.embed(input_ids)  # [B, S, dim] bf16
+        else:
+            if inputs_embeds.shape != (b, s, self.cfg.dim):
+                raise ValueError(f"inputs_embeds must be [{b}, {s}, {self.cfg.dim}], got {tuple(inputs_embeds.shape)}")
+            x = inputs_embeds.to(torch.bfloat16)
         _trace(shared, "hidden.embed", x)
         h = x.unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)  # [B, S, hc, dim]
         pre_mix = torch.zeros(b, s, self.cfg.hc_mult, dtype=torch.float32, device=h.device)

@@ -151,8 +151,10 @@ def test_flash_builds_on_meta_and_matches_accounting():
     logical = sum(p.numel() * (2 if p.dtype == torch.int8 else 1)
                   for n, p in model.named_parameters() if not n.endswith(".scale"))
     acc = account(cfg)
-    # the module tree holds backbone + Engram tables + the DSpark drafter; vision is counted from its shapes
-    assert logical == acc["params_total"] - vision_params(cfg)
+    # the module tree holds backbone + Engram tables + the DSpark drafter + the vision tower
+    assert logical == acc["params_total"]
+    vision = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("vision.", "aligner.", "image_")))
+    assert vision == vision_params(cfg) and 0.4e9 < vision < 0.5e9
     drafter = sum(p.numel() * (2 if p.dtype == torch.int8 else 1)
                   for n, p in model.mtp.named_parameters() if not n.endswith(".scale"))
     assert drafter == dspark_params(cfg) and 14.0e9 < drafter < 14.4e9  # "~14.2B DSpark" (spec §12)
