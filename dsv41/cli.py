@@ -16,6 +16,7 @@ texts live in the dataclass fields' metadata, next to the defaults they explain.
 from __future__ import annotations
 
 import argparse
+import base64
 import dataclasses
 import json
 import os
@@ -171,11 +172,12 @@ class RunStats:
                 f"{self.cached_tokens} cached]")
 
 
-def run_request(engine, request_id: str, prompt_ids: list[int], params, on_text: Callable[[str], None]):
+def run_request(engine, request_id: str, prompt_ids: list[int], params, on_text: Callable[[str], None],
+                images: Optional[list] = None):
     """Drive the engine synchronously until `request_id` finishes; returns (final output, RunStats)."""
     t0 = time.perf_counter()
     first = None
-    engine.add_request(request_id, prompt_ids, params)
+    engine.add_request(request_id, prompt_ids, params, images)
     final = None
     while final is None:
         if not engine.has_unfinished():
@@ -229,6 +231,23 @@ def cmd_chat(args) -> int:
     base = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(base)
     interactive = sys.stdin.isatty()
+    loader, pending_images = None, []
+    if args.image:  # attached to the first user turn, as image_url parts before its text
+        from dsv41.vision.inputs import ImageLoader
+
+        if not engine.model_config.vision_enabled:
+            print(f"error: {engine.model_name} has no vision tower; --image needs a model with one", file=sys.stderr)
+            return 2
+        loader = ImageLoader.from_config(engine.model_config)
+        for path in args.image:
+            try:
+                with open(path, "rb") as fh:
+                    data = fh.read()
+            except OSError as exc:
+                print(f"error: --image {path}: {exc}", file=sys.stderr)
+                return 2
+            pending_images.append({"type": "image_url",
+                                   "image_url": {"url": "data:image/*;base64," + base64.b64encode(data).decode()}})
     print(f"dsv41 chat: {engine.model_name}, {'thinking' if thinking else 'non-thinking'} mode. "
           f"/reset starts over, /exit quits.", file=sys.stderr)
     turn = 0
@@ -248,8 +267,17 @@ def cmd_chat(args) -> int:
             messages = list(base)
             print("[conversation reset]")
             continue
-        messages.append({"role": "user", "content": line})
-        prompt_ids = build_chat_prompt(engine.tokenizer, messages, thinking=thinking, effort=effort, tools=None)
+        content = pending_images + [{"type": "text", "text": line}] if pending_images else line
+        messages.append({"role": "user", "content": content})
+        spans: list = []
+        try:
+            prompt_ids = build_chat_prompt(engine.tokenizer, messages, thinking=thinking, effort=effort, tools=None,
+                                           image_loader=loader, spans=spans)
+        except ValueError as exc:
+            messages.pop()
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        pending_images = []
         if len(prompt_ids) + params.max_tokens > engine.max_model_len:
             messages.pop()
             print(f"[the conversation ({len(prompt_ids)} tokens) plus {params.max_tokens} new tokens does not fit "
@@ -267,7 +295,8 @@ def cmd_chat(args) -> int:
                     kinds.append(kind)
                 _write(piece)
 
-        _, stats = run_request(engine, f"chat-{turn}", prompt_ids, params, lambda text: show(splitter.feed(text)))
+        _, stats = run_request(engine, f"chat-{turn}", prompt_ids, params, lambda text: show(splitter.feed(text)),
+                               spans)
         show(splitter.finish())
         _write("\n")
         turn += 1
@@ -365,6 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(p_chat)
     sampling_args(p_chat, max_tokens=256, temperature=1.0)
     p_chat.add_argument("--system", metavar="TEXT", help="a system message put before the conversation")
+    p_chat.add_argument("--image", metavar="PATH", action="append",
+                        help="an image file (PNG, JPEG, WebP, ...) shown with the first message; repeat for more "
+                             "(needs a model with a vision tower)")
     p_chat.add_argument("--thinking", action="store_true", help="thinking mode (reasoning before the answer)")
     p_chat.add_argument("--reasoning-effort", metavar="EFFORT",
                         help="how much to reason: 1-100 or low/high/max (implies --thinking)")

@@ -31,20 +31,25 @@ Layout::
   section then starts with a blank line). This placement for a conversation that has no system message
   is our choice: the official entry point attaches tools to whatever message comes first.
 - `latest_reminder` messages render as `<｜latest_reminder｜>{content}` without a header, as officially.
-- Text content may be a string or a list of `{"type": "text"}` parts (joined by a blank line); images
-  are not supported here. A `developer` role is read as `system`.
+- Text content may be a string or a list of `{"type": "text"}` parts (joined by a blank line). A user
+  message's list may also hold OpenAI `{"type": "image_url", "image_url": {"url": ...}}` parts: each
+  becomes an `ImageSlot` piece where it stands, which `encode_prompt` turns into the image's span
+  (span_length positions of image_token_id; its own START/END/NEW_LINE embeddings delimit it, so no
+  text separator is added around it -- our choice, the official encoder's image handling is not public)
+  and `encode_messages` renders as one `<｜deepseek_image｜>` marker. A `developer` role is read as `system`.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from dsv41.chat.dsml import (CALLS_CLOSE, CALLS_OPEN, INVOKE_CLOSE, PARAM_CLOSE, invoke_open, normalize_tool_call,
                              tool_calls_parts)
-from dsv41.tokenizer import (ASSISTANT_TOKEN, BOS_TOKEN, DSML_TOKEN, EOS_TOKEN, LATEST_REMINDER_TOKEN, SYSTEM_TOKEN,
-                             THINK_END_TOKEN, THINK_START_TOKEN, USER_TOKEN)
+from dsv41.tokenizer import (ASSISTANT_TOKEN, BOS_TOKEN, DSML_TOKEN, EOS_TOKEN, IMAGE_TOKEN, LATEST_REMINDER_TOKEN,
+                             SYSTEM_TOKEN, THINK_END_TOKEN, THINK_START_TOKEN, USER_TOKEN)
 
 REASONING_EFFORT_LEVELS = {"low": 50, "high": 75, "max": 100}
 DEFAULT_REASONING_EFFORT = 75  # "high"
@@ -53,6 +58,14 @@ REASONING_EFFORT_SENTENCE = ("Reasoning Effort: {} (range 1-100, the higher the 
 TOOL_RESULT_OPEN, TOOL_RESULT_CLOSE = "<tool_result>", "</tool_result>"
 
 _ROLES = ("system", "user", "assistant", "tool", "latest_reminder")
+
+
+@dataclass(frozen=True)
+class ImageSlot:
+    """An image part of a user message, in prompt order: `index` counts the prompt's images from 0;
+    `url` is as the client sent it (decoding it is the server's business, dsv41.vision.inputs)."""
+    index: int
+    url: str
 
 
 def parse_reasoning_effort(value: Any) -> int:
@@ -135,11 +148,38 @@ def _text(content: Any, where: str) -> str:
     raise ValueError(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
 
 
+def _user_content(content: Any, where: str, slots: list) -> Any:
+    """A user message's content: its text, or, when it holds image parts, a list of text pieces and
+    ImageSlots (consecutive text parts joined by a blank line, as in `_text`)."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "image_url" for p in content):
+        return _text(content, where)
+    pieces: list = []
+    for k, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "image_url":
+            ref = part.get("image_url")
+            url = ref.get("url") if isinstance(ref, dict) else ref
+            if not isinstance(url, str) or not url:
+                raise ValueError(f"{where}.content[{k}]: an image_url part needs {{'image_url': {{'url': str}}}}")
+            slot = ImageSlot(len(slots), url)
+            slots.append(slot)
+            pieces.append(slot)
+        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            if pieces and isinstance(pieces[-1], str):
+                pieces[-1] += "\n\n" + part["text"]
+            else:
+                pieces.append(part["text"])
+        else:
+            raise ValueError(f"{where}.content[{k}]: parts must be {{'type': 'text', 'text': str}} or "
+                             f"{{'type': 'image_url', 'image_url': {{'url': str}}}}")
+    return pieces
+
+
 def _normalize(messages: Any) -> list[dict]:
     """Validate and merge: -> turns {role, text | blocks, reasoning, calls, call_ids}."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of dicts")
     turns: list[dict] = []
+    slots: list[ImageSlot] = []
     for k, msg in enumerate(messages):
         where = f"messages[{k}]"
         if not isinstance(msg, dict):
@@ -150,7 +190,7 @@ def _normalize(messages: Any) -> list[dict]:
             raise ValueError(f"{where}: unknown role {role!r} (expected one of {', '.join(_ROLES)})")
         if role in ("user", "tool"):
             if role == "user":
-                block = ("text", _text(msg.get("content"), where), None)
+                block = ("text", _user_content(msg.get("content"), where, slots), None)
             else:
                 call_id = msg.get("tool_call_id", "")
                 if not isinstance(call_id, str):
@@ -201,16 +241,22 @@ def encode_messages(messages: list, *, thinking: bool = False, reasoning_effort:
     Malformed input raises ValueError. To tokenize a prompt that holds client text, use `prompt_parts`
     and `encode_prompt` instead: tokenizing this string would turn marker text inside a message into
     real control tokens."""
-    return "".join(text for text, _ in prompt_parts(messages, thinking=thinking, reasoning_effort=reasoning_effort,
-                                                    tools=tools, add_generation_prompt=add_generation_prompt,
-                                                    drop_thinking=drop_thinking))
+    parts = prompt_parts(messages, thinking=thinking, reasoning_effort=reasoning_effort, tools=tools,
+                         add_generation_prompt=add_generation_prompt, drop_thinking=drop_thinking)
+    return "".join(IMAGE_TOKEN if isinstance(text, ImageSlot) else text for text, _ in parts)
+
+
+def image_slots(parts: list[tuple[Any, bool]]) -> list[ImageSlot]:
+    """The image slots of `prompt_parts` output, in order."""
+    return [text for text, _ in parts if isinstance(text, ImageSlot)]
 
 
 def prompt_parts(messages: list, *, thinking: bool = False, reasoning_effort: Any = None,
                  tools: Optional[list] = None, add_generation_prompt: bool = True,
                  drop_thinking: bool = True) -> list[tuple[str, bool]]:
     """`encode_messages` as (text, from_template) pieces: the template's own text (markers, headers, tags)
-    is marked True; everything the messages and tools brought is False."""
+    is marked True; everything the messages and tools brought is False. An image part of a user message
+    comes as (ImageSlot, False)."""
     effort = parse_reasoning_effort(reasoning_effort)
     turns = _normalize(messages)
     tools_text = tools_parts(tools) if tools else []
@@ -253,6 +299,9 @@ def prompt_parts(messages: list, *, thinking: bool = False, reasoning_effort: An
                     template(TOOL_RESULT_OPEN)
                     data(text)
                     template(TOOL_RESULT_CLOSE)
+                elif isinstance(text, list):  # text pieces and image slots
+                    for piece in text:
+                        out.append((piece, False))
                 else:
                     data(text)
         elif role == "latest_reminder":
@@ -286,11 +335,16 @@ _TEMPLATE_MARKERS = re.compile("(" + "|".join(re.escape(m) for m in sorted(
      THINK_END_TOKEN, DSML_TOKEN), key=len, reverse=True)) + ")")
 
 
-def encode_prompt(tokenizer, parts: list[tuple[str, bool]]) -> list[int]:
+def encode_prompt(tokenizer, parts: list[tuple[str, bool]], images: Optional[list] = None,
+                  image_token_id: Optional[int] = None, spans: Optional[list] = None) -> list[int]:
     """Token ids of `prompt_parts` output: markers in the template's text become their ids (when the
     tokenizer has them), and all other text, the client's included, is encoded as text, so no message can
     close its turn or forge another. Adjacent text pieces are encoded together, as one string would be,
-    so a prompt without marker text in its messages gets exactly the ids of `encode(encode_messages(...))`."""
+    so a prompt without marker text in its messages gets exactly the ids of `encode(encode_messages(...))`.
+
+    Image slots need `images` (one dsv41.vision.ImagePatches per slot, in slot order) and the model's
+    `image_token_id`: each becomes span_length copies of that id, and (start, image) is appended to
+    `spans` (what LLMEngine.add_request takes as `images`)."""
     ids: list[int] = []
     run: list[str] = []
 
@@ -301,6 +355,15 @@ def encode_prompt(tokenizer, parts: list[tuple[str, bool]]) -> list[int]:
         run.clear()
 
     for text, trusted in parts:
+        if isinstance(text, ImageSlot):
+            if images is None or image_token_id is None or text.index >= len(images):
+                raise ValueError("this prompt holds an image; encoding it needs the processed images")
+            flush()
+            image = images[text.index]
+            if spans is not None:
+                spans.append((len(ids), image))
+            ids.extend([image_token_id] * image.span_length)
+            continue
         if not trusted:
             run.append(text)
             continue

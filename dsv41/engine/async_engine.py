@@ -73,9 +73,10 @@ class AsyncEngine:
         return m
 
     # ------------------------------------------------------------------ requests
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs. Raises ValueError for bad input, EngineBusy when the queue is full."""
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       images: Optional[list] = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Raises ValueError for bad input, EngineBusy when the queue is full.
+        `images`: (start, ImagePatches) pairs, as LLMEngine.add_request takes them."""
         params.validate(self.engine.model_config.vocab_size)
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
@@ -93,7 +94,7 @@ class AsyncEngine:
             stream: asyncio.Queue = asyncio.Queue()
             self._streams[request_id] = (loop, stream)
             self._pending += 1
-        self._commands.put(("add", request_id, list(prompt_token_ids), params))
+        self._commands.put(("add", request_id, list(prompt_token_ids), params, images))
         finished = False
         try:
             while True:
@@ -128,9 +129,9 @@ class AsyncEngine:
     def _handle(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt, params = command
+            _, request_id, prompt, params, images = command
             try:
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, params, images)
                 queued = 1
             except ValueError as exc:
                 self._deliver(request_id, exc)

@@ -85,7 +85,11 @@ class LLMEngine:
         self._recent: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens generated) per step
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Optional[SamplingParams] = None) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Optional[SamplingParams] = None,
+                    images: Optional[list] = None) -> None:
+        """Queue a request. `images`: (start, dsv41.vision.ImagePatches) pairs, each image's span occupying
+        prompt positions start .. start + span_length - 1, which must carry the model's image_token_id
+        (dsv41.vision.prompt builds such prompts)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -98,10 +102,35 @@ class LLMEngine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model's context limit is "
                              f"{self.max_model_len} tokens, prompt and output together")
-        seq = Sequence(request_id, prompt_token_ids, params, self._arrivals)
+        self._check_images(prompt_token_ids, images or [])
+        seq = Sequence(request_id, prompt_token_ids, params, self._arrivals, images)
         self._arrivals += 1
         self.requests[request_id] = seq
         self.waiting.append(seq)
+
+    def _check_images(self, prompt: list[int], images: list) -> None:
+        """Every image span inside the prompt, on image_token_id positions, without overlaps; and no
+        image_token_id outside a span (it would be read as a token embedding the model never saw)."""
+        cfg = self.model_config
+        if images and not cfg.vision_enabled:
+            raise ValueError("this model has no vision tower: it cannot take images")
+        if not cfg.vision_enabled:
+            return
+        covered = [False] * len(prompt)
+        for k, item in enumerate(images):
+            start, image = item
+            end = start + image.span_length
+            if not (isinstance(start, int) and 0 <= start and end <= len(prompt)):
+                raise ValueError(f"image {k}: its span {start}..{end - 1} lies outside the {len(prompt)}-token prompt")
+            if any(covered[start:end]):
+                raise ValueError(f"image {k}: its span overlaps another image's")
+            if any(t != cfg.image_token_id for t in prompt[start:end]):
+                raise ValueError(f"image {k}: span positions must carry image_token_id {cfg.image_token_id}")
+            covered[start:end] = [True] * (end - start)
+        stray = [i for i, t in enumerate(prompt) if t == cfg.image_token_id and not covered[i]]
+        if stray:
+            raise ValueError(f"the prompt has image_token_id {cfg.image_token_id} at position {stray[0]} "
+                             f"without an image for it")
 
     def abort_request(self, request_id: str) -> bool:
         """Cancel a request; its final output (finish_reason "abort") comes with the next step."""
@@ -121,13 +150,14 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._finished_outputs)
 
-    def generate(self, prompts: list[list[int]], params: Optional[SamplingParams | list[SamplingParams]] = None
-                 ) -> list[RequestOutput]:
-        """Run prompts to completion (offline use); returns the final output of each, in order."""
+    def generate(self, prompts: list[list[int]], params: Optional[SamplingParams | list[SamplingParams]] = None,
+                 images: Optional[list] = None) -> list[RequestOutput]:
+        """Run prompts to completion (offline use); returns the final output of each, in order.
+        `images`: per prompt, its (start, ImagePatches) list or None."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         ids = [f"gen-{self._arrivals + i}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, plist):
-            self.add_request(rid, prompt, p)
+        for k, (rid, prompt, p) in enumerate(zip(ids, prompts, plist)):
+            self.add_request(rid, prompt, p, images[k] if images else None)
         final: dict[str, RequestOutput] = {}
         while any(rid not in final for rid in ids):
             for out in self.step():
@@ -135,11 +165,12 @@ class LLMEngine:
                     final[out.request_id] = out
         return [final[rid] for rid in ids]
 
-    def prompt_logits(self, prompt_token_ids: list[int], request_id: Optional[str] = None) -> torch.Tensor:
+    def prompt_logits(self, prompt_token_ids: list[int], request_id: Optional[str] = None,
+                      images: Optional[list] = None) -> torch.Tensor:
         """fp32 logits [vocab] of the prompt's last position, computed the way this engine prefills
         (prefill mode, chunking, prefix cache). For parity checks and the bounded-replay gap."""
         rid = request_id or f"logits-{self._arrivals}"
-        self.add_request(rid, prompt_token_ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        self.add_request(rid, prompt_token_ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), images)
         seq = self.requests[rid]
         seq.capture_logits = True
         while seq.status != Status.FINISHED:
@@ -411,8 +442,20 @@ class LLMEngine:
                           want_logits=kind != "rebuild" and end >= seq.prefill_target, end=end,
                           decode=kind == "decode" and end - start == 1,
                           n_logits=len(seq.draft_tokens) + 1 if kind == "decode" else 1)
+            if seq.images:
+                self._attach_images(seq, chunk, start - len(chunk.context), end)
             plan.append((seq, chunk, kind))
         return plan
+
+    def _attach_images(self, seq: Sequence, chunk: Chunk, first: int, end: int) -> None:
+        """The chunk's image rows (slices of each span's embeddings, computed once per request) and its
+        image-position flags over context + tokens. A chunk may hold any part of a span."""
+        chunk.image_mask = seq.image_positions(first, end)
+        for k, a, b in seq.image_spans(chunk.start, end):
+            span_start, image = seq.images[k]
+            if k not in seq.image_embeds:
+                seq.image_embeds[k] = self.runner.embed_image(image)  # [span_length, dim]
+            chunk.image_rows.append((a - chunk.start, seq.image_embeds[k][a - span_start:b - span_start]))
 
     def _reserve_blocks(self, seq: Sequence, end: int, plan: list) -> bool:
         """Make the sequence's block table cover positions < end, preempting newer requests if needed
@@ -457,7 +500,7 @@ class LLMEngine:
         """Set up a sequence's cache for (re)prefill of all its tokens, reusing what the prefix cache
         holds. Returns False (changing nothing) when the pool cannot take it yet."""
         mcfg, bs = self.model_config, self.config.block_size
-        tokens = seq.all_ids
+        tokens = seq.key_ids  # what the prefix cache hashes (image spans keyed by their pixels)
         n = len(tokens)
         seq.draft_tokens, seq.draft_logits, seq.saved_state = [], None, None  # a new cache: no draft, no rows
         seq.rows_first, seq.rows_end = None, 0
@@ -549,7 +592,7 @@ class LLMEngine:
             return
         full = seq.num_computed // self.config.block_size
         if full > len(seq.block_hashes):
-            seq.block_hashes = chain_hashes(seq.all_ids[:full * self.config.block_size], self.config.block_size,
+            seq.block_hashes = chain_hashes(seq.key_ids[:full * self.config.block_size], self.config.block_size,
                                             seq.block_hashes)
             for i in range(full):
                 self.allocator.register(seq.cache.blocks[i], seq.block_hashes[i])
@@ -562,7 +605,7 @@ class LLMEngine:
         bs, length = self.config.block_size, seq.num_computed
         if length == 0:
             return
-        tokens = seq.all_ids[:length]
+        tokens = seq.key_ids[:length]
         hashes = chain_hashes(tokens, bs, seq.block_hashes[:length // bs])
         tail = {}
         for layer, lay in self.pool.sources.items():

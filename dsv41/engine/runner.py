@@ -41,6 +41,10 @@ class Chunk:
     decode: bool = False  # one token of a running sequence: batched with the other decode tokens
     n_logits: int = 1  # with want_logits: logits of this many trailing positions (a DSpark verify: n + 1)
     shared: dict = field(default_factory=dict)
+    # images: (offset in tokens, rows [n, dim] bf16) replacing those positions' token embeddings, and for
+    # context + tokens, True at image-span positions (routed with bias_vl, dead to Engram); None: all text
+    image_rows: list = field(default_factory=list)
+    image_mask: Optional[list[bool]] = None
     # filled by a forward with capture_hidden: the drafter's main_hidden [n, F] of the positions that
     # reached the target layers, hidden_start.. (the chunk's positions after any bounded-replay trim)
     main_hidden: Optional[torch.Tensor] = None
@@ -101,7 +105,8 @@ class ModelRunner:
         batch = DecodeBatch.build([c.cache for c in decodes], [c.start for c in decodes], device) if decodes else None
         hash_ids = self._engram_hashes(chunks) if model.engram_hash is not None else None
 
-        h = model.embed(ids).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [1, T, hc, dim]
+        x, image_mask = self._embed(ids, chunks)
+        h = x.unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [1, T, hc, dim]
         pre_mix = torch.zeros(1, ids.size(1), cfg.hc_mult, dtype=torch.float32, device=device)
         pre_mix[..., 0] = 1.0
         hidden: list[torch.Tensor] = []
@@ -111,15 +116,18 @@ class ModelRunner:
                 if keep is not None:
                     h, pre_mix, positions = h[:, keep], pre_mix[:, keep], positions[keep]
                     hash_ids = None if hash_ids is None else hash_ids[:, keep]
+                    image_mask = None if image_mask is None else image_mask[:, keep]
                     hidden = [x[:, keep] for x in hidden]
                     chunks = [c for c in chunks if c.tokens]
                 if not chunks:
                     break
             if layer.engram is not None:
-                h = layer.engram(h, hash_ids[:, :, model.engram_layout.layer_ids.index(i)])
+                h = layer.engram(h, hash_ids[:, :, model.engram_layout.layer_ids.index(i)],
+                                 None if image_mask is None else ~image_mask)
             if i in self.targets:
                 hidden.append(dspark.main_hidden(h))  # [1, T, dim], the stream entering the block
-            h, pre_mix = layer.run(h, pre_mix, lambda x: self._attend(layer.attn, x, positions, chunks, batch), {})
+            h, pre_mix = layer.run(h, pre_mix, lambda x: self._attend(layer.attn, x, positions, chunks, batch), {},
+                                   image_mask)
 
         if self.targets and len(hidden) == len(self.targets):
             main = torch.cat(hidden, dim=-1)[0]  # [T, n_targets * dim]
@@ -137,6 +145,28 @@ class ModelRunner:
         index = torch.tensor(last, device=device)
         x = model.norm(Block.hc_pre(h[:, index], pre_mix[:, index]))[0]  # [n, dim]
         return model.logits(x)
+
+    def _embed(self, ids: torch.Tensor, chunks: list[Chunk]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Token embeddings [1, T, dim] with the chunks' image rows written in, and the [1, T] image-span
+        mask (None when no chunk has an image position)."""
+        x = self.model.embed(ids)
+        if not any(c.image_mask for c in chunks):
+            return x, None
+        mask = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
+        offset = 0
+        for c in chunks:
+            for at, rows in c.image_rows:
+                x[0, offset + at:offset + at + rows.size(0)] = rows
+            if c.image_mask:
+                flags = c.image_mask[len(c.context):]
+                mask[0, offset:offset + len(flags)] = torch.tensor(flags, device=ids.device)
+            offset += len(c.tokens)
+        return x, mask
+
+    def embed_image(self, image) -> torch.Tensor:
+        """One image's span embeddings [span_length, dim] bf16 (Transformer.embed_image)."""
+        with torch.inference_mode():
+            return self.model.embed_image(image)
 
     def _attend(self, attn, x: torch.Tensor, positions: torch.Tensor, chunks: list[Chunk],
                 batch: DecodeBatch | None) -> torch.Tensor:
@@ -193,8 +223,13 @@ class ModelRunner:
         for (n_context, n_tokens), members in groups.items():
             ids = torch.tensor([chunks[i].context + chunks[i].tokens for i in members], dtype=torch.int64,
                                device=self.model.device)
+            compressed = hasher.token_map[ids]
+            if any(chunks[i].image_mask for i in members):  # image-span positions are dead: look-back stops
+                dead = torch.tensor([chunks[i].image_mask or [False] * ids.size(1) for i in members],
+                                    dtype=torch.bool, device=ids.device)
+                compressed = torch.where(dead, ops.engram_hash.DEAD, compressed)
             # the context reaches back to position 0 only when it is shorter than the look-back
-            hashed = ops.ngram_hash(hasher.token_map[ids], n_context, n_tokens, hasher.multipliers,
+            hashed = ops.ngram_hash(compressed, n_context, n_tokens, hasher.multipliers,
                                     hasher.primes, hasher.offsets, pad_id)  # [members, n_tokens, L, cols]
             for row, i in enumerate(members):
                 parts[i] = hashed[row:row + 1]

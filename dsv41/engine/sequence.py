@@ -229,9 +229,15 @@ class Status(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: int):
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: int,
+                 images: Optional[list] = None):
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
+        # images in the prompt: (start, dsv41.vision.ImagePatches), spans in position order; their span
+        # embeddings [span_length, dim] are computed once, on first use (image_rows)
+        self.images: list = sorted(images or [], key=lambda item: item[0])
+        self.image_embeds: dict[int, torch.Tensor] = {}
+        self._key_ids: Optional[list] = None
         self.output_ids: list[int] = []
         self.params = params
         self.arrival = arrival
@@ -277,6 +283,40 @@ class Sequence:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def key_ids(self) -> list:
+        """The ids the prefix cache hashes: all_ids, except that a position inside an image span is keyed
+        by (pixel digest, offset in the span), so two prompts hit each other's cache only when their images
+        are the same pixels (every span position carries the same image_token_id)."""
+        if not self.images:
+            return self.all_ids
+        if self._key_ids is None:
+            keys: list = list(self.prompt_ids)
+            for start, image in self.images:
+                for k in range(image.span_length):
+                    keys[start + k] = (image.digest, k)
+            self._key_ids = keys
+        return self._key_ids + self.output_ids
+
+    def image_spans(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """(image index, first, end) of the image positions inside [start, end), in order."""
+        out = []
+        for k, (first, image) in enumerate(self.images):
+            a, b = max(first, start), min(first + image.span_length, end)
+            if a < b:
+                out.append((k, a, b))
+        return out
+
+    def image_positions(self, start: int, end: int) -> Optional[list[bool]]:
+        """For positions start..end-1: True inside an image span; None when there is none."""
+        spans = self.image_spans(start, end)
+        if not spans:
+            return None
+        flags = [False] * (end - start)
+        for _, a, b in spans:
+            flags[a - start:b - start] = [True] * (b - a)
+        return flags
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

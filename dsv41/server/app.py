@@ -74,6 +74,7 @@ class ServerState:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     api_key: Optional[str] = None
     max_request_bytes: int = MIN_REQUEST_BYTES
+    image_loader: Any = None  # dsv41.vision.ImageLoader when the model has a vision tower
 
     @property
     def vocab_size(self) -> int:
@@ -101,6 +102,10 @@ def create_app(engine, async_engine=None, *, served_model_name: Optional[str] = 
     state = ServerState(engine, async_engine, served_model_name or engine.model_name, retry_after_s,
                         metrics=ServerMetrics(async_engine.metrics), api_key=api_key or None,
                         max_request_bytes=max_request_bytes)
+    if engine.model_config.vision_enabled:
+        from dsv41.vision.inputs import ImageLoader
+
+        state.image_loader = ImageLoader.from_config(engine.model_config)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -381,9 +386,9 @@ async def _guarded(state: ServerState, request: Request, request_id: str, coro):
 
 
 async def _start(state: ServerState, request: Request, request_id: str, prompt_ids: list[int],
-                 params: SamplingParams):
+                 params: SamplingParams, images: Optional[list] = None):
     """Submit and wait for the first output; returns (stream, first output or None)."""
-    stream = state.async_engine.generate(request_id, prompt_ids, params)
+    stream = state.async_engine.generate(request_id, prompt_ids, params, images)
 
     async def first():
         try:
@@ -600,19 +605,21 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
 
 
 async def _run_to_end(state: ServerState, request: Request, request_id: str, prompt_ids, params,
-                      timer: "_Timer") -> Optional[list[RequestOutput]]:
+                      timer: "_Timer", images: Optional[list] = None) -> Optional[list[RequestOutput]]:
     """A non-streamed request's outputs, or None when the client went away first."""
     try:
-        outs = await _guarded(state, request, request_id, _collect(state, request_id, prompt_ids, params, timer))
+        outs = await _guarded(state, request, request_id,
+                              _collect(state, request_id, prompt_ids, params, timer, images))
     except ClientGone:
         return None
     timer.done(outs[-1] if outs else None)
     return outs
 
 
-async def _collect(state: ServerState, request_id: str, prompt_ids, params, timer: "_Timer") -> list[RequestOutput]:
+async def _collect(state: ServerState, request_id: str, prompt_ids, params, timer: "_Timer",
+                   images: Optional[list] = None) -> list[RequestOutput]:
     """Every output of a non-streamed request (run inside `_guarded`)."""
-    stream = state.async_engine.generate(request_id, prompt_ids, params)
+    stream = state.async_engine.generate(request_id, prompt_ids, params, images)
     outs = []
     try:
         async for out in stream:
@@ -682,9 +689,10 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
     except ValueError as exc:
         param = "chat_template_kwargs" if "chat_template_kwargs" in str(exc) else "reasoning_effort"
         raise bad_request(str(exc), param) from None
+    images: list = []  # (start, ImagePatches) of each image part, filled while the prompt is built
     prompt_ids = await _off_loop(state, lambda: build_chat_prompt(
         state.engine.tokenizer, req.messages, thinking=thinking, effort=effort, tools=tools,
-        token_limit=state.max_model_len - 1), "messages")
+        token_limit=state.max_model_len - 1, image_loader=state.image_loader, spans=images), "messages")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
     params = _sampling_params(state, req, prompt_len=len(prompt_ids), max_tokens=max_tokens,
@@ -695,9 +703,9 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
 
     if req.stream:
         return await _chat_stream(state, req, request, request_id, created, prompt_ids, params, timer,
-                                  thinking=thinking, parse_tools=parse_tools, top_n=top_n)
+                                  thinking=thinking, parse_tools=parse_tools, top_n=top_n, images=images)
 
-    outs = await _run_to_end(state, request, request_id, prompt_ids, params, timer)
+    outs = await _run_to_end(state, request, request_id, prompt_ids, params, timer, images)
     if outs is None:
         return _disconnected_response()
     last = _last(outs, request_id)
@@ -718,10 +726,10 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
 
 
 async def _chat_stream(state, req, request, request_id, created, prompt_ids, params, timer, *, thinking,
-                       parse_tools, top_n):
+                       parse_tools, top_n, images=None):
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     try:
-        stream, first = await _start(state, request, request_id, prompt_ids, params)
+        stream, first = await _start(state, request, request_id, prompt_ids, params, images)
     except ClientGone:
         return _disconnected_response()
     splitter = ChatStreamSplitter(thinking=thinking, tools=parse_tools)

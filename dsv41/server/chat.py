@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from dsv41.chat.dsml import CALLS_OPEN, parse_assistant_output, parse_tool_calls_block
-from dsv41.chat.encoding import encode_prompt, parse_reasoning_effort, prompt_parts
+from dsv41.chat.encoding import encode_prompt, image_slots, parse_reasoning_effort, prompt_parts
 from dsv41.tokenizer import EOS_TOKEN, THINK_END_TOKEN
 
 
@@ -55,15 +55,23 @@ def check_text_fits(tokenizer, num_chars: int, token_limit: Optional[int]) -> No
 
 
 def build_chat_prompt(tokenizer, messages: list[dict[str, Any]], *, thinking: bool, effort: Optional[int],
-                      tools: Optional[list[dict[str, Any]]], token_limit: Optional[int] = None) -> list[int]:
+                      tools: Optional[list[dict[str, Any]]], token_limit: Optional[int] = None,
+                      image_loader=None, spans: Optional[list] = None) -> list[int]:
     """Render with the V4.1 encoder (ValueError on malformed messages) and tokenize. Control tokens come
     only from the template: message content and tool definitions are tokenized as text, so marker strings
     inside them stay text (`encode_prompt`). The rendered text starts with the BOS marker. With
-    `token_limit`, a prompt that cannot fit is refused (PromptTooLong) before it is tokenized."""
+    `token_limit`, a prompt that cannot fit is refused (PromptTooLong) before it is tokenized. Image parts
+    need `image_loader` (dsv41.vision.ImageLoader); each image's (start, ImagePatches) goes to `spans`."""
     parts = prompt_parts(messages, thinking=thinking, reasoning_effort=effort, tools=tools or None,
                          add_generation_prompt=True, drop_thinking=True)
-    check_text_fits(tokenizer, sum(len(text) for text, _ in parts), token_limit)
-    return encode_prompt(tokenizer, parts)
+    slots = image_slots(parts)
+    images = None
+    if slots:  # image_url parts: decoded and preprocessed here, laid out as spans by encode_prompt
+        if image_loader is None:
+            raise ValueError("this model does not take images (it has no vision tower)")
+        images = image_loader(slots)
+    check_text_fits(tokenizer, sum(len(text) for text, _ in parts if isinstance(text, str)), token_limit)
+    return encode_prompt(tokenizer, parts, images, image_loader.image_token_id if slots else None, spans)
 
 
 def _held_back(text: str, marker: str) -> int:
