@@ -17,7 +17,7 @@ class FakeEngine:
 
     def __init__(self, vocab_size: int = 1024, max_model_len: int = 4096):
         self.tokenizer = ByteTokenizer(vocab_size)
-        self.model_config = SimpleNamespace(vocab_size=vocab_size)
+        self.model_config = SimpleNamespace(vocab_size=vocab_size, vision_enabled=False)
         self.max_model_len = max_model_len
 
 
@@ -47,7 +47,9 @@ class FakeAsyncEngine:
         return {"waiting": 0, "running": len(self.running), "kv_usage": 0.25, "prefix_cache_hit_rate": 0.5,
                 "generation_tokens_total": 7, "requests_finished_total": 3}
 
-    async def generate(self, request_id, prompt_token_ids, params):
+    async def generate(self, request_id, prompt_token_ids, params, images=None):
+        if images:
+            raise AssertionError("a text-only fake engine was handed images")
         if self.busy_exc is not None:
             raise self.busy_exc
         tok = FakeEngine().tokenizer

@@ -235,7 +235,7 @@ def test_lone_surrogates_are_400_with_a_plain_message():
 
 def test_internal_errors_are_opaque_and_logged_with_an_id(caplog):
     class Broken(FakeAsyncEngine):
-        async def generate(self, request_id, prompt_token_ids, params):
+        async def generate(self, request_id, prompt_token_ids, params, images=None):
             raise RuntimeError("secret internals at 0xdeadbeef")
             yield  # pragma: no cover
 
