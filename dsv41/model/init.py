@@ -59,4 +59,6 @@ def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> n
             param.zero_()
         elif leaf in ("q_weight", "k_weight"):
             param.fill_(1.0)
+        elif name in ("image_start", "image_end", "image_newline"):  # like token embeddings
+            param.copy_(normal(tuple(param.shape)))
     return model

@@ -209,20 +209,29 @@ def attention_train(attn, x: torch.Tensor, ctx: _Context) -> torch.Tensor:
 
 
 def forward_train(model: Transformer, input_ids: torch.Tensor, opts: Optional[TrainOptions] = None,
-                  token_types: Optional[torch.Tensor] = None) -> TrainOutput:
+                  token_types: Optional[torch.Tensor] = None, images: Optional[list] = None) -> TrainOutput:
     """input_ids [B, S] from position 0 -> logits and the auxiliary losses (see the module docstring).
-    token_types: optional [B, S] bool, True for image-span tokens (VL routing bias, Engram off)."""
+    token_types: optional [B, S] bool, True for image-span tokens (VL routing bias, Engram off).
+    images: optional (row, start, ImagePatches) triples (see `Transformer.embed_inputs`): their spans'
+    embeddings come from the ViT + aligner (trained through them) and set token_types."""
     opts = opts or TrainOptions()
     cfg = model.cfg
     b, s = input_ids.shape
     device = input_ids.device
+    embeds = None
+    if images:
+        if token_types is not None:
+            raise ValueError("give images or token_types, not both: the images' spans define the token types")
+        embeds, kinds = model.embed_inputs(input_ids, images)  # [B, S, dim], [B, S] (-1 text)
+        token_types = kinds >= 0
     ctx = _Context(opts, s, device)
     ctx.decoder_from = cfg.decoder_boundary
     hash_ids = None
     if model.engram_hash is not None:
         history = torch.zeros(b, s, dtype=torch.int64, device=device)
         hash_ids = model.engram_hash(input_ids, 0, history, None if token_types is None else ~token_types)
-    h = model.embed(input_ids).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [B, S, hc, dim]
+    embeds = model.embed(input_ids) if embeds is None else embeds
+    h = embeds.unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [B, S, hc, dim]
     pre_mix = torch.zeros(b, s, cfg.hc_mult, dtype=torch.float32, device=device)
     pre_mix[..., 0] = 1.0
     routing = RoutingRecord(opts.capacity_factor)  # not a list: see RoutingRecord

@@ -203,7 +203,8 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, start_pos: int = 0, cache: Optional[ModelCache] = None,
                 last_only: bool = False, trace: Optional[dict] = None,
                 token_types: Optional[torch.Tensor] = None, train_options=None,
-                drafter_inputs: Optional[dict] = None, inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+                drafter_inputs: Optional[dict] = None, inputs_embeds: Optional[torch.Tensor] = None,
+                images: Optional[list] = None) -> torch.Tensor:
         """input_ids [B, S] int64 at positions start_pos..start_pos+S-1.
 
         cache: state from earlier calls (required when start_pos > 0); without one a temporary cache
@@ -214,14 +215,18 @@ class Transformer(nn.Module):
         inputs_embeds: optional [B, S, dim] bf16 replacing the token embeddings (image spans filled in,
         see `embed_inputs`); input_ids still feed the Engram hash.
         train_options: a `dsv41.model.training.TrainOptions` runs the training forward instead and returns
-        its `TrainOutput` (called through the module so wrappers such as FSDP2 see the call).
+        its `TrainOutput` (called through the module so wrappers such as FSDP2 see the call); with it,
+        `images` ((row, start, ImagePatches) as for `embed_inputs`) are embedded inside the call, so the
+        vision tower trains with the rest.
         drafter_inputs: if a dict, receives "main_hidden" [B, S, n_targets * dim] bf16, what the DSpark
         drafter reads (every position, also with last_only); see `draft_prefill` and `draft`.
         """
+        if images is not None and train_options is None:
+            raise ValueError("images= is for the training forward; inference takes inputs_embeds from embed_inputs")
         if train_options is not None:  # the differentiable training forward (dsv41.model.training)
             from dsv41.model.training import forward_train
 
-            return forward_train(self, input_ids, train_options, token_types)
+            return forward_train(self, input_ids, train_options, token_types, images)
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         b, s = input_ids.shape

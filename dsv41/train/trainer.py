@@ -22,6 +22,7 @@ import math
 import os
 import sys
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -111,19 +112,33 @@ class Trainer:
         from dsv41.data.build import load_engram_map
 
         base = preset(cfg.preset)
-        data = cfg.data or (default_data(cfg, base.vocab_size) if self.rank == 0 else None)
-        if self.distributed:
-            holder = [data]
-            dist.broadcast_object_list(holder, src=0)
-            data = holder[0]
-        self.data_dir = data
-        meta = read_meta(data)
-        token_map, compressed = load_engram_map(data)
-        self.model_cfg = base.replace(vocab_size=meta["vocab_size"], engram_compressed_vocab_size=compressed,
-                                      max_position_embeddings=max(base.max_position_embeddings, cfg.seq_len))
-        self.tokenizer_file = os.path.join(data, meta["tokenizer_path"]) if meta.get("tokenizer_path") else None
-        self.train_set = TokenDataset.from_dir(data, "train")
-        self.val_set = TokenDataset.from_dir(data, "val")
+        token_map = None
+        if cfg.images:  # image-text samples rendered on demand (dsv41.vision.synthetic), byte-level text
+            from dsv41.vision.synthetic import SyntheticImageText, synthetic_model_fields
+
+            self.data_dir = None
+            self.model_cfg = base.replace(**synthetic_model_fields(base.vocab_size),
+                                          max_position_embeddings=max(base.max_position_embeddings, cfg.seq_len))
+            self.model_cfg.validate()
+            self.tokenizer_file = None  # checkpoints then load with the byte tokenizer
+            self.train_set = SyntheticImageText.from_config("train", self.model_cfg)
+            self.val_set = SyntheticImageText.from_config("val", self.model_cfg)
+        else:
+            data = cfg.data or (default_data(cfg, base.vocab_size) if self.rank == 0 else None)
+            if self.distributed:
+                holder = [data]
+                dist.broadcast_object_list(holder, src=0)
+                data = holder[0]
+            self.data_dir = data
+            meta = read_meta(data)
+            token_map, compressed = load_engram_map(data)
+            self.model_cfg = base.replace(vocab_size=meta["vocab_size"], engram_compressed_vocab_size=compressed,
+                                          max_position_embeddings=max(base.max_position_embeddings, cfg.seq_len))
+            self.tokenizer_file = os.path.join(data, meta["tokenizer_path"]) if meta.get("tokenizer_path") else None
+            self.train_set = TokenDataset.from_dir(data, "train")
+            self.val_set = TokenDataset.from_dir(data, "val")
+        self.tokens_seen: Optional[int] = None  # tokens trained on so far (set at the first step)
+        self.last_eval: dict = {}  # the latest evaluation's extra figures (answer accuracy with --images)
 
         torch.manual_seed(cfg.seed)
         model = Transformer(self.model_cfg)
@@ -131,7 +146,7 @@ class Trainer:
         if cfg.embed_init_std != 0.02:  # init_random_weights draws N(0, 0.02^2): rescale the same draw
             with torch.no_grad():
                 model.embed.weight.mul_(cfg.embed_init_std / 0.02)
-        if model.engram_hash is not None:
+        if model.engram_hash is not None and token_map is not None:
             model.set_engram_token_map(token_map)
         self.model = prepare_for_training(model).to(self.device)
         if self.distributed:
@@ -237,10 +252,22 @@ class Trainer:
         return TrainOptions(qat=cfg.qat, dense_indexer=cfg.dense_attention, replay_start=start,
                             capacity_factor=cfg.capacity_factor)
 
-    def _losses(self, x: torch.Tensor, y: torch.Tensor, opts: TrainOptions):
-        out = self.model(x, train_options=opts)  # through the module call: FSDP2 unshards around it
+    def _losses(self, x: torch.Tensor, y: torch.Tensor, opts: TrainOptions, images: Optional[list] = None):
+        """LM loss over the trained targets (image-text batches mark the rest IGNORE = -100, the
+        default ignore_index) and the forward's outputs."""
+        # through the module call: FSDP2 unshards around it (the vision tower's too)
+        out = self.model(x, train_options=opts, images=images)
         lm = F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
         return lm, out
+
+    def _batch(self, dataset, index: int, seed: int):
+        """(x, y, images or None) of this process's micro-batch `index`, on the device."""
+        cfg = self.cfg
+        got = dataset.batch(index, cfg.batch_size, cfg.seq_len, seed, rank=self.rank, world_size=self.world)
+        if isinstance(got, tuple):
+            x, y = got
+            return x.to(self.device), y.to(self.device), None
+        return got.x.to(self.device), got.y.to(self.device), got.images
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -252,15 +279,37 @@ class Trainer:
             n = torch.tensor(len(batches), device=self.device)
             dist.all_reduce(n, op=dist.ReduceOp.MIN)
             batches = batches[:int(n)]
-        for x, y in batches:
-            x, y = x.to(self.device), y.to(self.device)
-            lm, _ = self._losses(x, y, TrainOptions(qat=cfg.qat, dense_indexer=cfg.dense_attention))
-            total += float(lm) * x.numel()
-            count += x.numel()
+        right: dict[str, list[int]] = {}  # task -> [correct, seen] (image-text batches)
+        for batch in batches:
+            images = tasks = None
+            if not isinstance(batch, tuple):
+                batch, images, tasks = (batch.x, batch.y), batch.images, batch.tasks
+            x, y = batch[0].to(self.device), batch[1].to(self.device)
+            lm, out = self._losses(x, y, TrainOptions(qat=cfg.qat, dense_indexer=cfg.dense_attention), images)
+            weight = int((y != -100).sum())  # trained targets (all of them in a text batch)
+            total += float(lm) * weight
+            count += weight
+            if tasks is not None:
+                from dsv41.vision.synthetic import answer_accuracy
+
+                for task, ok in zip(tasks, answer_accuracy(out.logits, y).tolist()):
+                    right.setdefault(task, [0, 0])
+                    right[task][0] += int(ok)
+                    right[task][1] += 1
         if self.distributed:
             t = torch.tensor([total, count], dtype=torch.float64, device=self.device)
             dist.all_reduce(t)
             total, count = float(t[0]), float(t[1])
+            if right:
+                names = sorted(right)
+                r = torch.tensor([right[n] for n in names], dtype=torch.float64, device=self.device)
+                dist.all_reduce(r)
+                right = {n: [int(a), int(b)] for n, (a, b) in zip(names, r.tolist())}
+        self.last_eval = {}
+        if right:
+            self.last_eval["val_accuracy"] = sum(a for a, _ in right.values()) / sum(b for _, b in right.values())
+            for task in sorted(right):
+                self.last_eval[f"val_accuracy_{task}"] = right[task][0] / right[task][1]
         return total / max(count, 1)
 
     def train_step(self) -> dict:
@@ -273,11 +322,11 @@ class Trainer:
         sums = {"lm": 0.0, "kl": 0.0, "balance": 0.0}
         loads: dict[tuple[str, int], torch.Tensor] = {}  # (bias name, layer) -> tokens per expert
         moments: dict[int, torch.Tensor] = {}  # layer -> router input moments (gate_input_moments)
+        tokens = 0
         for micro in range(cfg.grad_accum):
-            x, y = self.train_set.batch(step * cfg.grad_accum + micro, cfg.batch_size, cfg.seq_len, cfg.seed,
-                                        rank=self.rank, world_size=self.world)
-            x, y = x.to(self.device), y.to(self.device)
-            lm, out = self._losses(x, y, opts)
+            x, y, images = self._batch(self.train_set, step * cfg.grad_accum + micro, cfg.seed)
+            tokens += x.numel() * self.world
+            lm, out = self._losses(x, y, opts, images)
             loss = lm + cfg.kl_weight * out.indexer_kl + cfg.balance_weight * out.balance_loss
             if cfg.shared_input_weight:  # (no backward through the term when it is off)
                 loss = loss + cfg.shared_input_weight * out.shared_input_loss
@@ -312,10 +361,12 @@ class Trainer:
             dist.all_reduce(t)
             sums = dict(zip(sums, (t / self.world).tolist()))
         seconds = time.perf_counter() - t0
-        tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum * self.world
+        if self.tokens_seen is None:  # (re)started: earlier steps counted at this step's size, exact for text
+            self.tokens_seen = step * tokens
+        self.tokens_seen += tokens
         self.step += 1
         return {"step": self.step, "loss": sums["lm"], "indexer_kl": sums["kl"], "balance": sums["balance"],
-                "lr_scale": lr_scale(step, cfg), "grad_norm": float(full_tensor(grad_norm)), "tokens": self.step * tokens,
+                "lr_scale": lr_scale(step, cfg), "grad_norm": float(full_tensor(grad_norm)), "tokens": self.tokens_seen,
                 "tokens_per_s": tokens / seconds, "max_load_ratio": max(ratios.values(), default=0.0),
                 "load_ratio": [round(ratios[layer], 4) for layer in sorted(ratios)],
                 "gate_shared": [round(shared[layer][0], 4) for layer in sorted(shared)],
@@ -328,12 +379,12 @@ class Trainer:
         decorrelate every router from the probe's mean router input, then set each text bias to the one
         that balances the probe's routing under the (decorrelated) router."""
         cfg = self.cfg
-        x, _ = self.train_set.batch(self.step, cfg.probe_sequences or cfg.batch_size, cfg.seq_len,
-                                    cfg.seed + PROBE_SEED_OFFSET,
-                                    rank=self.rank, world_size=self.world)
-        with torch.no_grad():
-            out = self.model(x.to(self.device), train_options=TrainOptions(qat=cfg.qat,
-                                                                          dense_indexer=cfg.dense_attention))
+        got = self.train_set.batch(self.step, cfg.probe_sequences or cfg.batch_size, cfg.seq_len,
+                                   cfg.seed + PROBE_SEED_OFFSET, rank=self.rank, world_size=self.world)
+        x, images = (got[0], None) if isinstance(got, tuple) else (got.x, got.images)
+        with torch.no_grad():  # image spans route with bias_vl and stay out of the text bias's probe
+            out = self.model(x.to(self.device), images=images,
+                             train_options=TrainOptions(qat=cfg.qat, dense_indexer=cfg.dense_attention))
         if self.distributed:
             for stats in out.gate_stats.values():
                 dist.all_reduce(stats)
@@ -418,6 +469,7 @@ class Trainer:
             last = self.train_step()
             if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                 last["val_loss"] = self.evaluate()
+                last.update(self.last_eval)
             self.history.append(last)
             if self.rank == 0 and (self.step % cfg.log_every == 0 or "val_loss" in last):
                 with open(metrics_path, "a") as f:
@@ -436,6 +488,7 @@ class Trainer:
             if history:
                 plot_losses(history, os.path.join(cfg.out, "loss.png"))
                 plot_routing(history, os.path.join(cfg.out, "routing.png"))
+                plot_accuracy(history, os.path.join(cfg.out, "accuracy.png"))
         return last
 
 
@@ -583,6 +636,38 @@ def plot_routing(history: list[dict], path: str) -> None:
     top.axhline(1.5, color="grey", ls="--", lw=0.8)
     top.set(ylabel="max / mean expert load", yscale="log", title="MoE routing per layer (dark: first layer)")
     bottom.set(xlabel="step", ylabel="router input shared fraction", ylim=(0, 1))
+    fig.tight_layout()
+    fig.savefig(path + ".part.png", dpi=100)
+    os.replace(path + ".part.png", path)
+    plt.close(fig)
+
+
+def plot_accuracy(history: list[dict], path: str) -> None:
+    """Held-out answer accuracy by step, overall and per task, against each task's chance level
+    (image-text runs; nothing to draw otherwise)."""
+    rows = [h for h in history if "val_accuracy" in h]
+    if not rows:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from dsv41.vision.synthetic import CHANCE
+
+    steps = [h["step"] for h in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    tasks = sorted(k.removeprefix("val_accuracy_") for k in rows[-1] if k.startswith("val_accuracy_"))
+    cmap = plt.get_cmap("tab10")
+    for j, task in enumerate(tasks):
+        line, = ax.plot(steps, [h.get(f"val_accuracy_{task}", float("nan")) for h in rows], "o-", color=cmap(j),
+                        lw=1, ms=3, label=task)
+        if task in CHANCE:
+            ax.axhline(CHANCE[task], color=line.get_color(), ls=":", lw=0.8)
+    ax.plot(steps, [h["val_accuracy"] for h in rows], "k-", lw=2, label="all")
+    ax.set(xlabel="step", ylabel="held-out exact-answer accuracy", ylim=(0, 1.02),
+           title="image-text training (dotted: chance per task)")
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path + ".part.png", dpi=100)
     os.replace(path + ".part.png", path)

@@ -131,7 +131,7 @@ class VisionTransformer(nn.Module):
         if patches.size(0) != vit_h * vit_w:
             raise ValueError(f"{patches.size(0)} patches for a {vit_h}x{vit_w} grid")
         angles = rope_2d_angles(vit_h, vit_w, self.head_dim, self.rope_theta, patches.device)
-        x = self.patch_embed(patches.to(torch.bfloat16))
+        x = self.patch_embed(patches.to(self.patch_embed.proj.weight.dtype))  # bf16 (release); fp32 in training
         for block in self.blocks:
             x = block(x, angles)
         return self.norm(x)
