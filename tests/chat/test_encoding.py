@@ -165,7 +165,10 @@ def test_bad_reasoning_effort_raises(value):
     ([{"role": "user"}], r"messages\[0\]: missing content"),
     ([{"role": "system", "content": None}], "missing content"),
     ([{"role": "user", "content": 5}], "string or a list"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "text"),
+    # images belong to user turns (issue 14); elsewhere an image part is refused, and it needs a url
+    ([{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "text"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "needs"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}, {"type": "video"}]}], "parts must be"),
     ([user("q"), {"role": "assistant"}], r"messages\[1\]: missing content"),
     ([user("q"), {"role": "assistant", "content": "", "tool_calls": "f()"}], "tool_calls must be a list"),
     ([user("q"), {"role": "assistant", "tool_calls": [{"id": "x"}]}], "missing 'function'"),
