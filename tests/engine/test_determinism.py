@@ -6,13 +6,13 @@ each selection, so any layout dependence shows up at once."""
 import torch
 
 from dsv41.config import tiny
-from dsv41.engine import EngineConfig, LLMEngine, SamplingParams
+from dsv41.engine import SamplingParams
 from dsv41.generate import generate
 from dsv41.model.init import init_random_weights
 from dsv41.model.transformer import Transformer
 from dsv41.ops import topk_canonical
-from dsv41.tokenizer import ByteTokenizer
 from tests.conftest import tie_every_selection
+from tests.engine.helpers import make, prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -20,18 +20,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 def tied_model(seed: int = 1) -> Transformer:
     """Random weights, except that all top-k choices (index entries, candidate blocks, experts) tie."""
     return tie_every_selection(init_random_weights(Transformer(tiny()), seed=seed).eval())
-
-
-def make(model, **overrides) -> LLMEngine:
-    settings = dict(block_size=8, kv_pool_tokens=2048, prefill_chunk_size=16, max_num_batched_tokens=64,
-                    enable_prefix_caching=False)
-    settings.update(overrides)
-    return LLMEngine(model, ByteTokenizer(model.cfg.vocab_size), EngineConfig(**settings))
-
-
-def prompts(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 1000, (n,), generator=g).tolist() for n in lengths]
 
 
 def test_the_model_really_ties_everywhere():

@@ -13,6 +13,7 @@ from dsv41.engine.sampling import verify_draft
 from dsv41.tokenizer import ByteTokenizer
 from dsv41.weights import load_model
 from tests.conftest import GOLDEN_DIR
+from tests.engine.helpers import make, prompts
 
 DSPARK = os.path.join(GOLDEN_DIR, "v41-dspark-fp8")  # 10 layers + 3 stages, window 8, ratios 2 and 1
 
@@ -20,18 +21,6 @@ DSPARK = os.path.join(GOLDEN_DIR, "v41-dspark-fp8")  # 10 layers + 3 stages, win
 @pytest.fixture(scope="module")
 def model():
     return load_model(DSPARK)
-
-
-def make(model, **overrides) -> LLMEngine:
-    settings = dict(block_size=8, kv_pool_tokens=2048, prefill_chunk_size=16, max_num_batched_tokens=64,
-                    enable_prefix_caching=False)
-    settings.update(overrides)
-    return LLMEngine(model, ByteTokenizer(model.cfg.vocab_size), EngineConfig(**settings))
-
-
-def prompts(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 1000, (n,), generator=g).tolist() for n in lengths]
 
 
 def oracle(monkeypatch, truth: dict, wrong: float, seed: int = 0):

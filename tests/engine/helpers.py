@@ -1,0 +1,20 @@
+"""Small engines and random prompts shared by the engine tests."""
+
+import torch
+
+from dsv41.engine import EngineConfig, LLMEngine
+from dsv41.tokenizer import ByteTokenizer
+
+
+def make(model, **overrides) -> LLMEngine:
+    """An engine over `model` with a small paged pool and 16-token prefill chunks, prefix caching off."""
+    settings = dict(block_size=8, kv_pool_tokens=2048, prefill_chunk_size=16, max_num_batched_tokens=64,
+                    enable_prefix_caching=False)
+    settings.update(overrides)
+    return LLMEngine(model, ByteTokenizer(model.cfg.vocab_size), EngineConfig(**settings))
+
+
+def prompts(lengths, seed=0):
+    """One random prompt (ids 3..999) per length."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 1000, (n,), generator=g).tolist() for n in lengths]
