@@ -438,6 +438,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_drafter_args(p_draft)
     p_draft.set_defaults(func=cmd_train_drafter)
 
+    p_rl = sub.add_parser("rl", help="post-training with reasoning effort: sft warm-start, graded GRPO, on-policy "
+                                     "distillation, evaluation per effort (dsv41 rl COMMAND --help)")
+    rl_sub = p_rl.add_subparsers(dest="rl_command", required=True, metavar="COMMAND")
+    p_sft = rl_sub.add_parser("sft", help="warm-start a model on effort-tagged chat samples (arithmetic, direct or "
+                                          "scratchpad replies), the base for `dsv41 rl grpo`")
+    _add_train_args(p_sft)
+    p_sft.add_argument("--task", default="arithmetic", choices=["arithmetic"], help="the samples' task (default: arithmetic)")
+    p_sft.add_argument("--min-digits", type=_positive_int, default=2, metavar="N", help="fewest digits per operand (default: 2)")
+    p_sft.add_argument("--max-digits", type=_positive_int, default=4, metavar="N", help="most digits per operand (default: 4)")
+    p_sft.set_defaults(func=cmd_rl_sft)
+    for name, text in (("grpo", "graded GRPO with reasoning effort on verifiable tasks (rollouts from the engine, "
+                                 "grades from the sandbox, router replay); torchrun for several learner processes"),
+                       ("distill", "on-policy distillation: the student samples, --teachers score every token "
+                                   "(full-vocabulary reverse KL)"),
+                       ("eval", "held-out accuracy and response length of --model at every effort")):
+        p = rl_sub.add_parser(name, help=text)
+        _add_rl_args(p)
+        p.set_defaults(func=cmd_rl, rl_algorithm=name)
+
     sub.add_parser("data", help="build a training data folder (tokenizer + token shards) from public-domain text "
                                 "it downloads, or from this Python's standard library offline (dsv41 data --help)")
     return parser
@@ -453,6 +472,55 @@ def cmd_train(args) -> int:
         shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in last.items()}
         print(json.dumps(shown))
     return 0
+
+
+def cmd_rl_sft(args) -> int:
+    from dsv41.config import preset
+    from dsv41.rl.sft import EffortTaskText
+    from dsv41.tokenizer import ByteTokenizer
+    from dsv41.train import TrainConfig, train
+
+    given = {f.name: getattr(args, f"train_{f.name}") for f in dataclasses.fields(TrainConfig)
+             if getattr(args, f"train_{f.name}", None) is not None}
+    cfg = TrainConfig(**given)
+    tokenizer = ByteTokenizer(preset(cfg.preset).vocab_size)
+    sets = tuple(EffortTaskText(split, tokenizer, args.task, args.min_digits, args.max_digits) for split in ("train", "val"))
+    last = train(cfg, sets)
+    if last:
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in last.items()}))
+    return 0
+
+
+def cmd_rl(args) -> int:
+    from dsv41.rl.trainer import RLConfig, RLTrainer, write_effort_report
+
+    given = {f.name: getattr(args, f"rl_{f.name}") for f in dataclasses.fields(RLConfig)
+             if getattr(args, f"rl_{f.name}", None) is not None}
+    if args.rl_algorithm != "eval":
+        given["algorithm"] = args.rl_algorithm
+        last = RLTrainer(RLConfig(**given)).run()
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in last.items()}))
+        return 0
+    trainer = RLTrainer(RLConfig(**given))
+    result = {"step": 0, **trainer.evaluate()}
+    trainer.close()
+    efforts = trainer.gcfg.efforts
+    print("| effort | accuracy | mean grade | mean length |\n|---|---|---|---|")
+    for b in efforts:
+        print(f"| {b} | {result[f'eval_accuracy_{b}']:.3f} | {result[f'eval_grade_{b}']:.3f} | "
+              f"{result[f'eval_length_{b}']:.1f} |")
+    with open(os.path.join(trainer.cfg.out, "eval.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    return 0
+
+
+def _add_rl_args(p: argparse.ArgumentParser) -> None:
+    from dsv41.rl.trainer import RLConfig
+
+    for f in dataclasses.fields(RLConfig):
+        if f.name == "algorithm":
+            continue  # the subcommand
+        _add_field_option(p, f, f"rl_{f.name}", **({"type": str} if f.name in ("model", "ray_address") else {}))
 
 
 def cmd_train_drafter(args) -> int:

@@ -8,8 +8,9 @@ padded block-table tensor, ratio-2 compressors keep their partial groups in the 
 group slot pos % ratio; a full group is pooled, RoPE'd, rounded and stored), and the indexer scores each
 sequence's visible entries (padding masked to -inf).
 
-Numerics follow the per-chunk path operation for operation, and the selection is padded to
-`index_topk` entries, so a sequence's result does not depend on the other sequences in the batch.
+Numerics follow the per-chunk path operation for operation: the selection is padded to `index_topk`
+entries (unusable picks last) and each row is attended at the width a lone decode would list, so a
+sequence's result does not depend on the other sequences in the batch.
 """
 
 from __future__ import annotations
@@ -68,11 +69,23 @@ def decode_attend(attn, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: 
     states.window_codes[slots, layer, pos % w] = codes
     states.window_scale[slots, layer, pos % w] = scale.to(torch.float8_e8m0fnu).view(torch.uint8)
 
-    if attn.ratio:
-        comp_rows, comp_ids = _compressed(attn, x, qr, batch, states, pool, offset=w + 1)
-        rows = torch.cat([rows, comp_rows], dim=1)
-        ids = torch.cat([ids, comp_ids], dim=-1)
-    return ops.sparse_attn(q, rows, attn.attn_sink, ids.int(), attn.softmax_scale)
+    if not attn.ratio:
+        return ops.sparse_attn(q, rows, attn.attn_sink, ids.int(), attn.softmax_scale)
+    comp_rows, comp_ids = _compressed(attn, x, qr, batch, states, pool, offset=w + 1)
+    rows = torch.cat([rows, comp_rows], dim=1)
+    ids = torch.cat([ids, comp_ids], dim=-1)
+    # a lone decode lists min(index_topk, visible entries) selected slots, and the attention's block sums
+    # depend on that width; so rows are attended in groups of equal width, each at its own width (most
+    # rows, past index_topk entries, share the full one)
+    width = ((pos + 1) // attn.ratio).clamp(max=comp_ids.size(-1))  # [B]
+    if bool((width == comp_ids.size(-1)).all()):
+        return ops.sparse_attn(q, rows, attn.attn_sink, ids.int(), attn.softmax_scale)
+    out = q.new_empty(q.shape)
+    for k in width.unique().tolist():
+        group = (width == k).nonzero().flatten()
+        out[group] = ops.sparse_attn(q[group], rows[group], attn.attn_sink, ids[group, :, :w + k].int(),
+                                     attn.softmax_scale)
+    return out
 
 
 def _compressed(attn, x, qr, batch: DecodeBatch, states: StatePool, pool: PagedKVPool, offset: int):
@@ -159,8 +172,12 @@ def _select(attn, x, qr, batch: DecodeBatch, pool: PagedKVPool) -> torch.Tensor:
         top = ops.topk_canonical(scores, k, positions=entries if idx.uses_candidates else None)
     else:
         top = scores.topk(k, dim=-1, sorted=False).indices
-    picked, order = entries.gather(-1, top).sort(dim=-1)  # ascending positions, like select_topk
-    picked = torch.where(scores.gather(-1, top).gather(-1, order) > -torch.inf, picked, -1)
+    picked, usable_pick = entries.gather(-1, top), scores.gather(-1, top) > -torch.inf
+    # ascending positions with the unusable picks last (then -1), like the per-chunk path: a row of the
+    # batch whose candidates are fewer than k picks padding entries, and sorting those in among the real
+    # ones would interleave -1s and change its attention's reduction order with the batch (issue 15)
+    order = torch.where(usable_pick, picked, torch.iinfo(torch.int64).max).argsort(dim=-1)
+    picked = torch.where(usable_pick.gather(-1, order), picked.gather(-1, order), -1)
     if picked.size(-1) < idx.topk:  # a fixed width keeps each row's attention independent of the batch
         picked = torch.nn.functional.pad(picked, (0, idx.topk - picked.size(-1)), value=-1)
     return picked

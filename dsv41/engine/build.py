@@ -23,6 +23,12 @@ def build_engine(model: str, engine_config: Optional[EngineConfig] = None, seed:
     The tokenizer is the folder's own, else the DeepSeek tokenizer for the full 129,280-id vocabulary,
     else a byte tokenizer. With a real tokenizer the Engram token map is derived from it (spec §5).
     """
+    net, tokenizer, name = build_model(model, seed, device)
+    return LLMEngine(net, tokenizer, engine_config, model_name=name, seed=seed)
+
+
+def build_model(model: str, seed: int = 0, device: str | torch.device = "cpu") -> tuple[Transformer, object, str]:
+    """(model, tokenizer, served name) for a preset name or a checkpoint folder, as `build_engine` uses them."""
     if model in PRESETS:
         cfg = preset(model)
         with torch.device(device):
@@ -44,4 +50,4 @@ def build_engine(model: str, engine_config: Optional[EngineConfig] = None, seed:
         token_map, size = build_engram_token_map(tokenizer)
         if size == cfg.engram_compressed_vocab_size and token_map.numel() == cfg.vocab_size:
             net.set_engram_token_map(token_map)
-    return LLMEngine(net, tokenizer, engine_config, model_name=name, seed=seed)
+    return net, tokenizer, name

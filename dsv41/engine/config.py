@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 PREFILL_MODES = ("bounded", "full")
+LOGPROBS_MODES = ("raw", "processed")
 
 
 @dataclass
@@ -66,6 +67,16 @@ class EngineConfig:
         "with --speculative, verify only the leading draft positions whose predicted acceptance (the "
         "drafter's confidence head, running product of sigmoids) is at least this; 0 verifies every draft")})
 
+    logprobs_mode: str = field(default="raw", metadata={"choices": LOGPROBS_MODES, "help": (
+        "what a request's logprobs describe: 'raw' the model's own distribution (OpenAI's logprobs); "
+        "'processed' the distribution each token was drawn from (after temperature, top-k and top-p, "
+        "renormalised), with the kept ids, what an RL learner's importance ratios need")})
+    record_routing: bool = field(default=False, metadata={"help": (
+        "return, with each finished request, the expert ids every MoE layer picked at every position and "
+        "the chunk spans the engine computed (for an RL learner's router replay, dsv41.rl); needs "
+        "--prefill-mode full, no prefix caching and no speculative decoding, so that every position is "
+        "computed by the request itself and the learner can replay exactly that computation")})
+
     def validate(self) -> None:
         for name in ("block_size", "kv_pool_tokens", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
             if getattr(self, name) <= 0:
@@ -81,5 +92,16 @@ class EngineConfig:
         if not 0.0 <= self.speculative_min_confidence <= 1.0:
             raise ValueError("EngineConfig.speculative_min_confidence must be in [0, 1], got "
                              f"{self.speculative_min_confidence}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"EngineConfig.logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
+        if self.record_routing:
+            if self.prefill_mode != "full":
+                raise ValueError("EngineConfig.record_routing needs prefill_mode='full' (a bounded-replay "
+                                 "prefill skips the decoder layers on most prompt positions)")
+            if self.enable_prefix_caching:
+                raise ValueError("EngineConfig.record_routing needs enable_prefix_caching=False (a cache hit "
+                                 "skips the positions whose routing would be recorded)")
+            if self.speculative:
+                raise ValueError("EngineConfig.record_routing does not work with speculative decoding")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"EngineConfig.max_model_len must be > 0, got {self.max_model_len}")

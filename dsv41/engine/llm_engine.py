@@ -62,7 +62,7 @@ class LLMEngine:
         self.states = StatePool(cfg, config.max_num_seqs, model.device, drafter=self.speculative)
         self.snapshots = SnapshotStore(config.max_snapshots if config.enable_prefix_caching else 0, config.window_ttl_s)
         self.runner = ModelRunner(model, config.row_chunk if config.batch_invariant else 0,
-                                  capture_hidden=self.speculative)
+                                  capture_hidden=self.speculative, record_routing=config.record_routing)
         self.fused_kernels = model.prepare_kernels()  # compile now, not inside the first request
         self.boundary = self.runner.boundary
         limit = config.max_model_len or cfg.max_position_embeddings
@@ -219,6 +219,9 @@ class LLMEngine:
                 generated += len(seq.output_ids) - before
                 continue
             seq.num_computed = chunk.end
+            if chunk.routing is not None:  # record_routing: what this request's positions ran through
+                seq.spans.append((chunk.start, chunk.start + len(chunk.tokens)))
+                seq.routing.append(chunk.routing)
             if seq.suspect_until is not None and seq.num_computed >= seq.suspect_until:
                 seq.suspect_until = None  # it got past the work of the failed batch alone: cleared
             self._register_full_blocks(seq)
@@ -258,7 +261,8 @@ class LLMEngine:
         if seq.capture_logits:
             seq.logits.append(logits.clone())
         if seq.params.logprobs is not None:
-            seq.pending_logprobs.append(token_logprobs(logits, token, seq.params.logprobs, self.tokenizer))
+            processed = seq.params if self.config.logprobs_mode == "processed" else None
+            seq.pending_logprobs.append(token_logprobs(logits, token, seq.params.logprobs, self.tokenizer, processed))
         seq.output_ids.append(token)
         self._check_finished(seq, token)
 
@@ -503,6 +507,7 @@ class LLMEngine:
         tokens = seq.key_ids  # what the prefix cache hashes (image spans keyed by their pixels)
         n = len(tokens)
         seq.draft_tokens, seq.draft_logits, seq.saved_state = [], None, None  # a new cache: no draft, no rows
+        seq.spans, seq.routing = [], []  # record_routing: recomputed from position 0 (no prefix cache then)
         seq.rows_first, seq.rows_end = None, 0
         hashes = chain_hashes(tokens, bs, [])
         w = mcfg.window_size
@@ -664,10 +669,14 @@ class LLMEngine:
         new_ids = seq.output_ids[seq.emitted_tokens:]
         seq.emitted_tokens = len(seq.output_ids)
         logprobs, seq.pending_logprobs = seq.pending_logprobs, []
+        routed = spans = None
+        if finished and self.config.record_routing and seq.routing:
+            routed, spans = torch.cat(seq.routing), list(seq.spans)
         return RequestOutput(seq.request_id, new_ids, new_text, list(seq.output_ids), text[:visible], finished,
                              seq.finish_reason if finished else None, len(seq.prompt_ids), seq.num_cached_tokens,
                              logprobs, error=seq.error if finished else None,
-                             queue_time_s=seq.queue_time_s if finished else None)
+                             queue_time_s=seq.queue_time_s if finished else None,
+                             routed_experts=routed, spans=spans, preemptions=seq.preemptions)
 
     # ------------------------------------------------------------------ reporting
     def metrics(self) -> dict:

@@ -24,6 +24,7 @@ from dsv41.engine.batched import DecodeBatch, decode_attend
 from dsv41.engine.sequence import SequenceCache
 from dsv41.model import dspark
 from dsv41.model.block import Block
+from dsv41.model.moe import RoutingRecord
 from dsv41.model.transformer import Transformer
 
 
@@ -49,6 +50,8 @@ class Chunk:
     # reached the target layers, hidden_start.. (the chunk's positions after any bounded-replay trim)
     main_hidden: Optional[torch.Tensor] = None
     hidden_start: int = 0
+    # filled by a forward with record_routing: each position's expert ids [n, n_layers, k] (uint8 or int16)
+    routing: Optional[torch.Tensor] = None
 
 
 class ModelRunner:
@@ -56,8 +59,10 @@ class ModelRunner:
     forward runs under `model.numerics(row_chunk)`: batch-invariant GEMMs, canonical top-k ties, eval
     mode, the model's own settings restored afterwards. None: the model's settings as they are."""
 
-    def __init__(self, model: Transformer, row_chunk: Optional[int] = None, capture_hidden: bool = False):
+    def __init__(self, model: Transformer, row_chunk: Optional[int] = None, capture_hidden: bool = False,
+                 record_routing: bool = False):
         self.model = model
+        self.record_routing = record_routing  # keep every MoE layer's picks per chunk (Chunk.routing)
         self.cfg = model.cfg
         self.boundary = model.cfg.decoder_boundary
         self.row_chunk = row_chunk
@@ -100,7 +105,8 @@ class ModelRunner:
         ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.int64, device=device).unsqueeze(0)
         positions = torch.cat([torch.arange(c.start, c.start + len(c.tokens)) for c in chunks])
         for c in chunks:
-            c.shared, c.main_hidden = {}, None
+            c.shared, c.main_hidden, c.routing = {}, None, None
+        record = RoutingRecord(ids_only=True) if self.record_routing else None
         decodes = [c for c in chunks if c.decode]
         batch = DecodeBatch.build([c.cache for c in decodes], [c.start for c in decodes], device) if decodes else None
         hash_ids = self._engram_hashes(chunks) if model.engram_hash is not None else None
@@ -121,14 +127,19 @@ class ModelRunner:
                     chunks = [c for c in chunks if c.tokens]
                 if not chunks:
                     break
+            # each chunk's tokens computed as if its sequence ran alone (dsv41.ops.lanes)
+            calls = [len(c.tokens) for c in chunks]
             if layer.engram is not None:
                 h = layer.engram(h, hash_ids[:, :, model.engram_layout.layer_ids.index(i)],
-                                 None if image_mask is None else ~image_mask)
+                                 None if image_mask is None else ~image_mask, calls)
             if i in self.targets:
                 hidden.append(dspark.main_hidden(h))  # [1, T, dim], the stream entering the block
-            h, pre_mix = layer.run(h, pre_mix, lambda x: self._attend(layer.attn, x, positions, chunks, batch), {},
-                                   image_mask)
+            shared = {"token_calls": calls} if record is None else {"token_calls": calls, "moe_aux": record}
+            h, pre_mix = layer.run(h, pre_mix, lambda x: self._attend(layer.attn, x, positions, chunks, batch),
+                                   shared, image_mask)
 
+        if record is not None:
+            self._split_routing(record, chunks)
         if self.targets and len(hidden) == len(self.targets):
             main = torch.cat(hidden, dim=-1)[0]  # [T, n_targets * dim]
             offset = 0
@@ -145,6 +156,18 @@ class ModelRunner:
         index = torch.tensor(last, device=device)
         x = model.norm(Block.hc_pre(h[:, index], pre_mix[:, index]))[0]  # [n, dim]
         return model.logits(x)
+
+    def _split_routing(self, record: RoutingRecord, chunks: list[Chunk]) -> None:
+        """Each chunk's rows of every layer's picks -> Chunk.routing [n, n_layers, k]. Only a forward in
+        which every layer saw every token (no bounded-replay trim) records: EngineConfig checks that."""
+        if len(record) != self.cfg.n_layers:
+            raise RuntimeError(f"{len(record)} of {self.cfg.n_layers} MoE layers reported their routing")
+        dtype = torch.uint8 if self.cfg.n_routed_experts <= 256 else torch.int16
+        ids = torch.stack([call[1] for call in record.calls], dim=1).to(dtype).cpu()  # [T, n_layers, k]
+        offset = 0
+        for c in chunks:
+            c.routing = ids[offset:offset + len(c.tokens)]
+            offset += len(c.tokens)
 
     def _embed(self, ids: torch.Tensor, chunks: list[Chunk]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Token embeddings [1, T, dim] with the chunks' image rows written in, and the [1, T] image-span

@@ -26,21 +26,55 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: Optional[tor
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> Optional[torch.Tensor]:
     """The distribution `sample` draws from (fp32 [vocab] on the CPU, after temperature, top-k, top-p), or
     None when the request is greedy."""
+    return _truncated(logits, params)[0]
+
+
+def _truncated(logits: torch.Tensor, params: SamplingParams) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(probs, kept): the sampling distribution (None when greedy) and the bool [vocab] mask of the tokens
+    top-k/top-p kept (None when neither cuts anything away)."""
     logits = logits.float().cpu()
     if params.temperature < GREEDY_TEMPERATURE:
-        return None
+        return None, None
     logits = logits / params.temperature
+    kept = None
     if 0 < params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, -torch.inf)
+        kept = logits >= kth
+        logits = logits.masked_fill(~kept, -torch.inf)
     probs = torch.softmax(logits, dim=-1)
     if not bool(torch.isfinite(probs).all()):
         raise ValueError("the logits hold NaN or no finite value; cannot sample")
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         outside = sorted_probs.cumsum(0) - sorted_probs > params.top_p  # keep the smallest prefix reaching top_p
+        inside = torch.zeros_like(probs, dtype=torch.bool).scatter_(0, order, ~outside)
+        kept = inside if kept is None else kept & inside
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs.masked_fill(outside, 0.0))
-    return probs
+    return probs, kept
+
+
+def sampling_support(logits: torch.Tensor, params: SamplingParams) -> Optional[torch.Tensor]:
+    """The ids `sample` could draw for these logits [vocab], ascending int64 (greedy: the argmax alone;
+    top-k/top-p: the kept set), or None when every token could be drawn. An RL learner applies the same
+    mask at train time ("keep sampling mask", training.md §8)."""
+    if params.temperature < GREEDY_TEMPERATURE:
+        return logits.float().cpu().argmax().view(1)
+    kept = _truncated(logits, params)[1]
+    return None if kept is None else kept.nonzero().flatten()
+
+
+def processed_logprobs(logits: torch.Tensor, temperature: float, support: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Log-probabilities of the distribution a token was sampled from: logits [..., vocab] fp32 divided by
+    the temperature (not below `GREEDY_TEMPERATURE`, where the support is the argmax alone), restricted
+    to `support` (bool [..., vocab]; None: every token) and renormalised. The engine's
+    logprobs_mode="processed" and the RL learner (dsv41.rl) compute it with this one function, so equal
+    logits give equal bits. Differentiable."""
+    x = logits.float()
+    if temperature >= GREEDY_TEMPERATURE:
+        x = x / temperature
+    if support is not None:
+        x = x.masked_fill(~support, -torch.inf)
+    return torch.log_softmax(x, dim=-1)
 
 
 def verify_draft(target: torch.Tensor, draft: list[int], draft_logits: Optional[torch.Tensor],
@@ -72,11 +106,23 @@ def verify_draft(target: torch.Tensor, draft: list[int], draft_logits: Optional[
     return n, int(torch.multinomial(sampling_probs(target[n], params), 1, generator=generator))
 
 
-def token_logprobs(logits: torch.Tensor, token: int, top_n: int, tokenizer) -> TokenLogprob:
-    """Log-probabilities under the model's own distribution (before temperature/top-k/top-p)."""
-    logp = torch.log_softmax(logits.float().cpu(), dim=-1)
+def token_logprobs(logits: torch.Tensor, token: int, top_n: int, tokenizer,
+                   params: Optional[SamplingParams] = None) -> TokenLogprob:
+    """Log-probabilities under the model's own distribution (before temperature/top-k/top-p), or with
+    `params` under the distribution sampled from (`processed_logprobs`; `support` then lists the ids
+    top-k/top-p/greedy left, None when nothing was cut)."""
+    logits = logits.float().cpu()
+    support = None
+    if params is None:
+        logp = torch.log_softmax(logits, dim=-1)
+    else:
+        support = sampling_support(logits, params)
+        mask = None
+        if support is not None:
+            mask = torch.zeros(logits.shape, dtype=torch.bool).index_fill_(0, support, True)
+        logp = processed_logprobs(logits, params.temperature, mask)
     top = []
     if top_n:
         values, ids = torch.topk(logp, top_n)
         top = [(int(i), tokenizer.decode([int(i)]), float(v)) for v, i in zip(values, ids)]
-    return TokenLogprob(token, tokenizer.decode([token]), float(logp[token]), top)
+    return TokenLogprob(token, tokenizer.decode([token]), float(logp[token]), top, support)

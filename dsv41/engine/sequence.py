@@ -271,6 +271,9 @@ class Sequence:
         self.arrival_time = time.monotonic()
         self.queue_time_s: Optional[float] = None  # arrival to first admission
         self.capture_logits = False  # keep each sampled position's logits (checks and benchmarks)
+        # EngineConfig.record_routing: the (start, end) spans computed and each span's expert ids
+        self.spans: list[tuple[int, int]] = []
+        self.routing: list[torch.Tensor] = []
         self.logits: list[torch.Tensor] = []
         # DSpark speculation (EngineConfig.speculative): the draft to verify with the next step, the
         # drafter rings' readable positions [rows_first, rows_end), the state saved before a verify

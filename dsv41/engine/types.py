@@ -64,6 +64,9 @@ class TokenLogprob:
     token: str
     logprob: float
     top: list[tuple[int, str, float]]  # (id, text, logprob), best first
+    # EngineConfig.logprobs_mode "processed": the ids the token could have been drawn from (int64,
+    # ascending; greedy: the argmax), None when top-k/top-p cut nothing away
+    support: Optional["torch.Tensor"] = None
 
 
 @dataclass
@@ -83,3 +86,9 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     error: Optional[str] = None  # finish_reason "error": what failed (for logs, not for clients)
     queue_time_s: Optional[float] = None  # on the final output: seconds from arrival to first admission
+    # EngineConfig.record_routing, on the final output: the expert ids every MoE layer picked at every
+    # position the engine computed, int [positions, n_layers, k] (positions 0 .. prompt + output - 2), and
+    # the (start, end) spans it computed them in, in order (prefill chunks, then one per decode step)
+    routed_experts: Optional["torch.Tensor"] = None
+    spans: Optional[list] = None
+    preemptions: int = 0  # times the request was preempted and recomputed

@@ -27,6 +27,7 @@ from torch import nn
 from dsv41 import ops
 from dsv41.config import ModelConfig
 from dsv41.model.layers import Linear, RMSNorm
+from dsv41.ops.qat import rounded
 from dsv41.ops.quant import FP4_BLOCK, KV_FP4_BLOCK
 
 
@@ -111,11 +112,16 @@ class Indexer(nn.Module):
             self.wk = Linear(cfg.head_dim, self.head_dim, "bf16")
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
 
+    # the indexer's outputs are discrete (a selection) or only feed one: nothing of it needs a gradient in
+    # the inference forward, also when that forward runs under autograd (dsv41.model.replay); the training
+    # forward trains the indexer through its own KL path (dsv41.model.training)
+    @torch.no_grad()
     def make_keys(self, latent: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """Pre-RoPE latents [B, G, head_dim] -> index keys [B, G, index_head_dim], RoPE'd and MXFP4-rounded."""
         k = ops.apply_rope(self.k_norm(self.wk(latent)), freqs, self.rope_dim)
         return ops.fp4_qdq(k, FP4_BLOCK, "ue8m0")
 
+    @torch.no_grad()
     def forward(self, x: torch.Tensor, qr: torch.Tensor, cache, source: int, n_keys: int, freqs: torch.Tensor,
                 visible: torch.Tensor, offset: int, shared: dict) -> torch.Tensor:
         """x [B, S, dim], qr [B, S, q_lora]; the index keys are the first `n_keys` entries of layer `source`
@@ -294,7 +300,8 @@ class Attention(nn.Module):
         group_pos = torch.arange(first, first + n_new) * ratio  # a group is stamped with its first token
         freqs = self.rope.at(group_pos, x.device)
         keys = self.indexer.make_keys(latent, freqs) if self.indexer is not None else None
-        latent = ops.fp4_qdq(ops.apply_rope(latent, freqs, self.rope_dim), KV_FP4_BLOCK, "e4m3")
+        # straight-through under autograd (the RL learner's replay), the plain rounding otherwise
+        latent = rounded(ops.apply_rope(latent, freqs, self.rope_dim), ops.fp4_qdq, KV_FP4_BLOCK, "e4m3")
         cache.write_compressed(self.layer_id, x.size(0), first, latent, keys)
 
     def project(self, x: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -303,7 +310,7 @@ class Attention(nn.Module):
         qr = self.q_norm(self.wq_a(x))
         q = ops.apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), freqs, self.rope_dim)
         kv = ops.apply_rope(self.kv_norm(self.wkv(x)), freqs, self.rope_dim)
-        return qr, q, ops.fp8_qdq(kv)
+        return qr, q, rounded(kv, ops.fp8_qdq)
 
     def attend(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, start_pos: int,
                cache, shared: dict) -> torch.Tensor:

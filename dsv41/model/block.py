@@ -45,15 +45,16 @@ class Block(nn.Module):
         self.sequential_mixes = False
         self.row_chunk = 0  # > 0: batch-invariant mix projection (see ops.invariant_matmul)
 
-    def hc_mixes(self, h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor):
-        """h [B, S, hc, dim] -> (pre [B,S,hc], post [B,S,hc], comb [B,S,hc,hc]), one RMS statistic per token."""
+    def hc_mixes(self, h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, calls=None):
+        """h [B, S, hc, dim] -> (pre [B,S,hc], post [B,S,hc], comb [B,S,hc,hc]), one RMS statistic per token.
+        calls: the tokens' separate calls when several sequences' chunks share this one (dsv41.ops.lanes)."""
         flat = h.flatten(2).float()
         rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.eps)
         if self.sequential_mixes:
             mixes = ops.linear_fp32_sequential(flat, fn) * rstd
         else:
             mixes = ops.invariant_matmul(flat, fn, self.row_chunk) * rstd
-        return ops.hc_split_sinkhorn(mixes, scale, base, self.hc, self.sinkhorn_iters, self.hc_eps)
+        return ops.hc_split_sinkhorn(mixes, scale, base, self.hc, self.sinkhorn_iters, self.hc_eps, calls)
 
     @staticmethod
     def hc_pre(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
@@ -82,16 +83,20 @@ class Block(nn.Module):
     def run(self, h: torch.Tensor, pre_mix: torch.Tensor, attend, shared: dict,
             image_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The block with the attention call supplied by the caller (`attend`: normed input -> output),
-        so the engine can run one block over a ragged batch of sequences."""
+        so the engine can run one block over a ragged batch of sequences; `shared["token_calls"]` then
+        lists each sequence chunk's token count, so every token's numbers are those of its chunk run
+        alone (dsv41.ops.lanes)."""
+        calls = shared.get("token_calls")
         residual = h
-        attn_pre, attn_post, attn_comb = self.hc_mixes(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
+        attn_pre, attn_post, attn_comb = self.hc_mixes(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
+                                                       calls)
         x = attend(self.attn_input(h, pre_mix))
         _trace(shared, f"hidden.layers.{self.layer_id}.attn_out", x)
         h = self.hc_post(x, residual, attn_post, attn_comb)
 
         residual = h
-        ffn_pre, ffn_post, ffn_comb = self.hc_mixes(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
-        x = self.ffn(self.ffn_norm(self.hc_pre(h, attn_pre)), image_mask, shared.get("moe_aux"))
+        ffn_pre, ffn_post, ffn_comb = self.hc_mixes(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, calls)
+        x = self.ffn(self.ffn_norm(self.hc_pre(h, attn_pre)), image_mask, shared.get("moe_aux"), calls)
         _trace(shared, f"hidden.layers.{self.layer_id}.ffn_out", x)
         h = self.hc_post(x, residual, ffn_post, ffn_comb)
         return h, ffn_pre

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv41 import ops
+from dsv41.ops.lanes import per_call
 from dsv41.config import ModelConfig
 from dsv41.model.layers import Linear
 
@@ -160,8 +161,10 @@ class Engram(nn.Module):
         self.q_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.dim, dtype=torch.bfloat16))
         self.k_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.dim, dtype=torch.bfloat16))
 
-    def forward(self, h: torch.Tensor, hash_ids: torch.Tensor, token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """h [B, S, hc, dim] bf16; hash_ids [B, S, cols]; token_mask [B, S] (False = gate shut).
+    def forward(self, h: torch.Tensor, hash_ids: torch.Tensor, token_mask: Optional[torch.Tensor] = None,
+                calls=None) -> torch.Tensor:
+        """h [B, S, hc, dim] bf16; hash_ids [B, S, cols]; token_mask [B, S] (False = gate shut); calls: the
+        tokens' separate calls when several sequences' chunks share this one (`ops.lanes.per_call`).
         Returns h + gate * value, gate per (token, copy), value shared by the copies."""
         kv = self.wkv(self.embed(hash_ids).flatten(-2))  # [B, S, (hc + 1) * dim]
         key, value = kv.split([self.hc * self.dim, self.dim], dim=-1)
@@ -171,7 +174,8 @@ class Engram(nn.Module):
         # each (token, copy) normalised over dim separately, not jointly over the copies
         rstd = torch.rsqrt(hf.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
         dot = (hf * weight * key).sum(-1) * rstd * self.dim ** -0.5
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        # as if each call of `calls` tokens ran alone (dsv41.ops.lanes: the engine's batch invariance)
+        gate = per_call("sigmoid", torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot), calls)
         if token_mask is not None:
             gate = gate.masked_fill(~token_mask.unsqueeze(-1), 0)
         return (hf + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(h.dtype)

@@ -22,15 +22,39 @@ class RoutingRecord:
 
     capacity_factor > 0 bounds every expert's picks in this forward to ceil(factor x T x k / E) of the
     call's T tokens (`ops.moe.capacity_topk`; training only, inference routes freely); `natural` then
-    holds each call's expert ids without the bound [T, k], for the balancing statistics."""
+    holds each call's expert ids without the bound [T, k], for the balancing statistics.
 
-    def __init__(self, capacity_factor: float = 0.0) -> None:
-        self.calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    Router replay (R3, training.md §8): `replay` gives the expert ids [T, k] of every call in order (the
+    ids a rollout's engine picked); each router then uses them instead of its own top-k, and its weights
+    are recomputed from its current scores over those ids, so the router still gets gradient.
+    ids_only: keep only each call's expert ids (the engine's capture; no scores or inputs held)."""
+
+    def __init__(self, capacity_factor: float = 0.0, replay: Optional[list[torch.Tensor]] = None,
+                 ids_only: bool = False) -> None:
+        self.calls: list[tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]] = []
         self.capacity_factor = capacity_factor
         self.natural: list[torch.Tensor] = []
+        self.replay = replay
+        self.ids_only = ids_only
 
     def append(self, call: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
-        self.calls.append(call)
+        self.calls.append((None, call[1], None) if self.ids_only else call)
+
+    def replayed(self, tokens: int, k: int, n_experts: int, device) -> Optional[torch.Tensor]:
+        """The ids this (next) router call must use, int64 [tokens, k], or None without replay."""
+        if self.replay is None:
+            return None
+        call = len(self.calls)
+        if call >= len(self.replay):
+            raise ValueError(f"router replay holds {len(self.replay)} calls; MoE call {call} has none")
+        ids = self.replay[call]
+        if tuple(ids.shape) != (tokens, k):
+            raise ValueError(f"router replay call {call}: expert ids of shape {tuple(ids.shape)}, "
+                             f"the router needs [{tokens}, {k}]")
+        ids = ids.to(device=device, dtype=torch.int64)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n_experts):
+            raise ValueError(f"router replay call {call}: expert ids must lie in [0, {n_experts})")
+        return ids
 
     def __len__(self) -> int:
         return len(self.calls)
@@ -54,21 +78,29 @@ class Gate(nn.Module):
         self.row_chunk = 0  # > 0: batch-invariant logits (see ops.invariant_matmul)
         self.canonical_ties = True  # exact score ties go to the lowest expert id; False: torch.topk's
 
-    def scores(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, dim] -> fp32 affinities [T, E] (before the selection bias)."""
+    def scores(self, x: torch.Tensor, calls=None) -> torch.Tensor:
+        """x [T, dim] -> fp32 affinities [T, E] (before the selection bias). calls: the tokens' separate
+        calls when several sequences' chunks share this one (`ops.lanes.per_call`)."""
         logits = ops.invariant_matmul(x.float(), self.weight.float(), self.row_chunk) / self.temperature
-        return ops.router_scores(logits, self.score_func)
+        return ops.router_scores(logits, self.score_func, calls)
 
     def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None,
-                aux: Optional[RoutingRecord] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                aux: Optional[RoutingRecord] = None, calls=None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, dim] -> (weights [T, k] fp32, expert ids [T, k]). aux: if given, receives
-        (scores, expert ids, x) for the training-time balancing (dsv41.model.training)."""
-        scores = self.scores(x)
+        (scores, expert ids, x) for the training-time balancing (dsv41.model.training), or dictates the
+        ids (router replay)."""
+        scores = self.scores(x, calls)
         bias = self.bias
         if image_mask is not None and self.bias_vl is not None:
             bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl, bias)
-        weights, indices = ops.route(scores, bias, self.topk, self.normalize, self.route_scale, self.canonical_ties)
-        if aux is not None and aux.capacity_factor > 0:
+        replay = None if aux is None else aux.replayed(x.size(0), self.topk, scores.size(-1), x.device)
+        if replay is not None:  # R3: the recorded picks, weighted by the current scores
+            indices = replay
+            weights = ops.moe.route_weights(scores, indices, self.normalize, self.route_scale)
+        else:
+            weights, indices = ops.route(scores, bias, self.topk, self.normalize, self.route_scale,
+                                         self.canonical_ties)
+        if aux is not None and aux.capacity_factor > 0 and replay is None:
             aux.natural.append(indices)
             capacity = math.ceil(aux.capacity_factor * x.size(0) * self.topk / scores.size(-1))
             indices = ops.moe.capacity_topk(scores + bias, self.topk, capacity, self.canonical_ties)
@@ -107,11 +139,12 @@ class MoE(nn.Module):
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, cfg.dtype, cfg.swiglu_limit)
 
     def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None,
-                aux: Optional[RoutingRecord] = None) -> torch.Tensor:
-        """x [B, S, dim] bf16 -> [B, S, dim] bf16. Routed outputs are summed in fp32 in expert order."""
+                aux: Optional[RoutingRecord] = None, calls=None) -> torch.Tensor:
+        """x [B, S, dim] bf16 -> [B, S, dim] bf16. Routed outputs are summed in fp32 in expert order.
+        calls: see `Gate.scores`."""
         shape = x.shape
         x = x.reshape(-1, self.dim)
-        weights, indices = self.gate(x, None if image_mask is None else image_mask.reshape(-1), aux)
+        weights, indices = self.gate(x, None if image_mask is None else image_mask.reshape(-1), aux, calls)
         out = torch.zeros_like(x, dtype=torch.float32)
         counts = torch.bincount(indices.flatten(), minlength=len(self.experts)).tolist()
         for e, count in enumerate(counts):

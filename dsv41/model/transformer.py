@@ -28,6 +28,7 @@ from dsv41.model.block import Block
 from dsv41.model.cache import ModelCache
 from dsv41.model.engram import EngramLayout, NgramHasher
 from dsv41.model.layers import RMSNorm
+from dsv41.model.moe import RoutingRecord
 from dsv41.vision.processor import ImagePatches
 from dsv41.vision.vit import Aligner, VisionTransformer
 
@@ -204,7 +205,7 @@ class Transformer(nn.Module):
                 last_only: bool = False, trace: Optional[dict] = None,
                 token_types: Optional[torch.Tensor] = None, train_options=None,
                 drafter_inputs: Optional[dict] = None, inputs_embeds: Optional[torch.Tensor] = None,
-                images: Optional[list] = None) -> torch.Tensor:
+                images: Optional[list] = None, routing: Optional[RoutingRecord] = None) -> torch.Tensor:
         """input_ids [B, S] int64 at positions start_pos..start_pos+S-1.
 
         cache: state from earlier calls (required when start_pos > 0); without one a temporary cache
@@ -220,6 +221,8 @@ class Transformer(nn.Module):
         vision tower trains with the rest.
         drafter_inputs: if a dict, receives "main_hidden" [B, S, n_targets * dim] bf16, what the DSpark
         drafter reads (every position, also with last_only); see `draft_prefill` and `draft`.
+        routing: a `RoutingRecord` that receives every MoE layer's expert ids ([B*S, k], layer order), or
+        with `replay` set dictates them (router replay, dsv41.rl.policy).
         """
         if images is not None and train_options is None:
             raise ValueError("images= is for the training forward; inference takes inputs_embeds from embed_inputs")
@@ -241,6 +244,8 @@ class Transformer(nn.Module):
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
 
         shared: dict = {"trace": trace}
+        if routing is not None:
+            shared["moe_aux"] = routing
         image_mask = token_types
         if image_mask is not None and image_mask.dtype != torch.bool:
             image_mask = image_mask >= 0

@@ -7,15 +7,17 @@ import torch
 import torch.nn.functional as F
 
 from dsv41.ops.indexer import topk_canonical
+from dsv41.ops.lanes import per_call
 
 
-def router_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
-    """fp32 router logits [T, E] -> affinity scores [T, E] (sqrt(softplus) for V4.1)."""
+def router_scores(logits: torch.Tensor, score_func: str, calls=None) -> torch.Tensor:
+    """fp32 router logits [T, E] -> affinity scores [T, E] (sqrt(softplus) for V4.1). calls: the tokens'
+    separate calls (`ops.lanes.per_call`; the engine's chunks), None for one call."""
     if score_func == "softmax":
         return logits.softmax(dim=-1)
     if score_func == "sigmoid":
-        return logits.sigmoid()
-    return F.softplus(logits).sqrt()
+        return per_call("sigmoid", logits, calls)
+    return per_call("softplus", logits, calls).sqrt()
 
 
 def route(scores: torch.Tensor, bias: torch.Tensor, k: int, normalize: bool,

@@ -14,6 +14,28 @@ import torch
 from dsv41.ops.quant import FP4_BLOCK, FP8_BLOCK, KV_FP4_BLOCK, fp4_qdq, fp8_qdq
 
 
+class _Rounded(torch.autograd.Function):
+    """Forward `fn(x, *args)` computed on x itself, backward the identity."""
+
+    @staticmethod
+    def forward(ctx, x, fn, args):  # noqa: D102 - autograd protocol
+        return fn(x, *args)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102 - autograd protocol
+        return grad, None, None
+
+
+def rounded(x: torch.Tensor, fn, *args) -> torch.Tensor:
+    """`fn(x, *args)` (an inference rounding such as `fp8_qdq`), with a straight-through gradient when x
+    needs one. The value is fn's own result bit for bit (`straight_through`'s x + (q - x) is exact only
+    when q - x is), so a differentiable run of the inference forward (the RL learner's replay,
+    dsv41.rl.policy) computes exactly what inference computes. Without autograd it is just fn(x)."""
+    if x.requires_grad and torch.is_grad_enabled():
+        return _Rounded.apply(x, fn, args)
+    return fn(x, *args)
+
+
 def straight_through(x: torch.Tensor, rounded: torch.Tensor, clip_mask=None) -> torch.Tensor:
     """Forward `rounded`, backward the identity (or zero where `clip_mask` is True)."""
     passthrough = x if clip_mask is None else torch.where(clip_mask, x.detach(), x)

@@ -30,19 +30,30 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, indi
     denom = torch.zeros(b, m, h, dtype=torch.float32, device=q.device)
     running_max = torch.full((b, m, h), -1e30, dtype=torch.float32, device=q.device)
     batch = torch.arange(b, device=q.device).view(b, 1, 1)
+    # in-place steps on fresh tensors: the same operations and roundings without new allocations; under
+    # autograd (the RL learner's replay of the inference forward, dsv41.model.replay) the same steps out
+    # of place, since backward needs the values the in-place versions overwrite
+    inplace = not (torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad or attn_sink.requires_grad))
     for start in range(0, indices.size(-1), BLOCK):
         idx = indices[:, :, start:start + BLOCK].long()  # [B, M, k]
         valid = idx != -1
-        # in-place steps on fresh tensors: the same operations and roundings without new allocations
-        rows = kvf[batch, idx.clamp_min(0)].mul_(valid.unsqueeze(-1))  # [B, M, k, D], empty slots zeroed
+        rows = kvf[batch, idx.clamp_min(0)]  # [B, M, k, D], empty slots zeroed
+        rows = rows.mul_(valid.unsqueeze(-1)) if inplace else rows * valid.unsqueeze(-1)
         logits = torch.einsum("bmhd,bmkd->bmhk", qf, rows)
-        logits = logits.masked_fill_(~valid.unsqueeze(2), -torch.inf).mul_(scale)
+        if inplace:
+            logits = logits.masked_fill_(~valid.unsqueeze(2), -torch.inf).mul_(scale)
+        else:
+            logits = logits.masked_fill(~valid.unsqueeze(2), -torch.inf) * scale
         new_max = torch.maximum(running_max, logits.amax(dim=-1))
         rescale = torch.exp(running_max - new_max)
-        probs = logits.sub_(new_max.unsqueeze(-1)).exp_()
-        denom = denom.mul_(rescale).add_(probs.sum(dim=-1))
+        probs = logits.sub_(new_max.unsqueeze(-1)).exp_() if inplace else (logits - new_max.unsqueeze(-1)).exp()
         pv = torch.einsum("bmhk,bmkd->bmhd", probs.to(torch.bfloat16).float(), rows)
-        out = out.mul_(rescale.unsqueeze(-1)).add_(pv)
+        if inplace:
+            denom = denom.mul_(rescale).add_(probs.sum(dim=-1))
+            out = out.mul_(rescale.unsqueeze(-1)).add_(pv)
+        else:
+            denom = denom * rescale + probs.sum(dim=-1)
+            out = out * rescale.unsqueeze(-1) + pv
         running_max = new_max
     denom = denom + torch.exp(attn_sink.float() - running_max)
     return (out / denom.unsqueeze(-1)).to(torch.bfloat16)

@@ -129,7 +129,10 @@ def inference_state(model: Transformer, cfg: ModelConfig) -> dict[str, torch.Ten
         if name.endswith("engram.embed.scale"):
             continue  # written together with its table below
         value = host_copy(have[name])
-        if name.endswith("engram.embed.weight") and ref.dtype == torch.float8_e4m3fn:
+        if name.endswith("engram.embed.weight") and value.dtype == torch.float8_e4m3fn:
+            out[name] = value  # an inference model's table (an RL policy): already FP8 rows with its scales
+            out[name[: -len("weight")] + "scale"] = host_copy(have[name[: -len("weight")] + "scale"])
+        elif name.endswith("engram.embed.weight") and ref.dtype == torch.float8_e4m3fn:
             codes, scale = fp8_quant(value.float())
             out[name] = codes.contiguous()
             out[name[: -len("weight")] + "scale"] = scale.to(torch.float8_e8m0fnu).contiguous()

@@ -93,7 +93,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, datasets: Optional[tuple] = None):
+        """datasets: optional (train, val) sets with the interface of `dsv41.vision.synthetic.SyntheticImageText`
+        (batch, sequential_batches; batches with x, y (-100 outside the targets), images, tasks) over a
+        byte tokenizer of the preset's vocabulary, replacing --data (e.g. `dsv41 rl sft`'s chat samples)."""
         cfg.validate()
         self.cfg = cfg
         if cfg.threads:
@@ -123,6 +126,12 @@ class Trainer:
             self.tokenizer_file = None  # checkpoints then load with the byte tokenizer
             self.train_set = SyntheticImageText.from_config("train", self.model_cfg)
             self.val_set = SyntheticImageText.from_config("val", self.model_cfg)
+        elif datasets is not None:
+            self.data_dir = None
+            self.model_cfg = base.replace(max_position_embeddings=max(base.max_position_embeddings, cfg.seq_len))
+            self.model_cfg.validate()
+            self.tokenizer_file = None  # checkpoints then load with the byte tokenizer
+            self.train_set, self.val_set = datasets
         else:
             data = cfg.data or (default_data(cfg, base.vocab_size) if self.rank == 0 else None)
             if self.distributed:
@@ -674,5 +683,5 @@ def plot_accuracy(history: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def train(cfg: TrainConfig) -> dict:
-    return Trainer(cfg).run()
+def train(cfg: TrainConfig, datasets: Optional[tuple] = None) -> dict:
+    return Trainer(cfg, datasets).run()

@@ -27,10 +27,10 @@ def test_causality_through_compressor_indexer_and_candidate_pool(tiny_model):
         assert not torch.equal(out[:, t:], base[:, t:]), "the change had no effect at all"
 
 
-def _assert_same_up_to_bf16_noise(got, want):
+def _assert_same_up_to_bf16_noise(got, want, rms=0.01):
     rms_ratio = ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item()
     agreement = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
-    assert (got - want).abs().max() < 0.1 and rms_ratio < 0.01 and agreement > 0.97, (rms_ratio, agreement)
+    assert (got - want).abs().max() < 0.1 and rms_ratio < rms and agreement > 0.97, (rms_ratio, agreement)
 
 
 def _decode_steps(model, ids, prompt_len):
@@ -107,7 +107,11 @@ def test_chunked_prefill_matches_one_prefill():
     full = model(ids)
     cache = model.new_cache(1, 29)
     parts = [model(ids[:, a:b], a, cache) for a, b in ((0, 5), (5, 14), (14, 15), (15, 29))]
-    _assert_same_up_to_bf16_noise(torch.cat(parts, 1), full)
+    # chunking changes each query's attention layout (fresh window vs ring, the width of the selection
+    # list), hence its fp32 reduction order, which later bf16 roundings amplify: measured rms ratio 0.0129
+    # on an Intel Xeon (AMX) host, under 0.01 on the AMD host this test was written on. The bit-exact
+    # reproduction of a chunked computation is tested in tests/model/test_replay.py.
+    _assert_same_up_to_bf16_noise(torch.cat(parts, 1), full, rms=0.02)
 
 
 @torch.inference_mode()

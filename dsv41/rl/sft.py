@@ -1,0 +1,88 @@
+"""Supervised warm-start for RL with reasoning effort: chat samples whose answers the trainer learns
+(`dsv41 train --task arithmetic`; training.md §8, spec-v41.md §10).
+
+Each sample is a thinking-mode V4.1 prompt at a random reasoning effort b in 1..100 (the official effort
+line at index 0), an arithmetic question, and a demonstration in one of two styles drawn independently of
+b: `direct` (`</think>` then the answer) or `scratchpad` (digit-by-digit lines, then `</think>` and the
+answer). So the warm-started model answers in either style at any effort, and reading the effort is left
+for RL to teach. Targets are the reply and its EOS only (the prompt is IGNORE). The interface mirrors
+`dsv41.vision.synthetic.SyntheticImageText`, so the trainer's batching, evaluation (teacher-forced
+exact-reply accuracy per style) and checkpointing apply unchanged.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+from dsv41.rl.tasks import STYLES, arithmetic_task, demonstration
+from dsv41.tokenizer import ByteTokenizer
+
+IGNORE = -100
+SFT_TASKS = ("arithmetic",)
+
+
+@dataclass
+class TextSample:
+    ids: list[int]  # prompt + reply + EOS
+    answer_start: int
+    task: str  # the reply's style
+    answer: str
+
+
+@dataclass
+class TextBatch:
+    """x, y [B, L] (y: next-token targets, IGNORE outside the replies); tasks: each row's style."""
+    x: torch.Tensor
+    y: torch.Tensor
+    tasks: list[str]
+    images: Optional[list] = None
+
+
+class EffortTaskText:
+    """The warm-start set of one split ("train" or "val", drawn from the tasks' train / eval streams)."""
+
+    def __init__(self, split: str, tokenizer: ByteTokenizer, task: str = "arithmetic", min_digits: int = 2,
+                 max_digits: int = 4):
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        if task not in SFT_TASKS:
+            raise ValueError(f"task must be one of {SFT_TASKS}, got {task!r}")
+        self.split, self.tokenizer, self.task = split, tokenizer, task
+        self.min_digits, self.max_digits = min_digits, max_digits
+
+    def sample(self, index: int, seed: int = 0) -> TextSample:
+        from dsv41.rl.rollout import chat_prompt  # the RL prompt format, token for token
+
+        rng = random.Random(f"dsv41-effort-sft:{self.split}:{seed}:{index}")
+        effort, style = rng.randint(1, 100), rng.choice(STYLES)
+        task = arithmetic_task("train" if self.split == "train" else "eval", seed, index, self.min_digits,
+                               self.max_digits)
+        prompt = chat_prompt(self.tokenizer, task.messages(), effort)
+        reply = self.tokenizer.encode(demonstration(task, style), add_bos=False) + [self.tokenizer.eos_id]
+        return TextSample(prompt + reply, len(prompt), style, task.answer)
+
+    def collate(self, samples: list[TextSample], max_len: Optional[int] = None) -> TextBatch:
+        length = max(len(s.ids) for s in samples) - 1
+        if max_len is not None and length > max_len:
+            raise ValueError(f"a sample needs {length} positions, more than seq_len {max_len}")
+        x = torch.full((len(samples), length), self.tokenizer.pad_id, dtype=torch.long)
+        y = torch.full((len(samples), length), IGNORE, dtype=torch.long)
+        for row, s in enumerate(samples):
+            ids = torch.tensor(s.ids)
+            x[row, :len(ids) - 1] = ids[:-1]
+            y[row, s.answer_start - 1:len(ids) - 1] = ids[s.answer_start:]
+        return TextBatch(x, y, [s.task for s in samples], [])
+
+    def batch(self, index: int, batch_size: int, seq_len: Optional[int] = None, seed: int = 0, rank: int = 0,
+              world_size: int = 1) -> TextBatch:
+        first = (index * world_size + rank) * batch_size
+        return self.collate([self.sample(first + j, seed) for j in range(batch_size)], seq_len)
+
+    def sequential_batches(self, batch_size: int, seq_len: Optional[int], n_batches: int, rank: int = 0,
+                           world_size: int = 1) -> Iterator[TextBatch]:
+        for i in range(n_batches):
+            yield self.batch(i, batch_size, seq_len, 0, rank, world_size)

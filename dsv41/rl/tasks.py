@@ -1,0 +1,176 @@
+"""Verifiable tasks for RL with reasoning effort, their demonstrations and their graders (training.md §8,
+spec-v41.md §10-§11).
+
+Two families, generated from (split, seed, index) alone, so train and held-out sets are disjoint and any
+sample can be rebuilt:
+
+- `arithmetic`: "What is 4837 + 2958?". A response is `{reasoning}</think>{answer}`. Partial credit: the
+  fraction of the true answer's digits that the response gets right, aligned from the last digit (0 for
+  a longer number; 1.0 exactly when the answer is right). Demonstrations come in two styles: `direct`
+  (no reasoning) and `scratchpad` (one line per digit position, least significant first, with its carry),
+  which is longer and, for a small model, more often right: what reasoning effort has to trade.
+- `program`: "Write a Python function f(x) that ...", graded by running the response's code against test
+  statements in the sandbox (`dsv41.rl.sandbox.grade_programs`); partial credit = fraction of tests passed.
+
+Grading: `grade_responses(tasks, texts, pool)` grades each response. An arithmetic answer is graded in the
+sandbox too when a pool is given (one test per digit position, the same score as `arithmetic_grade`), so
+every reward of a run can come from the orchestrator; without a pool it is computed in-process.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from dsv41.tokenizer import THINK_END_TOKEN
+
+SPLITS = ("train", "eval")
+STYLES = ("direct", "scratchpad")
+
+
+@dataclass(frozen=True)
+class Task:
+    kind: str  # "arithmetic" | "program"
+    uid: str  # split:seed:index, unique per task
+    question: str  # the user message
+    answer: str = ""  # arithmetic: the number
+    tests: tuple[str, ...] = field(default_factory=tuple)  # program: test statements
+    operands: tuple[int, ...] = field(default_factory=tuple)
+
+    def messages(self) -> list[dict]:
+        return [{"role": "user", "content": self.question}]
+
+
+def _rng(split: str, seed: int, index: int, kind: str) -> random.Random:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    return random.Random(f"{kind}:{split}:{seed}:{index}")
+
+
+def arithmetic_task(split: str, seed: int, index: int, min_digits: int = 2, max_digits: int = 4) -> Task:
+    """An addition of two numbers of min_digits..max_digits digits. The eval split draws from a disjoint
+    stream (another rng key); a pair repeated across splits by chance is possible but rare."""
+    if not 1 <= min_digits <= max_digits:
+        raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
+    rng = _rng(split, seed, index, "arithmetic")
+    a, b = (rng.randint(10 ** (n - 1), 10 ** n - 1) for n in (rng.randint(min_digits, max_digits) for _ in range(2)))
+    return Task("arithmetic", f"{split}:{seed}:{index}", f"What is {a} + {b}?", str(a + b), operands=(a, b))
+
+
+def scratchpad(a: int, b: int) -> str:
+    """Digit-by-digit addition, least significant first: '7+8=15 c1' lines, then the answer follows."""
+    da, db = str(a)[::-1], str(b)[::-1]
+    carry, lines = 0, []
+    for i in range(max(len(da), len(db))):
+        x = int(da[i]) if i < len(da) else 0
+        y = int(db[i]) if i < len(db) else 0
+        total = x + y + carry
+        lines.append(f"{x}+{y}+{carry}={total}" if carry else f"{x}+{y}={total}")
+        carry = total // 10
+    return "\n".join(lines)
+
+
+def demonstration(task: Task, style: str) -> str:
+    """The assistant's reply after the `<think>` header: reasoning, `</think>`, the answer."""
+    if task.kind != "arithmetic":
+        raise ValueError("demonstrations exist for arithmetic tasks only")
+    if style not in STYLES:
+        raise ValueError(f"style must be one of {STYLES}, got {style!r}")
+    reasoning = scratchpad(*task.operands) if style == "scratchpad" else ""
+    return f"{reasoning}{THINK_END_TOKEN}{task.answer}"
+
+
+def final_answer(text: str) -> Optional[str]:
+    """The content after the reasoning (`</think>`), or None when the response never closed it."""
+    if THINK_END_TOKEN not in text:
+        return None
+    return text.split(THINK_END_TOKEN, 1)[1].strip()
+
+
+def arithmetic_grade(answer: str, text: str) -> float:
+    """Fraction of the answer's digit positions (aligned from the last digit) that the response's leading
+    integer gets right; 0 for an answer with more digits than the true one, without a closed reasoning
+    block or without a number."""
+    content = final_answer(text)
+    m = re.match(r"-?\d+", content or "")
+    got = m.group(0) if m else ""
+    if len(got) > len(answer):
+        return 0.0
+    return sum(1 for i in range(1, len(got) + 1) if got[-i] == answer[-i]) / len(answer)
+
+
+def arithmetic_tests(answer: str) -> list[str]:
+    """The sandbox's version of `arithmetic_grade`: one test per digit position of the longer number, on
+    ANSWER (the response's leading integer as a string, '' when there is none)."""
+    tests = []
+    for i in range(1, len(answer) + 1):
+        tests.append(f"len(ANSWER) <= {len(answer)} and len(ANSWER) >= {i} and ANSWER[-{i}] == {answer[-i]!r}")
+    return tests
+
+
+PROGRAMS = (  # (description, reference, test inputs)
+    ("returns x squared plus {c}", "x * x + {c}", (0, 1, 2, -3, 7)),
+    ("returns {c} times x minus 1", "{c} * x - 1", (0, 1, 5, -2)),
+    ("returns the sum of the digits of the non-negative integer x, plus {c}", "sum(map(int, str(x))) + {c}",
+     (0, 7, 123, 4096)),
+    ("returns True when x is divisible by {c}, else False", "x % {c} == 0", (0, 1, 12, 35, 42)),
+)
+
+
+def program_task(split: str, seed: int, index: int) -> Task:
+    """'Write a Python function f(x) that ...' with test statements computed from a reference."""
+    rng = _rng(split, seed, index, "program")
+    description, reference, inputs = PROGRAMS[rng.randrange(len(PROGRAMS))]
+    c = rng.randint(2, 9)
+    expr = reference.format(c=c)
+    tests = tuple(f"f({x}) == {eval(expr, {}, {'x': x})!r}" for x in inputs)  # noqa: S307 - our own expression
+    question = f"Write a Python function f(x) that {description.format(c=c)}. Reply with the code only."
+    return Task("program", f"{split}:{seed}:{index}", question, answer=f"def f(x):\n    return {expr}\n", tests=tests)
+
+
+def make_task(kind: str, split: str, seed: int, index: int, **options) -> Task:
+    if kind == "arithmetic":
+        return arithmetic_task(split, seed, index, **options)
+    if kind == "program":
+        return program_task(split, seed, index)
+    raise ValueError(f"unknown task kind {kind!r}; choose 'arithmetic' or 'program'")
+
+
+def solution_code(text: str) -> str:
+    """The code of a program response: after `</think>` if present, inside a ``` fence if there is one."""
+    content = final_answer(text)
+    content = text if content is None else content
+    fence = re.search(r"```(?:python)?\n(.*?)```", content, re.S)
+    return fence.group(1) if fence else content
+
+
+def grade_responses(tasks: Sequence[Task], texts: Sequence[str], pool=None) -> list[float]:
+    """Grades in [0, 1] of each response. Program tasks need a sandbox pool (`SandboxPool` or
+    `RaySandboxPool`); arithmetic ones go through it too when one is given."""
+    from dsv41.rl import sandbox  # the sandbox module has no torch dependency; imported only when grading
+
+    if len(tasks) != len(texts):
+        raise ValueError(f"{len(tasks)} tasks, {len(texts)} responses")
+    grades: list[Optional[float]] = [None] * len(tasks)
+    items, where = [], []
+    for i, (task, text) in enumerate(zip(tasks, texts)):
+        if task.kind == "arithmetic" and pool is None:
+            grades[i] = arithmetic_grade(task.answer, text)
+        elif task.kind == "arithmetic":
+            content = final_answer(text)
+            m = re.match(r"-?\d+", content or "")
+            items.append((f"ANSWER = {(m.group(0) if m else '')!r}", arithmetic_tests(task.answer)))
+            where.append(i)
+        elif task.kind == "program":
+            if pool is None:
+                raise ValueError("program tasks are graded by running code: give a sandbox pool")
+            items.append((solution_code(text), list(task.tests)))
+            where.append(i)
+        else:
+            raise ValueError(f"unknown task kind {task.kind!r}")
+    if items:
+        for i, (score, _) in zip(where, sandbox.grade_programs(items, pool)):
+            grades[i] = score
+    return [float(g) for g in grades]
