@@ -440,13 +440,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p_rl = sub.add_parser("rl", help="post-training with reasoning effort: sft warm-start, graded GRPO, on-policy "
                                      "distillation, evaluation per effort (dsv41 rl COMMAND --help)")
-    rl_sub = p_rl.add_subparsers(dest="rl_command", required=True, metavar="COMMAND")
+    rl_sub = p_rl.add_subparsers(dest="rl_command", required=True, metavar="COMMAND",
+                                help="the post-training step to run: sft, grpo, distill or eval")
     p_sft = rl_sub.add_parser("sft", help="warm-start a model on effort-tagged chat samples (arithmetic, direct or "
                                           "scratchpad replies), the base for `dsv41 rl grpo`")
     _add_train_args(p_sft)
     p_sft.add_argument("--task", default="arithmetic", choices=["arithmetic"], help="the samples' task (default: arithmetic)")
     p_sft.add_argument("--min-digits", type=_positive_int, default=2, metavar="N", help="fewest digits per operand (default: 2)")
     p_sft.add_argument("--max-digits", type=_positive_int, default=4, metavar="N", help="most digits per operand (default: 4)")
+    p_sft.add_argument("--vocab-size", type=_positive_int, metavar="N", help=(
+        "vocabulary of the byte-level model (at least 266: bytes, BOS/EOS/PAD and the chat markers; default: "
+        "the preset's)"))
     p_sft.set_defaults(func=cmd_rl_sft)
     for name, text in (("grpo", "graded GRPO with reasoning effort on verifiable tasks (rollouts from the engine, "
                                  "grades from the sandbox, router replay); torchrun for several learner processes"),
@@ -483,7 +487,7 @@ def cmd_rl_sft(args) -> int:
     given = {f.name: getattr(args, f"train_{f.name}") for f in dataclasses.fields(TrainConfig)
              if getattr(args, f"train_{f.name}", None) is not None}
     cfg = TrainConfig(**given)
-    tokenizer = ByteTokenizer(preset(cfg.preset).vocab_size)
+    tokenizer = ByteTokenizer(args.vocab_size or preset(cfg.preset).vocab_size)
     sets = tuple(EffortTaskText(split, tokenizer, args.task, args.min_digits, args.max_digits) for split in ("train", "val"))
     last = train(cfg, sets)
     if last:

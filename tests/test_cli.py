@@ -160,7 +160,11 @@ def describes_itself(help_) -> bool:
 def test_every_option_says_what_it_does(capsys):
     """Issue 9 item 15: every option of every command has a help text that says what it does (not only
     its default), typed options have a readable metavar, and each command's --help renders."""
-    for name, p in subcommands().items():
+    commands = dict(subcommands())
+    for name, p in list(commands.items()):  # nested commands (dsv41 rl grpo) are checked like top-level ones
+        if any(isinstance(a, argparse._SubParsersAction) for a in p._actions) and name != "data":
+            commands.update({f"{name} {sub}": q for sub, q in subcommands(p).items()})
+    for name, p in commands.items():
         if name == "data":  # its own parser, tested below
             continue
         for action in p._actions:
@@ -172,7 +176,7 @@ def test_every_option_says_what_it_does(capsys):
                     and not isinstance(action, argparse.BooleanOptionalAction):
                 assert action.metavar and not action.metavar.startswith(("TRAIN_", "ENGINE_")), \
                     f"dsv41 {name} {flag}: metavar {action.metavar!r}"
-        assert run_main([name, "--help"]) == 0
+        assert run_main([*name.split(), "--help"]) == 0
         assert capsys.readouterr().out.startswith(f"usage: dsv41 {name}")
 
 

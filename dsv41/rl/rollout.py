@@ -17,6 +17,7 @@ learner update.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -152,24 +153,53 @@ class RolloutWorker:
 class _RolloutActor:
     """A Ray actor: its own model (built from config + weights) and engine."""
 
-    def __init__(self, cfg, state: dict, tokenizer, engine_config: EngineConfig, threads: int):
+    def __init__(self, cfg, weights: bytes, tokenizer, engine_config: EngineConfig, threads: int):
         torch.set_num_threads(threads)
         model = Transformer(cfg)
-        model.load_state_dict(state, strict=False, assign=True)
+        model.load_state_dict(_from_bytes(weights), strict=False, assign=True)
         model.eval()
         self.worker = RolloutWorker(model, tokenizer, engine_config)
 
     def generate(self, requests, seed, indices):
         return self.worker.generate(requests, seed, indices)
 
-    def load_weights(self, state):
-        self.worker.load_weights(state)
+    def load_weights(self, weights: bytes):
+        self.worker.load_weights(_from_bytes(weights))
 
     def where(self) -> tuple:
         import os
         import socket
 
         return socket.gethostname(), os.getpid()
+
+
+_BYTE_DTYPES = {str(d): d for d in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)}
+
+
+def _to_bytes(state: dict[str, torch.Tensor]) -> bytes:
+    """Weights travel to actors as safetensors bytes (no pickle of tensors). One-byte float formats go as
+    uint8 views with their dtype in the metadata: safetensors' in-memory loader lacks E8M0."""
+    from safetensors.torch import save
+
+    tensors, kinds = {}, {}
+    for k, v in state.items():
+        v = v.detach().contiguous()
+        if str(v.dtype) in _BYTE_DTYPES:
+            kinds[k] = str(v.dtype)
+            v = v.view(torch.uint8)
+        tensors[k] = v
+    return save(tensors, metadata={"byte_dtypes": json.dumps(kinds)})
+
+
+def _from_bytes(data: bytes) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    header_len = int.from_bytes(data[:8], "little")
+    kinds = json.loads(json.loads(data[8:8 + header_len]).get("__metadata__", {}).get("byte_dtypes", "{}"))
+    state = load(data)
+    for k, dtype in kinds.items():
+        state[k] = state[k].view(_BYTE_DTYPES[dtype])
+    return state
 
 
 class RayRolloutWorkers:
@@ -187,28 +217,30 @@ class RayRolloutWorkers:
             ray.init(address=address, num_cpus=None if address else max(num_workers, 2), include_dashboard=False,
                      log_to_driver=False, ignore_reinit_error=True)
         config = engine_config or rollout_engine_config(max_len)
-        state = ray.put({k: v.detach() for k, v in model.state_dict().items()})
+        state = ray.put(_to_bytes(model.state_dict()))
         actor = ray.remote(num_cpus=threads_per_worker)(_RolloutActor)
         self.workers = [actor.options(scheduling_strategy="SPREAD").remote(model.cfg, state, tokenizer, config,
                                                                            threads_per_worker)
                         for _ in range(num_workers)]
 
-    def generate(self, requests: Sequence[RolloutRequest], seed: int = 0) -> list[Rollout]:
+    def generate(self, requests: Sequence[RolloutRequest], seed: int = 0,
+                 indices: Optional[Sequence[int]] = None) -> list[Rollout]:
+        indices = list(range(len(requests))) if indices is None else list(indices)
         shares: list[list[int]] = [[] for _ in self.workers]
         for r in range(len(requests)):
             shares[r % len(self.workers)].append(r)
         # one call per actor with all its requests (they batch together in its engine); seeds follow each
-        # request's global index, so the samples do not depend on the number of workers
-        calls = [(idx, w.generate.remote([requests[i] for i in idx], seed, idx))
+        # request's index in the whole batch, so the samples do not depend on the number of workers
+        calls = [w.generate.remote([requests[i] for i in idx], seed, [indices[i] for i in idx])
                  for w, idx in zip(self.workers, shares) if idx]
         by_request: dict[int, list[Rollout]] = {}
-        for idx, future in calls:
+        for future in calls:
             for ro in self.ray.get(future):
                 by_request.setdefault(ro.request_index, []).append(ro)
-        return [ro for i in range(len(requests)) for ro in by_request[i]]
+        return [ro for i in indices for ro in by_request[i]]
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        ref = self.ray.put(state)
+        ref = self.ray.put(_to_bytes(state))
         self.ray.get([w.load_weights.remote(ref) for w in self.workers])
 
     def where(self) -> list[tuple]:

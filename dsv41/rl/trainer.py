@@ -181,12 +181,22 @@ class RLTrainer:
         if self.distributed and cfg.algorithm == "grpo":  # distillation averages its gradients by hand
             from torch.nn.parallel import DistributedDataParallel
 
-            self.learner = DistributedDataParallel(self.policy)
+            # only the trained masters are DDP's (every rank loaded the same weights; the frozen FP8 Engram
+            # tables cannot cross gloo, and the buffers are constants)
+            frozen = [f"master.{n}" for n, p in self.policy.master.named_parameters() if not p.requires_grad]
+            frozen += [f"master.{n}" for n, _ in self.policy.master.named_buffers()]
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self.policy, frozen)
+            self.learner = DistributedDataParallel(self.policy, broadcast_buffers=False)
         self.optimizer = build_optimizers(self.policy.master, OptimConfig(lr=cfg.lr, ns_dtype=torch.bfloat16),
                                           self.model_cfg)
         max_len = 512 + cfg.max_new_tokens
         if cfg.rollout_workers:
-            from dsv41.rl.sandbox import RaySandboxPool
+            from dsv41.rl.sandbox import RaySandboxPool, _import_ray
+
+            ray = _import_ray()
+            if not ray.is_initialized():  # a local cluster with a (logical) CPU for every actor of both kinds
+                ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=False,
+                         num_cpus=None if cfg.ray_address else cfg.rollout_workers + cfg.sandbox_workers)
 
             self.workers = RayRolloutWorkers(model, self.tokenizer, cfg.rollout_workers,
                                              rollout_engine_config(max_len, cfg.max_num_seqs), address=cfg.ray_address)
@@ -215,11 +225,14 @@ class RLTrainer:
         return SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_tokens=c.max_new_tokens,
                               logprobs=0)
 
-    def _rollouts(self, tasks: list, efforts, samples: int, seed: int):
-        """Rollouts of every task at every effort, `samples` each; each rollout's tag is (task, effort)."""
+    def _rollouts(self, tasks: list, efforts, samples: int, seed: int, first: int = 0):
+        """Rollouts of every task at every effort, `samples` each; each rollout's tag is (task, effort).
+        `first`: the global index of tasks[0]: each sample's seed derives from (seed, global task, effort,
+        sample), so a run on several processes samples what one process would."""
         requests = [RolloutRequest(chat_prompt(self.tokenizer, t.messages(), b), samples, self._params(), (k, b))
                     for k, t in enumerate(tasks) for b in efforts]
-        rollouts = self.workers.generate(requests, seed=seed)
+        indices = [(first + k) * len(efforts) + j for k in range(len(tasks)) for j in range(len(efforts))]
+        rollouts = self.workers.generate(requests, seed=seed, indices=indices)
         texts = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in rollouts]
         grades = grade_responses([tasks[r.tag[0]] for r in rollouts], texts,
                                  self.pool if self.cfg.grader == "sandbox" or self.cfg.task != "arithmetic" else None)
@@ -233,7 +246,7 @@ class RLTrainer:
         t0 = time.perf_counter()
         first = (self.step * self.world + self.rank) * cfg.prompts_per_step
         tasks = [self._task("train", first + i) for i in range(cfg.prompts_per_step)]
-        rollouts = self._rollouts(tasks, g.efforts, g.group_size, seed=(cfg.seed * 1_000_003 + self.step) * 64 + self.rank)
+        rollouts = self._rollouts(tasks, g.efforts, g.group_size, seed=cfg.seed * 1_000_003 + self.step, first=first)
         t_roll = time.perf_counter()
         for r in rollouts:
             r.values["length"] = len(r.completion_ids)
@@ -301,6 +314,7 @@ class RLTrainer:
         else:
             row["distill_kl"] = _mean(stats["distill_kl"])
         row.update(self._effort_summary(rollouts, "train"))
+        row["rollouts"] = row.pop("train_samples")  # of all ranks
         return row
 
     def _token_share(self, tokens: int) -> float:
@@ -332,6 +346,7 @@ class RLTrainer:
             if prefix == "train":
                 out[f"{prefix}_reward_{b}"] = rew / n
         total = t.sum(0).tolist()
+        out[f"{prefix}_samples"] = int(total[0])
         out[f"{prefix}_accuracy"] = total[1] / max(total[0], 1)
         out[f"{prefix}_length"] = total[3] / max(total[0], 1)
         return out

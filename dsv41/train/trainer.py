@@ -95,8 +95,8 @@ def resolve_device(name: str) -> torch.device:
 class Trainer:
     def __init__(self, cfg: TrainConfig, datasets: Optional[tuple] = None):
         """datasets: optional (train, val) sets with the interface of `dsv41.vision.synthetic.SyntheticImageText`
-        (batch, sequential_batches; batches with x, y (-100 outside the targets), images, tasks) over a
-        byte tokenizer of the preset's vocabulary, replacing --data (e.g. `dsv41 rl sft`'s chat samples)."""
+        (batch, sequential_batches; batches with x, y (-100 outside the targets), images, tasks) over a byte
+        tokenizer (`.tokenizer`, whose size becomes the vocabulary), replacing --data (`dsv41 rl sft`)."""
         cfg.validate()
         self.cfg = cfg
         if cfg.threads:
@@ -128,7 +128,9 @@ class Trainer:
             self.val_set = SyntheticImageText.from_config("val", self.model_cfg)
         elif datasets is not None:
             self.data_dir = None
-            self.model_cfg = base.replace(max_position_embeddings=max(base.max_position_embeddings, cfg.seq_len))
+            vocab = datasets[0].tokenizer.vocab_size  # the sets' byte tokenizer sizes the vocabulary
+            self.model_cfg = base.replace(vocab_size=vocab,
+                                          max_position_embeddings=max(base.max_position_embeddings, cfg.seq_len))
             self.model_cfg.validate()
             self.tokenizer_file = None  # checkpoints then load with the byte tokenizer
             self.train_set, self.val_set = datasets

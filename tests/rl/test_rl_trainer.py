@@ -1,0 +1,130 @@
+"""The RL loop end to end on `tiny`: one process, a resumed run, two learner processes (torchrun, gloo)
+against one, and the rollout + sandbox side on two Ray workers."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dsv41.rl.trainer import RLConfig, RLTrainer, parse_teachers
+from dsv41.weights import load_model
+
+FAST = dict(model="tiny", steps=2, prompts_per_step=2, efforts="25,100", group_size=2, max_new_tokens=6,
+            eval_every=2, eval_prompts=2, eval_samples=1, grader="local", max_num_seqs=16, minibatches=2,
+            threads=1)
+
+
+def _rows(out):
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def test_a_grpo_run_writes_its_folder_and_resumes(tmp_path):
+    out = str(tmp_path / "run")
+    RLTrainer(RLConfig(out=out, **FAST)).run()
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows[1:]:
+        # the first minibatch of a step is on-policy: the learner's ratio is exactly 1 (bit-exact replay)
+        assert r["first_ratio_max_deviation"] == 0.0
+        assert r["rollouts"] == 2 * 2 * 2
+        assert {f"train_length_{b}" for b in (25, 100)} <= set(r)
+    assert {"eval_accuracy_25", "eval_length_100"} <= set(rows[-1])
+    for name in ("effort.md", "effort.png", "checkpoint/config.json", "train_state/state.json"):
+        assert os.path.exists(os.path.join(out, name)), name
+    served = load_model(os.path.join(out, "checkpoint"))
+    assert served.cfg.n_layers == 10
+    # resume: the state says step 2; asking for 3 steps runs exactly one more
+    RLTrainer(RLConfig(out=out, **{**FAST, "steps": 3})).run()
+    assert [r["step"] for r in _rows(out)] == [0, 1, 2, 3]
+
+
+def test_a_distillation_run_lowers_nothing_it_should_not(tmp_path):
+    teacher = tmp_path / "teacher"
+    RLTrainer(RLConfig(out=str(teacher), **{**FAST, "steps": 1})).run()
+    out = str(tmp_path / "distill")
+    RLTrainer(RLConfig(out=out, algorithm="distill", teachers=f"arithmetic={teacher}/checkpoint",
+                       **{**FAST, "steps": 1})).run()
+    row = _rows(out)[-1]
+    assert row["distill_kl"] >= 0 and row["step"] == 1
+    assert parse_teachers("arithmetic=a,program=b") == {"arithmetic": "a", "program": "b"}
+    assert parse_teachers("x/y") == {"*": "x/y"}
+
+
+def test_bad_configs_are_refused():
+    with pytest.raises(ValueError, match="teachers"):
+        RLConfig(algorithm="distill").validate()
+    with pytest.raises(ValueError, match="grader sandbox"):
+        RLConfig(task="program", grader="local").validate()
+    with pytest.raises(ValueError, match="efforts"):
+        RLConfig(efforts="25,x").validate()
+
+
+def _cli(out, nproc, prompts):
+    args = ["rl", "grpo", "--model", "tiny", "--out", str(out), "--steps", "2", "--prompts-per-step", str(prompts),
+            "--efforts", "25,100", "--group-size", "2", "--max-new-tokens", "6", "--eval-every", "2",
+            "--eval-prompts", "2", "--eval-samples", "1", "--grader", "local", "--max-num-seqs", "16",
+            "--minibatches", "1", "--threads", "1"]
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "dsv41.cli", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "dsv41.cli", *args]
+    done = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return _rows(out)
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="gloo is not available")
+def test_two_learner_processes_match_one(tmp_path):
+    """Two processes, one prompt each per step, against one process with both prompts: the same samples
+    (seeds follow the global task index), the same loss (normalised by all ranks' tokens), the same weights
+    up to the all-reduce's summation order."""
+    one = _cli(tmp_path / "one", 1, 2)
+    two = _cli(tmp_path / "two", 2, 1)
+    a, b = one[1], two[1]  # step 1: both start from the same weights, so the rollouts are identical
+    for key in ("train_accuracy", "train_length", "rollouts", "train_reward_25", "train_reward_100"):
+        assert a[key] == b[key], key
+    assert abs(a["loss"] - b["loss"]) < 1e-5 and b["first_ratio_max_deviation"] == 0.0
+    w1 = load_model(str(tmp_path / "one" / "checkpoint")).state_dict()
+    w2 = load_model(str(tmp_path / "two" / "checkpoint")).state_dict()
+    start = load_model_like_preset()
+    moved = 0
+    for name, value in w1.items():
+        if value.is_floating_point():
+            torch.testing.assert_close(w2[name].float(), value.float(), atol=2e-2, rtol=2e-2)
+            moved += not torch.equal(value, start[name])
+    assert moved > 0  # the runs trained something
+
+
+def load_model_like_preset():
+    from dsv41.engine.build import build_model
+
+    return build_model("tiny", seed=0)[0].state_dict()
+
+
+def test_rollouts_and_sandboxes_on_two_ray_workers(tmp_path):
+    pytest.importorskip("ray")
+    import ray
+
+    cfg = RLConfig(out=str(tmp_path / "ray"), **{**FAST, "steps": 1, "task": "mixed", "grader": "sandbox",
+                                                  "rollout_workers": 2, "sandbox_workers": 2})
+    trainer = RLTrainer(cfg)
+    try:
+        where = trainer.workers.where()
+        assert len({pid for _, pid in where}) == 2 and os.getpid() not in {pid for _, pid in where}
+        row = trainer.train_step()
+        # the actors' engines computed what the learner replays, bit for bit, in other processes
+        assert row["first_ratio_max_deviation"] == 0.0 and row["rollouts"] == 8
+        # program tasks were graded by running code in the Ray sandboxes: a wrong program scores 0
+        from dsv41.rl.tasks import grade_responses, program_task
+
+        task = program_task("train", 0, 0)
+        good = "</think>```python\n" + task.answer + "```"
+        assert grade_responses([task, task], [good, "</think>def f(x):\n    while True: pass"], trainer.pool) == [1.0, 0.0]
+    finally:
+        trainer.close()
+        ray.shutdown()
