@@ -456,19 +456,22 @@ def _mean(values: list) -> Optional[float]:
 
 
 def write_effort_report(history: list[dict], out: str, efforts) -> None:
-    """effort.md (the table of the first and last evaluation per effort) and effort.png (accuracy and
-    mean response length per effort against the step)."""
+    """effort.md (the table of the first and last evaluation per effort) and effort.png (accuracy, mean
+    grade and mean response length per effort against the step)."""
     evals = [h for h in history if "eval_accuracy" in h]
     if not evals:
         return
     first, last = evals[0], evals[-1]
-    lines = ["| effort | accuracy (step %d) | accuracy (step %d) | mean length (step %d) | mean length (step %d) |"
-             % (first["step"], last["step"], first["step"], last["step"]), "|---|---|---|---|---|"]
+    a, z = first["step"], last["step"]
+    lines = [f"| effort | accuracy (step {a}) | accuracy (step {z}) | mean grade (step {a}) | mean grade (step {z}) | "
+             f"mean length (step {a}) | mean length (step {z}) |", "|---|---|---|---|---|---|---|"]
     for b in efforts:
         lines.append(f"| {b} | {first[f'eval_accuracy_{b}']:.3f} | {last[f'eval_accuracy_{b}']:.3f} | "
+                     f"{first[f'eval_grade_{b}']:.3f} | {last[f'eval_grade_{b}']:.3f} | "
                      f"{first[f'eval_length_{b}']:.1f} | {last[f'eval_length_{b}']:.1f} |")
-    lines.append(f"| all | {first['eval_accuracy']:.3f} | {last['eval_accuracy']:.3f} | {first['eval_length']:.1f} | "
-                 f"{last['eval_length']:.1f} |")
+    grade = {h["step"]: _mean([h[f"eval_grade_{b}"] for b in efforts]) for h in (first, last)}
+    lines.append(f"| all | {first['eval_accuracy']:.3f} | {last['eval_accuracy']:.3f} | {grade[a]:.3f} | {grade[z]:.3f} | "
+                 f"{first['eval_length']:.1f} | {last['eval_length']:.1f} |")
     with open(os.path.join(out, "effort.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     import matplotlib
@@ -477,14 +480,16 @@ def write_effort_report(history: list[dict], out: str, efforts) -> None:
     import matplotlib.pyplot as plt
 
     steps = [h["step"] for h in evals]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     cmap = plt.get_cmap("viridis")
     for j, b in enumerate(efforts):
         colour = cmap(j / max(len(efforts) - 1, 1))
         axes[0].plot(steps, [h[f"eval_accuracy_{b}"] for h in evals], "o-", color=colour, ms=3, label=f"effort {b}")
-        axes[1].plot(steps, [h[f"eval_length_{b}"] for h in evals], "o-", color=colour, ms=3, label=f"effort {b}")
+        axes[1].plot(steps, [h[f"eval_grade_{b}"] for h in evals], "o-", color=colour, ms=3, label=f"effort {b}")
+        axes[2].plot(steps, [h[f"eval_length_{b}"] for h in evals], "o-", color=colour, ms=3, label=f"effort {b}")
     axes[0].set(xlabel="RL step", ylabel="held-out accuracy (exact answer)", ylim=(0, 1.02))
-    axes[1].set(xlabel="RL step", ylabel="mean response length (tokens)")
+    axes[1].set(xlabel="RL step", ylabel="held-out mean grade (partial credit)", ylim=(0, 1.02))
+    axes[2].set(xlabel="RL step", ylabel="mean response length (tokens)")
     axes[0].legend(fontsize=8)
     fig.suptitle("graded GRPO with reasoning effort")
     fig.tight_layout()

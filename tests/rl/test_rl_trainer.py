@@ -78,6 +78,7 @@ def _cli(out, nproc, prompts):
     return _rows(out)
 
 
+@pytest.mark.slow  # three runs in subprocesses (~45 s alone, minutes on a loaded 2-core machine); CI runs -m slow
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="gloo is not available")
 def test_two_learner_processes_match_one(tmp_path):
     """Two processes, one prompt each per step, against one process with both prompts: the same samples
@@ -106,6 +107,7 @@ def load_model_like_preset():
     return build_model("tiny", seed=0)[0].state_dict()
 
 
+@pytest.mark.slow  # starts a Ray cluster with four actors (~35 s alone, minutes on a loaded machine); CI runs -m slow
 def test_rollouts_and_sandboxes_on_two_ray_workers(tmp_path):
     pytest.importorskip("ray")
     import ray

@@ -121,3 +121,19 @@ def test_record_routing_needs_a_replayable_engine():
             LLMEngine(model, tok, EngineConfig(record_routing=True, **bad))
     with pytest.raises(ValueError, match="record_routing"):
         RolloutWorker(model, tok, EngineConfig(prefill_mode="full", enable_prefix_caching=False))
+
+
+def test_small_preset_rollouts_replay_bit_for_bit():
+    """The CPU presets' own shapes, where tiny ones do not reach: 64-entry windows and top-64 selections
+    with prompts shorter and longer than both, sharing decode steps and 16-token prefill chunks."""
+    from dsv41.config import small
+
+    cfg = small()
+    model = init_random_weights(Transformer(cfg), seed=3).eval()
+    tok = ByteTokenizer(cfg.vocab_size)
+    worker = RolloutWorker(model, tok, rollout_engine_config(256, max_num_seqs=16, prefill_chunk_size=16))
+    params = SamplingParams(temperature=1.0, top_k=50, max_tokens=8)
+    requests = [RolloutRequest(p, 3, params, k) for k, p in enumerate(prompts([20, 37, 150], seed=5))]
+    rollouts = worker.generate(requests, seed=2)
+    logp, mask = ReplayPolicy(model)([r.sample() for r in rollouts])
+    assert torch.equal(logp.detach()[mask], _old(rollouts)[mask])
