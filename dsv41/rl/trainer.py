@@ -348,6 +348,7 @@ class RLTrainer:
         total = t.sum(0).tolist()
         out[f"{prefix}_samples"] = int(total[0])
         out[f"{prefix}_accuracy"] = total[1] / max(total[0], 1)
+        out[f"{prefix}_grade"] = total[2] / max(total[0], 1)
         out[f"{prefix}_length"] = total[3] / max(total[0], 1)
         return out
 
@@ -469,8 +470,8 @@ def write_effort_report(history: list[dict], out: str, efforts) -> None:
         lines.append(f"| {b} | {first[f'eval_accuracy_{b}']:.3f} | {last[f'eval_accuracy_{b}']:.3f} | "
                      f"{first[f'eval_grade_{b}']:.3f} | {last[f'eval_grade_{b}']:.3f} | "
                      f"{first[f'eval_length_{b}']:.1f} | {last[f'eval_length_{b}']:.1f} |")
-    grade = {h["step"]: _mean([h[f"eval_grade_{b}"] for b in efforts]) for h in (first, last)}
-    lines.append(f"| all | {first['eval_accuracy']:.3f} | {last['eval_accuracy']:.3f} | {grade[a]:.3f} | {grade[z]:.3f} | "
+    lines.append(f"| all | {first['eval_accuracy']:.3f} | {last['eval_accuracy']:.3f} | {first['eval_grade']:.3f} | "
+                 f"{last['eval_grade']:.3f} | "
                  f"{first['eval_length']:.1f} | {last['eval_length']:.1f} |")
     with open(os.path.join(out, "effort.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -33,6 +33,8 @@ def test_a_grpo_run_writes_its_folder_and_resumes(tmp_path):
         assert r["rollouts"] == 2 * 2 * 2
         assert {f"train_length_{b}" for b in (25, 100)} <= set(r)
     assert {"eval_accuracy_25", "eval_length_100"} <= set(rows[-1])
+    # every effort has the same number of eval samples: the overall grade is the mean of the per-effort ones
+    assert rows[-1]["eval_grade"] == pytest.approx((rows[-1]["eval_grade_25"] + rows[-1]["eval_grade_100"]) / 2)
     for name in ("effort.md", "effort.png", "checkpoint/config.json", "train_state/state.json"):
         assert os.path.exists(os.path.join(out, name)), name
     served = load_model(os.path.join(out, "checkpoint"))
