@@ -89,6 +89,12 @@ def final_answer(text: str) -> Optional[str]:
     return text.split(THINK_END_TOKEN, 1)[1].strip()
 
 
+def reasons(text: str) -> bool:
+    """Whether a response wrote any reasoning before `</think>` (a response that never closed the block
+    reasons by definition: all of it is reasoning)."""
+    return text.split(THINK_END_TOKEN, 1)[0].strip() != ""
+
+
 def arithmetic_grade(answer: str, text: str) -> float:
     """Fraction of the answer's digit positions (aligned from the last digit) that the response's leading
     integer gets right; 0 for an answer with more digits than the true one, without a closed reasoning

@@ -44,7 +44,7 @@ from dsv41.rl.distill import opd_loss, teacher_logits
 from dsv41.rl.grpo import GRPOConfig, grpo_loss, reward, subgroup_advantages
 from dsv41.rl.policy import ReplayPolicy, sequence_logits, sequence_logprobs
 from dsv41.rl.rollout import RayRolloutWorkers, RolloutRequest, RolloutWorker, chat_prompt, rollout_engine_config
-from dsv41.rl.tasks import grade_responses, make_task
+from dsv41.rl.tasks import grade_responses, make_task, reasons
 
 TASK_KINDS = ("arithmetic", "program", "mixed")
 
@@ -236,8 +236,9 @@ class RLTrainer:
         texts = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in rollouts]
         grades = grade_responses([tasks[r.tag[0]] for r in rollouts], texts,
                                  self.pool if self.cfg.grader == "sandbox" or self.cfg.task != "arithmetic" else None)
-        for r, g in zip(rollouts, grades):
+        for r, g, text in zip(rollouts, grades, texts):
             r.values["grade"] = g
+            r.values["reasons"] = reasons(text)
         return rollouts
 
     # ------------------------------------------------------------------ one step
@@ -327,22 +328,26 @@ class RLTrainer:
         return tokens * self.world / max(float(total), 1.0)
 
     def _effort_summary(self, rollouts, prefix: str) -> dict:
-        """Per effort (and overall): accuracy (grade 1), mean grade, mean length [, mean reward], summed over ranks."""
+        """Per effort (and overall): accuracy (grade 1), mean grade, mean length, the share of responses that
+        reason (write anything before `</think>`) [, mean reward], summed over ranks."""
         keys = sorted({r.tag[1] for r in rollouts} | set(self.gcfg.efforts))
         rows = []
         for b in keys:
             rs = [r for r in rollouts if r.tag[1] == b]
             rows.append([len(rs), sum(r.values["grade"] >= 1.0 for r in rs), sum(r.values["grade"] for r in rs),
-                         sum(len(r.completion_ids) for r in rs), sum(r.values.get("reward", 0.0) for r in rs)])
+                         sum(len(r.completion_ids) for r in rs), sum(r.values.get("reward", 0.0) for r in rs),
+                         sum(bool(r.values.get("reasons")) for r in rs),
+                         sum(r.values["grade"] for r in rs if r.values.get("reasons"))])
         t = torch.tensor(rows, dtype=torch.float64)
         if self.distributed and prefix == "train":
             dist.all_reduce(t)
         out = {}
-        for b, (n, right, grade, length, rew) in zip(keys, t.tolist()):
+        for b, (n, right, grade, length, rew, reasoning, _) in zip(keys, t.tolist()):
             n = max(n, 1)
             out[f"{prefix}_accuracy_{b}"] = right / n
             out[f"{prefix}_grade_{b}"] = grade / n
             out[f"{prefix}_length_{b}"] = length / n
+            out[f"{prefix}_reasoning_{b}"] = reasoning / n
             if prefix == "train":
                 out[f"{prefix}_reward_{b}"] = rew / n
         total = t.sum(0).tolist()
@@ -350,6 +355,11 @@ class RLTrainer:
         out[f"{prefix}_accuracy"] = total[1] / max(total[0], 1)
         out[f"{prefix}_grade"] = total[2] / max(total[0], 1)
         out[f"{prefix}_length"] = total[3] / max(total[0], 1)
+        out[f"{prefix}_reasoning"] = total[5] / max(total[0], 1)
+        # what reasoning buys: the mean grade of the responses that reasoned and of those that answered
+        # directly (None when there were none), the trade the effort's length penalty is set against
+        out[f"{prefix}_grade_reasoning"] = total[6] / total[5] if total[5] else None
+        out[f"{prefix}_grade_direct"] = (total[2] - total[6]) / (total[0] - total[5]) if total[0] > total[5] else None
         return out
 
     @torch.no_grad()
@@ -393,7 +403,8 @@ class RLTrainer:
             with open(os.path.join(self.cfg.out, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(row) + "\n")
             shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
-                     if k in ("step", "loss", "train_accuracy", "train_length", "eval_accuracy", "eval_length",
+                     if k in ("step", "loss", "train_accuracy", "train_length", "train_reasoning", "eval_accuracy",
+                              "eval_length", "eval_reasoning",
                               "first_ratio_max_deviation", "step_s")}
             print(json.dumps(shown), flush=True)
 
@@ -465,14 +476,20 @@ def write_effort_report(history: list[dict], out: str, efforts) -> None:
     first, last = evals[0], evals[-1]
     a, z = first["step"], last["step"]
     lines = [f"| effort | accuracy (step {a}) | accuracy (step {z}) | mean grade (step {a}) | mean grade (step {z}) | "
-             f"mean length (step {a}) | mean length (step {z}) |", "|---|---|---|---|---|---|---|"]
+             f"mean length (step {a}) | mean length (step {z}) | reasoning share (step {a}) | "
+             f"reasoning share (step {z}) |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def share(row: dict, key: str) -> str:  # runs logged before the reasoning share existed lack it
+        return f"{row[key]:.2f}" if key in row else "-"
+
     for b in efforts:
         lines.append(f"| {b} | {first[f'eval_accuracy_{b}']:.3f} | {last[f'eval_accuracy_{b}']:.3f} | "
                      f"{first[f'eval_grade_{b}']:.3f} | {last[f'eval_grade_{b}']:.3f} | "
-                     f"{first[f'eval_length_{b}']:.1f} | {last[f'eval_length_{b}']:.1f} |")
+                     f"{first[f'eval_length_{b}']:.1f} | {last[f'eval_length_{b}']:.1f} | "
+                     f"{share(first, f'eval_reasoning_{b}')} | {share(last, f'eval_reasoning_{b}')} |")
     lines.append(f"| all | {first['eval_accuracy']:.3f} | {last['eval_accuracy']:.3f} | {first['eval_grade']:.3f} | "
-                 f"{last['eval_grade']:.3f} | "
-                 f"{first['eval_length']:.1f} | {last['eval_length']:.1f} |")
+                 f"{last['eval_grade']:.3f} | {first['eval_length']:.1f} | {last['eval_length']:.1f} | "
+                 f"{share(first, 'eval_reasoning')} | {share(last, 'eval_reasoning')} |")
     with open(os.path.join(out, "effort.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     import matplotlib
@@ -481,16 +498,19 @@ def write_effort_report(history: list[dict], out: str, efforts) -> None:
     import matplotlib.pyplot as plt
 
     steps = [h["step"] for h in evals]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
     cmap = plt.get_cmap("viridis")
     for j, b in enumerate(efforts):
         colour = cmap(j / max(len(efforts) - 1, 1))
         axes[0].plot(steps, [h[f"eval_accuracy_{b}"] for h in evals], "o-", color=colour, ms=3, label=f"effort {b}")
         axes[1].plot(steps, [h[f"eval_grade_{b}"] for h in evals], "o-", color=colour, ms=3, label=f"effort {b}")
         axes[2].plot(steps, [h[f"eval_length_{b}"] for h in evals], "o-", color=colour, ms=3, label=f"effort {b}")
+        axes[3].plot(steps, [h.get(f"eval_reasoning_{b}", float("nan")) for h in evals], "o-", color=colour, ms=3,
+                     label=f"effort {b}")
     axes[0].set(xlabel="RL step", ylabel="held-out accuracy (exact answer)", ylim=(0, 1.02))
     axes[1].set(xlabel="RL step", ylabel="held-out mean grade (partial credit)", ylim=(0, 1.02))
     axes[2].set(xlabel="RL step", ylabel="mean response length (tokens)")
+    axes[3].set(xlabel="RL step", ylabel="share of responses that reason", ylim=(0, 1.02))
     axes[0].legend(fontsize=8)
     fig.suptitle("graded GRPO with reasoning effort")
     fig.tight_layout()

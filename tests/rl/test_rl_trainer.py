@@ -132,3 +132,24 @@ def test_rollouts_and_sandboxes_on_two_ray_workers(tmp_path):
     finally:
         trainer.close()
         ray.shutdown()
+
+
+def test_the_effort_summary_counts_each_effort_apart():
+    from types import SimpleNamespace
+
+    def rollout(effort, grade, length, reasoning):
+        return SimpleNamespace(tag=(0, effort), completion_ids=[1] * length,
+                               values={"grade": grade, "reasons": reasoning, "reward": grade - 0.1})
+
+    rollouts = [rollout(25, 1.0, 4, False), rollout(25, 0.5, 4, False), rollout(25, 1.0, 20, True),
+                rollout(100, 1.0, 20, True), rollout(100, 0.0, 22, True)]
+    host = SimpleNamespace(gcfg=SimpleNamespace(efforts=(25, 100)), distributed=False)
+    out = RLTrainer._effort_summary(host, rollouts, "eval")
+    assert out["eval_accuracy_25"] == pytest.approx(2 / 3) and out["eval_accuracy_100"] == 0.5
+    assert out["eval_grade_25"] == pytest.approx(2.5 / 3) and out["eval_length_100"] == 21
+    assert out["eval_reasoning_25"] == pytest.approx(1 / 3) and out["eval_reasoning_100"] == 1.0
+    assert out["eval_reasoning"] == pytest.approx(3 / 5) and out["eval_samples"] == 5
+    assert out["eval_grade_reasoning"] == pytest.approx(2 / 3) and out["eval_grade_direct"] == 0.75
+    only_direct = RLTrainer._effort_summary(host, rollouts[:2], "eval")
+    assert only_direct["eval_grade_reasoning"] is None and only_direct["eval_grade_direct"] == 0.75
+    assert "eval_reward_25" not in out

@@ -6,7 +6,7 @@ import pytest
 
 from dsv41.rl.sandbox import SandboxPool
 from dsv41.rl.tasks import (arithmetic_grade, arithmetic_task, demonstration, final_answer, grade_responses,
-                            program_task, scratchpad)
+                            program_task, reasons, scratchpad)
 
 
 def test_tasks_are_reproducible_and_the_splits_differ():
@@ -49,6 +49,15 @@ def test_demonstrations_grade_one_and_wrong_answers_get_partial_credit():
     assert arithmetic_grade(ans, "1234") == 0.0  # the reasoning never closed
     assert arithmetic_grade(ans, "</think> no number") == 0.0
     assert final_answer("a</think> 12 ") == "12"
+
+
+def test_a_response_reasons_when_it_writes_before_closing_the_block():
+    t = arithmetic_task("train", 0, 5)
+    assert not reasons(demonstration(t, "direct"))
+    assert reasons(demonstration(t, "scratchpad"))
+    assert not reasons(" \n</think>12")  # whitespace is not reasoning
+    assert reasons("7+8=15")  # never closed: all of it is reasoning
+    assert reasons("x</think>")
 
 
 def test_sandbox_grades_equal_local_grades_and_programs_run_their_tests():
