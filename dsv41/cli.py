@@ -6,7 +6,9 @@
   streamed and followed by a tokens/s line; `/reset` starts over, `/exit` quits;
 - `dsv41 serve MODEL`: the OpenAI-compatible server (`dsv41.server`);
 - `dsv41 train`: pre-training (`dsv41.train`), every `TrainConfig` field an option;
-- `dsv41 data`: a training data folder (`dsv41.data.build`, which has its own parser).
+- `dsv41 data`: a training data folder (`dsv41.data.build`, which has its own parser);
+- `dsv41 eval ppl|passkey|niah|vartrack|recall|cost|all`: evaluations of a model (`dsv41.eval`,
+  docs/eval.md), every field of the eval's config dataclass an option.
 
 generate, chat and serve all run on `dsv41.engine` (`build_engine`), whose `EngineConfig` fields are
 exposed as options (`--max-num-seqs`, `--kv-pool-tokens`, ...), generated from the dataclass; their help
@@ -461,6 +463,16 @@ def build_parser() -> argparse.ArgumentParser:
         _add_rl_args(p)
         p.set_defaults(func=cmd_rl, rl_algorithm=name)
 
+    p_eval = sub.add_parser("eval", help="evaluate a model: perplexity, passkey / needle-in-a-haystack / variable "
+                                         "tracking over lengths and depths, indexer recall, the cost of bounded "
+                                         "replay and FP4 KV (dsv41 eval COMMAND --help)")
+    eval_sub = p_eval.add_subparsers(dest="eval_command", required=True, metavar="COMMAND",
+                                     help="the evaluation to run: ppl, passkey, niah, vartrack, recall, cost or all")
+    for name, text in EVAL_HELP.items():
+        p = eval_sub.add_parser(name, help=text)
+        _add_eval_args(p, name)
+        p.set_defaults(func=cmd_eval, eval_name=name)
+
     sub.add_parser("data", help="build a training data folder (tokenizer + token shards) from public-domain text "
                                 "it downloads, or from this Python's standard library offline (dsv41 data --help)")
     return parser
@@ -525,6 +537,56 @@ def _add_rl_args(p: argparse.ArgumentParser) -> None:
         if f.name == "algorithm":
             continue  # the subcommand
         _add_field_option(p, f, f"rl_{f.name}", **({"type": str} if f.name in ("model", "ray_address") else {}))
+
+
+EVAL_HELP = {
+    "ppl": "perplexity of held-out text (--data or --text) and NLL by position in the context",
+    "passkey": "passkey retrieval over a grid of prompt lengths x needle depths (heat map)",
+    "niah": "needle in a haystack over lengths x depths: one needle, or --keys N distinct ones of which the "
+            "question asks for --queries",
+    "vartrack": "RULER-style variable tracking (a chain of --hops assignments) over lengths x depths",
+    "recall": "indexer recall: the share of the dense attention mass over the compressed cache that the "
+              "selected top-k captures, per layer and context length",
+    "cost": "what bounded-replay prefill and FP4 KV cost against full prefill and a bf16 KV cache on the same "
+            "prompts (continuation NLL, KL, greedy agreement)",
+    "all": "every evaluation above in one run (ppl only with --data or --text), tables in OUT/all.md",
+}
+
+
+def _add_eval_args(p: argparse.ArgumentParser, name: str) -> None:
+    from dsv41.eval.suite import EVALS
+
+    cls, _, engine = EVALS[name]
+    # the subcommand is the task; the other tasks' shape options do not apply
+    left_out = {"task"} | {"passkey": {"keys", "queries", "hops"}, "niah": {"hops"},
+                           "vartrack": {"keys", "queries"}}.get(name, set())
+    for f in dataclasses.fields(cls):
+        if f.name in left_out:
+            continue
+        _add_field_option(p, f, f"eval_{f.name}")
+    p.add_argument("--threads", type=_positive_int, metavar="N", help=THREADS_HELP)
+    if engine:
+        _add_engine_args(p)
+
+
+def cmd_eval(args) -> int:
+    from dsv41.eval.suite import EVALS
+
+    cls, run, engine = EVALS[args.eval_name]
+    given = {f.name: getattr(args, f"eval_{f.name}") for f in dataclasses.fields(cls)
+             if getattr(args, f"eval_{f.name}", None) is not None}
+    if "task" in {f.name for f in dataclasses.fields(cls)}:
+        given["task"] = args.eval_name
+    _set_threads(args)
+    cfg = cls(**given)
+    if engine:
+        _, fields = _engine_fields()
+        overrides = {f.name: getattr(args, f"engine_{f.name}") for f in fields
+                     if getattr(args, f"engine_{f.name}", None) is not None}
+        run(cfg, overrides)
+    else:
+        run(cfg)
+    return 0
 
 
 def cmd_train_drafter(args) -> int:

@@ -42,6 +42,12 @@ PART_FIELDS = MappingProxyType({
     "engram_layer_ids": ("engram_num_embeddings", "engram_max_ngram_size", "engram_vocab_size",
                          "engram_n_heads", "engram_head_dim", "engram_pad_id", "engram_compressed_vocab_size"),
 })
+# What a checkpoint's config.json says about itself for Hugging Face transformers (the release's own names,
+# spec §1.1): AutoConfig picks the config class by `model_type` (dsv41.hf registers it). `to_json` writes
+# them and `from_dict` skips them, so folders written before they were added still load.
+HF_MODEL_TYPE = "deepseek_v41"
+HF_ARCHITECTURE = "DeepseekV41ForCausalLM"
+CHECKPOINT_METADATA_KEYS = ("model_type", "architectures", "transformers_version")
 # What an absent DSpark drafter's fields mean: no drafter (the Flash target layers 37-39 would not even
 # be valid layer ids of a smaller model).
 DSPARK_OFF = MappingProxyType({"dspark_block_size": 0, "dspark_noise_token_id": 0, "dspark_target_layer_ids": (),
@@ -330,7 +336,10 @@ class ModelConfig:
         return out
 
     def to_json(self, path: Optional[str | os.PathLike] = None) -> str:
-        text = json.dumps(self.to_dict(), indent=2)
+        """The checkpoint `config.json`: every field, after the Hugging Face `model_type` and `architectures`
+        that let `AutoConfig` / `AutoModelForCausalLM` recognise the folder (dsv41.hf)."""
+        data = {"model_type": HF_MODEL_TYPE, "architectures": [HF_ARCHITECTURE], **self.to_dict()}
+        text = json.dumps(data, indent=2)
         if path is not None:
             with open(path, "w") as fh:
                 fh.write(text + "\n")
@@ -345,10 +354,17 @@ class ModelConfig:
         different model without a word. All missing fields are named in one ValueError, before any
         model exists. Only `OPTIONAL_FIELDS` and the fields of absent parts (`PART_FIELDS`) may be left
         out. Unknown keys are ignored (the released files carry runtime keys such as `max_batch_size`)
-        unless `strict`; keys of the wrong type raise ValueError naming the field.
+        unless `strict`; keys of the wrong type raise ValueError naming the field. The Hugging Face
+        bookkeeping keys (`CHECKPOINT_METADATA_KEYS`) are skipped even when strict; a `model_type` other
+        than this model's is refused.
         """
         if not isinstance(data, dict):
             raise ValueError(f"config must be a JSON object, got {type(data).__name__}")
+        model_type = data.get("model_type", HF_MODEL_TYPE)
+        if model_type != HF_MODEL_TYPE:
+            raise ValueError(f"ModelConfig: model_type is {model_type!r}, not a DeepSeek-V4.1 model "
+                             f"({HF_MODEL_TYPE!r})")
+        data = {k: v for k, v in data.items() if k not in CHECKPOINT_METADATA_KEYS}
         hf = _looks_like_hf(data)
         flat = _hf_to_inference(data) if hf else dict(data)
         known = {f.name: f for f in dataclasses.fields(cls)}

@@ -44,6 +44,20 @@ def test_json_round_trip(tmp_path, name):
     assert ModelConfig.from_file(tmp_path) == cfg
 
 
+def test_checkpoint_config_names_its_hugging_face_model_type(tmp_path):
+    """config.json carries model_type / architectures for transformers' AutoConfig (dsv41.hf); the loader
+    skips them (strict too), still reads folders written without them, and refuses another model's."""
+    path = tmp_path / "config.json"
+    tiny().to_json(path)
+    data = json.loads(path.read_text())
+    assert data["model_type"] == "deepseek_v41" and data["architectures"] == ["DeepseekV41ForCausalLM"]
+    assert ModelConfig.from_dict(data, strict=True) == tiny()
+    del data["model_type"], data["architectures"]
+    assert ModelConfig.from_dict(data, strict=True) == tiny()
+    with pytest.raises(ValueError, match="deepseek_v4'"):
+        ModelConfig.from_dict({**data, "model_type": "deepseek_v4"})
+
+
 def test_reads_golden_inference_config():
     cfg = ModelConfig.from_file("tests/data/golden/v41-tiny-fp8/config.json")
     assert cfg == tiny().replace(dtype="fp8", expert_dtype="fp4", max_position_embeddings=cfg.max_position_embeddings)

@@ -28,7 +28,7 @@ from dsv41.engine.config import EngineConfig
 from dsv41.engine.kv_pool import BlockAllocator, PagedKVPool, PoolExhausted
 from dsv41.engine.prefix_cache import PrefixStats, Snapshot, SnapshotStore, chain_hashes, prefix_key
 from dsv41.engine.runner import Chunk, ModelRunner
-from dsv41.engine.sampling import sample, token_logprobs, verify_draft
+from dsv41.engine.sampling import prompt_token_logprobs, sample, token_logprobs, verify_draft
 from dsv41.engine.sequence import DraftRings, Sequence, SequenceCache, StatePool, Status
 from dsv41.engine.types import RequestOutput, SamplingParams
 from dsv41.model.transformer import Transformer
@@ -208,12 +208,12 @@ class LLMEngine:
         row, generated = 0, 0
         for seq, chunk, kind in plan:
             seq.cache.global_writes = True
+            rows = logits[row:row + chunk.logit_rows()]  # [n, vocab]: the chunk's last n positions
+            row += len(rows)
             if kind == "rebuild":
                 seq.needs_rebuild = False
                 continue
             if kind == "decode" and self.speculative:
-                rows = logits[row:row + chunk.n_logits]
-                row += chunk.n_logits
                 before = len(seq.output_ids)
                 outputs.append(self._verified(seq, chunk, rows))
                 generated += len(seq.output_ids) - before
@@ -225,12 +225,16 @@ class LLMEngine:
             if seq.suspect_until is not None and seq.num_computed >= seq.suspect_until:
                 seq.suspect_until = None  # it got past the work of the failed batch alone: cleared
             self._register_full_blocks(seq)
+            if kind == "prefill" and seq.needs_prompt_logprobs:
+                try:
+                    self._add_prompt_logprobs(seq, chunk.end - len(rows), rows)
+                except Exception as exc:  # noqa: BLE001 - this request's own failure
+                    outputs.append(self._fail(seq, exc))
+                    continue
             if seq.num_computed < seq.prefill_target:
                 continue
-            seq_logits = logits[row]
-            row += 1
             try:
-                out = self._sampled(seq, kind, seq_logits)
+                out = self._sampled(seq, kind, rows[-1])
             except Exception as exc:  # noqa: BLE001 - this request's own failure (sampling, decoding, stop)
                 outputs.append(self._fail(seq, exc))
                 continue
@@ -255,6 +259,17 @@ class LLMEngine:
         token = sample(logits, seq.params, seq.generator or self.generator)
         self._append_token(seq, token, logits)
         return self._emit(seq)
+
+    def _add_prompt_logprobs(self, seq: Sequence, first: int, rows: torch.Tensor) -> None:
+        """Record the prompt logprobs the logits rows [n, vocab] of positions first..first+n-1 give: row j
+        scores prompt token first+j+1. Positions already recorded (a recompute after preemption) are skipped."""
+        prompt, have = seq.prompt_ids, len(seq.prompt_logprobs)
+        if first > have - 1:  # cannot happen: such a request prefills every position from 0 in order
+            raise RuntimeError(f"prompt logprobs: positions {have - 1}..{first - 1} were never computed")
+        lo, hi = max(have - 1, first), min(first + len(rows), len(prompt) - 1)  # positions to score
+        if lo < hi:
+            seq.prompt_logprobs += prompt_token_logprobs(rows[lo - first:hi - first], prompt[lo + 1:hi + 1],
+                                                         seq.params.prompt_logprobs, self.tokenizer)
 
     def _append_token(self, seq: Sequence, token: int, logits: torch.Tensor) -> None:
         """Add one token (chosen from logits [vocab]) to the output; sets the finish reason if it ends it."""
@@ -441,11 +456,12 @@ class LLMEngine:
                 continue
             budget = cfg.max_num_batched_tokens - sum(c.end - c.start for _, c, _ in plan) - (end - start)
             lookback = self.model_config.engram_max_ngram_size - 1
+            every = kind == "prefill" and seq.needs_prompt_logprobs  # logits at every position (prompt logprobs)
             chunk = Chunk(seq.cache, tokens[start:end], start, tokens[max(0, start - lookback):start],
                           decoder_from=seq.rebuild_decoder_from if kind == "rebuild" else seq.decoder_from,
-                          want_logits=kind != "rebuild" and end >= seq.prefill_target, end=end,
+                          want_logits=kind != "rebuild" and (end >= seq.prefill_target or every), end=end,
                           decode=kind == "decode" and end - start == 1,
-                          n_logits=len(seq.draft_tokens) + 1 if kind == "decode" else 1)
+                          n_logits=len(seq.draft_tokens) + 1 if kind == "decode" else end - start if every else 1)
             if seq.images:
                 self._attach_images(seq, chunk, start - len(chunk.context), end)
             plan.append((seq, chunk, kind))
@@ -513,18 +529,22 @@ class LLMEngine:
         w = mcfg.window_size
         bounded = self.config.prefill_mode == "bounded"
         if seq.decoder_start is None:  # fixed at first admission, so a recompute takes the same path
-            seq.decoder_start = max(0, len(seq.prompt_ids) - w) if bounded else 0
+            # prompt logprobs need the logits of every prompt position: the decoder runs over all of them
+            full = not bounded or seq.params.prompt_logprobs is not None
+            seq.decoder_start = 0 if full else max(0, len(seq.prompt_ids) - w)
         start = seq.decoder_start
         exact = self.config.exact_prefix_reuse
+        # prompt logprobs still to compute: every prompt position runs here, nothing is read from the cache
+        lookup = self.config.enable_prefix_caching and not seq.needs_prompt_logprobs
         matched: list[int] = []
-        if self.config.enable_prefix_caching:
+        if lookup:
             for h in hashes[:(n if exact else n - 1) // bs]:
                 block = self.allocator.lookup(h)
                 if block is None:
                     break
                 matched.append(block)
         snap = None
-        if self.config.enable_prefix_caching:
+        if lookup:
             if exact:
                 # resume only where a miss computes the same: the windows kept, and the decoder either
                 # not yet started there (its windows begin at `start` in both paths) or started at `start`
@@ -541,7 +561,7 @@ class LLMEngine:
         if self.allocator.num_available() - revived < to_allocate + len(self.running):
             if self.running or self.allocator.num_available() - revived < to_allocate:
                 return False
-        if self.config.enable_prefix_caching:
+        if lookup:
             self.stats.queried_tokens += n
         for b in matched:
             self.allocator.acquire_cached(b)
@@ -676,7 +696,8 @@ class LLMEngine:
                              seq.finish_reason if finished else None, len(seq.prompt_ids), seq.num_cached_tokens,
                              logprobs, error=seq.error if finished else None,
                              queue_time_s=seq.queue_time_s if finished else None,
-                             routed_experts=routed, spans=spans, preemptions=seq.preemptions)
+                             routed_experts=routed, spans=spans, preemptions=seq.preemptions,
+                             prompt_logprobs=None if seq.needs_prompt_logprobs else seq.prompt_logprobs)
 
     # ------------------------------------------------------------------ reporting
     def metrics(self) -> dict:

@@ -40,7 +40,8 @@ class Chunk:
     want_logits: bool = True  # logits of the last position
     end: int = 0  # the scheduler's end position (tokens/start change when the decoder part is trimmed)
     decode: bool = False  # one token of a running sequence: batched with the other decode tokens
-    n_logits: int = 1  # with want_logits: logits of this many trailing positions (a DSpark verify: n + 1)
+    n_logits: int = 1  # with want_logits: logits of this many trailing positions (a DSpark verify: n + 1;
+    # every position of a prefill chunk whose request wants prompt logprobs)
     shared: dict = field(default_factory=dict)
     # images: (offset in tokens, rows [n, dim] bf16) replacing those positions' token embeddings, and for
     # context + tokens, True at image-span positions (routed with bias_vl, dead to Engram); None: all text
@@ -52,6 +53,11 @@ class Chunk:
     hidden_start: int = 0
     # filled by a forward with record_routing: each position's expert ids [n, n_layers, k] (uint8 or int16)
     routing: Optional[torch.Tensor] = None
+
+    def logit_rows(self) -> int:
+        """How many logits rows a forward returns for this chunk: its last positions, after any
+        bounded-replay trim (call it after the forward)."""
+        return min(self.n_logits, len(self.tokens)) if self.want_logits else 0
 
 
 class ModelRunner:
@@ -149,8 +155,7 @@ class ModelRunner:
         last, offset = [], 0
         for c in chunks:
             offset += len(c.tokens)
-            if c.want_logits:
-                last.extend(range(offset - min(c.n_logits, len(c.tokens)), offset))
+            last.extend(range(offset - c.logit_rows(), offset))
         if not last:
             return torch.empty(0, cfg.vocab_size)
         index = torch.tensor(last, device=device)

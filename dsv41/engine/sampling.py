@@ -126,3 +126,17 @@ def token_logprobs(logits: torch.Tensor, token: int, top_n: int, tokenizer,
         values, ids = torch.topk(logp, top_n)
         top = [(int(i), tokenizer.decode([int(i)]), float(v)) for v, i in zip(values, ids)]
     return TokenLogprob(token, tokenizer.decode([token]), float(logp[token]), top, support)
+
+
+def prompt_token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int, tokenizer) -> list[TokenLogprob]:
+    """Prompt logprobs (SamplingParams.prompt_logprobs) of several positions at once: logits [n, vocab] fp32
+    at positions p..p+n-1, tokens the n prompt tokens at p+1..p+n; each entry under the model's own
+    distribution (as `token_logprobs` without params), with the top `top_n` alternatives."""
+    logp = torch.log_softmax(logits.float().cpu(), dim=-1)  # [n, vocab]
+    picked = logp.gather(1, torch.tensor(tokens, dtype=torch.int64).view(-1, 1))[:, 0].tolist()
+    tops: list[list] = [[] for _ in tokens]
+    if top_n:
+        values, ids = torch.topk(logp, top_n, dim=-1)  # [n, top_n]
+        tops = [[(int(i), tokenizer.decode([int(i)]), float(v)) for v, i in zip(vs, ix)]
+                for vs, ix in zip(values.tolist(), ids.tolist())]
+    return [TokenLogprob(t, tokenizer.decode([t]), lp, top) for t, lp, top in zip(tokens, picked, tops)]

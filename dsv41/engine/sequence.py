@@ -262,6 +262,8 @@ class Sequence:
         self.emitted_text = 0  # chars of `text` already sent
         self.emitted_tokens = 0
         self.pending_logprobs: list = []
+        # SamplingParams.prompt_logprobs: entry i for prompt token i, filled as the prefill computes them
+        self.prompt_logprobs: Optional[list] = None if params.prompt_logprobs is None else [None]
         self.finish_reason: Optional[str] = None
         self.preemptions = 0
         # in a batch whose forward failed: runs alone until it has computed past this position
@@ -327,3 +329,8 @@ class Sequence:
     @property
     def in_prefill(self) -> bool:
         return self.num_computed < self.prefill_target
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """The request asked for prompt logprobs and some are not computed yet."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)

@@ -23,6 +23,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # extra ids that end the request (kept in ids)
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # None: none; n >= 0: the chosen token's logprob plus the top n
+    # None: none; n >= 0: every prompt token's logprob given the tokens before it, plus the top n (vLLM's
+    # prompt_logprobs; always the model's own distribution). Such a request computes its whole prompt
+    # itself, every layer at every position: it reads nothing from the prefix cache and skips bounded replay.
+    prompt_logprobs: Optional[int] = None
 
     MAX_LOGPROBS = 20
     # Caps on what every step of the whole batch pays for: each stop string is searched for in new text
@@ -43,6 +47,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.logprobs is not None and not (0 <= self.logprobs <= self.MAX_LOGPROBS):
             raise ValueError(f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= self.MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if len(self.stop) > self.MAX_STOP:
@@ -92,3 +98,6 @@ class RequestOutput:
     routed_experts: Optional["torch.Tensor"] = None
     spans: Optional[list] = None
     preemptions: int = 0  # times the request was preempted and recomputed
+    # SamplingParams.prompt_logprobs, on every output once the prompt is computed: entry i is prompt token
+    # i's logprob given tokens 0..i-1 (entry 0, which has no context, is None)
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None

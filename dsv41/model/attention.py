@@ -106,6 +106,10 @@ class Indexer(nn.Module):
         # pieces scored per merge: the [S, H, piece] intermediates stay small (the scoring is memory-bound)
         # while the top-k merge, whose cost is per call, runs once per merge_every pieces
         self.merge_every = 8
+        # the stored format of the index keys: MXFP4 (the release, spec §8). False keeps them in bf16, only to
+        # measure what FP4 storage costs (dsv41.eval.cost); the engine's packed pool stores E2M1, so it
+        # needs True
+        self.fp4_keys = True
         self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, cfg.dtype)
         self.weights_proj = Linear(cfg.dim, self.n_heads, "bf16")
         if self.owns_keys:
@@ -117,9 +121,10 @@ class Indexer(nn.Module):
     # forward trains the indexer through its own KL path (dsv41.model.training)
     @torch.no_grad()
     def make_keys(self, latent: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        """Pre-RoPE latents [B, G, head_dim] -> index keys [B, G, index_head_dim], RoPE'd and MXFP4-rounded."""
+        """Pre-RoPE latents [B, G, head_dim] -> index keys [B, G, index_head_dim], RoPE'd and MXFP4-rounded
+        (bf16 when `fp4_keys` is off)."""
         k = ops.apply_rope(self.k_norm(self.wk(latent)), freqs, self.rope_dim)
-        return ops.fp4_qdq(k, FP4_BLOCK, "ue8m0")
+        return ops.fp4_qdq(k, FP4_BLOCK, "ue8m0") if self.fp4_keys else k
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, qr: torch.Tensor, cache, source: int, n_keys: int, freqs: torch.Tensor,
@@ -229,6 +234,10 @@ class Attention(nn.Module):
         self.wo_b = Linear(self.n_groups * self.o_lora_rank, cfg.dim, cfg.dtype)
         self.compressor = Compressor(cfg, layer_id) if self.kv_source == layer_id else None
         self.indexer = Indexer(cfg, layer_id) if self.index_source == layer_id else None
+        # the stored format of a kv source's compressed KV: E2M1 + E4M3 per 16 (the release, spec §8). False
+        # keeps the latents in bf16, only to measure what FP4 storage costs (dsv41.eval.cost); the engine's
+        # packed pool stores E2M1, so it needs True
+        self.fp4_kv = True
 
     # ------------------------------------------------------------------ window
     def _window(self, kv: torch.Tensor, start_pos: int, cache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,7 +310,9 @@ class Attention(nn.Module):
         freqs = self.rope.at(group_pos, x.device)
         keys = self.indexer.make_keys(latent, freqs) if self.indexer is not None else None
         # straight-through under autograd (the RL learner's replay), the plain rounding otherwise
-        latent = rounded(ops.apply_rope(latent, freqs, self.rope_dim), ops.fp4_qdq, KV_FP4_BLOCK, "e4m3")
+        latent = ops.apply_rope(latent, freqs, self.rope_dim)
+        if self.fp4_kv:
+            latent = rounded(latent, ops.fp4_qdq, KV_FP4_BLOCK, "e4m3")
         cache.write_compressed(self.layer_id, x.size(0), first, latent, keys)
 
     def project(self, x: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
