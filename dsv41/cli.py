@@ -521,10 +521,14 @@ def cmd_rl(args) -> int:
     result = {"step": 0, **trainer.evaluate()}
     trainer.close()
     efforts = trainer.gcfg.efforts
-    print("| effort | accuracy | mean grade | mean length |\n|---|---|---|---|")
+    print("| effort | accuracy | mean grade | mean length | reasoning share |\n|---|---|---|---|---|")
     for b in efforts:
         print(f"| {b} | {result[f'eval_accuracy_{b}']:.3f} | {result[f'eval_grade_{b}']:.3f} | "
-              f"{result[f'eval_length_{b}']:.1f} |")
+              f"{result[f'eval_length_{b}']:.1f} | {result[f'eval_reasoning_{b}']:.2f} |")
+    grades = {k: result[f"eval_grade_{k}"] for k in ("reasoning", "direct")}
+    print("mean grade of the responses that reason: " + ("-" if grades["reasoning"] is None else
+          f"{grades['reasoning']:.3f}") + "; that answer directly: " + ("-" if grades["direct"] is None else
+          f"{grades['direct']:.3f}"))
     with open(os.path.join(trainer.cfg.out, "eval.json"), "w") as f:
         json.dump(result, f, indent=2)
     return 0

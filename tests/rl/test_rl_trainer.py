@@ -153,3 +153,18 @@ def test_the_effort_summary_counts_each_effort_apart():
     only_direct = RLTrainer._effort_summary(host, rollouts[:2], "eval")
     assert only_direct["eval_grade_reasoning"] is None and only_direct["eval_grade_direct"] == 0.75
     assert "eval_reward_25" not in out
+
+
+def test_rl_eval_prints_the_table_per_effort_and_writes_its_json(tmp_path, capsys):
+    from dsv41.cli import main
+
+    out = tmp_path / "eval"
+    assert main(["rl", "eval", "--model", "tiny", "--out", str(out), "--efforts", "25,100", "--eval-prompts", "2",
+                 "--eval-samples", "2", "--max-new-tokens", "6", "--grader", "local", "--threads", "1"]) == 0
+    printed = capsys.readouterr().out
+    result = json.load(open(out / "eval.json"))
+    assert result["eval_samples"] == 2 * 2 * 2
+    for b in (25, 100):  # one table row per effort, its numbers those of the JSON
+        assert f"| {b} | {result[f'eval_accuracy_{b}']:.3f} | {result[f'eval_grade_{b}']:.3f} | " in printed
+        assert 0.0 <= result[f"eval_reasoning_{b}"] <= 1.0
+    assert "mean grade of the responses that reason" in printed
