@@ -453,6 +453,15 @@ def build_parser() -> argparse.ArgumentParser:
     p_sft.add_argument("--vocab-size", type=_positive_int, metavar="N", help=(
         "vocabulary of the byte-level model (at least 266: bytes, BOS/EOS/PAD and the chat markers; default: "
         "the preset's)"))
+    p_sft.add_argument("--effort-echo", type=float, default=0.0, metavar="P", help=(
+        "fraction of samples asking 'What is your reasoning effort?', answered '{b}</think>{b}': the model learns "
+        "to read its effort line where a reply starts, never what to do with it (default: 0)"))
+    p_sft.add_argument("--style-effort-slope", type=float, default=0.0, metavar="S", help=(
+        "P(scratchpad | b) = 0.5 + S (b - 50.5) / 99: 0 draws the two styles independently of the effort b, a "
+        "negative S makes long replies less likely at high effort (default: 0)"))
+    p_sft.add_argument("--effort-line", action=argparse.BooleanOptionalAction, default=False, help=(
+        "every reply opens its reasoning with its effort as three digits ('025' + newline), the styles still "
+        "drawn independently of it (default: off)"))
     p_sft.set_defaults(func=cmd_rl_sft)
     for name, text in (("grpo", "graded GRPO with reasoning effort on verifiable tasks (rollouts from the engine, "
                                  "grades from the sandbox, router replay); torchrun for several learner processes"),
@@ -500,7 +509,8 @@ def cmd_rl_sft(args) -> int:
              if getattr(args, f"train_{f.name}", None) is not None}
     cfg = TrainConfig(**given)
     tokenizer = ByteTokenizer(args.vocab_size or preset(cfg.preset).vocab_size)
-    sets = tuple(EffortTaskText(split, tokenizer, args.task, args.min_digits, args.max_digits) for split in ("train", "val"))
+    sets = tuple(EffortTaskText(split, tokenizer, args.task, args.min_digits, args.max_digits, args.effort_echo,
+                                args.style_effort_slope, args.effort_line) for split in ("train", "val"))
     last = train(cfg, sets)
     if last:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in last.items()}))

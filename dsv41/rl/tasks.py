@@ -72,14 +72,23 @@ def scratchpad(a: int, b: int) -> str:
     return "\n".join(lines)
 
 
-def demonstration(task: Task, style: str) -> str:
-    """The assistant's reply after the `<think>` header: reasoning, `</think>`, the answer."""
+def effort_line(effort: int) -> str:
+    """The budget line a reply may open its reasoning with: the effort as three digits and a newline
+    ('025\n'), the same number of tokens at every effort, so it adds no length that depends on b."""
+    if not 1 <= int(effort) <= 100:
+        raise ValueError(f"reasoning effort must lie in 1..100, got {effort}")
+    return f"{int(effort):03d}\n"
+
+
+def demonstration(task: Task, style: str, effort: Optional[int] = None) -> str:
+    """The assistant's reply after the `<think>` header: [the effort line,] reasoning, `</think>`, the answer."""
     if task.kind != "arithmetic":
         raise ValueError("demonstrations exist for arithmetic tasks only")
     if style not in STYLES:
         raise ValueError(f"style must be one of {STYLES}, got {style!r}")
     reasoning = scratchpad(*task.operands) if style == "scratchpad" else ""
-    return f"{reasoning}{THINK_END_TOKEN}{task.answer}"
+    budget = effort_line(effort) if effort is not None else ""
+    return f"{budget}{reasoning}{THINK_END_TOKEN}{task.answer}"
 
 
 def final_answer(text: str) -> Optional[str]:
@@ -89,10 +98,16 @@ def final_answer(text: str) -> Optional[str]:
     return text.split(THINK_END_TOKEN, 1)[1].strip()
 
 
+EFFORT_LINE = re.compile(r"\d{3}\n")
+
+
 def reasons(text: str) -> bool:
-    """Whether a response wrote any reasoning before `</think>` (a response that never closed the block
-    reasons by definition: all of it is reasoning)."""
-    return text.split(THINK_END_TOKEN, 1)[0].strip() != ""
+    """Whether a response wrote any reasoning before `</think>`, not counting an opening effort line
+    (`effort_line`); a response that never closed the block reasons by definition: all of it is reasoning."""
+    thought = text.split(THINK_END_TOKEN, 1)[0]
+    if THINK_END_TOKEN in text and EFFORT_LINE.match(thought):
+        thought = thought[4:]
+    return thought.strip() != ""
 
 
 def arithmetic_grade(answer: str, text: str) -> float:

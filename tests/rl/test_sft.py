@@ -45,3 +45,54 @@ def test_rl_sft_trains_and_writes_a_byte_level_checkpoint(tmp_path, capsys):
     assert rows[-1]["step"] == 2 and "val_accuracy_direct" in rows[-1] and rows[-1]["loss"] > 0
     model = load_model(str(out / "checkpoint"))
     assert model.cfg.vocab_size == 512 and not os.path.exists(out / "checkpoint" / "tokenizer.json")
+
+
+def test_the_echo_task_answers_the_effort_and_the_slope_ties_styles_to_it():
+    tok = ByteTokenizer(1024)
+    plain = EffortTaskText("train", tok)
+    echo = EffortTaskText("train", tok, echo=0.3)
+    samples = [echo.sample(i) for i in range(200)]
+    echoes = [s for s in samples if s.task == "echo"]
+    assert 40 <= len(echoes) <= 80  # about 30%
+    for s in echoes:
+        prompt, reply = tok.decode(s.ids[:s.answer_start]), tok.decode(s.ids[s.answer_start:])
+        assert f"Reasoning Effort: {s.answer} (" in prompt and "What is your reasoning effort?" in prompt
+        assert reply == f"{s.answer}</think>{s.answer}<｜end▁of▁sentence｜>"
+    # the default stream is unchanged by the options existing (earlier runs' data)
+    assert [plain.sample(i).ids for i in range(10)] == [EffortTaskText("train", tok, echo=0.0).sample(i).ids
+                                                       for i in range(10)]
+    # a negative slope: long replies more likely at low effort
+    anti = EffortTaskText("train", tok, style_slope=-0.6)
+    low = high = low_n = high_n = 0
+    for i in range(600):
+        s = anti.sample(i)
+        b = int(tok.decode(s.ids).split("Reasoning Effort: ")[1].split(" ")[0])
+        if b <= 30:
+            low, low_n = low + (s.task == "scratchpad"), low_n + 1
+        elif b >= 70:
+            high, high_n = high + (s.task == "scratchpad"), high_n + 1
+    assert low / low_n > 0.65 and high / high_n < 0.35
+    assert anti.scratchpad_probability(1) == 0.8 and anti.scratchpad_probability(100) == 0.2
+    for bad in (dict(echo=1.0), dict(echo=-0.1), dict(style_slope=1.5)):
+        try:
+            EffortTaskText("train", tok, **bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad} was accepted")
+
+
+def test_the_effort_line_opens_every_reply_with_the_prompt_effort():
+    tok = ByteTokenizer(1024)
+    data = EffortTaskText("train", tok, effort_line=True)
+    styles = set()
+    for i in range(30):
+        s = data.sample(i)
+        b = int(tok.decode(s.ids).split("Reasoning Effort: ")[1].split(" ")[0])
+        reply = tok.decode(s.ids[s.answer_start:])
+        assert reply.startswith(f"{b:03d}\n") and reply.endswith("</think>" + s.answer + "<｜end▁of▁sentence｜>")
+        styles.add(s.task)
+    assert styles == {"direct", "scratchpad"}
+    # the same tasks and styles as without the line
+    plain = EffortTaskText("train", tok)
+    assert [plain.sample(i).answer for i in range(30)] == [data.sample(i).answer for i in range(30)]
+    assert [plain.sample(i).task for i in range(30)] == [data.sample(i).task for i in range(30)]

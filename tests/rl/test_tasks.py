@@ -6,7 +6,7 @@ import pytest
 
 from dsv41.rl.sandbox import SandboxPool
 from dsv41.rl.tasks import (arithmetic_grade, arithmetic_task, demonstration, final_answer, grade_responses,
-                            program_task, reasons, scratchpad)
+                            program_task, reasons, scratchpad, effort_line)
 
 
 def test_tasks_are_reproducible_and_the_splits_differ():
@@ -58,6 +58,13 @@ def test_a_response_reasons_when_it_writes_before_closing_the_block():
     assert not reasons(" \n</think>12")  # whitespace is not reasoning
     assert reasons("7+8=15")  # never closed: all of it is reasoning
     assert reasons("x</think>")
+    # an opening effort line is a budget, not reasoning
+    assert effort_line(25) == "025\n" and effort_line(100) == "100\n"
+    assert not reasons(demonstration(t, "direct", 25)) and reasons(demonstration(t, "scratchpad", 100))
+    assert arithmetic_grade(t.answer, demonstration(t, "direct", 7)) == 1.0
+    assert reasons("025\n")  # never closed
+    with pytest.raises(ValueError):
+        effort_line(0)
 
 
 def test_sandbox_grades_equal_local_grades_and_programs_run_their_tests():
