@@ -535,10 +535,10 @@ def cmd_rl(args) -> int:
     for b in efforts:
         print(f"| {b} | {result[f'eval_accuracy_{b}']:.3f} | {result[f'eval_grade_{b}']:.3f} | "
               f"{result[f'eval_length_{b}']:.1f} | {result[f'eval_reasoning_{b}']:.2f} |")
-    grades = {k: result[f"eval_grade_{k}"] for k in ("reasoning", "direct")}
-    print("mean grade of the responses that reason: " + ("-" if grades["reasoning"] is None else
-          f"{grades['reasoning']:.3f}") + "; that answer directly: " + ("-" if grades["direct"] is None else
-          f"{grades['direct']:.3f}"))
+    def style(kind: str) -> str:
+        grade, length = result[f"eval_grade_{kind}"], result[f"eval_length_{kind}"]
+        return "-" if grade is None else f"{grade:.3f} (mean length {length:.1f})"
+    print(f"mean grade of the responses that reason: {style('reasoning')}; that answer directly: {style('direct')}")
     with open(os.path.join(trainer.cfg.out, "eval.json"), "w") as f:
         json.dump(result, f, indent=2)
     return 0

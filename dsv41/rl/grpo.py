@@ -5,7 +5,9 @@ spec-v41.md §10).
   length penalty min(C_max, k(b) * length / L_norm), k(b) = k0 * exp(-(b - b_min) / tau), so a higher
   effort pays less for every token (b_min: the lowest effort trained).
 - Advantages are group-relative *within each (prompt, effort) subgroup*: (r - mean) / (std + eps), the
-  same for every token of the response.
+  same for every token of the response; or r - mean (`scale_rewards="none"`, Dr. GRPO, Liu et al. 2025),
+  which keeps the reward's units across subgroups: a subgroup whose styles differ by a small reward then
+  pushes less than one where they differ by a large one, where std scaling makes every subgroup push alike.
 - Loss, per token t of a response (token-level: a batch's tokens weigh the same, whatever their
   sequence's length): -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) + beta * KL_t, with
   rho = pi / pi_old from the rollout's log-probabilities, and KL_t the unbiased K3 estimator of
@@ -46,6 +48,8 @@ class GRPOConfig:
         "off-policy sequence masking: drop negative-advantage responses whose mean per-token "
         "log pi_old - log pi exceeds this (<= 0 disables)")})
     adv_eps: float = field(default=1e-4, metadata={"help": "added to the subgroup's reward std"})
+    scale_rewards: str = field(default="group", metadata={"choices": ("group", "none"), "help": (
+        "group: advantages (r - mean) / (std + eps) within each subgroup; none: r - mean (Dr. GRPO)")})
 
     def validate(self) -> None:
         if not self.efforts or any(not 1 <= int(b) <= 100 for b in self.efforts):
@@ -58,6 +62,8 @@ class GRPOConfig:
         for name in ("k0", "c_max", "clip_low", "clip_high", "kl_coef", "adv_eps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"GRPOConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.scale_rewards not in ("group", "none"):
+            raise ValueError(f"GRPOConfig.scale_rewards must be 'group' or 'none', got {self.scale_rewards!r}")
         if self.clip_low >= 1:
             raise ValueError(f"GRPOConfig.clip_low must be < 1, got {self.clip_low}")
 
@@ -77,9 +83,13 @@ def reward(grade: float, length: int, effort: float, cfg: GRPOConfig) -> float:
     return float(grade) - length_penalty(length, effort, cfg)
 
 
-def subgroup_advantages(rewards: Sequence[float], groups: Sequence, eps: float = 1e-4) -> torch.Tensor:
+def subgroup_advantages(rewards: Sequence[float], groups: Sequence, eps: float = 1e-4,
+                        scale: str = "group") -> torch.Tensor:
     """(r - mean) / (std + eps) within each subgroup (responses with equal `groups` key, e.g.
-    (prompt id, effort)); std is the population std of the subgroup. Returns fp32 [N]."""
+    (prompt id, effort)); std is the population std of the subgroup. scale="none": r - mean.
+    Returns fp32 [N]."""
+    if scale not in ("group", "none"):
+        raise ValueError(f"scale must be 'group' or 'none', got {scale!r}")
     r = torch.tensor(rewards, dtype=torch.float64)
     out = torch.zeros_like(r)
     members: dict = {}
@@ -87,7 +97,8 @@ def subgroup_advantages(rewards: Sequence[float], groups: Sequence, eps: float =
         members.setdefault(key, []).append(i)
     for idx in members.values():
         sub = r[idx]
-        out[idx] = (sub - sub.mean()) / (sub.std(unbiased=False) + eps)
+        centred = sub - sub.mean()
+        out[idx] = centred / (sub.std(unbiased=False) + eps) if scale == "group" else centred
     return out.float()
 
 

@@ -77,6 +77,9 @@ class RLConfig:
     tau: float = field(default=25.0, metadata={"help": "effort scale of the penalty: k(b) = k0 exp(-(b - b_min) / tau)"})
     c_max: float = field(default=0.5, metadata={"help": "cap of the length penalty"})
     l_norm: float = field(default=64.0, metadata={"help": "response tokens that cost k(b)"})
+    scale_rewards: str = field(default="group", metadata={"choices": ("group", "none"), "help": (
+        "group: advantages (r - mean) / std within each (prompt, effort) subgroup (GRPO); none: r - mean "
+        "(Dr. GRPO), so subgroups push in proportion to their reward differences")})
     clip_low: float = field(default=0.2, metadata={"help": "PPO clip: ratio >= 1 - clip_low"})
     clip_high: float = field(default=0.28, metadata={"help": "PPO clip: ratio <= 1 + clip_high"})
     kl_coef: float = field(default=0.0, metadata={"help": "weight of the K3 KL to the starting policy (0: none)"})
@@ -118,7 +121,8 @@ class RLConfig:
     def grpo(self) -> GRPOConfig:
         return GRPOConfig(efforts=self.effort_list(), group_size=self.group_size, k0=self.k0, tau=self.tau,
                           c_max=self.c_max, l_norm=self.l_norm, clip_low=self.clip_low, clip_high=self.clip_high,
-                          kl_coef=self.kl_coef, offpolicy_kl=self.offpolicy_kl)
+                          kl_coef=self.kl_coef, offpolicy_kl=self.offpolicy_kl,
+                          scale_rewards=self.scale_rewards)
 
     def validate(self) -> None:
         self.grpo().validate()
@@ -253,7 +257,8 @@ class RLTrainer:
             r.values["length"] = len(r.completion_ids)
             r.values["reward"] = reward(r.values["grade"], len(r.completion_ids), r.tag[1], g)
         adv = subgroup_advantages([r.values["reward"] for r in rollouts],
-                                  [(tasks[r.tag[0]].uid, r.tag[1]) for r in rollouts], g.adv_eps)
+                                  [(tasks[r.tag[0]].uid, r.tag[1]) for r in rollouts], g.adv_eps,
+                                  g.scale_rewards)
         rollouts = [r for r in rollouts if r.completion_ids]
         samples = [r.sample() for r in rollouts]
         old = _padded([r.logprobs for r in rollouts])
@@ -337,12 +342,13 @@ class RLTrainer:
             rows.append([len(rs), sum(r.values["grade"] >= 1.0 for r in rs), sum(r.values["grade"] for r in rs),
                          sum(len(r.completion_ids) for r in rs), sum(r.values.get("reward", 0.0) for r in rs),
                          sum(bool(r.values.get("reasons")) for r in rs),
-                         sum(r.values["grade"] for r in rs if r.values.get("reasons"))])
+                         sum(r.values["grade"] for r in rs if r.values.get("reasons")),
+                         sum(len(r.completion_ids) for r in rs if r.values.get("reasons"))])
         t = torch.tensor(rows, dtype=torch.float64)
         if self.distributed and prefix == "train":
             dist.all_reduce(t)
         out = {}
-        for b, (n, right, grade, length, rew, reasoning, _) in zip(keys, t.tolist()):
+        for b, (n, right, grade, length, rew, reasoning, _, _) in zip(keys, t.tolist()):
             n = max(n, 1)
             out[f"{prefix}_accuracy_{b}"] = right / n
             out[f"{prefix}_grade_{b}"] = grade / n
@@ -360,6 +366,9 @@ class RLTrainer:
         # directly (None when there were none), the trade the effort's length penalty is set against
         out[f"{prefix}_grade_reasoning"] = total[6] / total[5] if total[5] else None
         out[f"{prefix}_grade_direct"] = (total[2] - total[6]) / (total[0] - total[5]) if total[0] > total[5] else None
+        # and what it costs: their mean lengths in tokens (the penalty's length gap)
+        out[f"{prefix}_length_reasoning"] = total[7] / total[5] if total[5] else None
+        out[f"{prefix}_length_direct"] = (total[3] - total[7]) / (total[0] - total[5]) if total[0] > total[5] else None
         return out
 
     @torch.no_grad()

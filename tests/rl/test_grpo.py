@@ -37,6 +37,18 @@ def test_advantages_are_normalised_within_each_subgroup_only():
     torch.testing.assert_close(subgroup_advantages(shifted, groups, 1e-12), adv)
 
 
+def test_unscaled_advantages_keep_the_reward_units():
+    # Dr. GRPO: r - mean per subgroup, no std; a subgroup with twice the spread pushes twice as hard,
+    # where std scaling gives both the same magnitude
+    rewards = [0.0, 1.0, 0.0, 2.0]
+    groups = [("a", 25)] * 2 + [("a", 100)] * 2
+    torch.testing.assert_close(subgroup_advantages(rewards, groups, scale="none"),
+                               torch.tensor([-0.5, 0.5, -1.0, 1.0]))
+    torch.testing.assert_close(subgroup_advantages(rewards, groups, 1e-12), torch.tensor([-1.0, 1.0, -1.0, 1.0]))
+    with pytest.raises(ValueError, match="scale"):
+        subgroup_advantages(rewards, groups, scale="batch")
+
+
 def _batch(seed=0, n=4, length=6):
     g = torch.Generator().manual_seed(seed)
     logp = (-torch.rand(n, length, generator=g) * 3).requires_grad_()
@@ -113,3 +125,5 @@ def test_config_validation():
         GRPOConfig(efforts=(0, 50)).validate()
     with pytest.raises(ValueError, match="group_size"):
         GRPOConfig(group_size=1).validate()
+    with pytest.raises(ValueError, match="scale_rewards"):
+        GRPOConfig(scale_rewards="std").validate()

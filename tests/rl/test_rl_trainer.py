@@ -152,6 +152,8 @@ def test_the_effort_summary_counts_each_effort_apart():
     assert out["eval_grade_reasoning"] == pytest.approx(2 / 3) and out["eval_grade_direct"] == 0.75
     only_direct = RLTrainer._effort_summary(host, rollouts[:2], "eval")
     assert only_direct["eval_grade_reasoning"] is None and only_direct["eval_grade_direct"] == 0.75
+    assert out["eval_length_reasoning"] == pytest.approx(62 / 3) and out["eval_length_direct"] == 4
+    assert only_direct["eval_length_reasoning"] is None and only_direct["eval_length_direct"] == 4
     assert "eval_reward_25" not in out
 
 
