@@ -30,6 +30,8 @@ from typing import Optional, Sequence
 
 import torch
 
+ADVANTAGE_SCALES = ("group", "none")  # (r - mean) / std per subgroup (GRPO), or r - mean (Dr. GRPO)
+
 
 @dataclass
 class GRPOConfig:
@@ -48,7 +50,7 @@ class GRPOConfig:
         "off-policy sequence masking: drop negative-advantage responses whose mean per-token "
         "log pi_old - log pi exceeds this (<= 0 disables)")})
     adv_eps: float = field(default=1e-4, metadata={"help": "added to the subgroup's reward std"})
-    scale_rewards: str = field(default="group", metadata={"choices": ("group", "none"), "help": (
+    scale_rewards: str = field(default="group", metadata={"choices": ADVANTAGE_SCALES, "help": (
         "group: advantages (r - mean) / (std + eps) within each subgroup; none: r - mean (Dr. GRPO)")})
 
     def validate(self) -> None:
@@ -62,8 +64,8 @@ class GRPOConfig:
         for name in ("k0", "c_max", "clip_low", "clip_high", "kl_coef", "adv_eps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"GRPOConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if self.scale_rewards not in ("group", "none"):
-            raise ValueError(f"GRPOConfig.scale_rewards must be 'group' or 'none', got {self.scale_rewards!r}")
+        if self.scale_rewards not in ADVANTAGE_SCALES:
+            raise ValueError(f"GRPOConfig.scale_rewards must be one of {ADVANTAGE_SCALES}, got {self.scale_rewards!r}")
         if self.clip_low >= 1:
             raise ValueError(f"GRPOConfig.clip_low must be < 1, got {self.clip_low}")
 
@@ -88,8 +90,8 @@ def subgroup_advantages(rewards: Sequence[float], groups: Sequence, eps: float =
     """(r - mean) / (std + eps) within each subgroup (responses with equal `groups` key, e.g.
     (prompt id, effort)); std is the population std of the subgroup. scale="none": r - mean.
     Returns fp32 [N]."""
-    if scale not in ("group", "none"):
-        raise ValueError(f"scale must be 'group' or 'none', got {scale!r}")
+    if scale not in ADVANTAGE_SCALES:
+        raise ValueError(f"scale must be one of {ADVANTAGE_SCALES}, got {scale!r}")
     r = torch.tensor(rewards, dtype=torch.float64)
     out = torch.zeros_like(r)
     members: dict = {}

@@ -18,8 +18,9 @@ Two options shape what the warm start knows of the effort:
   (`025\n`, `effort_line`), styles still independent of b. The style is then chosen a few tokens after
   the model wrote b itself, where it is plainly visible, instead of 90 tokens after the effort line of
   the prompt; RL still has to learn what the stated budget should mean (see docs/rl-effort.md for why
-  this was needed at CPU scale: a warm start whose styles depended on b, P(scratchpad) from 0.8 to 0.2,
-  left the first reply token b-independent after 150 steps).
+  this was tried at CPU scale: a warm start whose styles depended on b, P(scratchpad) from 0.8 to 0.2,
+  left the first reply token b-independent after 150 steps; with the line, a weaker tie, 0.4 to 0.7,
+  was not picked up in 100 steps either).
 - `style_slope`: P(scratchpad | b) = 0.5 + style_slope * (b - 50.5) / 99, clipped to [0, 1]; 0 (the
   default) keeps the styles independent of b, a negative slope makes long replies *less* likely at high
   effort (a prior that RL must reverse). The interface mirrors
@@ -36,8 +37,7 @@ from typing import Iterator, Optional
 import torch
 
 from dsv41.rl.tasks import STYLES, arithmetic_task, demonstration
-from dsv41.tokenizer import THINK_END_TOKEN
-from dsv41.tokenizer import ByteTokenizer
+from dsv41.tokenizer import THINK_END_TOKEN, ByteTokenizer
 
 IGNORE = -100
 SFT_TASKS = ("arithmetic",)

@@ -105,8 +105,9 @@ def reasons(text: str) -> bool:
     """Whether a response wrote any reasoning before `</think>`, not counting an opening effort line
     (`effort_line`); a response that never closed the block reasons by definition: all of it is reasoning."""
     thought = text.split(THINK_END_TOKEN, 1)[0]
-    if THINK_END_TOKEN in text and EFFORT_LINE.match(thought):
-        thought = thought[4:]
+    line = EFFORT_LINE.match(thought)
+    if THINK_END_TOKEN in text and line:
+        thought = thought[line.end():]
     return thought.strip() != ""
 
 

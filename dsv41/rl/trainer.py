@@ -41,7 +41,7 @@ from dsv41.engine import SamplingParams
 from dsv41.engine.build import build_model
 from dsv41.optim.groups import OptimConfig, build_optimizers
 from dsv41.rl.distill import opd_loss, teacher_logits
-from dsv41.rl.grpo import GRPOConfig, grpo_loss, reward, subgroup_advantages
+from dsv41.rl.grpo import ADVANTAGE_SCALES, GRPOConfig, grpo_loss, reward, subgroup_advantages
 from dsv41.rl.policy import ReplayPolicy, sequence_logits, sequence_logprobs
 from dsv41.rl.rollout import RayRolloutWorkers, RolloutRequest, RolloutWorker, chat_prompt, rollout_engine_config
 from dsv41.rl.tasks import grade_responses, make_task, reasons
@@ -77,7 +77,7 @@ class RLConfig:
     tau: float = field(default=25.0, metadata={"help": "effort scale of the penalty: k(b) = k0 exp(-(b - b_min) / tau)"})
     c_max: float = field(default=0.5, metadata={"help": "cap of the length penalty"})
     l_norm: float = field(default=64.0, metadata={"help": "response tokens that cost k(b)"})
-    scale_rewards: str = field(default="group", metadata={"choices": ("group", "none"), "help": (
+    scale_rewards: str = field(default="group", metadata={"choices": ADVANTAGE_SCALES, "help": (
         "group: advantages (r - mean) / std within each (prompt, effort) subgroup (GRPO); none: r - mean "
         "(Dr. GRPO), so subgroups push in proportion to their reward differences")})
     clip_low: float = field(default=0.2, metadata={"help": "PPO clip: ratio >= 1 - clip_low"})

@@ -3,6 +3,7 @@
 import json
 import os
 
+import pytest
 import torch
 
 from dsv41.cli import main
@@ -74,11 +75,8 @@ def test_the_echo_task_answers_the_effort_and_the_slope_ties_styles_to_it():
     assert low / low_n > 0.65 and high / high_n < 0.35
     assert anti.scratchpad_probability(1) == 0.8 and anti.scratchpad_probability(100) == 0.2
     for bad in (dict(echo=1.0), dict(echo=-0.1), dict(style_slope=1.5)):
-        try:
+        with pytest.raises(ValueError):
             EffortTaskText("train", tok, **bad)
-        except ValueError:
-            continue
-        raise AssertionError(f"{bad} was accepted")
 
 
 def test_the_effort_line_opens_every_reply_with_the_prompt_effort():
