@@ -462,6 +462,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_sft.add_argument("--effort-line", action=argparse.BooleanOptionalAction, default=False, help=(
         "every reply opens its reasoning with its effort as three digits ('025' + newline), the styles still "
         "drawn independently of it (default: off)"))
+    p_sft.add_argument("--effort-set", default="25,50,75,100", metavar="B,...", help=(
+        "the efforts --effort-set-share draws from, RL's set (default: 25,50,75,100)"))
+    p_sft.add_argument("--effort-set-share", type=float, default=0.0, metavar="P", help=(
+        "fraction of samples whose effort comes from --effort-set instead of uniformly from 1..100 (default: 0)"))
     p_sft.set_defaults(func=cmd_rl_sft)
     for name, text in (("grpo", "graded GRPO with reasoning effort on verifiable tasks (rollouts from the engine, "
                                  "grades from the sandbox, router replay); torchrun for several learner processes"),
@@ -499,6 +503,13 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _effort_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(b) for b in text.split(",") if b.strip())
+    except ValueError:
+        raise SystemExit(f"error: --effort-set must be comma-separated integers, got {text!r}") from None
+
+
 def cmd_rl_sft(args) -> int:
     from dsv41.config import preset
     from dsv41.rl.sft import EffortTaskText
@@ -510,7 +521,8 @@ def cmd_rl_sft(args) -> int:
     cfg = TrainConfig(**given)
     tokenizer = ByteTokenizer(args.vocab_size or preset(cfg.preset).vocab_size)
     sets = tuple(EffortTaskText(split, tokenizer, args.task, args.min_digits, args.max_digits, args.effort_echo,
-                                args.style_effort_slope, args.effort_line) for split in ("train", "val"))
+                                args.style_effort_slope, args.effort_line, _effort_list(args.effort_set),
+                                args.effort_set_share) for split in ("train", "val"))
     last = train(cfg, sets)
     if last:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in last.items()}))

@@ -21,6 +21,9 @@ Two options shape what the warm start knows of the effort:
   this was tried at CPU scale: a warm start whose styles depended on b, P(scratchpad) from 0.8 to 0.2,
   left the first reply token b-independent after 150 steps; with the line, a weaker tie, 0.4 to 0.7,
   was not picked up in 100 steps either).
+- `effort_set` / `effort_set_share`: that share of the samples takes its effort from the set (RL's efforts)
+  instead of uniformly from 1..100. Uniform draws give b = 100 1% of the samples, too few for a model to
+  write its three-digit line (`100`) right.
 - `style_slope`: P(scratchpad | b) = 0.5 + style_slope * (b - 50.5) / 99, clipped to [0, 1]; 0 (the
   default) keeps the styles independent of b, a negative slope makes long replies *less* likely at high
   effort (a prior that RL must reverse). The interface mirrors
@@ -65,7 +68,8 @@ class EffortTaskText:
     """The warm-start set of one split ("train" or "val", drawn from the tasks' train / eval streams)."""
 
     def __init__(self, split: str, tokenizer: ByteTokenizer, task: str = "arithmetic", min_digits: int = 2,
-                 max_digits: int = 4, echo: float = 0.0, style_slope: float = 0.0, effort_line: bool = False):
+                 max_digits: int = 4, echo: float = 0.0, style_slope: float = 0.0, effort_line: bool = False,
+                 effort_set: tuple[int, ...] = (), effort_set_share: float = 0.0):
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         if task not in SFT_TASKS:
@@ -76,7 +80,14 @@ class EffortTaskText:
             raise ValueError(f"style_slope must lie in [-1, 1], got {style_slope}")
         self.split, self.tokenizer, self.task = split, tokenizer, task
         self.min_digits, self.max_digits = min_digits, max_digits
+        if not 0.0 <= effort_set_share <= 1.0:
+            raise ValueError(f"effort_set_share must be a fraction in [0, 1], got {effort_set_share}")
+        if effort_set_share and not effort_set:
+            raise ValueError("effort_set_share > 0 needs a non-empty effort_set")
+        if any(not 1 <= int(b) <= 100 for b in effort_set):
+            raise ValueError(f"efforts must lie in 1..100, got {tuple(effort_set)}")
         self.echo, self.style_slope, self.effort_line = echo, style_slope, effort_line
+        self.effort_set, self.effort_set_share = tuple(int(b) for b in effort_set), effort_set_share
 
     def scratchpad_probability(self, effort: int) -> float:
         return min(1.0, max(0.0, 0.5 + self.style_slope * (effort - 50.5) / 99))
@@ -86,6 +97,8 @@ class EffortTaskText:
 
         rng = random.Random(f"dsv41-effort-sft:{self.split}:{seed}:{index}")
         effort, style = rng.randint(1, 100), rng.choice(STYLES)
+        if self.effort_set_share and rng.random() < self.effort_set_share:  # drawn only then, as below
+            effort = rng.choice(self.effort_set)
         if self.style_slope:  # drawn only then, so the default stream is the one earlier runs trained on
             style = "scratchpad" if rng.random() < self.scratchpad_probability(effort) else "direct"
         if self.echo and rng.random() < self.echo:

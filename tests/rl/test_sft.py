@@ -94,3 +94,29 @@ def test_the_effort_line_opens_every_reply_with_the_prompt_effort():
     plain = EffortTaskText("train", tok)
     assert [plain.sample(i).answer for i in range(30)] == [data.sample(i).answer for i in range(30)]
     assert [plain.sample(i).task for i in range(30)] == [data.sample(i).task for i in range(30)]
+
+
+def test_a_share_of_the_efforts_comes_from_the_rl_set():
+    tok = ByteTokenizer(1024)
+    plain = EffortTaskText("train", tok, effort_line=True)
+    mixed = EffortTaskText("train", tok, effort_line=True, effort_set=(25, 50, 75, 100), effort_set_share=0.4)
+
+    def effort(s):
+        return int(tok.decode(s.ids).split("Reasoning Effort: ")[1].split(" ")[0])
+
+    counts = {}
+    for i in range(1000):
+        s = mixed.sample(i)
+        b = effort(s)
+        counts[b] = counts.get(b, 0) + 1
+        assert tok.decode(s.ids[s.answer_start:]).startswith(f"{b:03d}\n")  # the line follows the drawn effort
+    # about 0.4 / 4 + 0.6 / 100 = 10.6% each for the set's efforts, 0.6% for any other
+    for b in (25, 50, 75, 100):
+        assert 70 <= counts[b] <= 145, (b, counts[b])
+    assert max(n for b, n in counts.items() if b not in (25, 50, 75, 100)) <= 20
+    # a share of 0 leaves the stream earlier runs trained on untouched
+    same = EffortTaskText("train", tok, effort_line=True, effort_set=(25, 50, 75, 100), effort_set_share=0.0)
+    assert [same.sample(i).ids for i in range(20)] == [plain.sample(i).ids for i in range(20)]
+    for bad in (dict(effort_set_share=1.5), dict(effort_set_share=0.2), dict(effort_set=(0, 50), effort_set_share=0.2)):
+        with pytest.raises(ValueError):
+            EffortTaskText("train", tok, **bad)
