@@ -476,6 +476,22 @@ def build_parser() -> argparse.ArgumentParser:
         _add_rl_args(p)
         p.set_defaults(func=cmd_rl, rl_algorithm=name)
 
+    p_choice = rl_sub.add_parser("choice", help=(
+        "P(</think> next) right after the effort line, per effort: how much the model's choice between a "
+        "scratchpad and a direct answer depends on b (exact probabilities, no sampling)"))
+    p_choice.add_argument("--model", required=True, help="a checkpoint folder (or a preset name)")
+    p_choice.add_argument("--efforts", default="1,25,50,75,100", metavar="B,...",
+                          help="the efforts to probe (default: 1,25,50,75,100)")
+    p_choice.add_argument("--prompts", type=_positive_int, default=16, metavar="N",
+                          help="held-out arithmetic tasks averaged over (default: 16)")
+    p_choice.add_argument("--min-digits", type=_positive_int, default=2, metavar="N", help="(default: 2)")
+    p_choice.add_argument("--max-digits", type=_positive_int, default=2, metavar="N", help="(default: 2)")
+    p_choice.add_argument("--effort-line", action=argparse.BooleanOptionalAction, default=True, help=(
+        "probe after the reply's effort line, as `rl sft --effort-line` models write it; --no-effort-line "
+        "probes right after <think> (default: on)"))
+    p_choice.add_argument("--threads", type=_positive_int, metavar="N", help=THREADS_HELP)
+    p_choice.set_defaults(func=cmd_rl_choice)
+
     p_eval = sub.add_parser("eval", help="evaluate a model: perplexity, passkey / needle-in-a-haystack / variable "
                                          "tracking over lengths and depths, indexer recall, the cost of bounded "
                                          "replay and FP4 KV (dsv41 eval COMMAND --help)")
@@ -503,11 +519,11 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _effort_list(text: str) -> tuple[int, ...]:
+def _effort_list(text: str, option: str = "--effort-set") -> tuple[int, ...]:
     try:
         return tuple(int(b) for b in text.split(",") if b.strip())
     except ValueError:
-        raise SystemExit(f"error: --effort-set must be comma-separated integers, got {text!r}") from None
+        raise SystemExit(f"error: {option} must be comma-separated integers, got {text!r}") from None
 
 
 def cmd_rl_sft(args) -> int:
@@ -526,6 +542,27 @@ def cmd_rl_sft(args) -> int:
     last = train(cfg, sets)
     if last:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in last.items()}))
+    return 0
+
+
+def cmd_rl_choice(args) -> int:
+    from dsv41.engine.build import build_model
+    from dsv41.rl.probe import direct_probabilities
+
+    _set_threads(args)
+    if args.min_digits > args.max_digits:
+        raise SystemExit("error: --min-digits must not exceed --max-digits")
+    efforts = _effort_list(args.efforts, "--efforts")
+    try:
+        model, tokenizer, _ = build_model(args.model)
+        probs = direct_probabilities(model, tokenizer, efforts, args.prompts, args.min_digits, args.max_digits,
+                                     with_line=args.effort_line)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    print("| effort | P(direct) |\n|---|---|")
+    for b, p in probs.items():
+        print(f"| {b} | {p:.3f} |")
+    print(json.dumps({"model": args.model, "prompts": args.prompts, "p_direct": probs}))
     return 0
 
 
