@@ -588,6 +588,16 @@ def cmd_rl(args) -> int:
         grade, length = result[f"eval_grade_{kind}"], result[f"eval_length_{kind}"]
         return "-" if grade is None else f"{grade:.3f} (mean length {length:.1f})"
     print(f"mean grade of the responses that reason: {style('reasoning')}; that answer directly: {style('direct')}")
+    if result["eval_grade_reasoning"] is not None and result["eval_grade_direct"] is not None:
+        from dsv41.rl.grpo import shared_push, style_gaps
+
+        gaps = style_gaps((result["eval_grade_reasoning"], result["eval_length_reasoning"]),
+                          (result["eval_grade_direct"], result["eval_length_direct"]), trainer.gcfg)
+        push = shared_push(gaps, {b: result[f"eval_reasoning_{b}"] for b in efforts})
+        result.update({f"style_gap_{b}": gap for b, gap in gaps.items()}, shared_push=push)
+        print("reward of reasoning minus direct under this penalty: "
+              + ", ".join(f"b={b} {gap:+.2f}" for b, gap in gaps.items())
+              + f"; shared push {push:+.3f} (> 0: every effort towards reasoning, < 0: towards direct answers)")
     with open(os.path.join(trainer.cfg.out, "eval.json"), "w") as f:
         json.dump(result, f, indent=2)
     return 0

@@ -85,6 +85,23 @@ def reward(grade: float, length: int, effort: float, cfg: GRPOConfig) -> float:
     return float(grade) - length_penalty(length, effort, cfg)
 
 
+def style_gaps(reasoning: tuple[float, float], direct: tuple[float, float], cfg: GRPOConfig) -> dict[int, float]:
+    """{b: reward of a reply that reasons - reward of one that answers directly} at every effort of `cfg`,
+    for replies of the given (mean grade, mean length): what the penalty asks of the choice of style at each
+    effort (> 0: reasoning pays). Means in, so a capped penalty is approximated by the cap at the mean length."""
+    return {int(b): reward(reasoning[0], reasoning[1], b, cfg) - reward(direct[0], direct[1], b, cfg)
+            for b in cfg.efforts}
+
+
+def shared_push(gaps: dict, reasoning_share: dict) -> float:
+    """sum_b p_b (1 - p_b) gap_b, p_b the share of replies that reason at effort b: the expected policy
+    gradient of one on-policy step on the logit of reasoning, summed over the efforts, i.e. its push on a
+    style bias that every effort shares (> 0: towards reasoning at every effort). A model that reads b weakly
+    moves mostly along this shared bias (docs/rl-effort.md, fourth part), so a penalty whose gaps differ in
+    sign across efforts separates them only while this sum stays near 0."""
+    return float(sum(reasoning_share[b] * (1 - reasoning_share[b]) * gap for b, gap in gaps.items()))
+
+
 def subgroup_advantages(rewards: Sequence[float], groups: Sequence, eps: float = 1e-4,
                         scale: str = "group") -> torch.Tensor:
     """(r - mean) / (std + eps) within each subgroup (responses with equal `groups` key, e.g.

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from dsv41.rl.grpo import (GRPOConfig, grpo_loss, length_coefficient, length_penalty, reward,
-                           subgroup_advantages)
+from dsv41.rl.grpo import (GRPOConfig, grpo_loss, length_coefficient, length_penalty, reward, shared_push,
+                           style_gaps, subgroup_advantages)
 
 
 def test_length_penalty_follows_the_formula_and_weakens_with_effort():
@@ -127,3 +127,19 @@ def test_config_validation():
         GRPOConfig(group_size=1).validate()
     with pytest.raises(ValueError, match="scale_rewards"):
         GRPOConfig(scale_rewards="std").validate()
+
+
+def test_style_gaps_and_the_shared_push_against_hand_sums():
+    cfg = GRPOConfig(efforts=(25, 50, 100), k0=1.6, tau=15.0, c_max=100.0, l_norm=13.0)
+    gaps = style_gaps((0.92, 21.5), (0.39, 8.5), cfg)
+    for b in (25, 50, 100):  # uncapped: the grade gap minus k(b) times the length gap over L_norm
+        assert gaps[b] == pytest.approx(0.53 - 1.6 * math.exp(-(b - 25) / 15) * 13 / 13)
+    assert gaps[25] < 0 < gaps[50] < gaps[100]
+    capped = style_gaps((0.92, 21.5), (0.39, 8.5), GRPOConfig(efforts=(25, 100), k0=0.5, tau=25.0, c_max=2.6,
+                                                               l_norm=2.5))
+    assert capped[25] == pytest.approx(0.53 - 2.6 + 0.5 * 8.5 / 2.5)  # the long reply hits the cap
+    shares = {25: 0.6, 50: 0.5, 100: 0.2}
+    expected = 0.24 * gaps[25] + 0.25 * gaps[50] + 0.16 * gaps[100]
+    assert shared_push(gaps, shares) == pytest.approx(expected)
+    assert shared_push(gaps, {25: 0.0, 50: 1.0, 100: 1.0}) == 0.0  # no style left to move at any effort
+    assert shared_push({25: -1.0, 100: -0.1}, {25: 0.5, 100: 0.5}) < 0  # every effort asks for direct answers

@@ -2,6 +2,7 @@
 against one, and the rollout + sandbox side on two Ray workers."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -170,3 +171,23 @@ def test_rl_eval_prints_the_table_per_effort_and_writes_its_json(tmp_path, capsy
         assert f"| {b} | {result[f'eval_accuracy_{b}']:.3f} | {result[f'eval_grade_{b}']:.3f} | " in printed
         assert 0.0 <= result[f"eval_reasoning_{b}"] <= 1.0
     assert "mean grade of the responses that reason" in printed
+
+
+def test_rl_eval_reports_what_the_penalty_asks_of_each_effort(tmp_path, capsys, monkeypatch):
+    from dsv41.cli import main
+
+    summary = {"eval_grade_reasoning": 0.9, "eval_length_reasoning": 20.0, "eval_grade_direct": 0.4,
+               "eval_length_direct": 8.0}
+    for b, share in ((25, 0.5), (100, 0.2)):
+        summary.update({f"eval_accuracy_{b}": 0.5, f"eval_grade_{b}": 0.6, f"eval_length_{b}": 12.0,
+                        f"eval_reasoning_{b}": share})
+    monkeypatch.setattr(RLTrainer, "evaluate", lambda self: dict(summary))
+    out = tmp_path / "eval"
+    assert main(["rl", "eval", "--model", "tiny", "--out", str(out), "--efforts", "25,100", "--k0", "0.5",
+                 "--tau", "25", "--c-max", "100", "--l-norm", "8", "--grader", "local", "--threads", "1"]) == 0
+    printed = capsys.readouterr().out
+    result = json.load(open(out / "eval.json"))
+    gap25, gap100 = 0.5 - 0.5 * 12 / 8, 0.5 - 0.5 * math.exp(-3) * 12 / 8  # grade gap - k(b) * length gap / L_norm
+    assert result["style_gap_25"] == pytest.approx(gap25) and result["style_gap_100"] == pytest.approx(gap100)
+    assert result["shared_push"] == pytest.approx(0.25 * gap25 + 0.16 * gap100)
+    assert f"b=25 {gap25:+.2f}, b=100 {gap100:+.2f}; shared push {0.25 * gap25 + 0.16 * gap100:+.3f}" in printed
