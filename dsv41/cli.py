@@ -443,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_rl = sub.add_parser("rl", help="post-training with reasoning effort: sft warm-start, graded GRPO, on-policy "
                                      "distillation, evaluation per effort (dsv41 rl COMMAND --help)")
     rl_sub = p_rl.add_subparsers(dest="rl_command", required=True, metavar="COMMAND",
-                                help="the post-training step to run: sft, grpo, distill or eval")
+                                help="the post-training step to run: sft, grpo, distill, eval or choice")
     p_sft = rl_sub.add_parser("sft", help="warm-start a model on effort-tagged chat samples (arithmetic, direct or "
                                           "scratchpad replies), the base for `dsv41 rl grpo`")
     _add_train_args(p_sft)
@@ -479,13 +479,15 @@ def build_parser() -> argparse.ArgumentParser:
     p_choice = rl_sub.add_parser("choice", help=(
         "P(</think> next) right after the effort line, per effort: how much the model's choice between a "
         "scratchpad and a direct answer depends on b (exact probabilities, no sampling)"))
-    p_choice.add_argument("--model", required=True, help="a checkpoint folder (or a preset name)")
+    p_choice.add_argument("--model", required=True, metavar="PATH", help="a checkpoint folder (or a preset name)")
     p_choice.add_argument("--efforts", default="1,25,50,75,100", metavar="B,...",
                           help="the efforts to probe (default: 1,25,50,75,100)")
     p_choice.add_argument("--prompts", type=_positive_int, default=16, metavar="N",
                           help="held-out arithmetic tasks averaged over (default: 16)")
-    p_choice.add_argument("--min-digits", type=_positive_int, default=2, metavar="N", help="(default: 2)")
-    p_choice.add_argument("--max-digits", type=_positive_int, default=2, metavar="N", help="(default: 2)")
+    p_choice.add_argument("--min-digits", type=_positive_int, default=2, metavar="N",
+                          help="fewest digits per operand of the held-out additions (default: 2)")
+    p_choice.add_argument("--max-digits", type=_positive_int, default=2, metavar="N",
+                          help="most digits per operand of the held-out additions (default: 2)")
     p_choice.add_argument("--effort-line", action=argparse.BooleanOptionalAction, default=True, help=(
         "probe after the reply's effort line, as `rl sft --effort-line` models write it; --no-effort-line "
         "probes right after <think> (default: on)"))
