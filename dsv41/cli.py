@@ -552,10 +552,8 @@ def cmd_rl_choice(args) -> int:
     from dsv41.rl.probe import direct_probabilities
 
     _set_threads(args)
-    if args.min_digits > args.max_digits:
-        raise SystemExit("error: --min-digits must not exceed --max-digits")
     efforts = _effort_list(args.efforts, "--efforts")
-    try:
+    try:  # bad efforts or digit bounds are refused by the probe and the task maker
         model, tokenizer, _ = build_model(args.model)
         probs = direct_probabilities(model, tokenizer, efforts, args.prompts, args.min_digits, args.max_digits,
                                      with_line=args.effort_line)

@@ -7,11 +7,11 @@ import torch
 
 from dsv41.cli import main
 from dsv41.config import tiny
+from dsv41.model.init import init_random_weights
 from dsv41.model.transformer import Transformer
 from dsv41.rl.probe import choice_prompt, direct_probabilities
 from dsv41.rl.tasks import arithmetic_task
 from dsv41.tokenizer import THINK_END_TOKEN, ByteTokenizer
-from dsv41.model.init import init_random_weights
 
 
 class ReadsItsEffortLine(torch.nn.Module):
@@ -48,7 +48,6 @@ def test_the_probe_reads_the_token_after_the_right_effort_line():
 
 
 def test_the_probe_matches_the_full_sequence_softmax_of_a_real_model():
-    torch.manual_seed(0)
     cfg = tiny()
     model = Transformer(cfg)
     init_random_weights(model, seed=3)
@@ -79,3 +78,5 @@ def test_rl_choice_prints_a_row_per_effort_and_refuses_bad_efforts(capsys):
         main(["rl", "choice", "--model", "tiny", "--efforts", "0,50", "--prompts", "1"])
     with pytest.raises(SystemExit, match="comma-separated"):
         main(["rl", "choice", "--model", "tiny", "--efforts", "x", "--prompts", "1"])
+    with pytest.raises(SystemExit, match="min_digits <= max_digits"):
+        main(["rl", "choice", "--model", "tiny", "--min-digits", "3", "--max-digits", "2", "--prompts", "1"])
