@@ -7,10 +7,13 @@ last prefill position, `decode_logits` [N, B, V], optional `hidden.*`/`debug.*` 
 `decode_ids[:, t]` at S + t.
 
 Tolerance (from the sets' README, "Recommended tolerance"):
-- exact: every logit within atol 1e-5 -- required of sets whose noise study shows bf16 GEMM
-  accumulation order does not matter (`meta.json` noise `bf16_matmul_fp64_accumulate` all zero: the fp8 sets);
+- exact: every logit within atol 1e-5 -- required of every set under reference numerics (the default:
+  the reference's summation orders, including its bf16 GEMM order, on any CPU; see
+  `Transformer.set_reference_numerics`), and with `--fast` of sets whose noise study shows bf16 GEMM
+  accumulation order does not matter (`meta.json` noise `bf16_matmul_fp64_accumulate` all zero);
 - accumulation-order: prefill max |dlogit| <= 0.25, decode rms(dlogit)/rms(logit) <= 0.15 and argmax
-  agreement >= 0.85 -- allowed for sets where a different bf16 accumulation order is legitimate.
+  agreement >= 0.85 -- allowed with `--fast` for sets where a different bf16 accumulation order is
+  legitimate (the README's words for an implementation that accumulates differently).
 Prints per-step errors, the first prefill capture that differs, and ends with PASS or FAIL and the
 tolerance; exits 0 only on PASS (the verdict is on the logits; the captures only localize a difference).
 
@@ -293,7 +296,7 @@ def run_golden(folder: str, reference_numerics: bool = True, verbose: bool = Tru
     agreement = (mine.argmax(-1) == ref.argmax(-1)).float().mean().item()
     worst = max([prefill_err] + decode_abs)
     exact = worst <= EXACT_ATOL
-    if exact_required(folder):
+    if reference_numerics or exact_required(folder):
         tolerance = f"exact: atol {EXACT_ATOL:g} on every logit"
         passed = exact
     else:

@@ -339,7 +339,7 @@ class Attention(nn.Module):
         o = ops.apply_rope(o, freqs, self.rope_dim, inverse=True)
         o = o.unflatten(-2, (self.n_groups, -1)).flatten(-2)  # [..., S, G, H/G * head_dim]
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
-        o = ops.grouped_linear(o, wo_a, self.wo_a.row_chunk)
+        o = ops.grouped_linear(o, wo_a, self.wo_a.row_chunk, self.wo_a.reference_numerics)
         return self.wo_b(o.flatten(-2))
 
     def forward(self, x: torch.Tensor, start_pos: int, cache, shared: dict) -> torch.Tensor:

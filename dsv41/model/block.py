@@ -20,6 +20,7 @@ from dsv41.model.attention import Attention, _trace
 from dsv41.model.engram import Engram
 from dsv41.model.layers import RMSNorm
 from dsv41.model.moe import MoE
+from dsv41.ops.lanes import reference_step
 
 
 class Block(nn.Module):
@@ -41,20 +42,23 @@ class Block(nn.Module):
         self.hc_ffn_base = nn.Parameter(torch.zeros(n_mix, **f32))
         self.hc_attn_scale = nn.Parameter(torch.ones(3, **f32))
         self.hc_ffn_scale = nn.Parameter(torch.ones(3, **f32))
-        # bit-exact reference numerics for the fp32 mix projection (slow; see set_reference_numerics)
-        self.sequential_mixes = False
+        # the reference's fixed summation order for the RMS statistic (fp64, left to right) and the fp32 mix
+        # projection (one FMA chain), and its sigmoid tail rule: bit-exact on every CPU, slow (see
+        # set_reference_numerics)
+        self.reference_numerics = False
         self.row_chunk = 0  # > 0: batch-invariant mix projection (see ops.invariant_matmul)
 
     def hc_mixes(self, h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, calls=None):
         """h [B, S, hc, dim] -> (pre [B,S,hc], post [B,S,hc], comb [B,S,hc,hc]), one RMS statistic per token.
         calls: the tokens' separate calls when several sequences' chunks share this one (dsv41.ops.lanes)."""
         flat = h.flatten(2).float()
-        rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.eps)
-        if self.sequential_mixes:
+        rstd = torch.rsqrt(ops.mean_of_squares(flat, self.reference_numerics, keepdim=True) + self.eps)
+        if self.reference_numerics:
             mixes = ops.linear_fp32_sequential(flat, fn) * rstd
         else:
             mixes = ops.invariant_matmul(flat, fn, self.row_chunk) * rstd
-        return ops.hc_split_sinkhorn(mixes, scale, base, self.hc, self.sinkhorn_iters, self.hc_eps, calls)
+        return ops.hc_split_sinkhorn(mixes, scale, base, self.hc, self.sinkhorn_iters, self.hc_eps, calls,
+                                     reference_step(self.reference_numerics))
 
     @staticmethod
     def hc_pre(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

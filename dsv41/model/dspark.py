@@ -204,7 +204,7 @@ def draft(model, first: torch.Tensor, hidden: torch.Tensor, pos: int, cache, tra
     biases, logits, embeds = [], [], []
     for i in range(k):
         e = last.markov_head.embed(tokens[-1])  # [B, rank] bf16
-        if last.sequential_mixes:  # reference numerics: the reference BLAS's order (see ops.linear_fp32_lanes)
+        if last.reference_numerics:  # reference numerics: the reference BLAS's order (see ops.linear_fp32_lanes)
             bias = ops.linear_fp32_lanes(e.float(), last.markov_head.head.weight)
         else:
             bias = ops.invariant_matmul(e.float(), last.markov_head.head.weight, model.row_chunk)  # [B, V] fp32

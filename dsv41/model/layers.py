@@ -40,23 +40,28 @@ class Linear(nn.Module):
         else:
             self.register_parameter("scale", None)
         self.row_chunk = 0  # > 0: batch-invariant GEMMs in fixed row chunks (see ops.invariant_matmul)
+        self.reference_numerics = False  # bf16 GEMMs in the reference's order (ops.linear_bf16_pairwise)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.scale, row_chunk=self.row_chunk)
+        return ops.linear(x, self.weight, self.scale, row_chunk=self.row_chunk, reference=self.reference_numerics)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
 
 
 class RMSNorm(nn.Module):
-    """x * rsqrt(mean(x^2) + eps) * weight, statistics in fp32, result in x's dtype."""
+    """x * rsqrt(mean(x^2) + eps) * weight, statistics in fp32, result in x's dtype.
+
+    reference_numerics: the mean of squares in the reference's fixed order (fp64, left to right; see
+    dsv41.ops.reductions), the same bits on every CPU; off, the vectorised fp32 mean."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.reference_numerics = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        xf = xf * torch.rsqrt(ops.mean_of_squares(xf, self.reference_numerics, keepdim=True) + self.eps)
         return (self.weight * xf).to(x.dtype)

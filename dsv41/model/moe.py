@@ -12,6 +12,7 @@ from torch import nn
 from dsv41 import ops
 from dsv41.config import ModelConfig
 from dsv41.model.layers import Linear
+from dsv41.ops.lanes import reference_step
 
 
 class RoutingRecord:
@@ -77,12 +78,13 @@ class Gate(nn.Module):
             self.register_parameter("bias_vl", None)
         self.row_chunk = 0  # > 0: batch-invariant logits (see ops.invariant_matmul)
         self.canonical_ties = True  # exact score ties go to the lowest expert id; False: torch.topk's
+        self.reference_numerics = False  # the score function split like the reference's kernel (ops.lanes)
 
     def scores(self, x: torch.Tensor, calls=None) -> torch.Tensor:
         """x [T, dim] -> fp32 affinities [T, E] (before the selection bias). calls: the tokens' separate
         calls when several sequences' chunks share this one (`ops.lanes.per_call`)."""
         logits = ops.invariant_matmul(x.float(), self.weight.float(), self.row_chunk) / self.temperature
-        return ops.router_scores(logits, self.score_func, calls)
+        return ops.router_scores(logits, self.score_func, calls, reference_step(self.reference_numerics))
 
     def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None,
                 aux: Optional[RoutingRecord] = None, calls=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -83,21 +83,28 @@ class Transformer(nn.Module):
         return ModelCache.create(self.cfg, batch_size, max_seq_len, self.device)
 
     def set_reference_numerics(self, enabled: bool = True) -> None:
-        """Reproduce the reference's numerics where they decide discrete outcomes: its fp32 summation order
-        for the hyper-connection mix projection (a K = hc*dim dot product whose ulp-level order flips later
-        bf16 roundings), and `torch.topk`'s own tie-breaking in the indexer, candidate pool and MoE gate
-        (off: ties go to the lowest position / expert id, whatever the layout).
+        """Reproduce the reference's numerics where they decide discrete outcomes, the same bits on any CPU
+        (the golden sets' README, "Numerics of these expected values"):
+        - every mean of squares (RMSNorm, the hc RMS statistic, Engram's two rstd) and Engram's gate dot
+          product summed left to right in fp64 and rounded once (dsv41.ops.reductions);
+        - the hc mix projection as one sequential fp32 FMA chain (ops.linear_fp32_sequential);
+        - bf16 GEMMs in the reference machine's dot-product order (ops.linear_bf16_pairwise), the vision
+          tower's bf16 linears accumulated in fp64 (ops.reductions.linear_fp64_accumulate);
+        - sigmoid/softplus split into vector body and scalar tail like the reference machine's kernels
+          (ops.lanes.REFERENCE_VECTOR_STEP);
+        - `torch.topk`'s own tie-breaking in the indexer, candidate pool and MoE gate (off: ties go to the
+          lowest position / expert id, whatever the layout).
 
-        With it the fp8 golden sets match to 1e-5 on every logit; without it the results differ by
-        legitimate accumulation-order noise. It loops over K in Python, so keep it for checks.
+        With it every golden set matches to 1e-5 on every logit (measured: 0); without it the results
+        differ by legitimate accumulation-order noise. It loops over K in Python, so keep it for checks.
         """
-        self._set_numerics(sequential_mixes=enabled, canonical_ties=not enabled)
+        self._set_numerics(reference_numerics=enabled, canonical_ties=not enabled)
 
     def _modules_with_numerics(self) -> list:
-        """The modules holding numerics settings (row_chunk, canonical_ties, sequential_mixes), found once."""
+        """The modules holding numerics settings (row_chunk, canonical_ties, reference_numerics), found once."""
         if self._numeric_modules is None:
             self._numeric_modules = [m for m in self.modules() if hasattr(m, "row_chunk")
-                                     or hasattr(m, "canonical_ties") or hasattr(m, "sequential_mixes")]
+                                     or hasattr(m, "canonical_ties") or hasattr(m, "reference_numerics")]
         return self._numeric_modules
 
     def _set_numerics(self, **values) -> None:
@@ -116,7 +123,7 @@ class Transformer(nn.Module):
         Entered once per engine step, so it is kept cheap: only settings that differ are written (plain
         attributes, straight into the module's __dict__, bypassing nn.Module.__setattr__), and eval mode
         is set only when the model is training (a recursive `train()` costs ~2 ms per call at 12 layers)."""
-        wanted = {"row_chunk": row_chunk, "canonical_ties": not reference, "sequential_mixes": reference}
+        wanted = {"row_chunk": row_chunk, "canonical_ties": not reference, "reference_numerics": reference}
         changed = []  # (module __dict__, name, previous value)
         for module in self._modules_with_numerics():
             attrs = module.__dict__

@@ -38,13 +38,13 @@ def dequant_weight(weight: torch.Tensor, scale: Optional[torch.Tensor]) -> torch
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None,
-           out_dtype: torch.dtype = torch.bfloat16, row_chunk: int = 0) -> torch.Tensor:
+           out_dtype: torch.dtype = torch.bfloat16, row_chunk: int = 0, reference: bool = False) -> torch.Tensor:
     """y = x @ W^T.
 
     x: [..., K]. weight: [N, K] bf16/fp32 (plain `F.linear` in that dtype; x must match), or [N, K]
     float8_e4m3fn with `scale` [ceil(N/32), ceil(K/32)], or packed FP4 [N, K/2] with `scale` [N, K/32].
     Quantized paths return `out_dtype` (bf16 like the reference kernels). row_chunk > 0: batch-invariant
-    GEMMs (`invariant_matmul`).
+    GEMMs (`invariant_matmul`). reference: bf16 GEMMs in the reference's order (`linear_bf16_pairwise`).
     """
     if is_fp8(weight) or is_fp4(weight):
         if scale is None:
@@ -52,7 +52,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] 
         xq, xs = fp8_quant(x, FP8_BLOCK)
         x_deq = fp8_dequant(xq, xs, FP8_BLOCK)
         return invariant_matmul(x_deq, dequant_weight(weight, scale), row_chunk).to(out_dtype)
+    if reference and x.dtype == weight.dtype == torch.bfloat16:
+        return linear_bf16_pairwise(x, weight)
     return invariant_matmul(x, weight, row_chunk)
+
+
+def linear_bf16_pairwise(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """y = x @ W^T for bf16 x [..., K] and weight [N, K] -> bf16 [..., N], in the order of the reference's
+    bf16 GEMM (oneDNN on an AVX512-BF16 CPU, whose dot-product instruction VDPBF16PS takes the terms two
+    at a time, the odd one first): one fp32 accumulator per output gets the products of k = 1, 0, 3, 2,
+    5, 4, ... in that order, each add rounded to fp32 (a bf16 x bf16 product is exact in fp32), then one
+    rounding to bf16. Other CPUs' bf16 GEMMs (AVX2 fallbacks, AMX tiles) sum in other orders and land one
+    bf16 ulp away on a few outputs, which the tiny golden models amplify; this gives the reference's bits
+    on any CPU (the golden sets' K fit one accumulation chain; subnormal flushing is not modelled). Slow:
+    a Python loop over K, for checks only."""
+    xf, wf = x.float(), weight.float()
+    k = xf.size(-1)
+    acc = torch.zeros(*x.shape[:-1], weight.size(0), dtype=torch.float32, device=x.device)
+    for i in range(0, k, 2):
+        for j in (i + 1, i) if i + 1 < k else (i,):
+            acc = acc + xf[..., j, None] * wf[:, j]
+    return acc.to(torch.bfloat16)
 
 
 def linear_fp32_sequential(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -160,8 +180,11 @@ def wide_rows_agree(k: int, n: int, dtype: torch.dtype, chunk: int, wide: int, t
     return torch.equal(F.linear(x, w), torch.cat([F.linear(part, w) for part in x.split(chunk)]))
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, row_chunk: int = 0) -> torch.Tensor:
-    """Block-diagonal projection: x [..., G, D] with weight [G, R, D] -> [..., G, R] (group g uses W_g)."""
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, row_chunk: int = 0, reference: bool = False) -> torch.Tensor:
+    """Block-diagonal projection: x [..., G, D] with weight [G, R, D] -> [..., G, R] (group g uses W_g).
+    reference: bf16 groups in the reference's GEMM order (`linear_bf16_pairwise`)."""
+    if reference and x.dtype == weight.dtype == torch.bfloat16:
+        return torch.stack([linear_bf16_pairwise(x[..., g, :], weight[g]) for g in range(weight.size(0))], dim=-2)
     if not row_chunk:
         return torch.einsum("...gd,grd->...gr", x, weight)
     return torch.stack([invariant_matmul(x[..., g, :], weight[g], row_chunk) for g in range(weight.size(0))], dim=-2)

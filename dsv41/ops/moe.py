@@ -10,14 +10,15 @@ from dsv41.ops.indexer import topk_canonical
 from dsv41.ops.lanes import per_call
 
 
-def router_scores(logits: torch.Tensor, score_func: str, calls=None) -> torch.Tensor:
+def router_scores(logits: torch.Tensor, score_func: str, calls=None, step=None) -> torch.Tensor:
     """fp32 router logits [T, E] -> affinity scores [T, E] (sqrt(softplus) for V4.1). calls: the tokens'
-    separate calls (`ops.lanes.per_call`; the engine's chunks), None for one call."""
+    separate calls (`ops.lanes.per_call`; the engine's chunks), None for one call; step: the vector step
+    to emulate (`ops.lanes.reference_step`), None for this CPU's."""
     if score_func == "softmax":
         return logits.softmax(dim=-1)
     if score_func == "sigmoid":
-        return per_call("sigmoid", logits, calls)
-    return per_call("softplus", logits, calls).sqrt()
+        return per_call("sigmoid", logits, calls, step)
+    return per_call("softplus", logits, calls, step).sqrt()
 
 
 def route(scores: torch.Tensor, bias: torch.Tensor, k: int, normalize: bool,

@@ -24,17 +24,18 @@ from dsv41.ops.lanes import per_call
 
 
 def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
-                      iters: int, eps: float, calls=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      iters: int, eps: float, calls=None, step=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mixes [..., (2 + hc) * hc] fp32; scale [3]; base [(2 + hc) * hc]; calls: the tokens' separate calls
-    when several sequences' chunks share this one (`ops.lanes.per_call`), None for one call.
+    when several sequences' chunks share this one (`ops.lanes.per_call`), None for one call; step: the
+    sigmoid's vector step to emulate (`ops.lanes.reference_step`), None for this CPU's.
 
     Returns pre [..., hc], post [..., hc], comb [..., hc, hc] (comb[i, j]: weight of residual copy i
     in output copy j).
     """
     m, scale, base = mixes.float(), scale.float(), base.float()
     # as if each call ran alone (dsv41.ops.lanes): the sigmoid's scalar tail depends on the call's size
-    pre = per_call("sigmoid", m[..., :hc] * scale[0] + base[:hc], calls) + eps
-    post = 2 * per_call("sigmoid", m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc], calls)
+    pre = per_call("sigmoid", m[..., :hc] * scale[0] + base[:hc], calls, step) + eps
+    post = 2 * per_call("sigmoid", m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc], calls, step)
     logits = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
     comb = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
     if (fused.enabled() and not (torch.is_grad_enabled() and comb.requires_grad)

@@ -77,7 +77,7 @@ def test_the_engine_leaves_the_callers_model_as_it_was():
     with torch.inference_mode():
         before = model(ids)
     settings = {name: [getattr(m, name) for m in model.modules() if hasattr(m, name)]
-                for name in ("row_chunk", "canonical_ties", "sequential_mixes")}
+                for name in ("row_chunk", "canonical_ties", "reference_numerics")}
     make(model).generate(prompts([15, 9]), GREEDY)
     assert model.training
     assert settings == {name: [getattr(m, name) for m in model.modules() if hasattr(m, name)]

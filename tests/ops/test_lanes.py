@@ -25,8 +25,10 @@ def test_per_call_equals_separate_calls_bit_for_bit():
             assert torch.equal(per_call(name, x, calls), want), (name, width)
             if not torch.equal(fn(x), want):
                 plain_differs.add(name)
-    # the plain call over all tokens is not the same (the scalar tails land elsewhere): not vacuous
-    assert {"sigmoid", "softplus"} <= plain_differs
+    # the plain call over all tokens is not the same (the scalar tails land elsewhere): not vacuous. Which
+    # other functions show it on these inputs depends on the CPU's vector width (AVX-512 machines: sigmoid
+    # too; this AVX2 one: silu)
+    assert "softplus" in plain_differs
 
 
 def test_one_call_is_the_plain_function():
