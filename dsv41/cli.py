@@ -145,6 +145,11 @@ def _build_engine(args):
     from dsv41.engine import build_engine
 
     _set_threads(args)
+    if getattr(args, "engine_fused_kernels", "") is None:
+        # generate and chat are short processes: building the fused kernels costs 3-6 s (warm compiler
+        # cache; 15-30 s cold) and saves ~5 ms per decode step, so it repays only after ~1,000 tokens,
+        # and on a background thread it competes with decoding for the GIL (docs/engine-speed.md)
+        args.engine_fused_kernels = "off"
     return build_engine(_model_name(args), engine_config=_engine_config(args), seed=args.seed)
 
 
@@ -315,6 +320,8 @@ def cmd_serve(args) -> int:
 
     if args.model == "flash":
         raise ValueError("flash has 763B parameters; random weights for it do not fit here")
+    if args.engine_fused_kernels is None:  # ready to answer at once; the kernels arrive a few seconds later
+        args.engine_fused_kernels = "background"
     engine_config = _engine_config(args)
     _set_threads(args)
     serve(args.model, host=args.host, port=args.port, engine_config=engine_config, seed=args.seed,

@@ -11,6 +11,7 @@ from typing import Optional
 
 PREFILL_MODES = ("bounded", "full")
 LOGPROBS_MODES = ("raw", "processed")
+KERNEL_MODES = ("background", "now", "off")
 
 
 @dataclass
@@ -56,6 +57,12 @@ class EngineConfig:
         "its batch (reproducible; a little slower)")})
     row_chunk: int = field(default=16, metadata={"help": (
         "rows per GEMM chunk when --batch-invariant is on; changing it changes the numerics slightly")})
+    fused_kernels: str = field(default="now", metadata={"choices": KERNEL_MODES, "help": (
+        "when to build the fused CPU kernels (dsv41.ops.fused; bit-identical to the eager ops, checked "
+        "on this machine; 3-6 s with a warm compiler cache, 15-30 s cold): 'now' before the first "
+        "request, 'background' on a thread while the eager ops serve (no start-up wait; `serve`'s "
+        "default), 'off' not at all (`chat` and `generate`'s default: a short process does not repay the "
+        "build; also DSV41_FUSED=0)")})
 
     speculative: bool = field(default=False, metadata={"help": (
         "DSpark speculative decoding with the checkpoint's drafter (mtp.*): each step drafts up to "
@@ -92,6 +99,8 @@ class EngineConfig:
         if not 0.0 <= self.speculative_min_confidence <= 1.0:
             raise ValueError("EngineConfig.speculative_min_confidence must be in [0, 1], got "
                              f"{self.speculative_min_confidence}")
+        if self.fused_kernels not in KERNEL_MODES:
+            raise ValueError(f"EngineConfig.fused_kernels must be one of {KERNEL_MODES}, got {self.fused_kernels!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"EngineConfig.logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
         if self.record_routing:

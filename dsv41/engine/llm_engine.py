@@ -63,7 +63,8 @@ class LLMEngine:
         self.snapshots = SnapshotStore(config.max_snapshots if config.enable_prefix_caching else 0, config.window_ttl_s)
         self.runner = ModelRunner(model, config.row_chunk if config.batch_invariant else 0,
                                   capture_hidden=self.speculative, record_routing=config.record_routing)
-        self.fused_kernels = model.prepare_kernels()  # compile now, not inside the first request
+        # built before the first request ('now'), or on a thread while the eager ops serve ('background')
+        self.fused_kernels = model.prepare_kernels(config.fused_kernels)
         self.boundary = self.runner.boundary
         limit = config.max_model_len or cfg.max_position_embeddings
         self.max_model_len = min(limit, num_blocks * bs)

@@ -142,17 +142,42 @@ class Transformer(nn.Module):
             if training:
                 self.train(True)
 
-    def prepare_kernels(self) -> dict:
-        """Build and check the fused kernels this model uses (dsv41.ops.fused) now rather than inside the
-        first request: compiling them takes seconds (tens on a cold cache). Returns which are in use."""
+    def _kernel_probes(self) -> dict:
+        """name -> (verdict, args) of the fused kernels this model uses (dsv41.ops.fused)."""
         cfg, device = self.cfg, self.device.type
+        probes = {"sinkhorn": (ops.sinkhorn.fused_normalize_agrees, (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, device))}
+        if any(layer.attn.indexer is not None for layer in self.layers):
+            probes["index_score_epilogue"] = (ops.indexer.epilogue_fusion_agrees, (cfg.index_n_heads, device))
+            probes["topk_keys"] = (ops.indexer.keys16_fusion_agrees, (device,))
+        return probes
+
+    def prepare_kernels(self, when: str = "now") -> dict:
+        """Build and check the fused kernels this model uses (dsv41.ops.fused) before the first request
+        rather than inside it: compiling them takes seconds (tens on a cold cache). Returns which are in
+        use (name -> True/False; None while still being built). when: 'now' (wait for them),
+        'background' (build them on a daemon thread and return at once) or 'off' (do not build them
+        unless someone asks for them with 'now'). Until a kernel is built the eager reference runs, which
+        gives the same bits."""
         if not ops.fused.enabled():  # DSV41_FUSED=0: nothing is compiled
             return {}
-        used = {"sinkhorn": ops.sinkhorn.fused_normalize_agrees(cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, device)}
-        if any(layer.attn.indexer is not None for layer in self.layers):
-            used["index_score_epilogue"] = ops.indexer.epilogue_fusion_agrees(cfg.index_n_heads, device)
-            used["topk_keys"] = ops.indexer.keys16_fusion_agrees(device)
-        return used
+        probes = self._kernel_probes()
+        if when == "background":
+            ops.fused.settle_in_background(list(probes.values()))
+        elif when == "off":
+            for verdict, args in probes.values():
+                verdict.defer(*args)
+        elif when == "now":
+            for verdict, args in probes.values():
+                verdict.settle(*args)
+        else:
+            raise ValueError(f"prepare_kernels: when must be 'now', 'background' or 'off', got {when!r}")
+        return self.kernel_status()
+
+    def kernel_status(self) -> dict:
+        """name -> True/False (fused kernel in use or not), None while it is still being built."""
+        if not ops.fused.enabled():
+            return {}
+        return {name: verdict.peek(*args) for name, (verdict, args) in self._kernel_probes().items()}
 
     def set_batch_invariant(self, row_chunk: int = 16) -> None:
         """Make every token-wise GEMM run in fixed chunks of `row_chunk` rows (0 turns it off), so a

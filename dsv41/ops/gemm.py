@@ -142,7 +142,11 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch
     lead, k = x.shape[:-1], x.size(-1)
     flat = x.reshape(-1, k)
     n = flat.size(0)
-    if n <= chunk:  # one chunk (decode): a plain GEMM of exactly `chunk` rows
+    if n <= chunk:  # one chunk (decode): a GEMM of exactly `chunk` rows, or of the n real rows where
+        # the probe showed this kernel gives those the same bits (a decode step then skips the padding)
+        if n < chunk and narrow_rows_agree(k, weight.size(0), weight.dtype, x.dtype, chunk, n,
+                                           torch.get_num_threads(), weight.device.type):
+            return F.linear(flat, weight).reshape(*lead, weight.size(0))
         return F.linear(F.pad(flat, (0, 0, 0, chunk - n)), weight)[:n].reshape(*lead, weight.size(0))
     if n % chunk:
         flat = torch.cat([flat, flat.new_zeros(chunk - n % chunk, k)])
@@ -178,6 +182,30 @@ def wide_rows_agree(k: int, n: int, dtype: torch.dtype, chunk: int, wide: int, t
     x = torch.randn(wide, k, generator=g).to(dtype=dtype, device=device)
     w = torch.randn(n, k, generator=g).to(dtype=dtype, device=device)
     return torch.equal(F.linear(x, w), torch.cat([F.linear(part, w) for part in x.split(chunk)]))
+
+
+@functools.cache
+def narrow_rows_agree(k: int, n: int, dtype: torch.dtype, x_dtype: torch.dtype, chunk: int, rows: int, threads: int,
+                      device: str) -> bool:
+    """Does a `rows`-row GEMM [rows, k] x [k, n] (rows < chunk) give its rows the bits they get as the
+    first rows of a `chunk`-row GEMM, whatever the other rows hold?
+
+    The batch-invariant path pads a decode batch of B < chunk tokens to `chunk` rows; where the kernel's
+    summation order does not depend on the row count (this probe says so), the padding is pure waste:
+    on a CPU whose bf16 GEMM is a per-row dot product (AVX2 without AVX512-BF16), a 1-row decode pays for
+    16 rows. Like `wide_rows_agree`, the answer is a function of the shapes, dtypes, thread count and
+    library, never of the values, so one comparison on random data (twice, with different companions in
+    the padded call) settles it; memoised per process.
+    """
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(n, k, generator=g).to(dtype=dtype, device=device)
+    x = torch.randn(rows, k, generator=g).to(dtype=x_dtype, device=device)
+    alone = F.linear(x, w)
+    for companions in (torch.zeros(chunk - rows, k), torch.randn(chunk - rows, k, generator=g) * 1e3):
+        padded = torch.cat([x, companions.to(dtype=x_dtype, device=device)])
+        if not torch.equal(F.linear(padded, w)[:rows], alone):
+            return False
+    return True
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, row_chunk: int = 0, reference: bool = False) -> torch.Tensor:

@@ -57,7 +57,7 @@ def _compiled_epilogue():
     return fused.compile_fused(score_epilogue, emulate_precision_casts=True)
 
 
-@functools.cache
+@fused.Verdict
 def epilogue_fusion_agrees(heads: int, device: str) -> bool:
     """Is the compiled `score_epilogue` bit-identical to the eager one here, for this head count? Small
     calls (decode) stay eager: the compiled call's fixed cost is larger than what it saves there."""
@@ -139,7 +139,7 @@ def _compiled_keys16():
     return fused.compile_fused(canonical_keys16)
 
 
-@functools.cache
+@fused.Verdict
 def keys16_fusion_agrees(device: str) -> bool:
     """Is the compiled `canonical_keys16` identical to the eager `canonical_keys` here (bf16 and fp16, with
     ties, -0.0, +-inf)?"""

@@ -80,7 +80,7 @@ def _compiled_normalize():
     return fused.compile_fused(fused_normalize)
 
 
-@functools.cache
+@fused.Verdict
 def fused_normalize_agrees(hc: int, iters: int, eps: float, device: str) -> bool:
     """Is the compiled `fused_normalize` bit-identical to `sinkhorn_normalize` here (one row, which the
     compiler specialises, and many rows)? See dsv41.ops.fused."""

@@ -127,3 +127,56 @@ def test_fused_canonical_keys_are_the_eager_keys(dtype, rows, n, monkeypatch):
     # independent: sort by (score desc, position asc) with -0.0 == +0.0
     order = sorted(range(n), key=lambda i: (-float(scores[0, i]), i))[:64]
     assert top[0].tolist() == order
+
+
+def test_a_verdict_can_be_deferred_and_settled_in_the_background():
+    """Kernels built in the background never make a caller wait: until the probe is done (here it blocks
+    on an event), a call answers False (the eager reference runs); then the probe's answer, computed once."""
+    import threading
+
+    release, calls = threading.Event(), []
+
+    def probe(x):
+        calls.append(x)
+        release.wait(10)
+        return x > 0
+
+    verdict = fused.Verdict(probe)
+    verdict.defer(5)
+    assert verdict(5) is False and calls == []  # deferred: no probe, no wait
+    thread = fused.settle_in_background([(verdict, (5,)), (verdict, (-1,))])
+    assert verdict(5) is False and verdict.peek(5) is None  # being built: no wait either
+    release.set()
+    thread.join(10)
+    assert verdict(5) is True and verdict(-1) is False and verdict.peek(5) is True
+    assert calls == [5, -1]  # each probed once
+    assert verdict(7) is True and calls[-1] == 7  # not deferred: probed on the caller's thread
+
+
+@needs_compiler
+def test_the_engine_serves_before_its_kernels_are_built_with_the_same_tokens():
+    """fused_kernels='off' and 'background' start serving at once with the eager references; the greedy
+    tokens are those of an engine whose kernels were built first ('now')."""
+    from dsv41.config import preset
+    from dsv41.engine import SamplingParams
+    from dsv41.model.init import init_random_weights
+    from dsv41.model.transformer import Transformer
+    from tests.engine.helpers import make, prompts
+
+    model = init_random_weights(Transformer(preset("tiny")), seed=2).eval()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    batch = prompts([9, 30, 70])
+    verdicts = [verdict for verdict, _ in model._kernel_probes().values()]
+    for verdict in verdicts:  # as in a fresh process: nothing built yet
+        verdict.cache_clear()
+    off = make(model, fused_kernels="off")
+    assert set(off.fused_kernels.values()) == {None}
+    got = {"off": [o.token_ids for o in off.generate(batch, params)]}
+    assert set(model.kernel_status().values()) == {None}  # still not built: the eager references ran
+    got["background"] = [o.token_ids for o in make(model, fused_kernels="background").generate(batch, params)]
+    now = make(model, fused_kernels="now")
+    assert all(now.fused_kernels.values())
+    want = [o.token_ids for o in now.generate(batch, params)]
+    assert got == {"off": want, "background": want}
+    with pytest.raises(ValueError, match="fused_kernels"):
+        make(model, fused_kernels="later")

@@ -137,3 +137,31 @@ def test_wide_rows_probe_can_say_no(monkeypatch):
     assert not gemm.wide_rows_agree.__wrapped__(64, 32, torch.bfloat16, 16, 64, 1, "cpu")
     monkeypatch.setattr(gemm.F, "linear", real)
     assert gemm.wide_rows_agree.__wrapped__(64, 32, torch.bfloat16, 16, 64, 1, "cpu")
+
+
+def test_narrow_rows_probe_can_say_no(monkeypatch):
+    """A decode batch of B < 16 rows skips the padding only where the probe found the B-row call gives the
+    bits of the padded 16-row call; a 'library' whose narrow calls round differently is refused, and then
+    invariant_matmul still pads (its rows equal the padded call's)."""
+    import torch.nn.functional as F
+
+    from dsv41.ops import gemm
+
+    real = F.linear
+
+    def skewed(x, w):  # narrow calls sum in another order
+        y = real(x, w)
+        return y + (y.abs() * 2 ** -7).to(y.dtype) if x.size(0) < 16 else y
+
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(48, 64, generator=g).bfloat16(), torch.randn(3, 64, generator=g).bfloat16()
+    padded = real(torch.nn.functional.pad(x, (0, 0, 0, 13)), w)[:3]
+    monkeypatch.setattr(gemm.F, "linear", skewed)
+    gemm.narrow_rows_agree.cache_clear()
+    try:
+        assert not gemm.narrow_rows_agree(64, 48, torch.bfloat16, torch.bfloat16, 16, 3, 1, "cpu")
+        assert torch.equal(gemm.invariant_matmul(x, w, 16), padded)  # refused: the padded call ran
+    finally:
+        gemm.narrow_rows_agree.cache_clear()
+    monkeypatch.setattr(gemm.F, "linear", real)
+    assert torch.equal(gemm.invariant_matmul(x, w, 16), padded)  # the real kernel: the same bits either way
