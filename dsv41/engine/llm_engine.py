@@ -461,7 +461,7 @@ class LLMEngine:
             chunk = Chunk(seq.cache, tokens[start:end], start, tokens[max(0, start - lookback):start],
                           decoder_from=seq.rebuild_decoder_from if kind == "rebuild" else seq.decoder_from,
                           want_logits=kind != "rebuild" and (end >= seq.prefill_target or every), end=end,
-                          decode=kind == "decode" and end - start == 1,
+                          decode=kind == "decode" and end - start == 1, verify=kind == "decode" and end - start > 1,
                           n_logits=len(seq.draft_tokens) + 1 if kind == "decode" else end - start if every else 1)
             if seq.images:
                 self._attach_images(seq, chunk, start - len(chunk.context), end)

@@ -42,6 +42,7 @@ class Chunk:
     decode: bool = False  # one token of a running sequence: batched with the other decode tokens
     n_logits: int = 1  # with want_logits: logits of this many trailing positions (a DSpark verify: n + 1;
     # every position of a prefill chunk whose request wants prompt logprobs)
+    verify: bool = False  # a speculative verify: each token computed with a decode step's numerics
     shared: dict = field(default_factory=dict)
     # images: (offset in tokens, rows [n, dim] bf16) replacing those positions' token embeddings, and for
     # context + tokens, True at image-span positions (routed with bias_vl, dead to Engram); None: all text
@@ -111,7 +112,8 @@ class ModelRunner:
         ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.int64, device=device).unsqueeze(0)
         positions = torch.cat([torch.arange(c.start, c.start + len(c.tokens)) for c in chunks])
         for c in chunks:
-            c.shared, c.main_hidden, c.routing = {}, None, None
+            # a verify chunk attends each query at a lone decode's width (Attention._attend_at_lone_widths)
+            c.shared, c.main_hidden, c.routing = {"lone_widths": True} if c.verify else {}, None, None
         record = RoutingRecord(ids_only=True) if self.record_routing else None
         decodes = [c for c in chunks if c.decode]
         batch = DecodeBatch.build([c.cache for c in decodes], [c.start for c in decodes], device) if decodes else None
@@ -134,7 +136,8 @@ class ModelRunner:
                 if not chunks:
                     break
             # each chunk's tokens computed as if its sequence ran alone (dsv41.ops.lanes)
-            calls = [len(c.tokens) for c in chunks]
+            # a verify chunk's tokens each as a call of one, as the decode steps that would have computed them
+            calls = [n for c in chunks for n in ([1] * len(c.tokens) if c.verify else [len(c.tokens)])]
             if layer.engram is not None:
                 h = layer.engram(h, hash_ids[:, :, model.engram_layout.layer_ids.index(i)],
                                  None if image_mask is None else ~image_mask, calls)

@@ -329,10 +329,32 @@ class Attention(nn.Module):
         compressed cache, select, and attend. Returns [B, S, H, head_dim] (still RoPE'd)."""
         rows, ids = self._window(kv, start_pos, cache)
         if self.ratio:
+            window = ids.size(-1)
             comp_rows, comp_ids = self._compressed(x, qr, start_pos, rows.size(1), cache, shared)
             rows = torch.cat([rows, comp_rows], dim=1)
             ids = torch.cat([ids, comp_ids], dim=-1)
+            if shared.get("lone_widths") and comp_ids.size(-1):
+                return self._attend_at_lone_widths(q, rows, ids, start_pos, window)
         return ops.sparse_attn(q, rows, self.attn_sink, ids, self.softmax_scale)
+
+    def _attend_at_lone_widths(self, q: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, start_pos: int,
+                               window: int) -> torch.Tensor:
+        """Each query attended at the width a lone decode at its position lists: `window` slots plus
+        min(k, its visible groups) compressed ones (the chunk lists k = the last query's count for all).
+        The online softmax sums in 64-index blocks, so trailing unused slots change the rounding; the
+        engine asks for this on a speculative verify chunk so that every verified token gets the bits a
+        decode step would have given it (dsv41.engine.batched.decode_attend groups its rows the same way)."""
+        s, k = q.size(1), ids.size(-1) - window
+        pos = torch.arange(start_pos, start_pos + s)
+        width = ((pos + 1) // self.ratio).clamp(max=k)  # [S]
+        if bool((width == k).all()):
+            return ops.sparse_attn(q, rows, self.attn_sink, ids, self.softmax_scale)
+        out = q.new_empty(q.shape)
+        for w in width.unique().tolist():
+            group = (width == w).nonzero().flatten().to(q.device)
+            out[:, group] = ops.sparse_attn(q[:, group], rows, self.attn_sink, ids[:, group, :window + w],
+                                            self.softmax_scale)
+        return out
 
     def output(self, o: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """Inverse RoPE and the grouped output LoRA: [..., S, H, head_dim] -> [..., S, dim]."""

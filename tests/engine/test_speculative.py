@@ -273,3 +273,51 @@ def test_speculative_needs_a_drafter():
     m = init_random_weights(Transformer(tiny()), seed=1)
     with pytest.raises(ValueError, match="DSpark drafter"):
         LLMEngine(m, ByteTokenizer(m.cfg.vocab_size), EngineConfig(speculative=True))
+
+
+def _greedy_with_logprobs(engine, batch, params):
+    """Tokens and the chosen tokens' logprobs of each request, run together on `engine`."""
+    for i, p in enumerate(batch):
+        engine.add_request(f"r{i}", p, params)
+    tokens, logprobs = {}, {f"r{i}": [] for i in range(len(batch))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens[o.request_id] = o.token_ids
+            logprobs[o.request_id] += [lp.logprob for lp in o.new_logprobs]
+    return [tokens[f"r{i}"] for i in range(len(batch))], [logprobs[f"r{i}"] for i in range(len(batch))]
+
+
+def test_a_verified_token_gets_the_bits_of_a_decode_step_at_two_threads(monkeypatch):
+    """The hole found in the speculative benchmark (issue 30): a verify chunk listed every query's
+    compressed entries at the chunk's widest count, a decode step at the query's own, and the attention's
+    block sums round by their length. At 2 threads, on a `small`-width model with a random drafter (no
+    ties), batched plain decoding and speculative decoding with an oracle (so verify chunks compute most
+    tokens) must give the same tokens and bit-identical logprobs, including sequences that are still
+    shorter than index_topk compressed entries."""
+    import dataclasses
+
+    from dsv41.config import preset
+    from dsv41.model.init import init_random_weights
+    from dsv41.model.transformer import Transformer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        base = preset("small")
+        cfg = dataclasses.replace(base, n_mtp_layers=2, compress_ratios=base.compress_ratios + (0, 0),
+                                  dspark_block_size=4, dspark_noise_token_id=base.vocab_size - 1,
+                                  dspark_target_layer_ids=(4, 8, 10), dspark_markov_rank=32,
+                                  dspark_n_routed_experts=4, dspark_n_activated_experts=2)
+        model = init_random_weights(Transformer(cfg), seed=1).eval()
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+        batch = prompts([13, 30, 5, 9, 47, 21, 38, 17])  # batch 8, as in the benchmark
+        settings = dict(kv_pool_tokens=8192, max_num_batched_tokens=512, prefill_chunk_size=64)
+        plain, plain_lp = _greedy_with_logprobs(make(model, **settings), batch, params)
+        oracle(monkeypatch, {tuple(p): t for p, t in zip(batch, plain)}, wrong=0.0)
+        engine = make(model, speculative=True, **settings)
+        spec, spec_lp = _greedy_with_logprobs(engine, batch, params)
+    finally:
+        torch.set_num_threads(threads)
+    assert engine.metrics()["spec_decode_mean_emitted_per_step"] > 2  # verify chunks did the work
+    assert spec == plain
+    assert spec_lp == plain_lp  # bit for bit
