@@ -289,6 +289,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-curve", type=int, default=0, metavar="N", help="prefill one N-token prompt, per chunk")
     ap.add_argument("--prefill-point", nargs=2, metavar=("N", "VARIANT"), help=argparse.SUPPRESS)
     ap.add_argument("--plot-curve", metavar="JSON", help="fit, extrapolate to 1,048,576 tokens and plot a curve file")
+    ap.add_argument("--batches", type=int, nargs="+", help="decode batch sizes (default 1 8 32; --quick 1 8)")
+    ap.add_argument("--contexts", type=int, nargs="+", help="decode contexts (default 512 4096 32768; --quick 512 2048)")
+    ap.add_argument("--decode-only", action="store_true", help="only the decode grid (no step-vs-context, no prefill)")
     args = ap.parse_args(argv)
     if args.prefill_point:
         print(json.dumps(prefill_point(args.preset, int(args.prefill_point[0]), args.prefill_point[1], args.threads)))
@@ -319,6 +322,7 @@ def main(argv=None) -> int:
     results: dict = {"preset": args.preset, "threads": args.threads, "torch": torch.__version__}
 
     batches, contexts = ([1, 8], [512, 2048]) if quick else ([1, 8, 32], [512, 4096, 32768])
+    batches, contexts = args.batches or batches, args.contexts or contexts
     steps = 3 if quick else 6
     bandwidth = memory_bandwidth_gb_s()
     results["memory_bandwidth_gb_s"] = bandwidth
@@ -352,6 +356,9 @@ def main(argv=None) -> int:
                  "engine (padded GEMMs, round 2)", "plain loop tok/s", "engine/plain", "no-inv./plain",
                  "floor ms/step", "engine step / floor"], rows))
 
+    if args.decode_only:
+        write_results(results, args.out, f"speed_{args.preset}_decode", plot_decode)
+        return 0
     step_contexts = [1024, 4096] if quick else [1024, 4096, 16384, 32768, 65536]
     rows, scaling = [], []
     for ctx in step_contexts:
@@ -395,6 +402,39 @@ def main(argv=None) -> int:
     return 0
 
 
+def _decode_bars(ax, results: dict) -> None:
+    d = results["decode"]
+    labels = [f"b{r['batch']}\n{r['context'] // 1024 or r['context']}{'K' if r['context'] >= 1024 else ''}" for r in d]
+    x = range(len(d))
+    bars = [("engine_tok_s", "engine"), ("engine_not_invariant_tok_s", "engine, no batch inv."),
+            ("engine_eager_kernels_tok_s", "engine, eager kernels"),
+            ("engine_padded_gemms_tok_s", "engine, padded GEMMs (round 2)"), ("plain_tok_s", "plain loop")]
+    bars = [(key, label) for key, label in bars if all(key in r for r in d)]
+    width = 0.8 / len(bars)
+    for j, (key, label) in enumerate(bars):
+        ax.bar([i + (j - (len(bars) - 1) / 2) * width for i in x], [r[key] for r in d], width, label=label)
+    if all("floor_step_ms" in r for r in d):  # the weight-read limit as tokens/s
+        ax.plot(list(x), [r["batch"] / r["floor_step_ms"] * 1e3 for r in d], "k_", markersize=20,
+                label="weight-read floor")
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_yscale("log")
+    ax.set(xlabel="batch / context", ylabel="decode tokens/s", title="decode throughput")
+    ax.legend(fontsize=8)
+
+
+def plot_decode(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    _decode_bars(ax, results)
+    fig.suptitle(f"dsv41 engine vs plain loop, preset {results['preset']} (random weights, {results['threads']} threads)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def plot(results: dict, path: str) -> None:
     import matplotlib
 
@@ -402,19 +442,7 @@ def plot(results: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    d = results["decode"]
-    labels = [f"b{r['batch']}\n{r['context'] // 1024 or r['context']}{'K' if r['context'] >= 1024 else ''}" for r in d]
-    x = range(len(d))
-    bars = [("engine_tok_s", "engine"), ("engine_not_invariant_tok_s", "engine, no batch inv."),
-            ("engine_eager_kernels_tok_s", "engine, eager kernels"), ("plain_tok_s", "plain loop")]
-    bars = [(key, label) for key, label in bars if all(key in r for r in d)]
-    width = 0.8 / len(bars)
-    for j, (key, label) in enumerate(bars):
-        axes[0].bar([i + (j - (len(bars) - 1) / 2) * width for i in x], [r[key] for r in d], width, label=label)
-    axes[0].set_xticks(list(x), labels, fontsize=7)
-    axes[0].set_yscale("log")
-    axes[0].set(xlabel="batch / context", ylabel="decode tokens/s", title="decode throughput")
-    axes[0].legend(fontsize=8)
+    _decode_bars(axes[0], results)
     c = results["decode_step_vs_context"]
     axes[1].plot([r["context"] for r in c], [r["engine_step_ms"] for r in c], "o-", label="engine")
     axes[1].plot([r["context"] for r in c], [r["plain_step_ms"] for r in c], "s-", label="plain loop")

@@ -317,3 +317,25 @@ def test_serve_port_clash_is_one_line_before_any_engine(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: cannot listen on 127.0.0.1:") and "Traceback" not in err
     assert not built
+
+
+def test_fused_kernel_defaults_per_command(monkeypatch):
+    """Issue 30: chat and generate do not wait for the fused kernels' compiler (a short process never
+    repays it), serve builds them in the background, and --fused-kernels overrides either."""
+    import dsv41.engine
+    import dsv41.server.run
+
+    seen = []
+
+    def fake_build_engine(name, engine_config=None, **kwargs):
+        seen.append(engine_config.fused_kernels)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(dsv41.engine, "build_engine", fake_build_engine)
+    monkeypatch.setattr(dsv41.server.run, "serve", lambda model, **kw: seen.append(kw["engine_config"].fused_kernels))
+    for argv in (["generate", "--preset", "tiny", "--prompt", "hi"], ["chat", "--preset", "tiny"]):
+        run_main(argv)
+        run_main(argv + ["--fused-kernels", "now"])
+    assert run_main(["serve", "tiny"]) == 0
+    assert run_main(["serve", "tiny", "--fused-kernels", "off"]) == 0
+    assert seen == ["off", "now", "off", "now", "background", "off"]
