@@ -24,6 +24,9 @@ def build_engine(model: str, engine_config: Optional[EngineConfig] = None, seed:
     else a byte tokenizer. With a real tokenizer the Engram token map is derived from it (spec §5).
     """
     net, tokenizer, name = build_model(model, seed, device)
+    # the engine owns this model: in training mode every step would switch it to eval and back
+    # (Transformer.numerics; ~7 ms per step at `tiny`, a fifth of its decode step)
+    net.eval()
     return LLMEngine(net, tokenizer, engine_config, model_name=name, seed=seed)
 
 

@@ -9,6 +9,13 @@
   thread, for tests and notebooks).
 """
 
-from dsv41.server.app import create_app
-
 __all__ = ["create_app"]
+
+
+def __getattr__(name: str):
+    # imported on first use: FastAPI takes ~0.7 s to import, and `dsv41 chat` needs only chat.py
+    if name == "create_app":
+        from dsv41.server.app import create_app
+
+        return create_app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
