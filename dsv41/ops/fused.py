@@ -113,18 +113,28 @@ def settle_in_background(jobs: list[tuple[Verdict, tuple]]) -> threading.Thread:
     for verdict, args in jobs:
         verdict.defer(*args)
 
+    stopping = threading.Event()
+
     def run():
         for verdict, args in jobs:
+            if stopping.is_set():  # the process is exiting: build nothing more
+                verdict.pending.discard(args)
+                continue
             try:
                 verdict._settle(args)
             except Exception as err:  # a probe that cannot even run: that kernel stays off
                 verdict.known.setdefault(args, False)
                 verdict.pending.discard(args)
-                warnings.warn(f"fused kernel probe failed, using the eager reference ({type(err).__name__}: {err})")
+                if not stopping.is_set():  # (at exit the compiler fails to register its own exit hooks)
+                    warnings.warn(f"fused kernel probe failed, using the eager reference ({type(err).__name__}: {err})")
+
+    def finish():
+        # a compiler killed mid-build at interpreter exit aborts the process ("terminate called without an
+        # active exception"), so exit lets the build in flight end, and starts no other
+        stopping.set()
+        thread.join()
 
     thread = threading.Thread(target=run, name="dsv41-fused-kernels", daemon=True)
     thread.start()
-    # a compiler killed mid-build at interpreter exit aborts the process ("terminate called without an
-    # active exception"), so exit waits for the build to finish
-    atexit.register(thread.join)
+    atexit.register(finish)
     return thread

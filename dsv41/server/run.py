@@ -75,7 +75,10 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, engine_confi
               f"on http://{host}:{sock.getsockname()[1]}/v1" + (" (API key required)" if api_key else ""),
               flush=True)
         server = uvicorn.Server(uvicorn_config(app, log_level, timeout_graceful_shutdown=5))
-        server.run(sockets=[sock])
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down gracefully and re-raises; exit quietly
+            pass
     finally:
         sock.close()
 
