@@ -13,6 +13,8 @@ machines are noisy):
 - prefill tokens/s and peak RSS at 512/4K/32K/128K (each in its own process, so the peak belongs to it):
   the engine (bounded replay, 1,024-token chunks) and the plain loop (1,024-token chunks, no replay);
 - resident KV of the engine (packed pool) and the plain loop's bf16 containers;
+- with the `hf` extra, transformers' DeepSeek-V4 (the predecessor architecture) at the same widths, its own
+  cache and decode loop (`hf_decode`);
 - the physical floor of each decode cell: the active weight bytes of a step (`active_weight_bytes`)
   divided by the copy bandwidth this run measures, and how far the engine's step is from it.
 `--prefill-curve N` prefills one N-token prompt with the engine, recording each chunk's time and the
@@ -161,6 +163,47 @@ def plain_decode(model, batch: int, context: int, steps: int) -> dict:
         seconds = time.perf_counter() - t
     return {"tok_s": batch * steps / seconds, "step_ms": seconds / steps * 1e3,
             "container_bytes": container}
+
+
+def hf_model(cfg):
+    """transformers' DeepSeek-V4 (the predecessor architecture) built at the same widths as `cfg`, random
+    bf16 weights, or None when the `hf` extra (transformers with DeepSeek-V4) is not installed."""
+    try:
+        from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    except ImportError:
+        return None
+    hf_cfg = DeepseekV4Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, moe_intermediate_size=cfg.moe_inter_dim,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, head_dim=cfg.head_dim,
+        q_lora_rank=cfg.q_lora_rank, num_experts_per_tok=cfg.n_activated_experts, n_routed_experts=cfg.n_routed_experts,
+        n_shared_experts=cfg.n_shared_experts, o_groups=cfg.o_groups, o_lora_rank=cfg.o_lora_rank,
+        index_n_heads=cfg.index_n_heads, index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk,
+        sliding_window=cfg.window_size, partial_rotary_factor=cfg.rope_head_dim / cfg.head_dim,
+        num_nextn_predict_layers=0, max_position_embeddings=cfg.max_position_embeddings)
+    torch.manual_seed(1)
+    try:
+        return DeepseekV4ForCausalLM(hf_cfg).to(torch.bfloat16).eval()
+    except (ValueError, RuntimeError) as err:  # widths its implementation does not take
+        print(f"transformers' DeepSeek-V4 cannot be built at these widths ({err}); its column is left out")
+        return None
+
+
+HF_MAX_PREFILL = 8192  # batch x context tokens up to which the transformers column is measured
+
+
+def hf_decode(model, batch: int, context: int, steps: int) -> dict:
+    """transformers' own decode loop: a prefill of `context` random tokens (its cache), then greedy steps."""
+    ids = torch.randint(3, model.config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        out = model(ids, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        out = model(token, cache=out.past_key_values, use_cache=True)  # warm-up
+        t = time.perf_counter()
+        for _ in range(steps):
+            token = out.logits[:, -1:].argmax(-1)
+            out = model(token, cache=out.past_key_values, use_cache=True)
+        seconds = time.perf_counter() - t
+    return {"tok_s": batch * steps / seconds, "step_ms": seconds / steps * 1e3}
 
 
 # ---------------------------------------------------------------------- prefill (one process per point)
@@ -324,6 +367,9 @@ def main(argv=None) -> int:
     batches, contexts = ([1, 8], [512, 2048]) if quick else ([1, 8, 32], [512, 4096, 32768])
     batches, contexts = args.batches or batches, args.contexts or contexts
     steps = 3 if quick else 6
+    hf = hf_model(model.cfg)
+    if hf is None:
+        print("transformers' DeepSeek-V4 not installed (pip install -e '.[hf]'): its column is left out")
     bandwidth = memory_bandwidth_gb_s()
     results["memory_bandwidth_gb_s"] = bandwidth
     print(f"memory bandwidth (copy, {args.threads} threads): {bandwidth:.1f} GB/s", flush=True)
@@ -337,24 +383,28 @@ def main(argv=None) -> int:
             with padded_gemms():
                 padded = engine_decode(model, b, ctx, steps)
             plain = plain_decode(model, b, ctx, steps)
+            # transformers' prefill of the synthetic context is slow past ~8K tokens in all (minutes here)
+            hf_cell = hf_decode(hf, b, ctx, steps) if hf is not None and b * ctx <= HF_MAX_PREFILL else None
             floor_ms = active_weight_bytes(model, b) / (bandwidth * 1e9) * 1e3
             decode.append({"batch": b, "context": ctx, "engine_tok_s": eng["tok_s"],
                            "engine_not_invariant_tok_s": fast["tok_s"], "engine_eager_kernels_tok_s": eager["tok_s"],
                            "engine_padded_gemms_tok_s": padded["tok_s"],
+                           "transformers_v4_tok_s": hf_cell["tok_s"] if hf_cell else None,
                            "plain_tok_s": plain["tok_s"], "engine_step_ms": eng["step_ms"],
                            "floor_step_ms": floor_ms, "engine_vs_floor": eng["step_ms"] / floor_ms,
                            "ratio": eng["tok_s"] / plain["tok_s"], "ratio_not_invariant": fast["tok_s"] / plain["tok_s"]})
             rows.append([b, ctx, eng["tok_s"], fast["tok_s"], eager["tok_s"], padded["tok_s"], plain["tok_s"],
-                         eng["tok_s"] / plain["tok_s"], fast["tok_s"] / plain["tok_s"], floor_ms, eng["step_ms"] / floor_ms])
+                         hf_cell["tok_s"] if hf_cell else "-", eng["tok_s"] / plain["tok_s"],
+                         eng["tok_s"] / hf_cell["tok_s"] if hf_cell else "-", floor_ms, eng["step_ms"] / floor_ms])
             print(table("", ["batch", "context", "engine", "engine no-inv", "engine eager", "engine padded", "plain",
-                             "engine/plain", "no-inv/plain", "floor ms", "step/floor"], [rows[-1]]).splitlines()[-1],
+                             "hf v4", "engine/plain", "engine/hf", "floor ms", "step/floor"], [rows[-1]]).splitlines()[-1],
                   flush=True)
     results["decode"] = decode
     print(table(f"\n[decode tok/s] {args.preset}, {steps} steps after a warm-up, synthetic context; floor: active "
                 f"weight bytes / {bandwidth:.1f} GB/s",
                 ["batch", "context", "engine tok/s", "engine (no batch inv.)", "engine (eager kernels)",
-                 "engine (padded GEMMs, round 2)", "plain loop tok/s", "engine/plain", "no-inv./plain",
-                 "floor ms/step", "engine step / floor"], rows))
+                 "engine (padded GEMMs, round 2)", "plain loop tok/s", "transformers DeepSeek-V4 tok/s",
+                 "engine/plain", "engine/transformers", "floor ms/step", "engine step / floor"], rows))
 
     if args.decode_only:
         write_results(results, args.out, f"speed_{args.preset}_decode", plot_decode)
@@ -408,8 +458,9 @@ def _decode_bars(ax, results: dict) -> None:
     x = range(len(d))
     bars = [("engine_tok_s", "engine"), ("engine_not_invariant_tok_s", "engine, no batch inv."),
             ("engine_eager_kernels_tok_s", "engine, eager kernels"),
-            ("engine_padded_gemms_tok_s", "engine, padded GEMMs (round 2)"), ("plain_tok_s", "plain loop")]
-    bars = [(key, label) for key, label in bars if all(key in r for r in d)]
+            ("engine_padded_gemms_tok_s", "engine, padded GEMMs (round 2)"), ("plain_tok_s", "plain loop"),
+            ("transformers_v4_tok_s", "transformers DeepSeek-V4")]
+    bars = [(key, label) for key, label in bars if all(r.get(key) is not None for r in d)]
     width = 0.8 / len(bars)
     for j, (key, label) in enumerate(bars):
         ax.bar([i + (j - (len(bars) - 1) / 2) * width for i in x], [r[key] for r in d], width, label=label)

@@ -20,7 +20,7 @@ import atexit
 import os
 import threading
 import warnings
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable
 
 import torch
 
@@ -98,7 +98,7 @@ class Verdict:
         known = self.known.get(args)
         return known if known is not None else self._settle(args)
 
-    def peek(self, *args) -> Optional[bool]:
+    def peek(self, *args) -> bool | None:
         """The verdict if it is known, else None (never probes)."""
         return self.known.get(args)
 

@@ -311,7 +311,7 @@ def test_a_verified_token_gets_the_bits_of_a_decode_step_at_two_threads(monkeypa
         model = init_random_weights(Transformer(cfg), seed=1).eval()
         params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
         batch = prompts([13, 30, 5, 9, 47, 21, 38, 17])  # batch 8, as in the benchmark
-        settings = dict(kv_pool_tokens=8192, max_num_batched_tokens=512, prefill_chunk_size=64)
+        settings = {"kv_pool_tokens": 8192, "max_num_batched_tokens": 512, "prefill_chunk_size": 64}
         plain, plain_lp = _greedy_with_logprobs(make(model, **settings), batch, params)
         oracle(monkeypatch, {tuple(p): t for p, t in zip(batch, plain)}, wrong=0.0)
         engine = make(model, speculative=True, **settings)
