@@ -5,6 +5,7 @@ audit hook does not see) and the audit hook on its own (its own error message), 
 layer fails a test instead of being masked by the other.
 """
 
+import dataclasses
 import json
 import os
 import socket
@@ -247,10 +248,41 @@ print(json.dumps(report))
         udp.close()
 
 
-def test_network_can_be_allowed():
-    result = run_python("import socket\nsocket.socket().close()\nprint('ok')", limits=SandboxLimits(network=True))
-    assert result.ok and result.stdout == "ok\n"
-    assert result.isolation["network_namespace"] is False
+def test_network_true_is_a_private_loopback():
+    """network=True gives the program sockets and a loopback of its own: it can talk to itself over
+    127.0.0.1, but neither reaches the host's loopback services nor binds the host's ports (on main it
+    shared the host's network: this test failed there, the connection to the host listener succeeded)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.3)
+    host_port = listener.getsockname()[1]
+    code = f"""
+import json, socket
+report = {{}}
+server = socket.socket()
+server.bind(("127.0.0.1", 0))
+server.listen(1)
+client = socket.create_connection(server.getsockname(), timeout=2)
+peer, _ = server.accept()
+client.sendall(b"ping")
+report["self"] = peer.recv(4).decode()
+try:
+    socket.create_connection(("127.0.0.1", {host_port}), timeout=1)
+    report["host"] = "CONNECTED"
+except OSError as e:
+    report["host"] = type(e).__name__
+print(json.dumps(report))
+"""
+    try:
+        result = run_python(code, limits=dataclasses.replace(SMALL, network=True))
+        assert result.ok, result
+        assert json.loads(result.stdout) == {"self": "ping", "host": "ConnectionRefusedError"}
+        assert result.isolation["network_namespace"] is True and result.isolation["loopback"] is True
+        with pytest.raises(socket.timeout):
+            listener.accept()
+    finally:
+        listener.close()
 
 
 def test_output_is_truncated_but_drained():

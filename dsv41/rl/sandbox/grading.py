@@ -1,0 +1,324 @@
+"""Grading "small programs with tests" so that a solution cannot fake its own score.
+
+A test is a Python statement or expression written by the task ("assert add(1, 2) == 3", "f(3) == 6",
+"len(ANSWER) <= 4 and ANSWER[-1] == '7'"). Running it in the solution's interpreter, as a grader
+naturally would, hands the verdict to the solution: it can replace eval/exec or any builtin, return an
+object equal to everything, rewrite the test list through the caller's frame, print a verdict, exit
+early, or write to the verdict's channel. So the solution's code never runs where the expected values,
+the test logic and the verdict live:
+
+1. The orchestrator parses each test (trusted input) and cuts out its *probes*: the maximal expressions
+   rooted at a name the test does not define itself (a name of the solution), e.g. `add(1, 2)`,
+   `ANSWER`, `f(g(3)).real`. Only the probes' source goes into the sandbox, never a comparison, an
+   expected value or the test itself.
+2. Probe run (sandbox, `_probe_harness.py`): the solution runs, each probe is evaluated in its namespace
+   and the values come back as plain data (None, bool, int, float, complex, str, bytes, list, tuple,
+   dict, set, frozenset, of exactly those types: a subclass, say an int whose __eq__ is always true, is
+   refused) in a tagged JSON encoding, never pickle. Whatever the solution does to that process can only
+   change the values it reports, which is what returning other values would do.
+3. Evaluation run (a second, clean sandbox, `_test_evaluator.py`): the tests, with each probe replaced by
+   its reported value, run on plain data only; `==`, `!=`, `in` and `not in` are type-strict there
+   (1 != 1.0 != True; containers compared element by element the same way). No code of the solution has
+   ever run in that process, so nothing the solution can reach decides its score. It is a sandbox rather
+   than the orchestrator because a reported value can still make a test slow or large ("x" * f(2)).
+4. Score = passed / total, from the evaluator's verdict; 0.0 if either run did not finish cleanly or
+   the probe run's answer is malformed (a second line, a missing value...).
+
+What tests may contain: any Python. Names a test binds itself (assignments, loop and comprehension
+variables, imports, defs) and the builtins are the test's own; the modules in `TEST_MODULES` are
+available to tests without an import; every other name is the solution's. A probe must not use a name
+the test binds (e.g. `f(x)` inside `all(f(x) == x * x for x in range(3))`): its value is computed in the
+solution's process, where that name does not exist, so grading_task rejects such a test with a clear
+error (write the calls out instead). A probe whose value is not plain data (a function, a generator, an
+instance of the solution's class) fails the tests that use it. A name that is also a builtin (`sum`,
+`len`) always means the builtin in a test.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from dsv41.rl.sandbox.config import SandboxLimits, SandboxResult, SandboxTask
+from dsv41.rl.sandbox.orchestrator import run_python
+
+# Standard modules a test may use without importing them (they resolve in the clean evaluator).
+TEST_MODULES = ("math", "cmath", "re", "string", "itertools", "functools", "operator", "collections",
+                "heapq", "bisect", "statistics", "fractions", "decimal")
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _program(name: str) -> str:
+    with open(os.path.join(_HERE, name), encoding="utf-8") as f:
+        return f.read()
+
+
+_PROBE_HARNESS = _program("_probe_harness.py")
+_TEST_EVALUATOR = _program("_test_evaluator.py")
+
+# Names the rewritten tests use to reach the evaluator's helpers; a test may not use them itself.
+_PROBE_FN, _COMPARE_FN = "__dsv41_probe__", "__dsv41_compare__"
+_STRICT_OPS = (ast.Eq, ast.NotEq, ast.In, ast.NotIn)
+_OP_NAMES = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=",
+             ast.Is: "is", ast.IsNot: "is not", ast.In: "in", ast.NotIn: "not in"}
+_BUILTIN_NAMES = frozenset(dir(builtins))
+
+
+def _bound_names(tree: ast.AST) -> set[str]:
+    """Every name `tree` binds anywhere (assignment targets, loop/comprehension/with/except targets,
+    parameters, imports, def/class names, global/nonlocal declarations)."""
+    bound: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            bound.add(node.id)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                bound.add((alias.asname or alias.name).split(".")[0])
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            bound.update(node.names)
+        elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
+            bound.add(node.name)
+        elif isinstance(node, ast.MatchMapping) and node.rest:
+            bound.add(node.rest)
+    return bound
+
+
+def _free_names(tree: ast.AST) -> set[str]:
+    """Names `tree` reads without binding them itself."""
+    loaded = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return loaded - _bound_names(tree)
+
+
+def _chain_root(node: ast.AST) -> Optional[ast.Name]:
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node if isinstance(node, ast.Name) else None
+
+
+class _Rewriter(ast.NodeTransformer):
+    """Replaces probes by `__dsv41_probe__(k)` and comparisons with a type-strict operator by
+    `__dsv41_compare__(left, ops, thunks)`; collects the probes' source in evaluation order."""
+
+    def __init__(self, test_names: set[str], index: int, probes: list[tuple[str, list[str]]]):
+        self.test_names = test_names  # bound by this test or an earlier one
+        self.index = index
+        self.probes = probes
+
+    def _is_solution_name(self, name: str) -> bool:
+        return name not in self.test_names and name not in _BUILTIN_NAMES and name not in TEST_MODULES
+
+    def visit(self, node: ast.AST) -> Any:
+        if isinstance(node, ast.expr) and not isinstance(node, ast.Compare):
+            root = _chain_root(node)
+            if (root is not None and isinstance(root.ctx, ast.Load) and self._is_solution_name(root.id)
+                    and not _is_store_target(node)):
+                return self._probe(node)
+        return super().visit(node)
+
+    def _probe(self, node: ast.expr) -> ast.expr:
+        source = ast.unparse(node)
+        clash = _free_names(node) & self.test_names
+        if clash:
+            raise ValueError(
+                f"test {self.index}: {source!r} is computed by the solution, but it uses "
+                f"{', '.join(sorted(clash))}, which the test defines itself; pass values written in the "
+                "test instead (e.g. unroll the loop)")
+        modules = sorted(n for n in _free_names(node) if n in TEST_MODULES)
+        self.probes.append((source, modules))
+        call = ast.Call(func=ast.Name(_PROBE_FN, ast.Load()), args=[ast.Constant(len(self.probes) - 1)],
+                        keywords=[])
+        return ast.copy_location(call, node)
+
+    def visit_Compare(self, node: ast.Compare) -> Any:
+        node = self.generic_visit(node)
+        if not any(isinstance(op, _STRICT_OPS) for op in node.ops):
+            return node
+        thunks = [ast.Lambda(args=ast.arguments(posonlyargs=[], args=[], kwonlyargs=[], kw_defaults=[],
+                                                defaults=[]), body=c) for c in node.comparators]
+        ops = ast.Tuple([ast.Constant(_OP_NAMES[type(op)]) for op in node.ops], ast.Load())
+        call = ast.Call(func=ast.Name(_COMPARE_FN, ast.Load()),
+                        args=[node.left, ops, ast.Tuple(thunks, ast.Load())], keywords=[])
+        return ast.copy_location(call, node)
+
+
+def _is_store_target(node: ast.AST) -> bool:
+    return isinstance(getattr(node, "ctx", None), (ast.Store, ast.Del))
+
+
+@dataclass(frozen=True)
+class GradingPlan:
+    """What the orchestrator keeps of a grading job: the rewritten tests (for the clean evaluator only)
+    and the probes (the only part of the tests the solution's process ever sees)."""
+
+    tests: tuple[tuple[str, bool], ...]  # (rewritten source, whether it is a single expression)
+    probes: tuple[tuple[str, tuple[str, ...]], ...]  # (probe source, test modules it uses)
+    limits: Optional[SandboxLimits]
+
+    @property
+    def num_tests(self) -> int:
+        return len(self.tests)
+
+
+def plan_tests(tests: Sequence[str], limits: Optional[SandboxLimits] = None) -> GradingPlan:
+    """Split `tests` into probes and rewritten tests. Raises ValueError for tests that are not valid
+    Python, that use the evaluator's reserved names, or whose probes need the test's own variables."""
+    if isinstance(tests, str):
+        raise ValueError("tests must be a non-empty list of strings, got a single string")
+    tests = list(tests)
+    if not tests or not all(isinstance(t, str) for t in tests):
+        raise ValueError("tests must be a non-empty list of strings")
+    probes: list[tuple[str, list[str]]] = []
+    rewritten: list[tuple[str, bool]] = []
+    test_names: set[str] = set()  # a test may use what an earlier one defined, as in one script
+    for i, test in enumerate(tests):
+        try:
+            tree = ast.parse(test, filename=f"<test {i}>", mode="exec")
+        except SyntaxError as exc:
+            raise ValueError(f"test {i} is not valid Python: {exc.msg} ({test!r})") from None
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        if names & {_PROBE_FN, _COMPARE_FN}:
+            raise ValueError(f"test {i} uses a name reserved for the grader ({_PROBE_FN}, {_COMPARE_FN})")
+        test_names |= _bound_names(tree)
+        tree = _Rewriter(test_names, i, probes).visit(tree)
+        ast.fix_missing_locations(tree)
+        is_expression = len(tree.body) == 1 and isinstance(tree.body[0], ast.Expr)
+        source = ast.unparse(tree.body[0].value) if is_expression else ast.unparse(tree)
+        rewritten.append((source, is_expression))
+    return GradingPlan(tuple(rewritten), tuple((s, tuple(m)) for s, m in probes), limits)
+
+
+def grading_task(solution_code: str, tests: Sequence[str], limits: Optional[SandboxLimits] = None
+                 ) -> tuple[SandboxTask, GradingPlan]:
+    """The sandbox task that runs `solution_code` and reports its probes' values, and the plan that
+    `grading_score` needs to finish the grading (it holds the tests; the task does not)."""
+    if not isinstance(solution_code, str):
+        raise TypeError(f"solution_code must be a str, got {type(solution_code).__name__}")
+    plan = plan_tests(tests, limits)
+    request = json.dumps({"probes": [[s, list(m)] for s, m in plan.probes]})
+    task = SandboxTask(code=_PROBE_HARNESS, stdin=request, files={"solution.py": solution_code}, limits=limits)
+    return task, plan
+
+
+def _probe_values(result: SandboxResult, plan: GradingPlan) -> Optional[list]:
+    """The probe run's answer, checked for shape (the values themselves are decoded by the evaluator);
+    None when the run did not finish cleanly or the answer is malformed: the solution scores 0."""
+    if result.status != "ok" or result.stdout_truncated:
+        return None
+    lines = result.stdout.splitlines()
+    if len(lines) != 1:
+        return None
+    try:
+        answer = json.loads(lines[0])
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(answer, dict) or set(answer) != {"probes"}:
+        return None
+    values = answer["probes"]
+    if not isinstance(values, list) or len(values) != len(plan.probes):
+        return None
+    for v in values:
+        if not (isinstance(v, list) and len(v) == 2 and v[0] in ("ok", "error")):
+            return None
+        if v[0] == "error" and not isinstance(v[1], str):
+            return None
+    return values
+
+
+def evaluation_task(plan: GradingPlan, probe_result: SandboxResult) -> Optional[SandboxTask]:
+    """The clean sandbox task that runs the tests on the reported values; None when there is nothing to
+    evaluate (the solution failed to load, crashed, or answered out of shape: it scores 0)."""
+    values = _probe_values(probe_result, plan)
+    if values is None:
+        return None
+    request = json.dumps({"tests": [list(t) for t in plan.tests], "values": values,
+                          "modules": list(TEST_MODULES)})
+    return SandboxTask(code=_TEST_EVALUATOR, stdin=request, limits=plan.limits)
+
+
+def evaluation_score(plan: GradingPlan, evaluation: Optional[SandboxResult]) -> float:
+    """Fraction of tests passed, from the clean evaluator's verdict."""
+    if evaluation is None or evaluation.status != "ok":
+        return 0.0
+    lines = evaluation.stdout.splitlines()
+    if len(lines) != 1:
+        return 0.0
+    try:
+        verdict = json.loads(lines[0])
+    except ValueError:
+        return 0.0
+    passed = verdict.get("passed") if isinstance(verdict, dict) else None
+    if not isinstance(passed, list) or len(passed) != plan.num_tests or not all(p is True or p is False
+                                                                              for p in passed):
+        return 0.0
+    return sum(passed) / plan.num_tests
+
+
+def grading_score(result: SandboxResult, plan: GradingPlan, num_tests: Optional[int] = None,
+                  pool_or_runner: Any = None) -> float:
+    """Finish grading a probe run from `grading_task`: run the tests in a clean sandbox (through
+    `pool_or_runner`, as in grade_program) and return the fraction passed."""
+    if not isinstance(plan, GradingPlan):
+        raise TypeError("grading_score needs the GradingPlan that grading_task returned with the task")
+    if num_tests is not None and num_tests != plan.num_tests:
+        raise ValueError(f"num_tests={num_tests} but the plan has {plan.num_tests} tests")
+    task = evaluation_task(plan, result)
+    if task is None:
+        return 0.0
+    evaluation, = _run_tasks([task], pool_or_runner)
+    return evaluation_score(plan, evaluation)
+
+
+def _run_tasks(tasks: list[SandboxTask], pool_or_runner: Any) -> list[SandboxResult]:
+    if not tasks:
+        return []
+    if pool_or_runner is None or (callable(pool_or_runner) and not hasattr(pool_or_runner, "map")):
+        runner = pool_or_runner or run_python
+        results = []
+        for task in tasks:
+            try:
+                results.append(runner(task.code, stdin=task.stdin, files=task.files,
+                                      limits=task.limits or SandboxLimits()))
+            except Exception as exc:
+                results.append(SandboxResult.runner_error(f"{type(exc).__name__}: {exc}"))
+        return results
+    if hasattr(pool_or_runner, "map"):
+        return pool_or_runner.map(tasks)
+    raise TypeError(f"pool_or_runner must be None, a pool with map() or a callable, got {pool_or_runner!r}")
+
+
+def grade_program(solution_code: str, tests: Sequence[str], pool_or_runner: Any = None,
+                  limits: Optional[SandboxLimits] = None) -> tuple[float, SandboxResult]:
+    """Run the solution in a sandbox and its tests in another; return (fraction passed, the solution's run).
+
+    pool_or_runner: None (run here with `run_python`), a SandboxPool, a RaySandboxPool (anything with
+    `map`), or a callable with run_python's signature. limits: None uses the pool's (or the defaults).
+    The solution's probes run in order in one process: one that hangs the process costs all of them (the
+    run times out and scores 0.0).
+    """
+    (score, result), = grade_programs([(solution_code, tests)], pool_or_runner, limits)
+    return score, result
+
+
+def grade_programs(items: Sequence[tuple[str, Sequence[str]]], pool_or_runner: Any = None,
+                   limits: Optional[SandboxLimits] = None) -> list[tuple[float, SandboxResult]]:
+    """`grade_program` for a batch of (solution_code, tests): all probe runs through the pool at once,
+    then all evaluation runs."""
+    built = [grading_task(code, tests, limits) for code, tests in items]
+    probe_results = _run_tasks([task for task, _ in built], pool_or_runner)
+    evaluations = [evaluation_task(plan, result) for (_, plan), result in zip(built, probe_results)]
+    todo = [task for task in evaluations if task is not None]
+    done = iter(_run_tasks(todo, pool_or_runner))
+    scores = [evaluation_score(plan, next(done) if task is not None else None)
+              for (_, plan), task in zip(built, evaluations)]
+    return list(zip(scores, probe_results))
