@@ -140,9 +140,10 @@ def test_tests_keep_their_expressiveness():
     solution = ("WORDS = ['a', 'b']\ndef f(x):\n    return x * x\ndef h(x):\n    return 2 * x\n"
                 "def k(n):\n    return list(range(n))[::-1]\n")
     assert grade_program(solution, tests, limits=LIMITS)[0] == 1.0
-    # A generator is not plain data: the test that uses it fails, the others still pass.
+    # A generator is not plain data: a test that compares it as it is fails; sorted() of it is computed
+    # with the solution, and works.
     gen = solution.replace("return list(range(n))[::-1]", "return (i for i in range(n))")
-    assert grade_program(gen, tests, limits=LIMITS)[0] == pytest.approx(6 / 7)
+    assert grade_program(gen, tests + ["k(3) == [0, 1, 2]"], limits=LIMITS)[0] == pytest.approx(7 / 8)
 
 
 def test_bad_tests_are_refused_with_a_clear_error():
@@ -162,3 +163,20 @@ def test_a_test_that_a_reported_value_makes_huge_costs_only_that_solution(pool):
     tests = ["len('x' * n()) == 3"]
     items = [("def n():\n    return 10 ** 12\n", tests), ("def n():\n    return 3\n", tests)]
     assert [s for s, _ in grade_programs(items, pool)] == [0.0, 1.0]
+
+
+def test_expected_exceptions_and_conversions():
+    """Tests may expect the solution to raise (a builtin exception class, or a subclass of one), and may
+    convert what it returns with a one-argument builtin (list(), sorted(), len()...) before comparing."""
+    tests = ["try:\n    f(-1)\nexcept ValueError:\n    pass\nelse:\n    raise AssertionError('no ValueError')",
+             "list(g(3)) == [0, 1, 2]", "sorted(d().keys()) == ['a', 'b']", "len(g(4)) == 4"]
+    honest = ("class Negative(ValueError):\n    pass\n"
+              "def f(x):\n    if x < 0:\n        raise Negative(x)\n    return x\n"
+              "def g(n):\n    return range(n)\n"
+              "def d():\n    return {'b': 1, 'a': 2}\n")
+    assert grade_program(honest, tests, limits=LIMITS)[0] == 1.0
+    no_raise = honest.replace("raise Negative(x)", "return 0")
+    assert grade_program(no_raise, tests, limits=LIMITS)[0] == 0.75
+    # SystemExit is not an Exception: the evaluator never re-raises it (the test fails instead).
+    assert grade_program(honest.replace("raise Negative(x)", "raise SystemExit(0)"), tests,
+                         limits=LIMITS)[0] == 0.75

@@ -1,6 +1,7 @@
 # The probe run's main.py (see grading.py): runs the solution, evaluates each probe in its namespace and
 # writes the values, as tagged JSON, on the original stdout. It runs in the sandbox with the solution,
 # which can change anything here: that only changes the values it reports, never how they are judged.
+import builtins
 import json
 import os
 import sys
@@ -50,7 +51,11 @@ def _main():
             value = eval(compile(probe, f"<probe {i}>", "eval"), namespace)
             values.append(["ok", _encode(value)])
         except BaseException as exc:
-            values.append(["error", f"{type(exc).__name__}: {exc}"[:500]])
+            # The nearest builtin exception class, so that a test expecting e.g. a ValueError (raised, or a
+            # subclass of it) can catch it in the evaluator; the evaluator accepts only Exception subclasses.
+            builtin = next((c.__name__ for c in type(exc).__mro__ if getattr(builtins, c.__name__, None) is c),
+                           "BaseException")
+            values.append(["error", f"{type(exc).__name__}: {exc}"[:500], builtin])
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -99,9 +99,18 @@ def _main():
     os.dup2(2, 1)  # the tests' own prints go to stderr, away from the verdict
 
     def probe(k):
-        status, payload = values[k]
+        status, payload = values[k][:2]
         if status != "ok":
-            raise ProbeFailed(payload)
+            # Re-raised as the builtin class the solution's exception derives from, so a test can expect it
+            # (try/except ValueError); never SystemExit & co., which are not Exceptions.
+            cls = getattr(builtins, values[k][2], None)
+            exc = ProbeFailed(payload)
+            if isinstance(cls, type) and issubclass(cls, Exception):
+                try:
+                    exc = cls(payload)
+                except Exception:  # a class whose constructor wants more (UnicodeDecodeError)
+                    pass
+            raise exc
         try:
             return _decode(payload)
         except (ValueError, TypeError, RecursionError) as exc:

@@ -100,10 +100,31 @@ def _free_names(tree: ast.AST) -> set[str]:
     return loaded - _bound_names(tree)
 
 
+# Builtins that, applied to a probe alone, extend it: `list(f(3))` or `sorted(g())` are computed in the
+# solution's process, so that a generator or a dict view, not plain data itself, can still be tested. Only
+# one-argument calls: a second argument could carry an expected value into the solution's process
+# (max(f(1), 5) == 5), and the value of a one-argument conversion is a claim about the solution's own value
+# and nothing else.
+_CONVERSIONS = frozenset({"list", "tuple", "set", "frozenset", "sorted", "dict", "str", "repr", "len", "sum",
+                          "min", "max", "abs", "int", "float", "bool", "bytes", "reversed"})
+
+
 def _chain_root(node: ast.AST) -> Optional[ast.Name]:
-    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
-        node = node.func if isinstance(node, ast.Call) else node.value
+    while True:
+        if isinstance(node, (ast.Attribute, ast.Subscript)):
+            node = node.value
+        elif isinstance(node, ast.Call) and _is_conversion(node):
+            node = node.args[0]
+        elif isinstance(node, ast.Call):
+            node = node.func
+        else:
+            break
     return node if isinstance(node, ast.Name) else None
+
+
+def _is_conversion(node: ast.Call) -> bool:
+    return (isinstance(node.func, ast.Name) and node.func.id in _CONVERSIONS and len(node.args) == 1
+            and not node.keywords and not isinstance(node.args[0], ast.Starred))
 
 
 class _Rewriter(ast.NodeTransformer):
@@ -228,9 +249,11 @@ def _probe_values(result: SandboxResult, plan: GradingPlan) -> Optional[list]:
     if not isinstance(values, list) or len(values) != len(plan.probes):
         return None
     for v in values:
-        if not (isinstance(v, list) and len(v) == 2 and v[0] in ("ok", "error")):
+        if not isinstance(v, list) or not v:
             return None
-        if v[0] == "error" and not isinstance(v[1], str):
+        if v[0] == "ok" and len(v) == 2:
+            continue
+        if not (v[0] == "error" and len(v) == 3 and isinstance(v[1], str) and isinstance(v[2], str)):
             return None
     return values
 
