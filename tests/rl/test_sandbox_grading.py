@@ -157,12 +157,15 @@ def test_bad_tests_are_refused_with_a_clear_error():
         grade_program(HONEST, ["__dsv41_probe__(0)"], limits=LIMITS)
 
 
-def test_a_test_that_a_reported_value_makes_huge_costs_only_that_solution(pool):
-    """The tests run in a sandbox of their own: a reported value that makes a test blow up ('x' * n)
-    hits that sandbox's limits and scores that solution 0, not the batch."""
-    tests = ["len('x' * n()) == 3"]
-    items = [("def n():\n    return 10 ** 12\n", tests), ("def n():\n    return 3\n", tests)]
-    assert [s for s, _ in grade_programs(items, pool)] == [0.0, 1.0]
+def test_a_value_that_makes_a_test_blow_up_costs_only_its_own_solution(pool):
+    """The tests run in a sandbox of their own, several solutions' per run: a reported value that makes a
+    test huge ('x' * n) or endless (a loop over range(n)) scores its solution 0 and not the others (a
+    failed shared evaluator run is redone one solution per run)."""
+    huge, endless = ["len('x' * n()) == 3"], ["sum((1 for _ in range(n()))) == 3"]
+    items = [("def n():\n    return 10 ** 12\n", huge), ("def n():\n    return 3\n", huge),
+             ("def n():\n    return 10 ** 12\n", endless), ("def n():\n    return 3\n", endless)]
+    quick = SandboxLimits(cpu_time_s=1, wall_time_s=2, memory_bytes=256 << 20, max_processes=8)
+    assert [s for s, _ in grade_programs(items, pool, limits=quick)] == [0.0, 1.0, 0.0, 1.0]
 
 
 def test_expected_exceptions_and_conversions():

@@ -91,12 +91,8 @@ def _compare(left, ops, thunks):
     return True
 
 
-def _main():
-    request = json.loads(sys.stdin.read())
-    values = request["values"]
-    result_fd = os.dup(1)
-    sys.stdout.flush()
-    os.dup2(2, 1)  # the tests' own prints go to stderr, away from the verdict
+def _run_job(job, modules):
+    values = job["values"]
 
     def probe(k):
         status, payload = values[k][:2]
@@ -116,12 +112,11 @@ def _main():
         except (ValueError, TypeError, RecursionError) as exc:
             raise ProbeFailed(f"the solution reported a value that is not plain data: {exc}") from None
 
+    # A namespace per job: one solution's tests never see another's.
     namespace = {"__builtins__": builtins, "__name__": "__test__", "__dsv41_probe__": probe,
-                 "__dsv41_compare__": _compare}
-    for name in request["modules"]:
-        namespace[name] = importlib.import_module(name)
+                 "__dsv41_compare__": _compare, **modules}
     passed = []
-    for i, (source, is_expression) in enumerate(request["tests"]):
+    for i, (source, is_expression) in enumerate(job["tests"]):
         try:
             if is_expression:
                 ok = bool(eval(compile(source, f"<test {i}>", "eval"), namespace))
@@ -134,6 +129,20 @@ def _main():
             print(f"test {i} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
             ok = False
         passed.append(ok)
+    return passed
+
+
+def _main():
+    request = json.loads(sys.stdin.read())
+    result_fd = os.dup(1)
+    sys.stdout.flush()
+    os.dup2(2, 1)  # the tests' own prints go to stderr, away from the verdict
+    modules = {name: importlib.import_module(name) for name in request["modules"]}
+    passed = []
+    for j, job in enumerate(request["jobs"]):
+        if len(request["jobs"]) > 1:
+            print(f"job {j}:", file=sys.stderr)
+        passed.append(_run_job(job, modules))
     sys.stderr.flush()
     data = (json.dumps({"passed": passed}) + "\n").encode()
     while data:

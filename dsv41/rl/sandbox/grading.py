@@ -50,6 +50,9 @@ from dsv41.rl.sandbox.orchestrator import run_python
 TEST_MODULES = ("math", "cmath", "re", "string", "itertools", "functools", "operator", "collections",
                 "heapq", "bisect", "statistics", "fractions", "decimal")
 
+# Solutions whose tests share one clean evaluator run in grade_programs.
+EVAL_BATCH = 16
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -231,7 +234,7 @@ def grading_task(solution_code: str, tests: Sequence[str], limits: Optional[Sand
     return task, plan
 
 
-def _probe_values(result: SandboxResult, plan: GradingPlan) -> Optional[list]:
+def probe_values(result: SandboxResult, plan: GradingPlan) -> Optional[list]:
     """The probe run's answer, checked for shape (the values themselves are decoded by the evaluator);
     None when the run did not finish cleanly or the answer is malformed: the solution scores 0."""
     if result.status != "ok" or result.stdout_truncated:
@@ -258,33 +261,37 @@ def _probe_values(result: SandboxResult, plan: GradingPlan) -> Optional[list]:
     return values
 
 
-def evaluation_task(plan: GradingPlan, probe_result: SandboxResult) -> Optional[SandboxTask]:
-    """The clean sandbox task that runs the tests on the reported values; None when there is nothing to
-    evaluate (the solution failed to load, crashed, or answered out of shape: it scores 0)."""
-    values = _probe_values(probe_result, plan)
-    if values is None:
+def evaluation_task(jobs: Sequence[tuple[GradingPlan, list]], limits: Optional[SandboxLimits] = None) -> SandboxTask:
+    """The clean sandbox task that runs each job's tests on its reported values (from `probe_values`).
+    Several solutions' tests can share one evaluator: no code of any of them runs there, each job gets a
+    namespace of its own, and a run that fails as a whole is redone one job per run (`grade_programs`), so
+    a value that makes its tests blow up costs its own solution only."""
+    request = json.dumps({"jobs": [{"tests": [list(t) for t in plan.tests], "values": values}
+                                   for plan, values in jobs], "modules": list(TEST_MODULES)})
+    return SandboxTask(code=_TEST_EVALUATOR, stdin=request, limits=limits)
+
+
+def evaluation_scores(plans: Sequence[GradingPlan], evaluation: SandboxResult) -> Optional[list[float]]:
+    """Each job's fraction of tests passed, from the clean evaluator's verdict; None when the run failed
+    or its verdict is out of shape."""
+    if evaluation.status != "ok":
         return None
-    request = json.dumps({"tests": [list(t) for t in plan.tests], "values": values,
-                          "modules": list(TEST_MODULES)})
-    return SandboxTask(code=_TEST_EVALUATOR, stdin=request, limits=plan.limits)
-
-
-def evaluation_score(plan: GradingPlan, evaluation: Optional[SandboxResult]) -> float:
-    """Fraction of tests passed, from the clean evaluator's verdict."""
-    if evaluation is None or evaluation.status != "ok":
-        return 0.0
     lines = evaluation.stdout.splitlines()
     if len(lines) != 1:
-        return 0.0
+        return None
     try:
         verdict = json.loads(lines[0])
     except ValueError:
-        return 0.0
+        return None
     passed = verdict.get("passed") if isinstance(verdict, dict) else None
-    if not isinstance(passed, list) or len(passed) != plan.num_tests or not all(p is True or p is False
-                                                                              for p in passed):
-        return 0.0
-    return sum(passed) / plan.num_tests
+    if not isinstance(passed, list) or len(passed) != len(plans):
+        return None
+    scores = []
+    for plan, job in zip(plans, passed):
+        if not isinstance(job, list) or len(job) != plan.num_tests or not all(p is True or p is False for p in job):
+            return None
+        scores.append(sum(job) / plan.num_tests)
+    return scores
 
 
 def grading_score(result: SandboxResult, plan: GradingPlan, num_tests: Optional[int] = None,
@@ -295,11 +302,12 @@ def grading_score(result: SandboxResult, plan: GradingPlan, num_tests: Optional[
         raise TypeError("grading_score needs the GradingPlan that grading_task returned with the task")
     if num_tests is not None and num_tests != plan.num_tests:
         raise ValueError(f"num_tests={num_tests} but the plan has {plan.num_tests} tests")
-    task = evaluation_task(plan, result)
-    if task is None:
+    values = probe_values(result, plan)
+    if values is None:
         return 0.0
-    evaluation, = _run_tasks([task], pool_or_runner)
-    return evaluation_score(plan, evaluation)
+    evaluation, = _run_tasks([evaluation_task([(plan, values)], plan.limits)], pool_or_runner)
+    scores = evaluation_scores([plan], evaluation)
+    return scores[0] if scores is not None else 0.0
 
 
 def _run_tasks(tasks: list[SandboxTask], pool_or_runner: Any) -> list[SandboxResult]:
@@ -336,12 +344,28 @@ def grade_program(solution_code: str, tests: Sequence[str], pool_or_runner: Any 
 def grade_programs(items: Sequence[tuple[str, Sequence[str]]], pool_or_runner: Any = None,
                    limits: Optional[SandboxLimits] = None) -> list[tuple[float, SandboxResult]]:
     """`grade_program` for a batch of (solution_code, tests): all probe runs through the pool at once,
-    then all evaluation runs."""
+    then the tests in clean evaluator runs of up to EVAL_BATCH solutions each (a failed one is redone one
+    solution per run)."""
     built = [grading_task(code, tests, limits) for code, tests in items]
     probe_results = _run_tasks([task for task, _ in built], pool_or_runner)
-    evaluations = [evaluation_task(plan, result) for (_, plan), result in zip(built, probe_results)]
-    todo = [task for task in evaluations if task is not None]
-    done = iter(_run_tasks(todo, pool_or_runner))
-    scores = [evaluation_score(plan, next(done) if task is not None else None)
-              for (_, plan), task in zip(built, evaluations)]
+    scores = [0.0] * len(built)
+    jobs = []
+    for i, ((_, plan), result) in enumerate(zip(built, probe_results)):
+        values = probe_values(result, plan)
+        if values is not None:
+            jobs.append((i, plan, values))
+    batches = [jobs[k:k + EVAL_BATCH] for k in range(0, len(jobs), EVAL_BATCH)]
+    evaluations = _run_tasks([evaluation_task([(p, v) for _, p, v in b], limits) for b in batches], pool_or_runner)
+    redo = []
+    for batch, evaluation in zip(batches, evaluations):
+        batch_scores = evaluation_scores([p for _, p, _ in batch], evaluation)
+        if batch_scores is None:
+            redo.extend(batch if len(batch) > 1 else [])
+            continue
+        for (i, _, _), score in zip(batch, batch_scores):
+            scores[i] = score
+    evaluations = _run_tasks([evaluation_task([(p, v)], limits) for _, p, v in redo], pool_or_runner)
+    for (i, plan, _), evaluation in zip(redo, evaluations):
+        single = evaluation_scores([plan], evaluation)
+        scores[i] = single[0] if single is not None else 0.0
     return list(zip(scores, probe_results))
