@@ -533,8 +533,9 @@ def test_disk_use_and_file_count_are_capped():
 
 def test_path_unix_sockets_are_unreachable():
     """On main a program reached any path unix socket the permissions allowed (docker, dbus, X11) through
-    ctypes: neither the network namespace nor Landlock covers them. socket(AF_UNIX) is now refused by the
-    seccomp filter; socketpair() still works."""
+    ctypes, and the hypervisor through AF_VSOCK: neither the network namespace nor Landlock covers them.
+    The seccomp filter now refuses every socket family but AF_INET/AF_INET6 (a first version refusing
+    AF_UNIX alone was bypassed with upper bits in the register); socketpair() still works."""
     directory = tempfile.mkdtemp(prefix="dsv41-unix-", dir="/tmp")
     os.chmod(directory, 0o755)
     path = os.path.join(directory, "service.sock")
@@ -552,6 +553,12 @@ report["socket"] = [fd, ctypes.get_errno()]
 if fd >= 0:
     addr = struct.pack("H108s", socket.AF_UNIX, {path.encode()!r})
     report["connect"] = libc.connect(fd, addr, len(addr))
+# The kernel reads the family as an int: upper bits of the register must not sneak AF_UNIX past the filter.
+libc.syscall.restype = ctypes.c_long
+report["socket_high_bits"] = [libc.syscall(41, ctypes.c_long((1 << 32) | socket.AF_UNIX), 1, 0), ctypes.get_errno()]
+# AF_VSOCK reaches the hypervisor whatever the network namespace says (this machine is a VM).
+report["vsock"] = [libc.socket(40, socket.SOCK_STREAM, 0), ctypes.get_errno()]
+report["inet"] = libc.socket(socket.AF_INET, socket.SOCK_STREAM, 0) >= 0
 pair = (ctypes.c_int * 2)()
 report["socketpair"] = libc.socketpair(socket.AF_UNIX, socket.SOCK_STREAM, 0, pair)
 print(json.dumps(report))
@@ -561,6 +568,8 @@ print(json.dumps(report))
         assert result.ok, result
         report = json.loads(result.stdout)
         assert report["socket"] == [-1, 13] and "connect" not in report, report  # EACCES
+        assert report["socket_high_bits"] == [-1, 13] and report["vsock"] == [-1, 13], report
+        assert report["inet"] is True  # into the private network namespace: nothing to reach there
         assert report["socketpair"] == 0, report
         assert result.isolation["seccomp"] is True
         with pytest.raises(socket.timeout):

@@ -394,10 +394,19 @@ def _child_setup(libc: ctypes.CDLL, cfg: dict, isolation: dict) -> tuple[Callabl
 
 
 def _seccomp_filter(seccomp) -> None:
-    """Allow everything except the calls above, socket(AF_UNIX) (a path unix socket is reachable whatever
-    the network namespace and Landlock say; socketpair() stays allowed) and namespace flags to clone()."""
+    """Allow everything except the calls above, namespace flags to clone(), and socket() of any family but
+    AF_INET and AF_INET6: a path unix socket is reachable whatever the network namespace and Landlock say,
+    and so is the hypervisor through AF_VSOCK (neither is namespaced); socketpair() stays allowed.
+
+    An allowlist on purpose: the kernel reads the family as a 32-bit int, so socket(0x1_00000001) is an
+    AF_UNIX socket that an `== AF_UNIX` rule on the 64-bit register would let through; anything above
+    AF_INET6 (10), upper bits included, is refused."""
     f = seccomp.SyscallFilter(seccomp.ALLOW)
-    f.add_rule(seccomp.ERRNO(errno.EACCES), "socket", seccomp.Arg(0, seccomp.EQ, socket.AF_UNIX))
+    deny_socket = seccomp.ERRNO(errno.EACCES)
+    for family in range(socket.AF_INET6):
+        if family != socket.AF_INET:
+            f.add_rule(deny_socket, "socket", seccomp.Arg(0, seccomp.EQ, family))
+    f.add_rule(deny_socket, "socket", seccomp.Arg(0, seccomp.GT, socket.AF_INET6))
     for name in _DENIED_SYSCALLS:
         try:
             f.add_rule(seccomp.ERRNO(errno.EPERM), name)
