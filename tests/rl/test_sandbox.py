@@ -462,6 +462,56 @@ for i in range(24):
     assert result.status == "memory_limit", result
 
 
+def test_socket_buffers_count_against_the_run():
+    """Filled socketpair buffers are kernel memory outside any address space: on main 20 processes x 10
+    socketpairs with 1 MiB send buffers held ~800 MiB at once against 256 MiB. The run's cgroup counts
+    them: what the processes still alive hold together stays under the limit (the others were OOM-killed)."""
+    code = """
+import ctypes, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+r, w = os.pipe()
+kids = []
+for p in range(20):
+    pid = os.fork()
+    if pid == 0:
+        held = 0
+        for i in range(10):
+            sv = (ctypes.c_int * 2)()
+            if libc.socketpair(1, 1, 0, sv) != 0:
+                break
+            for fd in sv:
+                os.set_blocking(fd, False)
+                size = ctypes.c_int(1 << 20)
+                libc.setsockopt(fd, 1, 7, ctypes.byref(size), 4)  # SO_SNDBUF
+                while True:
+                    try:
+                        held += os.write(fd, b"x" * 65536)
+                    except OSError:
+                        break
+        os.write(w, f"{os.getpid()} {held}\\n".encode())
+        time.sleep(30)
+        os._exit(0)
+    kids.append(pid)
+time.sleep(3)
+os.set_blocking(r, False)
+try:
+    reports = dict(map(int, line.split()) for line in os.read(r, 1 << 16).decode().split("\\n") if line)
+except BlockingIOError:
+    reports = {}
+alive = [p for p in kids if os.waitpid(p, os.WNOHANG)[0] == 0]
+print(sum(reports.get(p, 0) for p in alive) >> 20, len(reports))
+"""
+    limits = dataclasses.replace(ROOMY, max_processes=24)
+    result = run_python(code, limits=limits)
+    # Socket buffers belong to no process's RSS, so the OOM killer may well pick the parent: then the
+    # whole run ends as memory_limit, also contained.
+    assert result.ok or result.status == "memory_limit", result
+    if result.ok:
+        held_mib, reported = map(int, result.stdout.split())
+        assert held_mib * MiB <= limits.memory_bytes, (held_mib, reported, result)
+    assert result.memory_peak_bytes <= limits.memory_bytes
+
+
 def test_open_files_are_capped():
     """On main RLIMIT_NOFILE was inherited (20000 here): a program could hold thousands of descriptors
     (memfds, socket buffers) outside its address space."""
