@@ -713,3 +713,23 @@ def test_cgroups_are_removed_after_the_run():
     for controller in ("memory", "pids"):
         parent = os.path.join(v1_mounts[controller], v1_paths[controller].lstrip("/"), "dsv41-sandbox")
         assert not os.path.exists(os.path.join(parent, f"slot-{result.slot}"))
+
+
+def test_a_program_that_kills_its_launcher_does_not_break_the_next_run_on_its_slot():
+    """Its processes become zombies of the system's init, counted against the slot uid's RLIMIT_NPROC
+    until init reaps them: the next run on the slot failed to fork ("sandbox setup failed:
+    BlockingIOError") when it came first (seen after the socket-buffer test, whose OOM kill took the
+    launcher while it was still inside the cgroup). The next run now waits for the reaping, and the
+    launcher stays outside the cgroup."""
+    killer = ("import os, time\n"
+              "for i in range(6):\n"
+              "    if os.fork() == 0:\n"
+              "        time.sleep(30)\n"
+              "os.kill(os.getppid(), 9)\n")
+    slot = 5100
+    first = run_python(killer, limits=SMALL, slot=slot)
+    assert not first.ok
+    after = run_python("import os\npid = os.fork()\nif pid == 0:\n    os._exit(0)\nos.waitpid(pid, 0)\nprint('forked')",
+                       limits=SMALL, slot=slot)
+    assert after.ok and after.stdout == "forked\n", after
+    assert live_processes_of_uid(sandbox_uid(slot)) == []

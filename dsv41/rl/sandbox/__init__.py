@@ -9,7 +9,8 @@ and grading keeps the verdict out of the program's reach.
 Layers (launcher.py applies them to itself, then forks the program):
 - a cgroup per run (cgroups.py; v2, or the v1 memory and pids hierarchies): memory.max counts everything
   the run holds at once (every process, shared memory, memfds, the tmpfs work directory), pids.max its
-  tasks; the orchestrator creates it, the launcher joins it as root before anything else;
+  tasks; the orchestrator creates it, the launcher opens it as root and the program joins it before
+  any of its code runs (the launcher stays outside, out of the OOM killer's reach);
 - resource limits (setrlimit): CPU seconds, address space, file size, processes, open files (a low
   RLIMIT_NOFILE), no core dumps; a wall-clock deadline enforced by the orchestrator;
 - a dedicated unprivileged uid/gid per slot when the orchestrator runs as root (60000 + slot): RLIMIT_NPROC

@@ -90,8 +90,8 @@ def _pids(procs_file: str) -> list[int]:
 
 
 class RunCgroup:
-    """The cgroup(s) of one run: `procs_files` are what the launcher writes its pid to (first thing it
-    does, as root), after which everything it and the program start is inside."""
+    """The cgroup(s) of one run: the launcher opens `procs_files` as root, and the program writes itself
+    into them right after the fork, so that everything the program starts is inside."""
 
     def __init__(self, version: int, dirs: list[str], memory_dir: str, pids_dir: str):
         self.version = version

@@ -8,7 +8,7 @@ libseccomp's Python bindings, and its module-level code stays cheap and side-eff
 
 Order of the layers, each recorded in the report's `isolation` (see the package docstring for what each
 one stops):
-1. join the run's cgroup (memory and pids limits for everything that follows), as root;
+1. open the run's cgroup as root (the program joins it after the fork, before any of its code runs);
 2. namespaces: network (loopback down, or up for network=True), IPC (SysV shared memory, semaphores and
    message queues, POSIX message queues: gone with the run), mount; without root a user namespace first;
 3. mounts: a size- and inode-capped tmpfs over the work directory (disk use in total and the file count
@@ -159,6 +159,13 @@ def child_main(config_json: str) -> None:
         os._exit(SETUP_FAILED_EXIT)
     if program == 0:
         os.close(report_fd)  # the program must not be able to write (forge) the report
+        try:
+            for fd in cfg["_cgroup_fds"]:
+                os.write(fd, b"0")  # into the run's cgroup, before any code of the program runs
+                os.close(fd)
+        except OSError as exc:
+            os.write(2, f"sandbox setup failed: could not join the run's cgroup: {exc}\n".encode())
+            os._exit(SETUP_FAILED_EXIT)
         signal.signal(STOP_SIGNAL, signal.SIG_DFL)
         # Die with the launcher (cleared by fork, so set again); the launcher dies with the orchestrator.
         libc.prctl(ctypes.c_int(_PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0),
@@ -166,6 +173,8 @@ def child_main(config_json: str) -> None:
         sys.addaudithook(hook)
         _run_user_main(cfg["workdir"])
         return  # normal interpreter shutdown: flushes the program's output, runs its atexit handlers
+    for fd in cfg["_cgroup_fds"]:
+        os.close(fd)
     isolation["kill_all_at_exit"] = can_kill_all
     os.write(report_fd, json.dumps({"isolation": isolation}).encode())
     os.close(report_fd)
@@ -227,20 +236,25 @@ def _child_setup(libc: ctypes.CDLL, cfg: dict, isolation: dict) -> tuple[Callabl
     uid, gid = cfg["uid"], cfg["gid"]
     errors: dict[str, str] = {}  # layer -> why it is missing
 
-    # 1. The run's cgroup, before anything is allocated on the program's behalf.
+    # 1. The run's cgroup. Opened here, as root; the program joins it right after the fork, before any of
+    # its code runs (writing "0" through these descriptors moves the writer; the kernel checks the
+    # opener's credentials). The launcher itself stays outside: were it inside, the cgroup's OOM killer
+    # could pick it (socket buffers and shared memory belong to no process's RSS), and the program's
+    # processes would become zombies of the system's init, eating the slot's RLIMIT_NPROC until reaped.
     isolation["cgroup"] = False
+    cgroup_fds: list[int] = []
     if cfg.get("cgroup_procs"):
         try:
             _unavailable(cfg, "cgroup")
             for procs in cfg["cgroup_procs"]:
-                with open(procs, "w", encoding="ascii") as f:
-                    f.write(str(os.getpid()))
+                cgroup_fds.append(os.open(procs, os.O_WRONLY | os.O_CLOEXEC))
             isolation["cgroup"] = True
             isolation["cgroup_version"] = cfg["cgroup_version"]
         except OSError as exc:
             errors["cgroup"] = str(exc)
     else:
         errors["cgroup"] = cfg.get("cgroup_error", "no cgroup was created for this run")
+    cfg["_cgroup_fds"] = cgroup_fds
 
     try:  # loaded now: libseccomp is out of reach once Landlock applies
         seccomp = _import_seccomp()

@@ -127,12 +127,13 @@ def _run_in_slot(code: str, stdin: str, extra: dict[str, bytes], limits: Sandbox
         # A previous run on this slot that escaped its cleanup (a crashed trainer) must not eat this run's
         # process budget or interfere with it.
         _kill_uid(uid)
+        _wait_for_reaping(uid)
     cgroup, cgroup_error = None, None
     try:
         if "cgroup" in _SIMULATE_UNAVAILABLE:
             raise CgroupUnavailable("cgroup made unavailable for a test")
-        # +1 task: the launcher, which stays in the cgroup as the program's reaper.
-        cgroup = RunCgroup.create(slot, limits.memory_bytes, limits.max_processes + 1)
+        # The launcher stays outside (launcher.py says why): the program's tasks are all it counts.
+        cgroup = RunCgroup.create(slot, limits.memory_bytes, limits.max_processes)
     except (CgroupUnavailable, OSError) as exc:
         cgroup_error = f"no cgroup could be created: {exc}"
     workdir = os.path.realpath(tempfile.mkdtemp(prefix=f"dsv41-sandbox-{slot}-"))
@@ -268,6 +269,18 @@ def _uid_processes(uid: int, zombies: bool = False) -> list[int]:
         except (FileNotFoundError, ProcessLookupError, PermissionError, ValueError):
             continue
     return pids
+
+
+def _wait_for_reaping(uid: int, budget_s: float = _KILL_HELPER_BUDGET_S) -> bool:
+    """Wait (bounded) until no zombie of the slot's uid is left: a program that killed its launcher leaves
+    its processes to the system's init, and until init reaps them they count against the uid's
+    RLIMIT_NPROC, so the next run on the slot could not even fork."""
+    deadline = time.monotonic() + budget_s
+    while _uid_processes(uid, zombies=True):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _kill_uid(uid: int) -> bool:
