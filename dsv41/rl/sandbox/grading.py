@@ -9,18 +9,21 @@ the test logic and the verdict live:
 
 1. The orchestrator parses each test (trusted input) and cuts out its *probes*: the maximal expressions
    rooted at a name the test does not define itself (a name of the solution), e.g. `add(1, 2)`,
-   `ANSWER`, `f(g(3)).real`. Only the probes' source goes into the sandbox, never a comparison, an
-   expected value or the test itself.
+   `ANSWER`, `f(g(3)).real`, extended through a one-argument conversion (`list(g())`, `len(ANSWER)`).
+   Only the probes' source goes into the sandbox, never a comparison, an expected value or the test.
 2. Probe run (sandbox, `_probe_harness.py`): the solution runs, each probe is evaluated in its namespace
    and the values come back as plain data (None, bool, int, float, complex, str, bytes, list, tuple,
    dict, set, frozenset, of exactly those types: a subclass, say an int whose __eq__ is always true, is
-   refused) in a tagged JSON encoding, never pickle. Whatever the solution does to that process can only
-   change the values it reports, which is what returning other values would do.
+   refused) in a tagged JSON encoding, never pickle; an exception as its message and nearest builtin
+   class. Whatever the solution does to that process can only change the values it reports, which is
+   what returning other values would do.
 3. Evaluation run (a second, clean sandbox, `_test_evaluator.py`): the tests, with each probe replaced by
    its reported value, run on plain data only; `==`, `!=`, `in` and `not in` are type-strict there
    (1 != 1.0 != True; containers compared element by element the same way). No code of the solution has
    ever run in that process, so nothing the solution can reach decides its score. It is a sandbox rather
    than the orchestrator because a reported value can still make a test slow or large ("x" * f(2)).
+   Up to EVAL_BATCH solutions share one evaluator run, a namespace each; a run that fails as a whole is
+   redone one solution per run, so such a value costs only its own solution.
 4. Score = passed / total, from the evaluator's verdict; 0.0 if either run did not finish cleanly or
    the probe run's answer is malformed (a second line, a missing value...).
 
@@ -31,7 +34,10 @@ the test binds (e.g. `f(x)` inside `all(f(x) == x * x for x in range(3))`): its 
 solution's process, where that name does not exist, so grading_task rejects such a test with a clear
 error (write the calls out instead). A probe whose value is not plain data (a function, a generator, an
 instance of the solution's class) fails the tests that use it. A name that is also a builtin (`sum`,
-`len`) always means the builtin in a test.
+`len`) always means the builtin in a test. Each probe is evaluated once, in order, so a stateful
+solution sees the calls in the order the tests make them. A chain of calls is one probe
+(`Stack().push(1).size()`), but an object of the solution kept in a test's variable is data by then:
+`s = Stack()` then `s.push(1)` fails.
 """
 
 from __future__ import annotations
