@@ -79,17 +79,41 @@ def test_honest_solution_scores_one_and_wrong_one_zero():
     assert grade_program(WRONG_ADD, TESTS, limits=LIMITS)[0] == 0.0
 
 
+# The same checks written the other usual ways: a loop, and a check(candidate) function (HumanEval's
+# style). The tests call the solution's function with values of their own: a clean discovery run lists
+# those calls first (grading.py).
+DYNAMIC_TESTS = ["for a, b in [(1, 2), (2, 2)]:\n    assert add(a, b) == a + b",
+                 "def check(candidate):\n    assert candidate(-1, 5) == 4\n    assert candidate(0, 0) == 0\ncheck(add)",
+                 "all(add(x, 1) == x + 1 for x in range(3))"]
+
+
+@pytest.mark.parametrize("tests", [TESTS, DYNAMIC_TESTS], ids=["static", "dynamic"])
 @pytest.mark.parametrize("name", sorted(ATTACKS))
-def test_attack_scores_zero_through_grade_program(name):
-    score, result = grade_program(ATTACKS[name], TESTS, limits=LIMITS)
+def test_attack_scores_zero_through_grade_program(name, tests):
+    score, result = grade_program(ATTACKS[name], tests, limits=LIMITS)
     assert score == 0.0, (name, result)
+
+
+def test_loops_and_check_functions_grade_honest_and_wrong_solutions():
+    assert grade_program(HONEST, DYNAMIC_TESTS, limits=LIMITS)[0] == 1.0
+    assert grade_program(WRONG_ADD, DYNAMIC_TESTS, limits=LIMITS)[0] == 0.0
+    # Right on positive numbers only: the loop test and the check pass, the range(3) one (0 + 1) too;
+    # a solution wrong at add(0, 0) fails the check only.
+    zero_wrong = "def add(a, b):\n    return 1 if (a, b) == (0, 0) else a + b\n"
+    assert grade_program(zero_wrong, DYNAMIC_TESTS, limits=LIMITS)[0] == pytest.approx(2 / 3)
+    # A call whose arguments come from the solution's own answer cannot be listed in advance: that test
+    # fails, with a message saying why, and the others still count.
+    chained = DYNAMIC_TESTS + ["y = add(1, 1)\nassert add(y, y) == 4"]
+    score, _ = grade_program(HONEST, chained, limits=LIMITS)
+    assert score == pytest.approx(3 / 4)
 
 
 def test_attacks_score_zero_through_grade_responses_with_a_pool(pool):
     names = sorted(ATTACKS)
     texts = ["</think>```python\n" + ATTACKS[n] + "```" for n in names] + ["</think>" + HONEST]
-    grades = grade_responses([program_task(TESTS)] * len(texts), texts, pool)
-    assert dict(zip(names + ["honest"], grades)) == {**{n: 0.0 for n in names}, "honest": 1.0}
+    for tests in (TESTS, DYNAMIC_TESTS):
+        grades = grade_responses([program_task(tests)] * len(texts), texts, pool)
+        assert dict(zip(names + ["honest"], grades)) == {**{n: 0.0 for n in names}, "honest": 1.0}
 
 
 def test_expected_values_never_reach_the_solutions_process():
@@ -149,8 +173,6 @@ def test_tests_keep_their_expressiveness():
 def test_bad_tests_are_refused_with_a_clear_error():
     with pytest.raises(ValueError, match="not valid Python"):
         grade_program(HONEST, ["assert add(1, 2) =="], limits=LIMITS)
-    with pytest.raises(ValueError, match="defines itself"):
-        grade_program(HONEST, ["all(add(x, 0) == x for x in range(3))"], limits=LIMITS)
     with pytest.raises(ValueError, match="non-empty list"):
         grade_program(HONEST, "assert add(1, 2) == 3", limits=LIMITS)
     with pytest.raises(ValueError, match="reserved"):

@@ -29,6 +29,41 @@ def _encode(value, depth=0):
                     "float, complex, str, bytes, list, tuple, dict, set and frozenset values")
 
 
+def _decode(value, depth=0):
+    """Arguments of the calls the tests make (plain data, from the clean discovery run)."""
+    if depth > _MAX_DEPTH:
+        raise ValueError("nested too deeply")
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    (tag, body), = value.items()
+    if tag == "complex":
+        return complex(*body)
+    if tag == "bytes":
+        return bytes.fromhex(body)
+    if tag in ("list", "tuple", "set", "frozenset"):
+        return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[tag](
+            _decode(v, depth + 1) for v in body)
+    if tag == "dict":
+        return {_decode(k, depth + 1): _decode(v, depth + 1) for k, v in body}
+    raise ValueError(f"unknown tag {tag!r}")
+
+
+def _answer(fn, callables=False):
+    try:
+        value = fn()
+        if callables and callable(value) and type(value) not in _PLAIN:
+            # A function (or class) the tests may call: they get a stand-in whose calls were listed by
+            # the discovery run and are answered below.
+            return ["ok", {"callable": getattr(value, "__qualname__", type(value).__name__)[:200]}]
+        return ["ok", _encode(value)]
+    except BaseException as exc:
+        # The nearest builtin exception class, so that a test expecting e.g. a ValueError (raised, or a
+        # subclass of it) can catch it in the evaluator; the evaluator accepts only Exception subclasses.
+        builtin = next((c.__name__ for c in type(exc).__mro__ if getattr(builtins, c.__name__, None) is c),
+                       "BaseException")
+        return ["error", f"{type(exc).__name__}: {exc}"[:500], builtin]
+
+
 def _main():
     request = json.loads(sys.stdin.read())
     result_fd = os.dup(1)
@@ -42,26 +77,30 @@ def _main():
     except BaseException as exc:
         print(f"solution failed to load: {type(exc).__name__}: {exc}", file=sys.stderr)
         os._exit(1)
-    values = []
-    for i, (probe, modules) in enumerate(request["probes"]):
-        try:
-            for name in modules:
-                if name not in namespace:
-                    namespace[name] = __import__(name)
-            value = eval(compile(probe, f"<probe {i}>", "eval"), namespace)
-            values.append(["ok", _encode(value)])
-        except BaseException as exc:
-            # The nearest builtin exception class, so that a test expecting e.g. a ValueError (raised, or a
-            # subclass of it) can catch it in the evaluator; the evaluator accepts only Exception subclasses.
-            builtin = next((c.__name__ for c in type(exc).__mro__ if getattr(builtins, c.__name__, None) is c),
-                           "BaseException")
-            values.append(["error", f"{type(exc).__name__}: {exc}"[:500], builtin])
+    objects = {}  # probe index -> what it evaluated to, for the calls the tests make on it
+
+    def probe(i, source, modules):
+        for name in modules:
+            if name not in namespace:
+                namespace[name] = __import__(name)
+        objects[i] = value = eval(compile(source, f"<probe {i}>", "eval"), namespace)
+        return value
+
+    values = [_answer(lambda: probe(i, source, modules), callables=True)
+              for i, (source, modules) in enumerate(request["probes"])]
+
+    def call(k, args, kwargs):
+        if k not in objects:
+            raise LookupError(f"probe {k} has no value")
+        return objects[k](*_decode(args), **_decode(kwargs))
+
+    calls = [_answer(lambda: call(k, args, kwargs)) for k, args, kwargs in request["calls"]]
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except BaseException:
             pass
-    data = (json.dumps({"probes": values}) + "\n").encode()
+    data = (json.dumps({"probes": values, "calls": calls}) + "\n").encode()
     while data:
         data = data[os.write(result_fd, data):]
     os._exit(0)  # no atexit handler or finaliser of the solution's runs after the answer

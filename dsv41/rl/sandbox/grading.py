@@ -27,23 +27,31 @@ the test logic and the verdict live:
 4. Score = passed / total, from the evaluator's verdict; 0.0 if either run did not finish cleanly or
    the probe run's answer is malformed (a second line, a missing value...).
 
+Calls the tests make with values of their own (`for x in range(5): assert f(x) == x * x`, or HumanEval's
+`def check(candidate): ...; check(add)`) cannot be cut out of the source: there the probe is the function
+itself (`f`, `add`), and a **discovery run** (a clean sandbox, no solution at all) first runs the tests
+with every probe a placeholder (callable, absorbing, true; asserts do not stop it) and lists the calls
+made on the probes with plain-data arguments. The probe run then answers those calls too, and in the
+evaluation a probe that is a function becomes a stand-in that answers exactly those calls. Discovery
+depends on the tests alone (it is cached per test list), so the solution learns nothing from which calls
+it is asked; a call whose arguments come from the solution's own answers (`f(f(x))` with x the test's)
+cannot be listed in advance, and the test that makes it fails, saying so.
+
 What tests may contain: any Python. Names a test binds itself (assignments, loop and comprehension
 variables, imports, defs) and the builtins are the test's own; the modules in `TEST_MODULES` are
-available to tests without an import; every other name is the solution's. A probe must not use a name
-the test binds (e.g. `f(x)` inside `all(f(x) == x * x for x in range(3))`): its value is computed in the
-solution's process, where that name does not exist, so grading_task rejects such a test with a clear
-error (write the calls out instead). A probe whose value is not plain data (a function, a generator, an
-instance of the solution's class) fails the tests that use it. A name that is also a builtin (`sum`,
-`len`) always means the builtin in a test. Each probe is evaluated once, in order, so a stateful
-solution sees the calls in the order the tests make them. A chain of calls is one probe
-(`Stack().push(1).size()`), but an object of the solution kept in a test's variable is data by then:
-`s = Stack()` then `s.push(1)` fails.
+available to tests without an import; every other name is the solution's. A probe whose value is not
+plain data (a generator, an instance of the solution's class) fails the tests that use it. A name that
+is also a builtin (`sum`, `len`) always means the builtin in a test. Each probe is evaluated once, in
+order, so a stateful solution sees the calls in the order the tests make them. A chain of calls is one
+probe (`Stack().push(1).size()`), but an object of the solution kept in a test's variable is data by
+then: `s = Stack()` then `s.push(1)` fails.
 """
 
 from __future__ import annotations
 
 import ast
 import builtins
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -144,6 +152,7 @@ class _Rewriter(ast.NodeTransformer):
         self.test_names = test_names  # bound by this test or an earlier one
         self.index = index
         self.probes = probes
+        self.dynamic = False  # whether the tests may call what a probe returns
 
     def _is_solution_name(self, name: str) -> bool:
         return name not in self.test_names and name not in _BUILTIN_NAMES and name not in TEST_MODULES
@@ -153,17 +162,17 @@ class _Rewriter(ast.NodeTransformer):
             root = _chain_root(node)
             if (root is not None and isinstance(root.ctx, ast.Load) and self._is_solution_name(root.id)
                     and not _is_store_target(node)):
-                return self._probe(node)
+                if not _free_names(node) & self.test_names:
+                    return self._probe(node)
+                # The chain uses the test's own variables (f(x) in a loop): only its closed part, e.g. `f`,
+                # is a probe; the calls on it are found by the discovery run (see GradingPlan).
+                self.dynamic = True
         return super().visit(node)
 
     def _probe(self, node: ast.expr) -> ast.expr:
         source = ast.unparse(node)
-        clash = _free_names(node) & self.test_names
-        if clash:
-            raise ValueError(
-                f"test {self.index}: {source!r} is computed by the solution, but it uses "
-                f"{', '.join(sorted(clash))}, which the test defines itself; pass values written in the "
-                "test instead (e.g. unroll the loop)")
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            self.dynamic = True  # a bare function may be called by the test later (check(candidate))
         modules = sorted(n for n in _free_names(node) if n in TEST_MODULES)
         self.probes.append((source, modules))
         call = ast.Call(func=ast.Name(_PROBE_FN, ast.Load()), args=[ast.Constant(len(self.probes) - 1)],
@@ -194,6 +203,10 @@ class GradingPlan:
     tests: tuple[tuple[str, bool], ...]  # (rewritten source, whether it is a single expression)
     probes: tuple[tuple[str, tuple[str, ...]], ...]  # (probe source, test modules it uses)
     limits: Optional[SandboxLimits]
+    # Whether the tests may call a function the solution returns (a loop over f(x), check(candidate)):
+    # then a discovery run (the tests on placeholders, no solution involved) lists those calls first.
+    needs_discovery: bool = False
+    calls: Optional[tuple] = None  # discovered: ((probe index, encoded args, encoded kwargs), ...)
 
     @property
     def num_tests(self) -> int:
@@ -202,7 +215,7 @@ class GradingPlan:
 
 def plan_tests(tests: Sequence[str], limits: Optional[SandboxLimits] = None) -> GradingPlan:
     """Split `tests` into probes and rewritten tests. Raises ValueError for tests that are not valid
-    Python, that use the evaluator's reserved names, or whose probes need the test's own variables."""
+    Python or that use the evaluator's reserved names."""
     if isinstance(tests, str):
         raise ValueError("tests must be a non-empty list of strings, got a single string")
     tests = list(tests)
@@ -211,6 +224,7 @@ def plan_tests(tests: Sequence[str], limits: Optional[SandboxLimits] = None) -> 
     probes: list[tuple[str, list[str]]] = []
     rewritten: list[tuple[str, bool]] = []
     test_names: set[str] = set()  # a test may use what an earlier one defined, as in one script
+    dynamic = False
     for i, test in enumerate(tests):
         try:
             tree = ast.parse(test, filename=f"<test {i}>", mode="exec")
@@ -220,29 +234,86 @@ def plan_tests(tests: Sequence[str], limits: Optional[SandboxLimits] = None) -> 
         if names & {_PROBE_FN, _COMPARE_FN}:
             raise ValueError(f"test {i} uses a name reserved for the grader ({_PROBE_FN}, {_COMPARE_FN})")
         test_names |= _bound_names(tree)
-        tree = _Rewriter(test_names, i, probes).visit(tree)
+        rewriter = _Rewriter(test_names, i, probes)
+        tree = rewriter.visit(tree)
+        dynamic = dynamic or rewriter.dynamic
         ast.fix_missing_locations(tree)
         is_expression = len(tree.body) == 1 and isinstance(tree.body[0], ast.Expr)
         source = ast.unparse(tree.body[0].value) if is_expression else ast.unparse(tree)
         rewritten.append((source, is_expression))
-    return GradingPlan(tuple(rewritten), tuple((s, tuple(m)) for s, m in probes), limits)
+    return GradingPlan(tuple(rewritten), tuple((s, tuple(m)) for s, m in probes), limits, needs_discovery=dynamic)
 
 
-def grading_task(solution_code: str, tests: Sequence[str], limits: Optional[SandboxLimits] = None
-                 ) -> tuple[SandboxTask, GradingPlan]:
+def discovery_task(plan: GradingPlan) -> SandboxTask:
+    """The clean sandbox task that runs the tests with every probe a placeholder (callable, absorbing every
+    operation, true) and lists the calls the tests make on the probes with plain-data arguments. It sees
+    no solution, so the calls it finds depend on the tests alone: the solution learns nothing from them."""
+    request = json.dumps({"discover": True, "jobs": [{"tests": [list(t) for t in plan.tests], "values": []}],
+                          "modules": list(TEST_MODULES)})
+    return SandboxTask(code=_TEST_EVALUATOR, stdin=request, limits=plan.limits)
+
+
+def _discovered_calls(result: SandboxResult) -> tuple:
+    """The calls a discovery run found; none when it failed (the tests that needed them then fail)."""
+    if result.status != "ok" or len(result.stdout.splitlines()) != 1:
+        return ()
+    try:
+        calls = json.loads(result.stdout)["calls"]
+    except (ValueError, KeyError, TypeError):
+        return ()
+    if not isinstance(calls, list) or not all(isinstance(c, list) and len(c) == 3 and isinstance(c[0], int)
+                                              for c in calls):
+        return ()
+    return tuple(tuple(c) for c in calls)
+
+
+_DISCOVERY_CACHE: dict[tuple, tuple] = {}  # tests -> calls: discovery depends on the tests alone
+_DISCOVERY_CACHE_SIZE = 4096
+
+
+def discover(plans: Sequence[GradingPlan], pool_or_runner: Any = None) -> list[GradingPlan]:
+    """Plans with their calls discovered (one discovery run per distinct test list not seen before)."""
+    todo: dict[tuple, GradingPlan] = {}
+    for plan in plans:
+        if plan.needs_discovery and plan.calls is None and plan.tests not in _DISCOVERY_CACHE:
+            todo.setdefault(plan.tests, plan)
+    results = _run_tasks([discovery_task(plan) for plan in todo.values()], pool_or_runner)
+    for tests, result in zip(todo, results):
+        calls = _discovered_calls(result)
+        if result.status == "ok":  # a failed run (overloaded machine) is not remembered
+            if len(_DISCOVERY_CACHE) >= _DISCOVERY_CACHE_SIZE:
+                _DISCOVERY_CACHE.pop(next(iter(_DISCOVERY_CACHE)))
+            _DISCOVERY_CACHE[tests] = calls
+        todo[tests] = dataclasses.replace(todo[tests], calls=calls)
+    out = []
+    for plan in plans:
+        if plan.needs_discovery and plan.calls is None:
+            calls = _DISCOVERY_CACHE.get(plan.tests, todo[plan.tests].calls if plan.tests in todo else ())
+            plan = dataclasses.replace(plan, calls=calls)
+        out.append(plan)
+    return out
+
+
+def _probe_task(solution_code: str, plan: GradingPlan) -> SandboxTask:
+    request = json.dumps({"probes": [[s, list(m)] for s, m in plan.probes], "calls": [list(c) for c in plan.calls or ()]})
+    return SandboxTask(code=_PROBE_HARNESS, stdin=request, files={"solution.py": solution_code}, limits=plan.limits)
+
+
+def grading_task(solution_code: str, tests: Sequence[str], limits: Optional[SandboxLimits] = None,
+                 pool_or_runner: Any = None) -> tuple[SandboxTask, GradingPlan]:
     """The sandbox task that runs `solution_code` and reports its probes' values, and the plan that
-    `grading_score` needs to finish the grading (it holds the tests; the task does not)."""
+    `grading_score` needs to finish the grading (it holds the tests; the task does not). Tests that call
+    what the solution returns need a discovery run first, through `pool_or_runner`."""
     if not isinstance(solution_code, str):
         raise TypeError(f"solution_code must be a str, got {type(solution_code).__name__}")
-    plan = plan_tests(tests, limits)
-    request = json.dumps({"probes": [[s, list(m)] for s, m in plan.probes]})
-    task = SandboxTask(code=_PROBE_HARNESS, stdin=request, files={"solution.py": solution_code}, limits=limits)
-    return task, plan
+    plan, = discover([plan_tests(tests, limits)], pool_or_runner)
+    return _probe_task(solution_code, plan), plan
 
 
-def probe_values(result: SandboxResult, plan: GradingPlan) -> Optional[list]:
-    """The probe run's answer, checked for shape (the values themselves are decoded by the evaluator);
-    None when the run did not finish cleanly or the answer is malformed: the solution scores 0."""
+def probe_values(result: SandboxResult, plan: GradingPlan) -> Optional[dict]:
+    """The probe run's answer ({"probes": [...], "calls": [...]}), checked for shape (the values
+    themselves are decoded by the evaluator); None when the run did not finish cleanly or the answer is
+    malformed: the solution scores 0."""
     if result.status != "ok" or result.stdout_truncated:
         return None
     lines = result.stdout.splitlines()
@@ -252,27 +323,29 @@ def probe_values(result: SandboxResult, plan: GradingPlan) -> Optional[list]:
         answer = json.loads(lines[0])
     except (ValueError, RecursionError):
         return None
-    if not isinstance(answer, dict) or set(answer) != {"probes"}:
+    if not isinstance(answer, dict) or set(answer) != {"probes", "calls"}:
         return None
-    values = answer["probes"]
-    if not isinstance(values, list) or len(values) != len(plan.probes):
-        return None
-    for v in values:
-        if not isinstance(v, list) or not v:
+    for key, expected in (("probes", len(plan.probes)), ("calls", len(plan.calls or ()))):
+        values = answer[key]
+        if not isinstance(values, list) or len(values) != expected:
             return None
-        if v[0] == "ok" and len(v) == 2:
-            continue
-        if not (v[0] == "error" and len(v) == 3 and isinstance(v[1], str) and isinstance(v[2], str)):
-            return None
-    return values
+        for v in values:
+            if not isinstance(v, list) or not v:
+                return None
+            if v[0] == "ok" and len(v) == 2:
+                continue
+            if not (v[0] == "error" and len(v) == 3 and isinstance(v[1], str) and isinstance(v[2], str)):
+                return None
+    return answer
 
 
-def evaluation_task(jobs: Sequence[tuple[GradingPlan, list]], limits: Optional[SandboxLimits] = None) -> SandboxTask:
+def evaluation_task(jobs: Sequence[tuple[GradingPlan, dict]], limits: Optional[SandboxLimits] = None) -> SandboxTask:
     """The clean sandbox task that runs each job's tests on its reported values (from `probe_values`).
     Several solutions' tests can share one evaluator: no code of any of them runs there, each job gets a
     namespace of its own, and a run that fails as a whole is redone one job per run (`grade_programs`), so
     a value that makes its tests blow up costs its own solution only."""
-    request = json.dumps({"jobs": [{"tests": [list(t) for t in plan.tests], "values": values}
+    request = json.dumps({"jobs": [{"tests": [list(t) for t in plan.tests], "values": values["probes"],
+                                    "calls": [[*call, value] for call, value in zip(plan.calls or (), values["calls"])]}
                                    for plan, values in jobs], "modules": list(TEST_MODULES)})
     return SandboxTask(code=_TEST_EVALUATOR, stdin=request, limits=limits)
 
@@ -352,7 +425,8 @@ def grade_programs(items: Sequence[tuple[str, Sequence[str]]], pool_or_runner: A
     """`grade_program` for a batch of (solution_code, tests): all probe runs through the pool at once,
     then the tests in clean evaluator runs of up to EVAL_BATCH solutions each (a failed one is redone one
     solution per run)."""
-    built = [grading_task(code, tests, limits) for code, tests in items]
+    plans = discover([plan_tests(tests, limits) for _, tests in items], pool_or_runner)
+    built = [(_probe_task(code, plan), plan) for (code, _), plan in zip(items, plans)]
     probe_results = _run_tasks([task for task, _ in built], pool_or_runner)
     scores = [0.0] * len(built)
     jobs = []
