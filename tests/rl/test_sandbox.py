@@ -733,3 +733,24 @@ def test_a_program_that_kills_its_launcher_does_not_break_the_next_run_on_its_sl
                        limits=SMALL, slot=slot)
     assert after.ok and after.stdout == "forked\n", after
     assert live_processes_of_uid(sandbox_uid(slot)) == []
+
+
+def test_socketpairs_work_without_network():
+    """asyncio's event loop and multiprocessing's duplex pipes use socketpair(): on main the audit hook
+    refused every socket object with network=False, so asyncio.run failed. With the seccomp filter in
+    force (socket(AF_UNIX) refused by the kernel) an AF_UNIX socket object can only be a socketpair end."""
+    code = ("import asyncio, multiprocessing, socket\n"
+            "print(asyncio.run(asyncio.sleep(0, result=3)))\n"
+            "a, b = multiprocessing.Pipe()\n"
+            "a.send([1, 2]); print(b.recv())\n"
+            "try:\n"
+            "    socket.socket(socket.AF_UNIX)\n"
+            "except OSError as e:\n"
+            "    print(type(e).__name__, e.errno)\n"
+            "try:\n"
+            "    socket.socket()\n"
+            "except OSError as e:\n"
+            "    print(type(e).__name__, e.errno)\n")
+    result = run_python(code, limits=SMALL)
+    assert result.ok, result
+    assert result.stdout.splitlines() == ["3", "[1, 2]", "PermissionError 13", "PermissionError 13"], result.stdout

@@ -401,7 +401,10 @@ def _child_setup(libc: ctypes.CDLL, cfg: dict, isolation: dict) -> tuple[Callabl
                                + "; ".join(f"{layer} ({why})" for layer, why in errors.items())
                                + " (SandboxLimits(trusted_code=True) runs code you trust anyway)")
     read_roots = [workdir] + [os.path.realpath(p) for p in cfg["read_paths"]] + list(cfg["read_paths"])
-    hook = _make_audit_hook(read_roots, [workdir], block_network=not cfg["network"], strict=not kernel_ok)
+    # With the seccomp filter in force an AF_UNIX socket object can only wrap a socketpair() end, which
+    # asyncio's event loop and multiprocessing's pipes need: the hook lets those through.
+    hook = _make_audit_hook(read_roots, [workdir], block_network=not cfg["network"], strict=not kernel_ok,
+                            socketpairs=isolation["seccomp"])
     signal_scoped = bool(isolation["landlock"] and isolation["landlock_abi"] >= 6)
     can_kill_all = (as_root and uid is not None) or signal_scoped
     return hook, can_kill_all
@@ -604,7 +607,7 @@ def _landlock_restrict(libc: ctypes.CDLL, read_paths: Sequence[str], write_paths
 
 
 def _make_audit_hook(read_roots: Sequence[str], write_roots: Sequence[str], block_network: bool,
-                     strict: bool) -> Callable[[str, tuple], None]:
+                     strict: bool, socketpairs: bool = False) -> Callable[[str, tuple], None]:
     """An audit hook refusing what the sandbox may not do. Not a security boundary (see the module
     docstring); `strict` adds process execution and ctypes calls, for when a kernel layer is missing."""
     read_roots = tuple(sorted(set(read_roots)))
@@ -642,6 +645,8 @@ def _make_audit_hook(read_roots: Sequence[str], write_roots: Sequence[str], bloc
                 if i < len(args) and not inside(args[i], read_roots + write_roots):
                     deny(f"{event}", args[i])
         elif block_network and event.startswith("socket."):
+            if socketpairs and event == "socket.__new__" and len(args) > 1 and args[1] == socket.AF_UNIX:
+                return  # the seccomp filter refuses socket(AF_UNIX): this wraps a socketpair() end
             deny(f"network access ({event})")
         elif strict and (event.startswith(_EXEC_EVENTS) or event in _CTYPES_EVENTS):
             deny(f"{event} without kernel isolation")
