@@ -54,6 +54,8 @@ ATTACKS = {
                                 "    return _d(o, *a, **k)\n"
                                 "json.dumps = dumps\n" + WRONG_ADD,
     "exit_early_with_0": "import os\nos._exit(0)\n",
+    # A StopIteration re-raised inside map() would end the test's own iteration: all() of nothing is True.
+    "stop_iteration_ends_the_tests_loop": "def add(a, b):\n    raise StopIteration\n",
     "sys_exit_0_at_load": "import sys\nsys.exit(0)\n",
     # Scored 0.0 on the old grader too (its per-test `except BaseException` counted a SystemExit as a
     # failure, and it refused a second verdict line):
@@ -84,7 +86,7 @@ def test_honest_solution_scores_one_and_wrong_one_zero():
 # those calls first (grading.py).
 DYNAMIC_TESTS = ["for a, b in [(1, 2), (2, 2)]:\n    assert add(a, b) == a + b",
                  "def check(candidate):\n    assert candidate(-1, 5) == 4\n    assert candidate(0, 0) == 0\ncheck(add)",
-                 "all(add(x, 1) == x + 1 for x in range(3))"]
+                 "all(map(lambda x: add(x, 1) == x + 1, range(3)))"]
 
 
 @pytest.mark.parametrize("tests", [TESTS, DYNAMIC_TESTS], ids=["static", "dynamic"])

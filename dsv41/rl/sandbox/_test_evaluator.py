@@ -204,10 +204,12 @@ def _answer_value(entry):
     status, payload = entry[:2]
     if status != "ok":
         # Re-raised as the builtin class the solution's exception derives from, so a test can expect it
-        # (try/except ValueError); never SystemExit & co., which are not Exceptions.
+        # (try/except ValueError); never SystemExit & co., which are not Exceptions, nor StopIteration.
         cls = getattr(builtins, entry[2], None)
         exc = ProbeFailed(payload)
-        if isinstance(cls, type) and issubclass(cls, Exception):
+        # StopIteration would end the test's own iteration early (all(map(f, ...)) of nothing is True).
+        if isinstance(cls, type) and issubclass(cls, Exception) and not issubclass(cls, (StopIteration,
+                                                                                      StopAsyncIteration)):
             try:
                 exc = cls(payload)
             except Exception:  # a class whose constructor wants more (UnicodeDecodeError)
