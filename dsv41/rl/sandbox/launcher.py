@@ -1,0 +1,676 @@
+"""The sandbox's first process (the launcher): it applies every restriction to itself, then forks the
+program and is its reaper.
+
+This file runs inside the sandbox's interpreter, which loads it by path (not through the `dsv41` package,
+whose import pulls in torch) before any restriction applies: it imports only the standard library and
+libseccomp's Python bindings, and its module-level code stays cheap and side-effect free. The orchestrator
+(orchestrator.py) passes it one JSON config on the command line and reads one JSON report from a pipe.
+
+Order of the layers, each recorded in the report's `isolation` (see the package docstring for what each
+one stops):
+1. open the run's cgroup as root (the program joins it after the fork, before any of its code runs);
+2. namespaces: network (loopback down, or up for network=True), IPC (SysV shared memory, semaphores and
+   message queues, POSIX message queues: gone with the run), mount; without root a user namespace first;
+3. mounts: a size- and inode-capped tmpfs over the work directory (disk use in total and the file count
+   are bounded, and it all vanishes with the run), and where needed a tmpfs hiding a non-traversable
+   directory above the Python installation;
+4. Landlock (no_new_privs first);
+5. the sandbox uid (root) or no capabilities (user namespace); parent-death signal;
+6. rlimits;
+7. the seccomp filter, last, since it forbids some of the calls above.
+Unless the config says the code is trusted, a layer that cannot be had is fatal: the launcher writes the
+reason to the report and exits with 125 without running the program (it fails closed).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import math
+import os
+import resource
+import signal
+import socket
+import stat
+import struct
+import sys
+import time
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+SETUP_FAILED_EXIT = 125  # the launcher's exit code when a mandatory protection could not be applied
+STOP_SIGNAL = signal.SIGUSR1  # orchestrator -> launcher: the wall deadline has passed, end the program
+
+# Linux constants (uapi), identical on x86_64 and aarch64.
+_CLONE_NEWNS = 0x00020000
+_CLONE_NEWCGROUP = 0x02000000
+_CLONE_NEWUTS = 0x04000000
+_CLONE_NEWIPC = 0x08000000
+_CLONE_NEWUSER = 0x10000000
+_CLONE_NEWPID = 0x20000000
+_CLONE_NEWNET = 0x40000000
+_CLONE_NEWTIME = 0x00000080
+_NAMESPACE_FLAGS = (_CLONE_NEWNS, _CLONE_NEWCGROUP, _CLONE_NEWUTS, _CLONE_NEWIPC, _CLONE_NEWUSER,
+                    _CLONE_NEWPID, _CLONE_NEWNET, _CLONE_NEWTIME)
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV = 1, 2, 4
+_MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
+_PR_SET_PDEATHSIG = 1
+_PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_CHILD_SUBREAPER = 36
+_SIOCSIFFLAGS, _IFF_UP = 0x8914, 0x1
+_SYS_LANDLOCK_CREATE_RULESET, _SYS_LANDLOCK_ADD_RULE, _SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
+_LANDLOCK_CREATE_RULESET_VERSION = 1
+_LANDLOCK_RULE_PATH_BENEATH = 1
+_LL_EXECUTE, _LL_WRITE_FILE, _LL_READ_FILE, _LL_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+_LL_FS_ABI1 = (1 << 13) - 1  # execute .. make_sym: everything ABI 1 handles
+_LL_REFER, _LL_TRUNCATE, _LL_IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15
+_LL_FILE_RIGHTS = _LL_EXECUTE | _LL_WRITE_FILE | _LL_READ_FILE | _LL_TRUNCATE | _LL_IOCTL_DEV
+_LL_READ_RIGHTS = _LL_EXECUTE | _LL_READ_FILE | _LL_READ_DIR
+_LL_NET_BIND_TCP, _LL_NET_CONNECT_TCP = 1 << 0, 1 << 1
+_LL_SCOPE_ABSTRACT_UNIX_SOCKET, _LL_SCOPE_SIGNAL = 1 << 0, 1 << 1
+
+# Kernel interfaces a program has no use for and that widen the kernel's attack surface (io_uring, keys,
+# BPF, perf, userfaultfd, namespaces and mounts, module loading, reading other processes' memory). Refused
+# with EPERM; clone() is refused only with a namespace flag, and clone3() (whose flags seccomp cannot see)
+# with ENOSYS, which makes the C library fall back to clone().
+_DENIED_SYSCALLS = (
+    "io_uring_setup", "io_uring_enter", "io_uring_register", "keyctl", "add_key", "request_key", "bpf",
+    "perf_event_open", "userfaultfd", "unshare", "setns", "mount", "umount2", "pivot_root", "chroot",
+    "fsopen", "fsmount", "fsconfig", "fspick", "move_mount", "open_tree", "mount_setattr",
+    "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load",
+    "open_by_handle_at", "name_to_handle_at", "process_vm_readv", "process_vm_writev", "ptrace",
+    "personality", "acct", "swapon", "swapoff", "reboot", "syslog", "quotactl", "lookup_dcookie",
+)
+
+# Audit events that modify the filesystem: their path arguments must lie in the sandbox directory.
+_WRITE_EVENTS = {
+    "os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,), "os.rename": (0, 1), "os.link": (0, 1),
+    "os.symlink": (1,), "os.chmod": (0,), "os.chown": (0,), "os.truncate": (0,), "os.utime": (0,),
+    "os.mkfifo": (0,), "os.mknod": (0,), "os.setxattr": (0,), "os.removexattr": (0,),
+}
+_READ_EVENTS = {"os.listdir": (0,), "os.scandir": (0,), "os.listxattr": (0,), "os.getxattr": (0,)}
+_EXEC_EVENTS = ("os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen", "os.startfile")
+_CTYPES_EVENTS = ("ctypes.call_function", "ctypes.dlsym", "ctypes.dlsym/handle", "ctypes.cdata",
+                  "ctypes.cdata/buffer", "ctypes.addressof", "ctypes.string_at", "ctypes.wstring_at")
+
+
+class _LandlockRulesetAttr(ctypes.Structure):
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64)]
+
+
+class _LandlockPathBeneathAttr(ctypes.Structure):
+    _pack_ = 1  # __attribute__((packed)) in the uapi header
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return libc
+
+
+def _check(ret: int, what: str) -> int:
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    return ret
+
+
+def _import_seccomp():
+    """libseccomp's bindings: Debian's `seccomp` module, or `pyseccomp` (the same API over ctypes)."""
+    try:
+        import seccomp
+    except ImportError:
+        import pyseccomp as seccomp
+    return seccomp
+
+
+def child_main(config_json: str) -> None:
+    """The sandbox's first process: apply every restriction to itself, then fork the program and act as
+    its reaper. Orphans of the program are re-parented here (PR_SET_CHILD_SUBREAPER), so once the program
+    exits everything it left behind is killed and reaped here, and the launcher exits the way the program
+    did (same exit code, or the same signal), with their CPU time in its rusage."""
+    cfg = json.loads(config_json)
+    report_fd = cfg["report_fd"]
+    isolation: dict[str, Any] = {}
+    libc = None
+    try:
+        libc = _libc()
+        hook, can_kill_all = _child_setup(libc, cfg, isolation)
+        _check(libc.prctl(ctypes.c_int(_PR_SET_CHILD_SUBREAPER), ctypes.c_ulong(1), ctypes.c_ulong(0),
+                          ctypes.c_ulong(0), ctypes.c_ulong(0)), "prctl(PR_SET_CHILD_SUBREAPER)")
+        isolation["subreaper"] = True
+        # The stop request may come at any time from now on, so its handler is in place before the fork.
+        children: list[int] = []
+
+        def stop(_signum, _frame):
+            for pid in children:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+        signal.signal(STOP_SIGNAL, stop)
+        program = os.fork()
+    except BaseException as exc:  # refuse to run the untrusted program half-protected
+        fatal = {"fatal": f"{type(exc).__name__}: {exc}", "isolation": isolation}
+        os.write(report_fd, json.dumps(fatal).encode())
+        os._exit(SETUP_FAILED_EXIT)
+    if program == 0:
+        os.close(report_fd)  # the program must not be able to write (forge) the report
+        try:
+            for fd in cfg["_cgroup_fds"]:
+                os.write(fd, b"0")  # into the run's cgroup, before any code of the program runs
+                os.close(fd)
+        except OSError as exc:
+            os.write(2, f"sandbox setup failed: could not join the run's cgroup: {exc}\n".encode())
+            os._exit(SETUP_FAILED_EXIT)
+        signal.signal(STOP_SIGNAL, signal.SIG_DFL)
+        # Die with the launcher (cleared by fork, so set again); the launcher dies with the orchestrator.
+        libc.prctl(ctypes.c_int(_PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0),
+                   ctypes.c_ulong(0), ctypes.c_ulong(0))
+        sys.addaudithook(hook)
+        _run_user_main(cfg["workdir"])
+        return  # normal interpreter shutdown: flushes the program's output, runs its atexit handlers
+    for fd in cfg["_cgroup_fds"]:
+        os.close(fd)
+    isolation["kill_all_at_exit"] = can_kill_all
+    os.write(report_fd, json.dumps({"isolation": isolation}).encode())
+    os.close(report_fd)
+    os.close(0)  # stdin belongs to the program
+    children.append(program)
+    status = _reap_until(program)
+    if can_kill_all:
+        # kill(-1) reaches exactly this sandbox: the sandbox uid's processes, or (Landlock signal scope)
+        # this Landlock domain's. Repeated until no child is left (orphans all come back here), in case a
+        # fork raced with the signal.
+        while True:
+            try:
+                os.kill(-1, signal.SIGKILL)
+            except OSError:
+                pass
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    time.sleep(0.001)
+            except ChildProcessError:
+                break
+    # Otherwise the orchestrator kills the process group once it has reaped this process.
+    if status is None or os.WIFEXITED(status):
+        os._exit(os.WEXITSTATUS(status) if status is not None else 1)
+    sig = os.WTERMSIG(status)
+    if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those two cannot be (and need not be) reset
+        signal.signal(sig, signal.SIG_DFL)
+    os.kill(os.getpid(), sig)
+    os._exit(128 + sig)
+
+
+def _reap_until(pid: int) -> Optional[int]:
+    """Reap children (the program and adopted orphans) until `pid` exits; its wait status."""
+    while True:
+        try:
+            child, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            return None
+        except InterruptedError:
+            continue
+        if child == pid:
+            return status
+
+
+def _unavailable(cfg: dict, layer: str) -> None:
+    """Tests make a layer fail on purpose (config "simulate_unavailable") to check the launcher fails
+    closed; a real failure raises from the system call itself."""
+    if layer in cfg.get("simulate_unavailable", ()):
+        raise OSError(errno.ENOSYS, f"{layer} made unavailable for a test")
+
+
+def _child_setup(libc: ctypes.CDLL, cfg: dict, isolation: dict) -> tuple[Callable[[str, tuple], None], bool]:
+    """Apply the restrictions to this process (inherited by the program). Returns the program's audit
+    hook and whether kill(-1) reaches only this sandbox. Raises if a mandatory protection fails."""
+    import runpy  # noqa: F401  (imported while the whole filesystem is still readable)
+    import traceback  # noqa: F401
+
+    as_root = os.geteuid() == 0
+    workdir = cfg["workdir"]
+    uid, gid = cfg["uid"], cfg["gid"]
+    errors: dict[str, str] = {}  # layer -> why it is missing
+
+    # 1. The run's cgroup. Opened here, as root; the program joins it right after the fork, before any of
+    # its code runs (writing "0" through these descriptors moves the writer; the kernel checks the
+    # opener's credentials). The launcher itself stays outside: were it inside, the cgroup's OOM killer
+    # could pick it (socket buffers and shared memory belong to no process's RSS), and the program's
+    # processes would become zombies of the system's init, eating the slot's RLIMIT_NPROC until reaped.
+    isolation["cgroup"] = False
+    cgroup_fds: list[int] = []
+    if cfg.get("cgroup_procs"):
+        try:
+            _unavailable(cfg, "cgroup")
+            for procs in cfg["cgroup_procs"]:
+                cgroup_fds.append(os.open(procs, os.O_WRONLY | os.O_CLOEXEC))
+            isolation["cgroup"] = True
+            isolation["cgroup_version"] = cfg["cgroup_version"]
+        except OSError as exc:
+            errors["cgroup"] = str(exc)
+    else:
+        errors["cgroup"] = cfg.get("cgroup_error", "no cgroup was created for this run")
+    cfg["_cgroup_fds"] = cgroup_fds
+
+    try:  # loaded now: libseccomp is out of reach once Landlock applies
+        seccomp = _import_seccomp()
+    except (ImportError, OSError) as exc:
+        seccomp = None
+        errors["seccomp"] = f"libseccomp's Python bindings are not importable ({exc}): pip install pyseccomp"
+
+    # 2. Namespaces. Without root, a user namespace first grants the capabilities for the others.
+    in_user_ns = False
+    if not as_root:
+        my_uid, my_gid = os.getuid(), os.getgid()
+        try:
+            _check(libc.unshare(ctypes.c_int(_CLONE_NEWUSER)), "unshare(CLONE_NEWUSER)")
+            in_user_ns = True
+            _map_own_ids(my_uid, my_gid)
+        except OSError as exc:
+            errors["user_namespace"] = str(exc)
+    isolation["user_namespace"] = in_user_ns
+    for layer, flag in (("network_namespace", _CLONE_NEWNET), ("ipc_namespace", _CLONE_NEWIPC),
+                        ("mount_namespace", _CLONE_NEWNS)):
+        try:
+            _unavailable(cfg, layer)
+            _check(libc.unshare(ctypes.c_int(flag)), f"unshare({layer})")
+            isolation[layer] = True
+        except OSError as exc:
+            isolation[layer] = False
+            errors[layer] = str(exc)
+    if isolation["network_namespace"] and cfg["network"]:
+        try:
+            _loopback_up()
+            isolation["loopback"] = True
+        except OSError as exc:
+            errors["loopback"] = str(exc)
+
+    # 3. Mounts (only in our own mount namespace: never touch the host's).
+    isolation["workdir_tmpfs"] = False
+    if isolation["mount_namespace"]:
+        # Private propagation, or the mounts below would appear in the orchestrator's namespace too.
+        _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)
+        if as_root and uid is not None:
+            # The Python installation must stay reachable for the sandbox uid.
+            shadows = _untraversable_ancestors(cfg["python_roots"] + [workdir])
+            if shadows:
+                try:
+                    _shadow_directories(libc, shadows, cfg["python_roots"], workdir)
+                except OSError as exc:  # mandatory: the program could not even import the standard library
+                    raise RuntimeError(
+                        f"the Python installation is below {', '.join(shadows)}, which the sandbox uid cannot "
+                        f"traverse, and no tmpfs could hide that ({exc}); make those directories "
+                        "traversable (chmod o+x) or use a Python installed elsewhere") from exc
+                isolation["python_shadowed"] = True
+        try:
+            _unavailable(cfg, "workdir_tmpfs")
+            _workdir_tmpfs(libc, workdir, cfg["disk_bytes"], cfg["max_files"], uid, gid)
+            isolation["workdir_tmpfs"] = True
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EFBIG):
+                raise RuntimeError(f"the task's files do not fit in disk_bytes={cfg['disk_bytes']} / "
+                                   f"max_files={cfg['max_files']}: {exc}") from exc
+            errors["workdir_tmpfs"] = str(exc)
+    else:
+        errors["workdir_tmpfs"] = "no mount namespace"
+        if as_root and uid is not None and _untraversable_ancestors(cfg["python_roots"] + [workdir]):
+            raise RuntimeError("the Python installation is not traversable for the sandbox uid and no mount "
+                               "namespace could be made to fix that")
+    os.chdir(workdir)
+
+    # Counted now: /proc is out of reach once Landlock applies.
+    user_tasks = _count_tasks_of_uid(os.getuid()) if uid is None and not in_user_ns else 0
+
+    # 4. Landlock (needs no_new_privs, which also stops setuid binaries from regaining privileges).
+    _check(libc.prctl(ctypes.c_int(_PR_SET_NO_NEW_PRIVS), ctypes.c_ulong(1), ctypes.c_ulong(0),
+                      ctypes.c_ulong(0), ctypes.c_ulong(0)), "prctl(PR_SET_NO_NEW_PRIVS)")
+    try:
+        _unavailable(cfg, "landlock")
+        # TCP rules only without a network namespace of our own; with one, there is nothing to reach.
+        abi = _landlock_restrict(libc, cfg["read_paths"], [workdir],
+                                 restrict_tcp=not cfg["network"] and not isolation["network_namespace"])
+        isolation["landlock"] = True
+        isolation["landlock_abi"] = abi
+    except OSError as exc:
+        isolation["landlock"] = False
+        errors["landlock"] = str(exc)
+
+    # 5. Identity.
+    if as_root and uid is not None:
+        os.setgroups([])
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+        try:
+            os.setuid(0)
+        except PermissionError:
+            pass
+        else:
+            raise RuntimeError("privileges could not be dropped: setuid(0) still succeeds")
+    elif in_user_ns:
+        _drop_capabilities(libc)  # the capabilities a user namespace grants are not needed past this point
+    isolation["uid"] = os.getuid()
+    isolation["gid"] = os.getgid()
+
+    # Die with the orchestrator (a killed Ray actor, a crashed trainer). Set after the uid change, which
+    # clears it; the getppid check closes the race with a parent that died just before.
+    libc.prctl(ctypes.c_int(_PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0),
+               ctypes.c_ulong(0), ctypes.c_ulong(0))
+    if os.getppid() != cfg["orchestrator_pid"]:
+        raise RuntimeError("the orchestrator exited during sandbox setup")
+
+    # 6. Resource limits: lowering a limit needs no privilege, and nothing above is charged to them.
+    cpu = math.ceil(cfg["cpu_time_s"])
+    if uid is not None or in_user_ns:
+        # The sandbox uid (or the fresh user namespace) holds only this sandbox's tasks; +1: the launcher.
+        nproc = cfg["max_processes"] + 1
+    else:
+        nproc = user_tasks + cfg["max_processes"]  # the limit is shared with the user's other processes
+    nofile = cfg["max_open_files"]
+    for name, soft, hard in (("RLIMIT_CORE", 0, 0), ("RLIMIT_CPU", cpu, cpu + 1),
+                             ("RLIMIT_FSIZE", cfg["file_size_bytes"], cfg["file_size_bytes"]),
+                             ("RLIMIT_NPROC", nproc, nproc), ("RLIMIT_NOFILE", nofile, nofile),
+                             ("RLIMIT_AS", cfg["memory_bytes"], cfg["memory_bytes"])):
+        which = getattr(resource, name)
+        _, cur_hard = resource.getrlimit(which)
+        if cur_hard != resource.RLIM_INFINITY:  # never try to raise a limit someone else imposed
+            soft, hard = min(soft, cur_hard), min(hard, cur_hard)
+        resource.setrlimit(which, (soft, hard))
+    isolation["rlimits"] = True
+
+    # 7. The syscall filter, last: it forbids unshare and mount, used above.
+    isolation["seccomp"] = False
+    if seccomp is not None:
+        try:
+            _unavailable(cfg, "seccomp")
+            _seccomp_filter(seccomp)
+            isolation["seccomp"] = True
+        except (OSError, RuntimeError, ValueError) as exc:
+            errors["seccomp"] = str(exc)
+
+    kernel_ok = isolation["landlock"] and isolation["network_namespace"]
+    isolation["audit_hook"] = True
+    isolation["audit_hook_strict"] = not kernel_ok
+    if errors:
+        isolation["missing"] = errors
+        if not cfg["trusted_code"]:
+            raise RuntimeError("refusing to run untrusted code without "
+                               + "; ".join(f"{layer} ({why})" for layer, why in errors.items())
+                               + " (SandboxLimits(trusted_code=True) runs code you trust anyway)")
+    read_roots = [workdir] + [os.path.realpath(p) for p in cfg["read_paths"]] + list(cfg["read_paths"])
+    # With the seccomp filter in force an AF_UNIX socket object can only wrap a socketpair() end, which
+    # asyncio's event loop and multiprocessing's pipes need: the hook lets those through.
+    hook = _make_audit_hook(read_roots, [workdir], block_network=not cfg["network"], strict=not kernel_ok,
+                            socketpairs=isolation["seccomp"])
+    signal_scoped = bool(isolation["landlock"] and isolation["landlock_abi"] >= 6)
+    can_kill_all = (as_root and uid is not None) or signal_scoped
+    return hook, can_kill_all
+
+
+def _seccomp_filter(seccomp) -> None:
+    """Allow everything except the calls above, namespace flags to clone(), and socket() of any family but
+    AF_INET and AF_INET6: a path unix socket is reachable whatever the network namespace and Landlock say,
+    and so is the hypervisor through AF_VSOCK (neither is namespaced); socketpair() stays allowed.
+
+    An allowlist on purpose: the kernel reads the family as a 32-bit int, so socket(0x1_00000001) is an
+    AF_UNIX socket that an `== AF_UNIX` rule on the 64-bit register would let through; anything above
+    AF_INET6 (10), upper bits included, is refused."""
+    f = seccomp.SyscallFilter(seccomp.ALLOW)
+    deny_socket = seccomp.ERRNO(errno.EACCES)
+    for family in range(socket.AF_INET6):
+        if family != socket.AF_INET:
+            f.add_rule(deny_socket, "socket", seccomp.Arg(0, seccomp.EQ, family))
+    f.add_rule(deny_socket, "socket", seccomp.Arg(0, seccomp.GT, socket.AF_INET6))
+    for name in _DENIED_SYSCALLS:
+        try:
+            f.add_rule(seccomp.ERRNO(errno.EPERM), name)
+        except (OSError, RuntimeError, ValueError):
+            # A name this libseccomp does not know (an older release): that syscall does not exist for it.
+            continue
+    for flag in _NAMESPACE_FLAGS:
+        f.add_rule(seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
+    f.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    f.load()
+
+
+def _loopback_up() -> None:
+    """Bring up `lo` in our new network namespace (CAP_NET_ADMIN there): 127.0.0.1 then works, and only
+    reaches this sandbox."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        import fcntl
+        fcntl.ioctl(s.fileno(), _SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", _IFF_UP))
+
+
+def _workdir_tmpfs(libc: ctypes.CDLL, workdir: str, size: int, inodes: int, uid: Optional[int],
+                   gid: Optional[int]) -> None:
+    """Mount a tmpfs of `size` bytes and `inodes` files over the work directory and copy the files the
+    orchestrator put there into it (an O_PATH descriptor keeps the covered directory reachable)."""
+    source = os.open(workdir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        owner = f",uid={uid},gid={gid}" if uid is not None else ""
+        _mount(libc, "tmpfs", workdir, "tmpfs", _MS_NOSUID | _MS_NODEV,
+               f"size={size},nr_inodes={inodes},mode=0700{owner}")
+        _copy_tree(f"/proc/self/fd/{source}", workdir, uid, gid)
+    finally:
+        os.close(source)
+
+
+def _copy_tree(src: str, dst: str, uid: Optional[int], gid: Optional[int]) -> None:
+    for entry in os.scandir(src):
+        target = os.path.join(dst, entry.name)
+        if entry.is_dir(follow_symlinks=False):
+            os.mkdir(target, 0o700)
+            _copy_tree(entry.path, target, uid, gid)
+        elif entry.is_file(follow_symlinks=False):
+            with open(entry.path, "rb") as fin, open(target, "wb") as fout:
+                while True:
+                    chunk = fin.read(1 << 20)
+                    if not chunk:
+                        break
+                    fout.write(chunk)
+        else:
+            continue  # the orchestrator writes plain files and directories only
+        if uid is not None:
+            os.chown(target, uid, gid, follow_symlinks=False)
+def _map_own_ids(uid: int, gid: int) -> None:
+    """In a fresh user namespace, map our own uid/gid to themselves (otherwise we would be 'nobody')."""
+    try:
+        with open("/proc/self/setgroups", "w") as f:
+            f.write("deny")
+        with open("/proc/self/uid_map", "w") as f:
+            f.write(f"{uid} {uid} 1")
+        with open("/proc/self/gid_map", "w") as f:
+            f.write(f"{gid} {gid} 1")
+    except OSError:
+        pass  # unmapped ids still work for the checks that matter (the kernel uses the real ids)
+
+
+def _drop_capabilities(libc: ctypes.CDLL) -> None:
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                    ("inheritable", ctypes.c_uint32)]
+
+    header = Header(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
+    data = (Data * 2)()
+    _check(libc.capset(ctypes.byref(header), data), "capset")
+
+
+def _count_tasks_of_uid(uid: int) -> int:
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status", "rb") as f:
+                fields = dict(line.split(b":", 1) for line in f if b":" in line)
+            if int(fields[b"Uid"].split()[0]) == uid:
+                total += int(fields[b"Threads"])
+        except (OSError, KeyError, ValueError):
+            continue
+    return total
+
+
+def _untraversable_ancestors(paths: Iterable[str]) -> list[str]:
+    """The topmost directories above `paths` that others may not traverse (no o+x), e.g. /root."""
+    found: list[str] = []
+    for path in paths:
+        parts = os.path.realpath(path).split(os.sep)[1:]
+        for i in range(1, len(parts)):
+            ancestor = os.sep + os.sep.join(parts[:i])
+            if not os.stat(ancestor).st_mode & stat.S_IXOTH:
+                if ancestor not in found:
+                    found.append(ancestor)
+                break
+    # Keep only the outermost ones; the path to a nested one is recreated anyway.
+    return [a for a in found if not any(a != b and a.startswith(b + os.sep) for b in found)]
+
+
+def _mount(libc: ctypes.CDLL, source: Optional[str], target: str, fstype: Optional[str], flags: int,
+           data: Optional[str] = None) -> None:
+    enc = lambda s: None if s is None else s.encode()  # noqa: E731
+    _check(libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
+           f"mount({source!r} -> {target!r})")
+
+
+def _shadow_directories(libc: ctypes.CDLL, shadows: list[str], python_roots: list[str], workdir: str) -> None:
+    """In our private mount namespace, cover each directory in `shadows` with an empty tmpfs (mode 0755) and
+    bind-mount back only the trees below it that the sandbox needs: the Python installation read-only and
+    the sandbox directory read-write. Everything else below (e.g. the rest of /root) disappears."""
+    wanted = [(os.path.realpath(p), False) for p in python_roots] + [(workdir, True)]
+    for shadow in shadows:
+        below = []
+        for path, writable in wanted:
+            if path.startswith(shadow + os.sep) and os.path.isdir(path):
+                # Keep only outermost trees; a tree inside another one comes back with it.
+                if not any(path.startswith(other + os.sep) for other, _ in wanted if other != path
+                           and other.startswith(shadow + os.sep)):
+                    below.append((path, writable, os.open(path, os.O_PATH | os.O_CLOEXEC)))
+        _mount(libc, "tmpfs", shadow, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=64k")
+        for path, writable, fd in below:
+            os.makedirs(path, mode=0o755, exist_ok=True)
+            # The O_PATH descriptor still names the tree hidden under the tmpfs.
+            _mount(libc, f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC)
+            if not writable:
+                _mount(libc, None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+            os.close(fd)
+
+
+def _landlock_restrict(libc: ctypes.CDLL, read_paths: Sequence[str], write_paths: Sequence[str],
+                       restrict_tcp: bool) -> int:
+    """Restrict this process (and its future children) to reading `read_paths` and reading+writing
+    `write_paths`. Only access rights the running kernel's ABI knows are handled. Returns the ABI."""
+    abi = libc.syscall(ctypes.c_long(_SYS_LANDLOCK_CREATE_RULESET), None, ctypes.c_size_t(0),
+                       ctypes.c_uint32(_LANDLOCK_CREATE_RULESET_VERSION))
+    _check(abi, "landlock_create_ruleset(version)")
+    handled_fs = _LL_FS_ABI1
+    if abi >= 2:
+        handled_fs |= _LL_REFER
+    if abi >= 3:
+        handled_fs |= _LL_TRUNCATE
+    if abi >= 5:
+        handled_fs |= _LL_IOCTL_DEV
+    handled_net = (_LL_NET_BIND_TCP | _LL_NET_CONNECT_TCP) if abi >= 4 and restrict_tcp else 0
+    scoped = (_LL_SCOPE_ABSTRACT_UNIX_SOCKET | _LL_SCOPE_SIGNAL) if abi >= 6 else 0
+    attr = _LandlockRulesetAttr(handled_fs, handled_net, scoped)
+    attr_size = 8 if abi < 4 else 16 if abi < 6 else 24  # the struct grew with the ABI; size tells the kernel
+    ruleset = _check(libc.syscall(ctypes.c_long(_SYS_LANDLOCK_CREATE_RULESET), ctypes.byref(attr),
+                                  ctypes.c_size_t(attr_size), ctypes.c_uint32(0)), "landlock_create_ruleset")
+    try:
+        rules = [(p, _LL_READ_RIGHTS) for p in read_paths] + [(p, handled_fs) for p in write_paths]
+        for path, access in rules:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue  # e.g. no /lib32 on this system
+            try:
+                if not stat.S_ISDIR(os.fstat(fd).st_mode):
+                    access &= _LL_FILE_RIGHTS  # directory rights on a file are EINVAL
+                    if path.startswith("/dev/"):
+                        access |= _LL_WRITE_FILE | _LL_TRUNCATE  # writing to /dev/null is harmless
+                rule = _LandlockPathBeneathAttr(access & handled_fs, fd)
+                _check(libc.syscall(ctypes.c_long(_SYS_LANDLOCK_ADD_RULE), ctypes.c_int(ruleset),
+                                    ctypes.c_int(_LANDLOCK_RULE_PATH_BENEATH), ctypes.byref(rule),
+                                    ctypes.c_uint32(0)), f"landlock_add_rule({path})")
+            finally:
+                os.close(fd)
+        _check(libc.syscall(ctypes.c_long(_SYS_LANDLOCK_RESTRICT_SELF), ctypes.c_int(ruleset),
+                            ctypes.c_uint32(0)), "landlock_restrict_self")
+    finally:
+        os.close(ruleset)
+    return abi
+
+
+def _make_audit_hook(read_roots: Sequence[str], write_roots: Sequence[str], block_network: bool,
+                     strict: bool, socketpairs: bool = False) -> Callable[[str, tuple], None]:
+    """An audit hook refusing what the sandbox may not do. Not a security boundary (see the module
+    docstring); `strict` adds process execution and ctypes calls, for when a kernel layer is missing."""
+    read_roots = tuple(sorted(set(read_roots)))
+    write_roots = tuple(sorted(set(write_roots)))
+    path_types = (str, bytes, os.PathLike)
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+
+    def inside(path: Any, roots: tuple) -> bool:
+        if path is None:
+            path = "."
+        if isinstance(path, int):
+            return True  # an already open descriptor: opening it was checked
+        if not isinstance(path, path_types):
+            return False
+        full = os.path.realpath(os.path.join(os.getcwd(), os.fsdecode(os.fspath(path))))
+        return any(full == r or full.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
+
+    def deny(what: str, path: Any = None) -> None:
+        raise PermissionError(errno.EACCES, f"sandbox: {what} is not permitted",
+                              None if path is None else str(path))
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "open":
+            path, mode, flags = args
+            writing = (any(c in mode for c in "wax+") if isinstance(mode, str)
+                       else bool((flags or 0) & write_flags))
+            if not inside(path, write_roots if writing else read_roots + write_roots):
+                deny("opening this path for writing" if writing else "opening this path", path)
+        elif event in _WRITE_EVENTS:
+            for i in _WRITE_EVENTS[event]:
+                if i < len(args) and not inside(args[i], write_roots):
+                    deny(f"{event}", args[i])
+        elif event in _READ_EVENTS:
+            for i in _READ_EVENTS[event]:
+                if i < len(args) and not inside(args[i], read_roots + write_roots):
+                    deny(f"{event}", args[i])
+        elif block_network and event.startswith("socket."):
+            if socketpairs and event == "socket.__new__" and len(args) > 1 and args[1] == socket.AF_UNIX:
+                return  # the seccomp filter refuses socket(AF_UNIX): this wraps a socketpair() end
+            deny(f"network access ({event})")
+        elif strict and (event.startswith(_EXEC_EVENTS) or event in _CTYPES_EVENTS):
+            deny(f"{event} without kernel isolation")
+
+    return hook
+
+
+def _run_user_main(workdir: str) -> None:
+    import runpy
+    import traceback
+
+    main_path = os.path.join(workdir, "main.py")
+    sys.argv = ["main.py"]
+    sys.path.insert(0, workdir)  # as `python main.py` would: helper files are importable
+    try:
+        runpy.run_path(main_path, run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        # Print the traceback from the program's own frames on, as `python main.py` would.
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename != main_path:
+            tb = tb.tb_next
+        traceback.print_exception(type(exc), exc, tb if tb is not None else exc.__traceback__)
+        sys.stderr.flush()
+        sys.exit(1)
+

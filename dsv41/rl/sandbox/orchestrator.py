@@ -1,0 +1,583 @@
+"""The orchestrator side of one sandboxed run: `run_python`.
+
+It claims a slot (an exclusive lock per slot, so two runs never share a sandbox uid or cgroup, even from
+two processes), creates the run's cgroup (cgroups.py), writes the program and its files to a fresh
+directory, starts the launcher (launcher.py, loaded by path by the same interpreter in isolated mode)
+with a JSON config, feeds stdin, drains stdout/stderr up to a cap, enforces the wall deadline, reads the
+launcher's report (the layers in force, or why it refused to run) and, whatever happened, kills every
+process the run left (by cgroup, by uid, by process group) and removes its directory and cgroup.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Mapping, Optional, Union
+
+from dsv41.rl.sandbox import launcher
+from dsv41.rl.sandbox.cgroups import CgroupUnavailable, RunCgroup
+from dsv41.rl.sandbox.config import MAX_SLOTS, SandboxLimits, SandboxResult, sandbox_uid
+
+_TAIL_BYTES = 8192  # the end of stderr is kept apart from the (head-truncated) capture, for classification
+_DRAIN_AFTER_EXIT_S = 2.0  # how long pipes are drained once the sandbox is dead (data still in the pipe)
+_KILL_HELPER_BUDGET_S = 3.0
+_STOP_GRACE_S = 1.0
+
+# Minimal environment: nothing inherited from the trainer (tokens, cloud credentials, proxies).
+_BASE_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTHONUNBUFFERED": "1",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+}
+
+# Read-only trees (besides the Python installation) an interpreter and its C extensions may need.
+_SYSTEM_READ_PATHS = (
+    "/usr", "/lib", "/lib32", "/lib64", "/bin", "/etc/ld.so.cache", "/etc/localtime",
+    "/dev/null", "/dev/zero", "/dev/urandom", "/dev/random", "/proc/cpuinfo", "/sys/devices/system/cpu",
+)
+
+# Layers the tests make fail on purpose, to check that the launcher (and the orchestrator, for the cgroup)
+# refuses to run untrusted code without them. Empty in normal use.
+_SIMULATE_UNAVAILABLE: tuple[str, ...] = ()
+
+
+# ------------------------------------------------------------------------------------------------------
+# Slots
+
+
+def _slot_lock_dir() -> str:
+    path = os.path.join(tempfile.gettempdir(), f"dsv41-sandbox-slots-{os.getuid()}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
+def _lock_slot(slot: Optional[int]) -> tuple[int, int]:
+    """Hold slot `slot` (waiting while another run, in this process or another, holds it), or with None
+    the first free one counting down from the top of the range, away from pools (which count up from their
+    offset). Returns (slot, lock fd); the lock goes with the fd, or with the process if it dies."""
+    lock_dir = _slot_lock_dir()
+
+    def open_lock(s: int) -> int:
+        return os.open(os.path.join(lock_dir, f"slot-{s}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    if slot is not None:
+        fd = open_lock(slot)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return slot, fd
+    for s in range(MAX_SLOTS, -1, -1):
+        fd = open_lock(s)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return s, fd
+    raise RuntimeError("every sandbox slot is in use")
+
+
+# ------------------------------------------------------------------------------------------------------
+# One run
+
+
+def run_python(code: str, stdin: str = "", files: Optional[Mapping[str, Union[str, bytes]]] = None,
+               limits: SandboxLimits = SandboxLimits(), slot: Optional[int] = None) -> SandboxResult:
+    """Run `code` as main.py in a fresh sandbox and return what happened.
+
+    The program runs in a new directory (its cwd and HOME, a size-capped tmpfs; `files` are written next
+    to main.py, relative paths only), gone afterwards whatever happens. `slot` selects the sandbox uid and
+    cgroup when running as root; a run waits while another one holds the same slot. None (the default)
+    takes a free slot from the top of the range, clear of the pools' slots. Raises ValueError/TypeError for
+    invalid arguments; whatever the program does comes back in the result.
+    """
+    if not isinstance(code, str):
+        raise TypeError(f"code must be a str, got {type(code).__name__}")
+    if not isinstance(stdin, str):
+        raise TypeError(f"stdin must be a str, got {type(stdin).__name__}")
+    if not isinstance(limits, SandboxLimits):
+        raise TypeError(f"limits must be a SandboxLimits, got {type(limits).__name__}")
+    if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot <= MAX_SLOTS):
+        raise ValueError(f"slot must be None or an integer in [0, {MAX_SLOTS}], got {slot!r}")
+    extra = _checked_files(files)
+
+    slot, lock_fd = _lock_slot(slot)
+    try:
+        return _run_in_slot(code, stdin, extra, limits, slot)
+    finally:
+        os.close(lock_fd)
+
+
+def _run_in_slot(code: str, stdin: str, extra: dict[str, bytes], limits: SandboxLimits, slot: int) -> SandboxResult:
+    as_root = os.geteuid() == 0
+    uid = gid = sandbox_uid(slot) if as_root else None
+    if uid is not None:
+        # A previous run on this slot that escaped its cleanup (a crashed trainer) must not eat this run's
+        # process budget or interfere with it.
+        _kill_uid(uid)
+        _wait_for_reaping(uid)
+    cgroup, cgroup_error = None, None
+    try:
+        if "cgroup" in _SIMULATE_UNAVAILABLE:
+            raise CgroupUnavailable("cgroup made unavailable for a test")
+        # The launcher stays outside (launcher.py says why): the program's tasks are all it counts.
+        cgroup = RunCgroup.create(slot, limits.memory_bytes, limits.max_processes)
+    except (CgroupUnavailable, OSError) as exc:
+        cgroup_error = f"no cgroup could be created: {exc}"
+    workdir = os.path.realpath(tempfile.mkdtemp(prefix=f"dsv41-sandbox-{slot}-"))
+    try:
+        _populate_workdir(workdir, code, extra, uid, gid)
+        result = _supervise(workdir, stdin, limits, uid, gid, cgroup, cgroup_error)
+        result.slot = slot
+        return result
+    finally:
+        if cgroup is not None:
+            cgroup.kill_all()
+        if uid is not None:
+            _kill_uid(uid)  # nothing of this sandbox may outlive the run, nor write while it is removed
+        if cgroup is not None:
+            cgroup.remove()
+        _remove_tree(workdir)
+
+
+def _checked_files(files: Optional[Mapping[str, Union[str, bytes]]]) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    for name, content in (files or {}).items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"file names must be non-empty strings, got {name!r}")
+        norm = os.path.normpath(name)
+        if os.path.isabs(name) or norm == "." or norm.split(os.sep)[0] == "..":
+            raise ValueError(f"file name {name!r} must be a relative path inside the sandbox directory")
+        if norm == "main.py":
+            raise ValueError("file name 'main.py' is reserved for the program itself")
+        if isinstance(content, str):
+            content = content.encode("utf-8")
+        elif not isinstance(content, bytes):
+            raise TypeError(f"content of file {name!r} must be str or bytes, got {type(content).__name__}")
+        out[norm] = content
+    return out
+
+
+def _populate_workdir(workdir: str, code: str, files: dict[str, bytes], uid: Optional[int],
+                      gid: Optional[int]) -> None:
+    for name, content in [("main.py", code.encode("utf-8")), *files.items()]:
+        path = os.path.join(workdir, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(content)
+    if uid is not None:
+        # The sandbox uid owns its directory (and nothing else): it can work there, others cannot look in.
+        for dirpath, dirnames, filenames in os.walk(workdir):
+            for name in [dirpath, *(os.path.join(dirpath, n) for n in dirnames + filenames)]:
+                os.chown(name, uid, gid, follow_symlinks=False)
+    os.chmod(workdir, 0o700)
+
+
+def _remove_tree(path: str) -> None:
+    def make_writable_and_retry(func, failed_path, _exc_info):
+        # A program may have left a read-only directory behind; as non-root it must be made writable first.
+        try:
+            os.chmod(os.path.dirname(failed_path), 0o700)
+            if os.path.isdir(failed_path) and not os.path.islink(failed_path):
+                os.chmod(failed_path, 0o700)
+            func(failed_path)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=make_writable_and_retry)
+    if os.path.lexists(path):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _python_roots() -> list[str]:
+    roots = []
+    for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+              os.path.dirname(sys.executable)):
+        for q in (os.path.abspath(p), os.path.realpath(p)):
+            if q not in roots:
+                roots.append(q)
+    return roots
+
+
+# The kill helper runs as root, drops to the sandbox uid and signals every process it may signal (all
+# processes of that uid, never itself) until /proc shows none left; zombies count until reaped, hence
+# the loop and its budget. (kill(-1) itself cannot tell: it succeeds while any other process exists.)
+# A separate interpreter rather than os.fork(): forking a multi-threaded trainer and running Python in
+# the child can deadlock on locks held by other threads.
+_KILL_HELPER = """
+import os, sys, time
+uid, gid, budget = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+os.setgroups([]); os.setresgid(gid, gid, gid); os.setresuid(uid, uid, uid)
+me = str(os.getpid())
+def others():
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and pid != me:
+            try:
+                with open("/proc/" + pid + "/status", "rb") as f:
+                    for line in f:
+                        if line.startswith(b"State:") and line.split()[1] == b"Z":
+                            break  # a zombie is dead already, waiting to be reaped by its parent
+                        if line.startswith(b"Uid:"):
+                            if int(line.split()[1]) == uid:
+                                return True
+                            break
+            except OSError:
+                pass
+    return False
+deadline = time.monotonic() + budget
+while True:
+    try:
+        os.kill(-1, 9)
+    except OSError:
+        pass
+    if not others():
+        sys.exit(0)
+    if time.monotonic() > deadline:
+        sys.exit(3)
+    time.sleep(0.002)
+"""
+
+
+def _uid_processes(uid: int, zombies: bool = False) -> list[int]:
+    """Pids whose real uid is `uid` (from /proc status: the owner of /proc/PID of a non-dumpable process
+    is root, so the directory's owner is not enough). Zombies (dead, not yet reaped) only if asked."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status", "rb") as f:
+                for line in f:
+                    if line.startswith(b"State:") and line.split()[1] == b"Z" and not zombies:
+                        break
+                    if line.startswith(b"Uid:"):
+                        if int(line.split()[1]) == uid:
+                            pids.append(int(entry))
+                        break
+        except (FileNotFoundError, ProcessLookupError, PermissionError, ValueError):
+            continue
+    return pids
+
+
+def _wait_for_reaping(uid: int, budget_s: float = _KILL_HELPER_BUDGET_S) -> bool:
+    """Wait (bounded) until no zombie of the slot's uid is left: a program that killed its launcher leaves
+    its processes to the system's init, and until init reaps them they count against the uid's
+    RLIMIT_NPROC, so the next run on the slot could not even fork."""
+    deadline = time.monotonic() + budget_s
+    while _uid_processes(uid, zombies=True):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _kill_uid(uid: int) -> bool:
+    """Kill every process of a sandbox uid. Returns True when none is left."""
+    if not _uid_processes(uid):
+        return True
+    try:
+        subprocess.run([sys.executable, "-I", "-S", "-B", "-c", _KILL_HELPER, str(uid), str(uid),
+                        str(_KILL_HELPER_BUDGET_S)], env={"PATH": _BASE_ENV["PATH"]}, stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=_KILL_HELPER_BUDGET_S + 10,
+                       check=False)
+    except subprocess.TimeoutExpired:
+        pass
+    return not _uid_processes(uid)
+
+
+class _Capture:
+    """One output stream: the first `limit` bytes, the last few KiB, and the total seen."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+
+    def feed(self, data: bytes) -> None:
+        self.total += len(data)
+        room = self.limit - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+        self.tail += data[-_TAIL_BYTES:]
+        del self.tail[:-_TAIL_BYTES]
+
+    @property
+    def truncated(self) -> bool:
+        return self.total > self.limit
+
+
+
+def _launcher_command(config: dict) -> list[str]:
+    # The launcher is loaded by path so the child does not import the dsv41 package (and torch).
+    boot = ("import importlib.util, sys\n"
+            "spec = importlib.util.spec_from_file_location('_dsv41_sandbox_launcher', sys.argv[1])\n"
+            "module = importlib.util.module_from_spec(spec)\n"
+            "sys.modules[spec.name] = module\n"
+            "spec.loader.exec_module(module)\n"
+            "module.child_main(sys.argv[2])\n")
+    return [sys.executable, "-I", "-B", "-X", "utf8", "-c", boot, os.path.abspath(launcher.__file__),
+            json.dumps(config)]
+
+
+def _supervise(workdir: str, stdin: str, limits: SandboxLimits, uid: Optional[int], gid: Optional[int],
+               cgroup: Optional[RunCgroup], cgroup_error: Optional[str]) -> SandboxResult:
+    read_paths = _python_roots() + list(_SYSTEM_READ_PATHS)
+    report_r, report_w = os.pipe()
+    config = {
+        "workdir": workdir, "uid": uid, "gid": gid, "report_fd": report_w, "orchestrator_pid": os.getpid(),
+        "read_paths": read_paths, "python_roots": _python_roots(), "network": limits.network,
+        "cpu_time_s": limits.cpu_time_s, "memory_bytes": limits.memory_bytes,
+        "file_size_bytes": limits.file_size_bytes, "max_processes": limits.max_processes,
+        "disk_bytes": limits.disk_bytes, "max_files": limits.max_files, "max_open_files": limits.max_open_files,
+        "trusted_code": limits.trusted_code, "simulate_unavailable": list(_SIMULATE_UNAVAILABLE),
+        "cgroup_procs": cgroup.procs_files if cgroup is not None else [],
+        "cgroup_version": cgroup.version if cgroup is not None else None, "cgroup_error": cgroup_error,
+    }
+    env = dict(_BASE_ENV, HOME=workdir, TMPDIR=workdir)
+    out, err = _Capture(limits.max_output_bytes), _Capture(limits.max_output_bytes)
+    start = time.monotonic()
+    try:
+        # start_new_session: the sandbox is its own process group and session, killable as a whole.
+        proc = subprocess.Popen(_launcher_command(config), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, cwd=workdir, env=env, start_new_session=True,
+                                pass_fds=(report_w,), close_fds=True)
+    except BaseException:
+        os.close(report_r)
+        raise
+    finally:
+        os.close(report_w)  # the launcher holds the only write end: EOF once it is done with it
+    try:
+        status, rusage, timed_out, exit_time = _pump(proc, stdin.encode("utf-8"), out, err,
+                                                     start + limits.wall_time_s, uid, cgroup)
+        report = _read_report(report_r)
+    finally:
+        os.close(report_r)
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            try:
+                stream.close()
+            except OSError:
+                pass
+        if proc.returncode is None:  # an exception above: make sure nothing keeps running
+            _kill_process_group(proc.pid)
+            try:
+                os.waitpid(proc.pid, 0)
+            except ChildProcessError:
+                pass
+            proc.returncode = -signal.SIGKILL
+
+    isolation = dict(report.get("isolation", {}))
+    if cgroup is None:
+        isolation.setdefault("cgroup", False)
+        isolation["cgroup_error"] = cgroup_error
+    leftovers_killed = True
+    oom_kills, peak = 0, None
+    if cgroup is not None:
+        leftovers_killed = cgroup.kill_all()
+        oom_kills, peak = cgroup.oom_kills(), cgroup.peak_bytes()
+    if uid is not None:
+        leftovers_killed = _kill_uid(uid) and leftovers_killed
+    if cgroup is not None or uid is not None:
+        isolation["leftovers_killed"] = leftovers_killed
+    stdout_text = bytes(out.head).decode("utf-8", errors="replace")
+    stderr_text = bytes(err.head).decode("utf-8", errors="replace")
+    exit_code = os.waitstatus_to_exitcode(status)
+    cpu_s = rusage.ru_utime + rusage.ru_stime
+    sig_name = None
+    if exit_code < 0:
+        try:
+            sig_name = signal.Signals(-exit_code).name
+        except ValueError:
+            sig_name = f"SIG{-exit_code}"
+    if "fatal" in report:
+        # The launcher refused to run the program because a mandatory protection failed.
+        stderr_text = f"sandbox setup failed: {report['fatal']}\n{stderr_text}"
+        result_status = "error"
+    else:
+        tail = bytes(err.tail).decode("utf-8", errors="replace")
+        result_status = _classify(exit_code, timed_out, cpu_s, limits, tail, oom_kills)
+    return SandboxResult(
+        status=result_status, exit_code=exit_code if exit_code >= 0 else None, signal=sig_name,
+        stdout=stdout_text, stderr=stderr_text, stdout_truncated=out.truncated, stderr_truncated=err.truncated,
+        wall_s=exit_time - start, cpu_s=cpu_s, isolation=isolation, memory_peak_bytes=peak)
+
+
+def _kill_process_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _pump(proc: subprocess.Popen, stdin_data: bytes, out: _Capture, err: _Capture, deadline: float,
+          uid: Optional[int], cgroup: Optional[RunCgroup]):
+    """Feed stdin, drain stdout/stderr, enforce the wall deadline and reap the launcher (wait4, for its
+    CPU time). Returns (wait status, rusage, timed_out, exit time)."""
+    sel = selectors.DefaultSelector()
+    streams = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
+    for fd in streams:
+        os.set_blocking(fd, False)
+        sel.register(fd, selectors.EVENT_READ)
+    stdin_fd = proc.stdin.fileno()
+    stdin_pos = 0
+    if stdin_data:
+        os.set_blocking(stdin_fd, False)
+        sel.register(stdin_fd, selectors.EVENT_WRITE)
+    else:
+        proc.stdin.close()
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+        sel.register(pidfd, selectors.EVENT_READ)
+    except (AttributeError, OSError):
+        pidfd = None  # old kernel: poll with WNOHANG below
+
+    wait_status = rusage = None
+    timed_out = False
+    exit_time = None
+    drain_deadline = None
+
+    def reaped(status_and_rusage) -> None:
+        nonlocal wait_status, rusage, exit_time, drain_deadline
+        _, wait_status, rusage = status_and_rusage
+        if pidfd is not None and pidfd in sel.get_map():
+            sel.unregister(pidfd)
+        exit_time = time.monotonic()
+        # Popen must not waitpid() this pid again (it could belong to someone else by then).
+        proc.returncode = os.waitstatus_to_exitcode(wait_status)
+        # Descendants may still hold the pipes open: kill them so the drain below reaches EOF.
+        _kill_process_group(proc.pid)
+        if cgroup is not None:
+            cgroup.kill_all()
+        if uid is not None:
+            _kill_uid(uid)
+        drain_deadline = time.monotonic() + _DRAIN_AFTER_EXIT_S
+
+    try:
+        while True:
+            now = time.monotonic()
+            if wait_status is None:
+                if now >= deadline:
+                    timed_out = True
+                    reaped(_stop_sandbox(proc.pid))
+                    continue
+                timeout = deadline - now if pidfd is not None else min(deadline - now, 0.02)
+            else:
+                if not any(fd in streams for fd in sel.get_map()) or now >= drain_deadline:
+                    break
+                timeout = drain_deadline - now
+            for key, _ in sel.select(timeout):
+                fd = key.fd
+                if fd == pidfd:
+                    reaped(os.wait4(proc.pid, 0))
+                elif fd == stdin_fd:
+                    try:
+                        stdin_pos += os.write(stdin_fd, stdin_data[stdin_pos:stdin_pos + 65536])
+                    except BrokenPipeError:
+                        stdin_pos = len(stdin_data)  # the program stopped reading; fine
+                    except BlockingIOError:
+                        continue
+                    if stdin_pos >= len(stdin_data):
+                        sel.unregister(stdin_fd)
+                        proc.stdin.close()
+                else:
+                    try:
+                        data = os.read(fd, 65536)
+                    except BlockingIOError:
+                        continue
+                    if data:
+                        streams[fd].feed(data)
+                    else:
+                        sel.unregister(fd)
+                        del streams[fd]
+            if pidfd is None and wait_status is None:
+                pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
+                if pid:
+                    reaped((pid, status, ru))
+    finally:
+        sel.close()
+        if pidfd is not None:
+            os.close(pidfd)
+    return wait_status, rusage, timed_out, exit_time
+
+
+def _stop_sandbox(pid: int) -> tuple:
+    """Wall deadline: ask the launcher to kill and reap the program and its descendants (it is their
+    reaper, so nothing is left as a zombie for the system's init), then kill whatever is left by force
+    if it does not exit promptly (the program may have stopped or killed it). Returns wait4's result."""
+    try:
+        os.kill(pid, launcher.STOP_SIGNAL)
+    except ProcessLookupError:
+        pass
+    give_up = time.monotonic() + _STOP_GRACE_S
+    while time.monotonic() < give_up:
+        reaped = os.wait4(pid, os.WNOHANG)
+        if reaped[0]:
+            return reaped
+        time.sleep(0.005)
+    _kill_process_group(pid)
+    try:
+        os.kill(pid, signal.SIGKILL)  # in case it left its process group
+    except ProcessLookupError:
+        pass
+    return os.wait4(pid, 0)
+
+
+def _read_report(fd: int) -> dict:
+    os.set_blocking(fd, False)
+    chunks = []
+    while True:
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    try:
+        return json.loads(b"".join(chunks) or b"{}")
+    except ValueError:
+        return {"fatal": "the sandbox launcher wrote an unreadable report"}
+
+
+def _classify(exit_code: int, timed_out: bool, cpu_s: float, limits: SandboxLimits, stderr_tail: str,
+              oom_kills: int = 0) -> str:
+    if timed_out:
+        return "timeout"
+    if oom_kills and exit_code != 0:
+        return "memory_limit"  # the run's memory cgroup killed a process (the program, or one it needed)
+    cpu_limit = math.ceil(limits.cpu_time_s)
+    if exit_code < 0:
+        sig = -exit_code
+        if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu_s >= cpu_limit - 0.05):
+            return "cpu_limit"  # SIGXCPU at the soft limit; SIGKILL at the hard one if it was ignored
+        if sig == signal.SIGXFSZ:
+            return "file_size_limit"
+        if "MemoryError" in stderr_tail or "Cannot allocate memory" in stderr_tail:
+            return "memory_limit"  # e.g. a C library aborting on a failed allocation
+        return "killed"
+    if exit_code == 0:
+        return "ok"
+    # A Python program that hit a limit dies of the exception the failed system call raised.
+    if "MemoryError" in stderr_tail or "[Errno 12]" in stderr_tail:
+        return "memory_limit"
+    if "File too large" in stderr_tail or "[Errno 27]" in stderr_tail:
+        return "file_size_limit"  # CPython ignores SIGXFSZ, so the write fails with EFBIG instead
+    if "No space left on device" in stderr_tail or "[Errno 28]" in stderr_tail:
+        return "file_size_limit"  # the work directory's tmpfs is full (disk_bytes or max_files)
+    if any(m in stderr_tail for m in ("BlockingIOError", "Resource temporarily unavailable",
+                                       "can't start new thread")):
+        return "process_limit"  # fork/clone failing with EAGAIN under RLIMIT_NPROC (threads count too)
+    return "error"
+
