@@ -28,13 +28,16 @@ from dsv41.ops.quant import FP4_BLOCK, KV_FP4_BLOCK, fp8_dequant, fp8_quant
 
 @dataclass
 class DecodeBatch:
-    """Per-step metadata shared by all layers: positions, state slots, padded block tables."""
+    """Per-step metadata shared by all layers: positions, state slots, padded block tables, and what the
+    layers would otherwise each recompute from them (window ids, ring slots, RoPE rows, attention widths),
+    built on first use and kept for the step: they depend on the positions and a layer's shape only."""
 
     caches: list
     positions: torch.Tensor  # [B] int64
     slots: torch.Tensor  # [B]
     tables: torch.Tensor  # [B, max_blocks] int64, padded with each sequence's first block
     shared: dict = field(default_factory=dict)  # per-step selections: "topk" by index source, "candidate_blocks"
+    memo: dict = field(default_factory=dict)  # per-step derived tensors, keyed by what they depend on
 
     @classmethod
     def build(cls, caches: list, positions: list[int], device) -> "DecodeBatch":
@@ -43,6 +46,47 @@ class DecodeBatch:
                               dtype=torch.int64, device=device)
         return cls(caches, torch.tensor(positions, device=device),
                    torch.tensor([c.slot for c in caches], device=device), tables)
+
+    def _memo(self, key, make):
+        value = self.memo.get(key)
+        if value is None:
+            value = self.memo[key] = make()
+        return value
+
+    def window_ids(self, layer: int, window: int) -> torch.Tensor:
+        """[B, 1, W] ids into cat(ring as it was, the new token), oldest first, -1 before the window's
+        first position (layers share them unless a bounded replay gave them different firsts)."""
+        first = tuple(c.first[layer] for c in self.caches)
+
+        def make():
+            at = self.positions.unsqueeze(1)  # each sequence's chunk is its one new token
+            firsts = torch.tensor(first, device=at.device).unsqueeze(1)
+            return ring_ids(at, at, firsts, window).unsqueeze(1)
+        return self._memo(("window_ids", window, first), make)
+
+    def ring_slots(self, window: int) -> torch.Tensor:
+        """[B] ring slot of each new token."""
+        return self._memo(("ring_slots", window), lambda: self.positions % window)
+
+    def rope(self, table) -> torch.Tensor:
+        """RoPE rows [B, rope/2] of the new tokens in one of the model's tables."""
+        return self._memo(("rope", id(table)), lambda: table.at(self.positions, self.positions.device))
+
+    def lone_widths(self, ratio: int, k: int) -> list:
+        """How a lone decode at each position lists its compressed entries: [] when every row is at the
+        full width `k`, else (width, rows) groups of equal width."""
+        def make():
+            width = ((self.positions + 1) // ratio).clamp(max=k)  # [B]
+            if bool((width == k).all()):
+                return []
+            return [(w, (width == w).nonzero().flatten()) for w in width.unique().tolist()]
+        return self._memo(("lone_widths", ratio, k), make)
+
+    def compressed_ids(self, offset: int, picked: torch.Tensor) -> torch.Tensor:
+        """[B, 1, k] ids of the compressed rows (after `offset` window rows), -1 for unused picks; the
+        layers reading one selection share them."""
+        return self._memo(("compressed_ids", offset, id(picked)),
+                          lambda: torch.where(picked >= 0, offset + torch.arange(picked.size(-1), device=picked.device), -1))
 
 
 def _rope_rows(x: torch.Tensor, freqs: torch.Tensor, rope_dim: int) -> torch.Tensor:
@@ -55,55 +99,47 @@ def decode_attend(attn, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: 
     """x [B, 1, dim], qr [B, 1, q_lora], q [B, 1, H, D] and kv [B, 1, D] (RoPE'd, FP8-rounded) for one new
     token per sequence. Returns [B, 1, H, D] like `Attention.attend`."""
     layer, w = attn.layer_id, attn.window
-    pos, slots = batch.positions, batch.slots
-    device = x.device
+    slots = batch.slots
 
     # window: the ring as it was, then the new token; ids oldest first, -1 before the window's first position
     ring = fp8_dequant(states.window_codes[slots, layer],
                        states.window_scale[slots, layer].view(torch.float8_e8m0fnu).float()).bfloat16()
     rows = torch.cat([ring, kv], dim=1)  # [B, W+1, D]
-    first = torch.tensor([c.first[layer] for c in batch.caches], device=device)
-    at = pos.unsqueeze(1)  # each sequence's chunk is its one new token
-    ids = ring_ids(at, at, first.unsqueeze(1), w).unsqueeze(1)  # [B, 1, W]
+    ids = batch.window_ids(layer, w)  # [B, 1, W]
     codes, scale = fp8_quant(kv[:, 0])
-    states.window_codes[slots, layer, pos % w] = codes
-    states.window_scale[slots, layer, pos % w] = scale.to(torch.float8_e8m0fnu).view(torch.uint8)
+    at = batch.ring_slots(w)
+    states.window_codes[slots, layer, at] = codes
+    states.window_scale[slots, layer, at] = scale.to(torch.float8_e8m0fnu).view(torch.uint8)
 
     if not attn.ratio:
         return ops.sparse_attn(q, rows, attn.attn_sink, ids.int(), attn.softmax_scale)
     comp_rows, comp_ids = _compressed(attn, x, qr, batch, states, pool, offset=w + 1)
     rows = torch.cat([rows, comp_rows], dim=1)
-    ids = torch.cat([ids, comp_ids], dim=-1)
+    ids = torch.cat([ids, comp_ids], dim=-1).int()
     # a lone decode lists min(index_topk, visible entries) selected slots, and the attention's block sums
     # depend on that width; so rows are attended in groups of equal width, each at its own width (most
     # rows, past index_topk entries, share the full one)
-    width = ((pos + 1) // attn.ratio).clamp(max=comp_ids.size(-1))  # [B]
-    if bool((width == comp_ids.size(-1)).all()):
-        return ops.sparse_attn(q, rows, attn.attn_sink, ids.int(), attn.softmax_scale)
+    groups = batch.lone_widths(attn.ratio, comp_ids.size(-1))
+    if not groups:
+        return ops.sparse_attn(q, rows, attn.attn_sink, ids, attn.softmax_scale)
     out = q.new_empty(q.shape)
-    for k in width.unique().tolist():
-        group = (width == k).nonzero().flatten()
-        out[group] = ops.sparse_attn(q[group], rows[group], attn.attn_sink, ids[group, :, :w + k].int(),
-                                     attn.softmax_scale)
+    for k, group in groups:
+        out[group] = ops.sparse_attn(q[group], rows[group], attn.attn_sink, ids[group, :, :w + k], attn.softmax_scale)
     return out
 
 
 def _compressed(attn, x, qr, batch: DecodeBatch, states: StatePool, pool: PagedKVPool, offset: int):
-    src, pos = attn.kv_source, batch.positions
+    src = attn.kv_source
     if attn.compressor is not None:
         _compress(attn, x, batch, states, pool)
     if attn.indexer is not None:
         batch.shared.setdefault("topk", {})[attn.layer_id] = _select(attn, x, qr, batch, pool)
     picked = batch.shared["topk"][attn.index_source]  # [B, 1, index_topk] entry ids, -1 unused
-    valid = picked >= 0
     gathered = batch.shared.setdefault("gathered", {})
     key = (src, attn.index_source)  # Reuse layers read exactly what their source read: dequantise once
     if key not in gathered:
         gathered[key] = pool.kv_at(src, pool.rows_batched(src, batch.tables, picked[:, 0].clamp_min(0)))  # [B, k, D]
-    comp = gathered[key]
-    k = picked.size(-1)
-    comp_ids = torch.where(valid, offset + torch.arange(k, device=pos.device), -1)
-    return comp, comp_ids
+    return gathered[key], batch.compressed_ids(offset, picked)
 
 
 def _compress(attn, x, batch: DecodeBatch, states: StatePool, pool: PagedKVPool) -> None:
@@ -159,7 +195,7 @@ def _select(attn, x, qr, batch: DecodeBatch, pool: PagedKVPool) -> torch.Tensor:
         # every visible key: whole blocks at once (the entries past a sequence's own end are masked above)
         per = pool.sources[src].entries_per_block
         keys = pool.keys_of_blocks(src, batch.tables[:, :-(-t // per)])[:, :t]  # [B, t, d]
-    freqs = attn.rope.at(pos, x.device)
+    freqs = batch.rope(attn.rope)
     q = idx.wq_b(qr).unflatten(-1, (idx.n_heads, idx.head_dim))
     q = ops.fp4_qdq(_rope_rows(q, freqs, idx.rope_dim), FP4_BLOCK, "ue8m0")
     weights = idx.weights_proj(x) * idx.weight_scale

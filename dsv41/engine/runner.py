@@ -115,6 +115,7 @@ class ModelRunner:
             # a verify chunk attends each query at a lone decode's width (Attention._attend_at_lone_widths)
             c.shared, c.main_hidden, c.routing = {"lone_widths": True} if c.verify else {}, None, None
         record = RoutingRecord(ids_only=True) if self.record_routing else None
+        rope_rows: dict = {}  # id(RotaryTable) -> (positions, its RoPE rows), for this forward
         decodes = [c for c in chunks if c.decode]
         batch = DecodeBatch.build([c.cache for c in decodes], [c.start for c in decodes], device) if decodes else None
         hash_ids = self._engram_hashes(chunks) if model.engram_hash is not None else None
@@ -144,7 +145,7 @@ class ModelRunner:
             if i in self.targets:
                 hidden.append(dspark.main_hidden(h))  # [1, T, dim], the stream entering the block
             shared = {"token_calls": calls} if record is None else {"token_calls": calls, "moe_aux": record}
-            h, pre_mix = layer.run(h, pre_mix, lambda x: self._attend(layer.attn, x, positions, chunks, batch),
+            h, pre_mix = layer.run(h, pre_mix, lambda x: self._attend(layer.attn, x, positions, chunks, batch, rope_rows),
                                    shared, image_mask)
 
         if record is not None:
@@ -164,6 +165,15 @@ class ModelRunner:
         index = torch.tensor(last, device=device)
         x = model.norm(Block.hc_pre(h[:, index], pre_mix[:, index]))[0]  # [n, dim]
         return model.logits(x)
+
+    @staticmethod
+    def _rope(attn, positions: torch.Tensor, rope_rows: dict, device) -> torch.Tensor:
+        """The RoPE rows of these positions in the layer's table, once per table (two tables: plain and YaRN
+        layers) until the bounded-replay trim changes the positions."""
+        rows = rope_rows.get(id(attn.rope))
+        if rows is None or rows[0] is not positions:
+            rows = rope_rows[id(attn.rope)] = (positions, attn.rope.at(positions, device))
+        return rows[1]
 
     def _split_routing(self, record: RoutingRecord, chunks: list[Chunk]) -> None:
         """Each chunk's rows of every layer's picks -> Chunk.routing [n, n_layers, k]. Only a forward in
@@ -200,8 +210,8 @@ class ModelRunner:
             return self.model.embed_image(image)
 
     def _attend(self, attn, x: torch.Tensor, positions: torch.Tensor, chunks: list[Chunk],
-                batch: DecodeBatch | None) -> torch.Tensor:
-        freqs = attn.rope.at(positions, x.device)
+                batch: DecodeBatch | None, rope_rows: dict) -> torch.Tensor:
+        freqs = self._rope(attn, positions, rope_rows, x.device)
         qr, q, kv = attn.project(x, freqs)
         outs, a, decode_at = [], 0, []
         for c in chunks:
@@ -213,8 +223,12 @@ class ModelRunner:
                 outs.append(attn.attend(x[:, a:b], qr[:, a:b], q[:, a:b], kv[:, a:b], c.start, c.cache, c.shared))
             a = b
         if decode_at:
-            at = torch.tensor(decode_at, device=x.device)
             caches = batch.caches
+            if len(decode_at) == x.size(1):  # a decode-only batch: token i is sequence i, no gathers
+                o = decode_attend(attn, x[0].unsqueeze(1), qr[0].unsqueeze(1), q[0].unsqueeze(1), kv[0].unsqueeze(1),
+                                  batch, caches[0].states, caches[0].pool)  # [B, 1, H, D]
+                return attn.output(o.view(1, o.size(0), *o.shape[2:]), freqs)  # [1, B, H, D]
+            at = torch.tensor(decode_at, device=x.device)
             o = decode_attend(attn, x[0, at].unsqueeze(1), qr[0, at].unsqueeze(1), q[0, at].unsqueeze(1),
                               kv[0, at].unsqueeze(1), batch, caches[0].states, caches[0].pool)  # [B, 1, H, D]
             rows = iter(o.transpose(0, 1).split(1, dim=1))
