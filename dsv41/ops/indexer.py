@@ -28,6 +28,30 @@ def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> tor
     return (per_head.relu() * weights.unsqueeze(-1)).sum(dim=2)
 
 
+@functools.cache
+def bf16_gemm_is_native(device: str) -> bool:
+    """Does this machine multiply bf16 matrices with bf16 instructions (oneDNN on AVX512-BF16 or AMX; any
+    GPU)? Without them (an AVX2 CPU) ATen's bf16 GEMM is a per-row fallback: a [8192, 128] x [128, 512]
+    scoring GEMM takes ~200 ms there against ~55 ms for an fp32 GEMM of the same values, rounded after."""
+    if device != "cpu":
+        return True
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # no oneDNN in this build: nothing native either
+        return False
+
+
+def fp4_products(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+    """a [..., M, D] @ b_t [..., D, T] for FP4-rounded bf16 operands (MXFP4 index q and keys) -> bf16.
+
+    Every product of two such values and every partial sum of a row's products is exact in fp32, so any
+    fp32-accumulating GEMM gives the exact dot product, rounded once to bf16: the bf16 GEMM where the CPU
+    has bf16 instructions, an fp32 GEMM of the (exactly) upcast values where it does not, the same bits."""
+    if bf16_gemm_is_native(a.device.type):
+        return a @ b_t
+    return (a.float() @ b_t.float()).to(torch.bfloat16)
+
+
 def index_scores_mm(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """`index_scores` with the per-head dot products as one 2-D GEMM per batch row, [S*H, D] x [D, T]:
     this CPU's batched bf16 GEMM (what the einsum becomes) is 10-20x slower at decode shapes. Same
@@ -38,7 +62,7 @@ def index_scores_mm(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> 
     fuse = s * k.size(1) >= 1 << 12 and fused.enabled() and epilogue_fusion_agrees(h, q.device.type)
     rows = []
     for i in range(b):
-        per_head = (q[i].reshape(s * h, d) @ k[i].t()).view(s, h, -1)  # [S, H, T] bf16
+        per_head = fp4_products(q[i].reshape(s * h, d), k[i].t()).view(s, h, -1)  # [S, H, T] bf16
         if fuse:  # one pass: ReLU, weight and head sum fused, the same bf16 roundings
             rows.append(_compiled_epilogue()(per_head, weights[i]))
         else:  # in place on the fresh GEMM output: the same roundings, no new multi-MB tensors
@@ -72,7 +96,10 @@ def index_scores_gathered(q: torch.Tensor, k: torch.Tensor, weights: torch.Tenso
     own E entries, e.g. its candidate blocks); weights [B, S, H] -> scores [B, S, E] bf16. The same
     operations, so an entry's score is the one `index_scores` gives it (the FP4 x FP4 products and their
     partial sums are exact in fp32, so the GEMM's summation order does not matter)."""
-    per_head = torch.einsum("bshd,bsed->bshe", q, k)
+    if bf16_gemm_is_native(q.device.type):
+        per_head = torch.einsum("bshd,bsed->bshe", q, k)
+    else:  # [B, S, H, D] @ [B, S, D, E]: the same exact products (`fp4_products`)
+        per_head = fp4_products(q, k.transpose(-1, -2))
     return (per_head.relu() * weights.unsqueeze(-1)).sum(dim=2)
 
 

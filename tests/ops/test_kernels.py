@@ -165,3 +165,36 @@ def test_narrow_rows_probe_can_say_no(monkeypatch):
         gemm.narrow_rows_agree.cache_clear()
     monkeypatch.setattr(gemm.F, "linear", real)
     assert torch.equal(gemm.invariant_matmul(x, w, 16), padded)  # the real kernel: the same bits either way
+
+
+def _fp4_operands(rows: int, cols: int, d: int = 128, seed: int = 0):
+    """MXFP4-rounded bf16 index q [rows, d] and keys [cols, d], each 32-channel block at its own scale
+    (spread 2^-4..2^4 per block), as the indexer scores them."""
+    from dsv41.ops.quant import FP4_BLOCK
+
+    g = torch.Generator().manual_seed(seed)
+
+    def make(n):
+        spread = 2.0 ** torch.randint(-4, 5, (n, d // FP4_BLOCK, 1), generator=g)
+        x = (torch.randn(n, d // FP4_BLOCK, FP4_BLOCK, generator=g) * spread).flatten(1)
+        return ops.fp4_qdq(x, FP4_BLOCK, "ue8m0").bfloat16()
+    return make(rows), make(cols)
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("rows,cols", [(1, 300), (8, 4096), (512, 512)])
+def test_fp4_products_round_the_exact_dot_product_once_on_either_path(monkeypatch, native, rows, cols):
+    """The indexer's q.k products on FP4-rounded operands are the exact dot products rounded once to bf16,
+    whether the bf16 GEMM computes them (CPUs with bf16 instructions) or an fp32 GEMM of the upcast values
+    (the others: ~4x faster there). The exact value comes from an fp64 product (an independent formulation)."""
+    from dsv41.ops import indexer
+
+    monkeypatch.setattr(indexer, "bf16_gemm_is_native", lambda device: native)
+    q, k = _fp4_operands(rows, cols, seed=rows + cols)
+    exact = (q.double() @ k.double().t()).to(torch.bfloat16)
+    got = indexer.fp4_products(q, k.t())
+    assert got.dtype == torch.bfloat16 and torch.equal(got, exact)
+    # the gathered form (a key list per query) gives every entry the same score
+    w = torch.rand(1, rows, 1, generator=torch.Generator().manual_seed(1)).bfloat16()
+    gathered = indexer.index_scores_gathered(q.view(1, rows, 1, -1), k[:5].expand(1, rows, 5, -1), w)
+    assert torch.equal(gathered, (exact[:, :5].relu() * w.view(rows, 1)).unsqueeze(0))
