@@ -22,6 +22,7 @@ import sys
 import time
 
 from dsv41.rl.sandbox.config import SandboxLimits, sandbox_uid
+from dsv41.rl.sandbox.launcher import sum_status_field_of_uid
 from dsv41.rl.sandbox.orchestrator import run_python
 from dsv41.rl.sandbox.pools import SandboxPool
 
@@ -38,21 +39,6 @@ def _median_wall(fn, n: int) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
-
-
-def _rss_of_uid(uid: int) -> int:
-    total = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/status", "rb") as f:
-                fields = dict(line.split(b":", 1) for line in f if b":" in line)
-            if int(fields[b"Uid"].split()[0]) == uid:
-                total += int(fields[b"VmRSS"].split()[0]) * 1024
-        except (OSError, KeyError, ValueError):
-            continue
-    return total
 
 
 def main(argv=None) -> None:
@@ -85,7 +71,7 @@ def main(argv=None) -> None:
     with SandboxPool(max_workers=1, limits=limits, slot_offset=slot) as pool:
         future = pool.submit("import time\ntime.sleep(2)")
         time.sleep(1.2)
-        out["running_sandbox_rss_bytes"] = _rss_of_uid(sandbox_uid(slot))
+        out["running_sandbox_rss_bytes"] = sum_status_field_of_uid(sandbox_uid(slot), b"VmRSS") * 1024
         result = future.result()
     out["running_sandbox_cgroup_peak_bytes"] = result.memory_peak_bytes
 

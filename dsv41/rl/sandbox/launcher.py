@@ -501,7 +501,9 @@ def _drop_capabilities(libc: ctypes.CDLL) -> None:
     _check(libc.capset(ctypes.byref(header), data), "capset")
 
 
-def _count_tasks_of_uid(uid: int) -> int:
+def sum_status_field_of_uid(uid: int, field: bytes) -> int:
+    """The sum of one numeric /proc/<pid>/status field (its first number, e.g. b"Threads", b"VmRSS" in kB)
+    over the processes whose real uid is `uid`; processes that vanish meanwhile are skipped."""
     total = 0
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -510,10 +512,14 @@ def _count_tasks_of_uid(uid: int) -> int:
             with open(f"/proc/{entry}/status", "rb") as f:
                 fields = dict(line.split(b":", 1) for line in f if b":" in line)
             if int(fields[b"Uid"].split()[0]) == uid:
-                total += int(fields[b"Threads"])
+                total += int(fields[field].split()[0])
         except (OSError, KeyError, ValueError):
             continue
     return total
+
+
+def _count_tasks_of_uid(uid: int) -> int:
+    return sum_status_field_of_uid(uid, b"Threads")
 
 
 def _untraversable_ancestors(paths: Iterable[str]) -> list[str]:
