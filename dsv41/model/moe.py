@@ -139,6 +139,9 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(
             Expert(cfg.dim, cfg.moe_inter_dim, expert_fmt, cfg.swiglu_limit) for _ in range(n_experts))
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, cfg.dtype, cfg.swiglu_limit)
+        # expert parallelism (dsv41.distributed.expert_parallel): computes the routed experts' summed outputs
+        # from (moe, x, weights, indices) when the experts live on other ranks; None runs them here
+        self.dispatcher = None
 
     def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None,
                 aux: Optional[RoutingRecord] = None, calls=None) -> torch.Tensor:
@@ -147,6 +150,10 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, self.dim)
         weights, indices = self.gate(x, None if image_mask is None else image_mask.reshape(-1), aux, calls)
+        if self.dispatcher is not None:
+            out = self.dispatcher(self, x, weights, indices)
+            out += self.shared_experts(x)
+            return out.to(x.dtype).view(shape)
         out = torch.zeros_like(x, dtype=torch.float32)
         counts = torch.bincount(indices.flatten(), minlength=len(self.experts)).tolist()
         for e, count in enumerate(counts):
