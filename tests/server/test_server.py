@@ -271,8 +271,9 @@ def test_full_queue_answers_429():
                 r3 = httpx.post(srv.base_url + "/v1/completions", json=dict(body, max_tokens=2), timeout=60)
                 assert r3.status_code == 429, r3.text
                 assert int(r3.headers["retry-after"]) >= 1
-                assert r3.json()["error"] == {"message": r3.json()["error"]["message"], "type": "rate_limit_error",
-                                              "param": None, "code": "queue_full"}
+                assert r3.json()["error"] == {
+                    "message": "The server's request queue is full; retry later (1 requests are already waiting).",
+                    "type": "rate_limit_error", "param": None, "code": "queue_full"}
             # closing the first stream aborts it, so the queued request runs
             t.join(60)
             assert queued["r"].status_code == 200 and queued["r"].json()["usage"]["completion_tokens"] == 2
