@@ -175,19 +175,21 @@ def test_tokenization_does_not_block_the_event_loop():
 
 
 def test_api_key_guards_v1_only():
-    srv, _ = _fake_server(api_key="sekrit")
+    srv, fake = _fake_server(api_key="sekrit")
     with srv:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
             r = httpx.get(srv.base_url + "/v1/models", headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
             r = httpx.post(srv.base_url + "/v1/chat/completions", json={"messages": USER}, headers=headers)
-            assert r.status_code == 401
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert fake.requests == []  # no refused request reached the engine
         assert httpx.get(srv.base_url + "/health").status_code == 200
         assert httpx.get(srv.base_url + "/metrics").status_code == 200
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=srv.base_url + "/v1", api_key="wrong", max_retries=0).models.list()
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="sekrit", max_retries=0)
         assert client.chat.completions.create(model="fake-model", messages=USER).choices[0].message.content
+        assert len(fake.requests) == 1  # the authorised one did
 
 
 class _StopHere(Exception):
