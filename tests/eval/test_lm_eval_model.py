@@ -6,7 +6,9 @@ import json
 import pytest
 import torch
 
-lm_eval = pytest.importorskip("lm_eval")
+from tests.conftest import optional_import
+
+lm_eval = optional_import("lm_eval")  # required under DSV41_REQUIRE_OPTIONAL (.ci/run)
 
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
