@@ -1,3 +1,4 @@
+import importlib
 import os
 
 import pytest
@@ -11,6 +12,19 @@ if not torch.cuda.is_available():
 from dsv41.config import tiny
 from dsv41.model.init import init_random_weights
 from dsv41.model.transformer import Transformer
+
+# modules that must import (comma-separated): .ci/run names the extras it has just installed, so that a
+# broken install fails their tests instead of skipping them
+REQUIRED_OPTIONAL = {m.strip() for m in os.environ.get("DSV41_REQUIRE_OPTIONAL", "").split(",") if m.strip()}
+
+
+def optional_import(name: str):
+    """pytest.importorskip(name), except for a module DSV41_REQUIRE_OPTIONAL names: imported outright,
+    its ImportError failing the test module."""
+    if name in REQUIRED_OPTIONAL:
+        return importlib.import_module(name)
+    return pytest.importorskip(name)
+
 
 GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "data", "golden")
 GOLDEN_FOLDERS = sorted(os.path.join(GOLDEN_DIR, d) for d in os.listdir(GOLDEN_DIR))

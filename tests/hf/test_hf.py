@@ -11,7 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-transformers = pytest.importorskip("transformers")
+from tests.conftest import optional_import
+
+transformers = optional_import("transformers")  # required under DSV41_REQUIRE_OPTIONAL (.ci/run)
 
 import dsv41  # noqa: E402
 from dsv41.config import HF_RENAMES, ModelConfig, tiny  # noqa: E402

@@ -81,25 +81,34 @@ def test_clipping_stops_the_gradient_outside_the_trust_region():
 
 
 def test_kl_estimate_and_its_gradient_match_the_exact_kl():
-    """On a categorical policy, the expectation over pi_old of the importance-corrected K3 term equals
-    KL(pi || pi_ref), and its gradient equals the gradient of that KL (computed exactly, by enumeration)."""
+    """On a categorical policy, the expectation over pi_old of grpo_loss's importance-corrected KL term
+    equals KL(pi || pi_ref), and its gradient equals the gradient of that KL (both computed exactly, by
+    enumeration of the vocabulary)."""
     g = torch.Generator().manual_seed(1)
     theta = torch.randn(5, generator=g).requires_grad_()
     old = torch.log_softmax(torch.randn(5, generator=g), -1)
     ref = torch.log_softmax(torch.randn(5, generator=g), -1)
     logp = torch.log_softmax(theta, -1)
     cfg = GRPOConfig(kl_coef=1.0, offpolicy_kl=0.0)
-    # every vocabulary entry as a one-token "response", weighted by pi_old (the exact expectation)
+    # every vocabulary entry as a one-token "response", weighted by pi_old (the exact expectation); with
+    # zero advantages the policy term is 0, so each loss is the KL term alone, gradient included
     w = old.exp()
-    parts = grpo_loss(logp.view(5, 1), old.view(5, 1), ref.view(5, 1), torch.zeros(5), torch.ones(5, 1, dtype=torch.bool), cfg)
-    k3 = (logp - old).exp() * ((ref - logp).exp() - (ref - logp) - 1)
-    expected_kl = (w * k3).sum()
-    exact = (logp.exp() * (logp - ref)).sum()
-    torch.testing.assert_close(expected_kl, exact)
-    (grad_est,) = torch.autograd.grad((w * k3).sum(), theta, retain_graph=True)
+    kls, losses = [], []
+    for i in range(5):
+        parts = grpo_loss(logp[i].view(1, 1), old[i].view(1, 1), ref[i].view(1, 1), torch.zeros(1),
+                          torch.ones(1, 1, dtype=torch.bool), cfg)
+        kls.append(parts.kl)
+        losses.append(parts.loss)
+    expected_kl = (w * torch.stack(kls)).sum()
+    estimate = (w * torch.stack(losses)).sum()
+    exact = (logp.exp() * (logp - ref)).sum()  # KL(pi || pi_ref) by its definition
+    assert float(exact) > 0.1 and float((logp - old).abs().max()) > 0.1  # pi is neither pi_ref nor pi_old
+    torch.testing.assert_close(expected_kl, exact.detach())
+    torch.testing.assert_close(estimate, exact)
+    (grad_est,) = torch.autograd.grad(estimate, theta, retain_graph=True)
     (grad_exact,) = torch.autograd.grad(exact, theta)
+    assert float(grad_exact.abs().max()) > 0.05
     torch.testing.assert_close(grad_est, grad_exact)
-    assert float(parts.kl) >= 0
 
 
 def test_kl_is_zero_at_the_reference():

@@ -45,14 +45,49 @@ def test_a_grpo_run_writes_its_folder_and_resumes(tmp_path):
     assert [r["step"] for r in _rows(out)] == [0, 1, 2, 3]
 
 
+def _reverse_kl(student, teacher, ids) -> float:
+    """Mean over positions of KL(pi_s || pi_T) over the whole vocabulary, by plain forwards."""
+    with torch.no_grad():
+        log_s = torch.log_softmax(student(ids).float(), -1)
+        log_t = torch.log_softmax(teacher(ids).float(), -1)
+    return float((log_s.exp() * (log_s - log_t)).sum(-1).mean())
+
+
 def test_a_distillation_run_lowers_nothing_it_should_not(tmp_path):
-    teacher = tmp_path / "teacher"
-    RLTrainer(RLConfig(out=str(teacher), **{**FAST, "steps": 1})).run()
+    """A student (seed 0) distilled from a teacher of another initialisation (seed 7): the teacher is left
+    as it was, in the trainer and on disk; the student's weights moved; and its reverse KL to the teacher
+    on fixed task prompts (computed here from plain forwards) is lower after the run than before."""
+    from dsv41.engine.build import build_model
+    from dsv41.rl.rollout import chat_prompt
+    from dsv41.rl.tasks import make_task
+
+    teacher_dir = tmp_path / "teacher"
+    RLTrainer(RLConfig(out=str(teacher_dir), **{**FAST, "steps": 1, "seed": 7})).run()
+    ckpt = teacher_dir / "checkpoint"
+    on_disk = {f: (ckpt / f).read_bytes() for f in sorted(os.listdir(ckpt)) if (ckpt / f).is_file()}
+    teacher = load_model(str(ckpt)).eval()
+    student0, tokenizer, _ = build_model("tiny", seed=0)
+    student0.eval()
+    prompts = [chat_prompt(tokenizer, make_task("arithmetic", "eval", 3, i).messages(), 25) for i in range(4)]
+    width = min(len(p) for p in prompts)
+    ids = torch.tensor([p[:width] for p in prompts])
+    kl_before = _reverse_kl(student0, teacher, ids)
+
     out = str(tmp_path / "distill")
-    RLTrainer(RLConfig(out=out, algorithm="distill", teachers=f"arithmetic={teacher}/checkpoint",
-                       **{**FAST, "steps": 1})).run()
-    row = _rows(out)[-1]
-    assert row["distill_kl"] >= 0 and row["step"] == 1
+    trainer = RLTrainer(RLConfig(out=out, algorithm="distill", teachers=f"arithmetic={ckpt}", **{**FAST, "steps": 2}))
+    trainer.run()
+    rows = _rows(out)
+    assert [r["step"] for r in rows[1:]] == [1, 2] and all(r["distill_kl"] > 0 for r in rows[1:])
+    (used,) = trainer.teachers.values()
+    for (name, a), b in zip(used.state_dict().items(), teacher.state_dict().values()):
+        assert torch.equal(a, b), name  # the teacher in the trainer did not train
+    assert {f: (ckpt / f).read_bytes() for f in on_disk} == on_disk
+    student = trainer.policy.policy.eval()
+    moved = [n for (n, a), b in zip(student.state_dict().items(), student0.state_dict().values())
+             if a.is_floating_point() and not torch.equal(a, b)]
+    assert len(moved) > 10
+    kl_after = _reverse_kl(student, teacher, ids)
+    assert kl_after < kl_before, (kl_before, kl_after)  # 0.0262 -> 0.0253
     assert parse_teachers("arithmetic=a,program=b") == {"arithmetic": "a", "program": "b"}
     assert parse_teachers("x/y") == {"*": "x/y"}
 

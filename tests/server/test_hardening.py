@@ -175,19 +175,21 @@ def test_tokenization_does_not_block_the_event_loop():
 
 
 def test_api_key_guards_v1_only():
-    srv, _ = _fake_server(api_key="sekrit")
+    srv, fake = _fake_server(api_key="sekrit")
     with srv:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
             r = httpx.get(srv.base_url + "/v1/models", headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
             r = httpx.post(srv.base_url + "/v1/chat/completions", json={"messages": USER}, headers=headers)
-            assert r.status_code == 401
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert fake.requests == []  # no refused request reached the engine
         assert httpx.get(srv.base_url + "/health").status_code == 200
         assert httpx.get(srv.base_url + "/metrics").status_code == 200
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=srv.base_url + "/v1", api_key="wrong", max_retries=0).models.list()
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="sekrit", max_retries=0)
         assert client.chat.completions.create(model="fake-model", messages=USER).choices[0].message.content
+        assert len(fake.requests) == 1  # the authorised one did
 
 
 class _StopHere(Exception):
@@ -356,6 +358,11 @@ def test_bad_input_sweep_no_5xx_and_no_aborted_bystander(served):
             assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     big_header = httpx.get(srv.base_url + "/v1/models", headers={"X-Big": "h" * (1 << 20)}, timeout=60)
     assert big_header.status_code == 431
-    assert statuses.count(200) == 2 and all(400 <= s < 500 for s in statuses if s != 200)
+    # exactly the two tiny-temperature requests with tokens to generate are answered (greedily); the
+    # rest are refused with a 4xx
+    answered = [SWEEP[i] for i, s in enumerate(statuses) if s == 200]
+    assert answered == [("/v1/completions", {"prompt": "x", "temperature": 1e-39, "max_tokens": 2}),
+                        ("/v1/chat/completions", {"messages": USER, "temperature": 5e-324, "max_tokens": 2})]
+    assert all(400 <= s < 500 for s in statuses if s != 200)
     bystander.join(120)
     assert results == {"bystander": ("length", [])}
