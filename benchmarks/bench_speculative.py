@@ -10,6 +10,16 @@ all). Checks that the speculative outputs equal the plain ones token for token, 
 acceptance per draft position (the fraction of verify passes whose draft was accepted up to and
 including that position), tokens per target pass and the speed-up. Prints tables, writes
 <out>/speculative_<name>.json and a PNG. These machines are noisy: compare the ratios.
+
+Without a trained drafter, the cost of speculation can still be measured at a chosen acceptance:
+
+    python benchmarks/bench_speculative.py --preset small --oracle-acceptance 0.86
+
+builds the preset with random weights and a random DSpark drafter (the drafter still runs every step, at
+its real cost), then replaces each draft by the plain run's own continuation with every position kept
+with probability P (0.86 gives the trained `small` drafter's measured acceptance: 0.86, 0.74, 0.64, 0.55,
+0.47 through positions 1-5). Variants: plain, speculative as configured by default (`--batched-verify
+auto`), and with `--batched-verify on` and `off`, all on the same prompts in one run.
 """
 
 from __future__ import annotations
@@ -35,11 +45,56 @@ def prompts_from(data: str, n: int, length: int, seed: int = 0) -> list[list[int
     return x.tolist()
 
 
-def run(model: str, prompts: list[list[int]], new_tokens: int, **engine_options) -> dict:
-    engine = build_engine(model, EngineConfig(enable_prefix_caching=False, max_num_seqs=max(8, len(prompts)),
-                                              **engine_options))
+def random_drafter_model(name: str, seed: int = 1):
+    """The preset at its own widths with random weights and a random 2-stage DSpark drafter (block 5)."""
+    import dataclasses
+
+    from dsv41.config import preset
+    from dsv41.model.init import init_random_weights
+    from dsv41.model.transformer import Transformer
+
+    base = preset(name)
+    n = base.n_layers
+    cfg = dataclasses.replace(base, n_mtp_layers=2, compress_ratios=base.compress_ratios + (0, 0),
+                              dspark_block_size=5, dspark_noise_token_id=base.vocab_size - 1,
+                              dspark_target_layer_ids=(n // 3, 2 * n // 3, n - 2), dspark_markov_rank=32,
+                              dspark_n_routed_experts=4, dspark_n_activated_experts=2)
+    return init_random_weights(Transformer(cfg), seed=seed).eval()
+
+
+def oracle_drafts(engine, truth: list[list[int]], acceptance: float, seed: int = 0) -> None:
+    """After each real drafter pass, replace every draft by the request's plain continuation (truth[i] for
+    request r{i}), each position kept with probability `acceptance` (else changed to another id)."""
+    real, g = engine._draft, torch.Generator().manual_seed(seed)
+    vocab = engine.model_config.vocab_size
+
+    def draft(work):
+        real(work)  # the drafter runs and writes its rings as usual: its cost is measured
+        for seq in engine.running:
+            if seq.draft_tokens:
+                done = len(seq.output_ids)
+                want = truth[int(seq.request_id[1:])][done:done + len(seq.draft_tokens)]
+                tokens = want + seq.draft_tokens[len(want):]
+                seq.draft_tokens = [t if float(torch.rand((), generator=g)) < acceptance else (t + 1) % vocab
+                                    for t in tokens]
+
+    engine._draft = draft
+
+
+def run(model, prompts: list[list[int]], new_tokens: int, truth=None, acceptance: float = 1.0,
+        **engine_options) -> dict:
+    """model: a checkpoint folder, or a model object (then a byte tokenizer)."""
+    config = EngineConfig(enable_prefix_caching=False, max_num_seqs=max(8, len(prompts)), **engine_options)
+    if isinstance(model, str):
+        engine = build_engine(model, config)
+    else:
+        from dsv41.engine import LLMEngine
+        from dsv41.tokenizer import ByteTokenizer
+        engine = LLMEngine(model, ByteTokenizer(model.cfg.vocab_size), config)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     engine.generate([prompts[0][:16]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
+    if truth is not None and engine.speculative:
+        oracle_drafts(engine, truth, acceptance)
     for key in [k for k in engine.counters if k.startswith("spec_")]:
         engine.counters[key] = 0
     if engine.speculative:
@@ -83,27 +138,53 @@ def run(model: str, prompts: list[list[int]], new_tokens: int, **engine_options)
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True, help="a checkpoint folder with a DSpark drafter (dsv41 train-drafter)")
-    ap.add_argument("--data", required=True, help="data folder whose validation split gives the prompts")
+    ap.add_argument("--model", help="a checkpoint folder with a DSpark drafter (dsv41 train-drafter)")
+    ap.add_argument("--data", help="data folder whose validation split gives the prompts (with --model)")
+    ap.add_argument("--preset", help="instead of --model: this preset with random weights and a random "
+                    "drafter, random prompts; needs --oracle-acceptance")
+    ap.add_argument("--oracle-acceptance", type=float, default=None,
+                    help="drafts are the plain run's continuation, each position kept with this probability")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--min-confidence", type=float, default=0.3,
                     help="the confidence-limited variant's threshold on the predicted acceptance")
     ap.add_argument("--out", default="bench_out")
-    ap.add_argument("--name", default="small")
+    ap.add_argument("--name", default=None, help="output name (default: the preset, else small)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
+    if (args.model is None) == (args.preset is None):
+        ap.error("give one of --model (with --data) or --preset (with --oracle-acceptance)")
+    if args.model is not None and args.data is None:
+        ap.error("--model needs --data (the prompts)")
+    if args.preset is not None and args.oracle_acceptance is None:
+        ap.error("--preset has a random drafter: give --oracle-acceptance P")
+    if args.oracle_acceptance is not None and not 0 <= args.oracle_acceptance <= 1:
+        ap.error("--oracle-acceptance must be in [0, 1]")
+    args.name = args.name or args.preset or "small"
     torch.set_num_threads(args.threads)
-    variants = {"plain": {}, "speculative": {"speculative": True},
-                f"speculative, confidence >= {args.min_confidence}": {
-                    "speculative": True, "speculative_min_confidence": args.min_confidence}}
-    results = {"model": args.model, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-               "threads": args.threads, "batches": {}}
+    model = args.model if args.model is not None else random_drafter_model(args.preset)
+    variants = {"plain": {}, "speculative": {"speculative": True}}
+    if args.oracle_acceptance is None:  # the confidence head means something only for a trained drafter
+        variants[f"speculative, confidence >= {args.min_confidence}"] = {
+            "speculative": True, "speculative_min_confidence": args.min_confidence}
+    variants["speculative, batched verify"] = {"speculative": True, "batched_verify": "on"}
+    variants["speculative, per-request verify"] = {"speculative": True, "batched_verify": "off"}
+    results = {"model": args.model or f"{args.preset} (random weights and drafter)", "prompt_len": args.prompt_len,
+               "new_tokens": args.new_tokens, "threads": args.threads, "oracle_acceptance": args.oracle_acceptance,
+               "batches": {}}
     rows, accept_rows = [], []
     for batch in args.batches:
-        prompts = prompts_from(args.data, batch, args.prompt_len)
-        runs = {name: run(args.model, prompts, args.new_tokens, **opts) for name, opts in variants.items()}
+        if args.data is not None:
+            prompts = prompts_from(args.data, batch, args.prompt_len)
+        else:
+            g = torch.Generator().manual_seed(batch)
+            prompts = torch.randint(3, 1000, (batch, args.prompt_len), generator=g).tolist()
+        runs = {"plain": run(model, prompts, args.new_tokens, **variants["plain"])}
+        truth = runs["plain"]["tokens"] if args.oracle_acceptance is not None else None
+        for name, opts in variants.items():
+            if name != "plain":
+                runs[name] = run(model, prompts, args.new_tokens, truth, args.oracle_acceptance or 1.0, **opts)
         base = runs["plain"]
         for name, r in runs.items():
             r["identical_to_plain"] = r["tokens"] == base["tokens"]

@@ -11,6 +11,7 @@ from typing import Optional
 
 PREFILL_MODES = ("bounded", "full")
 LOGPROBS_MODES = ("raw", "processed")
+VERIFY_MODES = ("auto", "on", "off")
 KERNEL_MODES = ("background", "now", "off")
 
 
@@ -73,11 +74,12 @@ class EngineConfig:
     speculative_min_confidence: float = field(default=0.0, metadata={"help": (
         "with --speculative, verify only the leading draft positions whose predicted acceptance (the "
         "drafter's confidence head, running product of sigmoids) is at least this; 0 verifies every draft")})
-    batched_verify: bool = field(default=True, metadata={"help": (
-        "with --speculative, verify every request's draft together: a draft of n tokens runs as n batched "
-        "decode steps of the attention (each request's i-th token in step i), each token computed exactly "
-        "as plain decoding computes it; --no-batched-verify attends each request's draft on its own "
-        "(the same tokens and bits; slower at large batches, kept to compare)")})
+    batched_verify: str = field(default="auto", metadata={"choices": VERIFY_MODES, "help": (
+        "with --speculative, how drafts are verified (the same tokens and bits either way): 'on' runs a "
+        "draft of n tokens as n batched decode steps of the attention (every request's i-th token in step "
+        "i), 'off' attends each request's draft on its own, 'auto' batches when a step has more drafts to "
+        "verify than the longest draft has tokens (fewer attention calls; measured in "
+        "benchmarks/bench_speculative.py)")})
 
     logprobs_mode: str = field(default="raw", metadata={"choices": LOGPROBS_MODES, "help": (
         "what a request's logprobs describe: 'raw' the model's own distribution (OpenAI's logprobs); "
@@ -106,6 +108,8 @@ class EngineConfig:
                              f"{self.speculative_min_confidence}")
         if self.fused_kernels not in KERNEL_MODES:
             raise ValueError(f"EngineConfig.fused_kernels must be one of {KERNEL_MODES}, got {self.fused_kernels!r}")
+        if self.batched_verify not in VERIFY_MODES:
+            raise ValueError(f"EngineConfig.batched_verify must be one of {VERIFY_MODES}, got {self.batched_verify!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"EngineConfig.logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
         if self.record_routing:

@@ -43,6 +43,7 @@ class Chunk:
     n_logits: int = 1  # with want_logits: logits of this many trailing positions (a DSpark verify: n + 1;
     # every position of a prefill chunk whose request wants prompt logprobs)
     verify: bool = False  # a speculative verify: each token computed with a decode step's numerics
+    stepped: bool = False  # set by the runner: this verify chunk runs as batched decode steps this forward
     shared: dict = field(default_factory=dict)
     # images: (offset in tokens, rows [n, dim] bf16) replacing those positions' token embeddings, and for
     # context + tokens, True at image-span positions (routed with bias_vl, dead to Engram); None: all text
@@ -67,9 +68,10 @@ class ModelRunner:
     mode, the model's own settings restored afterwards. None: the model's settings as they are."""
 
     def __init__(self, model: Transformer, row_chunk: Optional[int] = None, capture_hidden: bool = False,
-                 record_routing: bool = False, batched_verify: bool = True):
+                 record_routing: bool = False, batched_verify: str = "auto"):
         self.model = model
-        # speculative verify chunks run as batched decode steps (`_decode_steps`); False: each on its own
+        # speculative verify chunks as batched decode steps (`_decode_steps`): "on", "off" (each on its own
+        # path), "auto" (when a step has more verify chunks than its longest chunk has tokens)
         self.batched_verify = batched_verify
         self.record_routing = record_routing  # keep every MoE layer's picks per chunk (Chunk.routing)
         self.cfg = model.cfg
@@ -215,7 +217,12 @@ class ModelRunner:
         step; a speculative verify chunk of n tokens runs as n consecutive decode steps (its i-th token in
         step i, batched with every other chunk's i-th token), so each verified token is computed exactly
         as the decode step it replaces would compute it, and all verify chunks share each step's ops."""
-        stepped = [c for c in chunks if c.decode or (c.verify and self.batched_verify)]
+        verify = [c for c in chunks if c.verify]
+        mode = self.batched_verify
+        batch_them = mode == "on" or (mode == "auto" and len(verify) > max((len(c.tokens) for c in verify), default=0))
+        for c in verify:
+            c.stepped = batch_them
+        stepped = [c for c in chunks if c.decode or (c.verify and batch_them)]
         steps = []
         for i in range(max((len(c.tokens) for c in stepped), default=0)):
             members = [c for c in stepped if len(c.tokens) > i]
@@ -244,7 +251,7 @@ class ModelRunner:
         offset, a = {}, 0
         for c in chunks:
             b = a + len(c.tokens)
-            if c.decode or (c.verify and self.batched_verify):
+            if c.decode or c.stepped:
                 offset[id(c)] = a
             else:
                 out[:, a:b] = attn.attend(x[:, a:b], qr[:, a:b], q[:, a:b], kv[:, a:b], c.start, c.cache, c.shared)

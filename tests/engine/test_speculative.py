@@ -360,10 +360,10 @@ def test_batched_verify_gives_the_bits_of_per_request_verify(model, monkeypatch)
         return steps
 
     monkeypatch.setattr(ModelRunner, "_decode_steps", spy)
-    batched, batched_lp = _greedy_with_logprobs(make(model, speculative=True), batch, params)
+    batched, batched_lp = _greedy_with_logprobs(make(model, speculative=True, batched_verify="on"), batch, params)
     assert max(widest) >= 3  # several requests' verify tokens shared a decode step
     widest.clear()
-    alone, alone_lp = _greedy_with_logprobs(make(model, speculative=True, batched_verify=False), batch, params)
+    alone, alone_lp = _greedy_with_logprobs(make(model, speculative=True, batched_verify="off"), batch, params)
     assert max(widest) == 0  # no verify token went through a batched decode step
     assert batched == alone == plain
     assert batched_lp == alone_lp == plain_lp  # bit for bit
