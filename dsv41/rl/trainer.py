@@ -282,12 +282,14 @@ class RLTrainer:
                     logp, mask = self.learner(sub)
                     parts = grpo_loss(logp, old[part, :logp.size(1)], None if ref is None else ref[part, :logp.size(1)],
                                       adv[part], mask, g)
-                    loss = parts.loss * self._token_share(parts.tokens)
+                    share = self._token_share(parts.tokens)
+                    loss = parts.loss * share
                     if first_deviation is None:
                         first_deviation = parts.ratio_max_deviation
-                    stats["policy_loss"].append(float(parts.policy))
-                    stats["kl"].append(float(parts.kl))
-                    stats["clip_fraction"].append(parts.clip_fraction)
+                    # token means scaled like the loss, so that their mean over ranks is the batch's
+                    stats["policy_loss"].append(float(parts.policy) * share)
+                    stats["kl"].append(float(parts.kl) * share)
+                    stats["clip_fraction"].append(parts.clip_fraction * share)
                     stats["masked"] += parts.masked_sequences
                 else:
                     domains = [d if d in self.teachers else "*" for d in (teacher_domains[i] for i in part)]
@@ -295,8 +297,9 @@ class RLTrainer:
                     logits, mask = sequence_logits(self.policy.policy, sub, self.policy.row_chunk,
                                                    self.policy.cast_weights())
                     kl = opd_loss(logits, target[:, :logits.size(1)], mask)
-                    stats["distill_kl"].append(float(kl.detach()))
-                    loss = kl * self._token_share(int(mask.sum()))
+                    share = self._token_share(int(mask.sum()))
+                    stats["distill_kl"].append(float(kl.detach()) * share)
+                    loss = kl * share
                 loss.backward()
                 if self.distributed and cfg.algorithm == "distill":
                     for p in self.policy.master.parameters():
@@ -312,16 +315,35 @@ class RLTrainer:
             self.workers.load_weights(self.policy.serving_state())
         self.step += 1
         row = {"step": self.step, "rollout_s": t_roll - t0, "step_s": time.perf_counter() - t0,
-               "rollouts": len(rollouts), "loss": _mean(stats["loss"])}
+               "rollouts": len(rollouts), "loss": self._batch_mean(stats["loss"])}
         if cfg.algorithm == "grpo":
-            row.update(policy_loss=_mean(stats["policy_loss"]), kl=_mean(stats["kl"]),
-                       clip_fraction=_mean(stats["clip_fraction"]), masked_sequences=stats["masked"],
-                       first_ratio_max_deviation=first_deviation)
+            row.update(policy_loss=self._batch_mean(stats["policy_loss"]), kl=self._batch_mean(stats["kl"]),
+                       clip_fraction=self._batch_mean(stats["clip_fraction"]),
+                       masked_sequences=int(self._reduced(stats["masked"], dist.ReduceOp.SUM)),
+                       first_ratio_max_deviation=self._reduced(first_deviation, dist.ReduceOp.MAX))
         else:
-            row["distill_kl"] = _mean(stats["distill_kl"])
+            row["distill_kl"] = self._batch_mean(stats["distill_kl"])
         row.update(self._effort_summary(rollouts, "train"))
         row["rollouts"] = row.pop("train_samples")  # of all ranks
         return row
+
+    def _reduced(self, value, op):
+        """`value` (a number, or None for none) reduced over the ranks with `op` (SUM or MAX): None only
+        when every rank has none. With one process, `value` itself."""
+        if not self.distributed:
+            return value
+        empty = -math.inf if op == dist.ReduceOp.MAX else 0.0
+        t = torch.tensor([empty if value is None else float(value)], dtype=torch.float64)
+        present = torch.tensor([float(value is not None)])
+        dist.all_reduce(t, op=op)
+        dist.all_reduce(present)
+        return float(t) if float(present) > 0 else None
+
+    def _batch_mean(self, values: list) -> Optional[float]:
+        """The whole batch's figure from this rank's per-minibatch figures scaled by `_token_share`: the
+        mean over ranks of their means (rank 0 writes the row; alone, it would log its own share only)."""
+        total = self._reduced(_mean(values), dist.ReduceOp.SUM)
+        return total / self.world if self.distributed and total is not None else total
 
     def _token_share(self, tokens: int) -> float:
         """Scale of this rank's mean-over-its-tokens loss so that DDP's gradient average equals the mean

@@ -10,6 +10,7 @@ import ctypes
 import dataclasses
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -36,10 +37,12 @@ SMALL = SandboxLimits(cpu_time_s=1, wall_time_s=3, memory_bytes=256 << 20, file_
 GRACE_S = 2.5  # wall limit + the launcher's stop grace + cleanup, on a loaded 2-core machine
 
 INFINITE_LOOP = "while True:\n    pass\n"
-# A session-escaping sleeper first (it must be killed too), then the bomb.
+# A session-escaping sleeper first (it must be killed too), then the bomb. The sleeper prints its pid (the
+# sandbox has no pid namespace, so it is the host's pid), so its end can be checked as any user.
 FORK_BOMB = ("import os, time\n"
              "if os.fork() == 0:\n"
              "    os.setsid()\n"
+             "    print('sleeper', os.getpid(), flush=True)\n"
              "    time.sleep(60)\n"
              "    os._exit(0)\n"
              "while True:\n"
@@ -65,7 +68,21 @@ def live_processes_of_uid(uid):
     return pids
 
 
+def sleeper_pids(result):
+    """The pids FORK_BOMB's sleeper reported in a run's output."""
+    return [int(pid) for pid in re.findall(r"^sleeper (\d+)$", result.stdout, re.M)]
+
+
 def assert_no_leftovers(result):
+    # in every mode: a sleeper that reported its pid is gone (a zombie still has its /proc entry)
+    for pid in sleeper_pids(result):
+        if os.path.exists(f"/proc/{pid}"):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]  # R, S, Z (a zombie nobody reaped), ...
+            except OSError:
+                state = "?"
+            raise AssertionError(f"the sleeper (pid {pid}, state {state}) outlived its run")
     if AS_ROOT:
         assert result.isolation["uid"] == sandbox_uid(result.slot)
         assert live_processes_of_uid(sandbox_uid(result.slot)) == []
@@ -130,6 +147,7 @@ def test_fork_bomb_is_contained_and_leaves_nothing_behind(pool):
     if AS_ROOT:  # RLIMIT_NPROC is only enforced for the unprivileged sandbox uid
         assert result.status == "process_limit", result
     assert time.monotonic() - start < SMALL.wall_time_s + GRACE_S
+    assert len(sleeper_pids(result)) == 1, result.stdout  # the pid check below cannot pass by default
     assert_no_leftovers(result)
     after = pool.map(["print(6 * 7)"] * 2)
     assert [r.stdout for r in after] == ["42\n", "42\n"]

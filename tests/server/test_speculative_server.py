@@ -51,13 +51,33 @@ def test_speculative_server_matches_plain_engine_and_reports_acceptance(spec_ser
                 seq.draft_tokens = (want[done:done + len(seq.draft_tokens)] + seq.draft_tokens)[:len(seq.draft_tokens)]
 
     monkeypatch.setattr(LLMEngine, "_draft", oracle)
-    stream = client.completions.create(model=engine.model_name, prompt=prompt, max_tokens=24, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})
-    text = "".join(c.choices[0].text for c in stream if c.choices)
+    # the byte tokenizer decodes most of these ids to "", so text alone cannot show which tokens came out:
+    # record the ids of every output the engine hands the server, by request id (the response's "id")
+    emitted = {}
+    real_output = LLMEngine._output
+
+    def spy(self, seq):
+        out = real_output(self, seq)
+        emitted.setdefault(out.request_id, []).append(list(out.new_token_ids))
+        return out
+
+    monkeypatch.setattr(LLMEngine, "_output", spy)
+    # logprobs=0: each chunk lists one logprob entry per token it carries, so the stream shows its sizes
+    stream = list(client.completions.create(model=engine.model_name, prompt=prompt, max_tokens=24,
+                                            temperature=0, stream=True, logprobs=0,
+                                            extra_body={"ignore_eos": True}))
+    chunks = [c for c in stream if c.choices]
+    text = "".join(c.choices[0].text for c in chunks)
     assert text == engine.tokenizer.decode(want)
+    steps = [ids for ids in emitted[chunks[0].id] if ids]
+    assert [t for ids in steps for t in ids] == want
+    sizes = [len(c.choices[0].logprobs.tokens) for c in chunks if c.choices[0].logprobs.tokens]
+    assert sizes == [len(ids) for ids in steps]  # one chunk per engine step, carrying that step's tokens
+    assert sum(sizes) == 24 and max(sizes) >= 2, sizes  # accepted drafts: several tokens in one chunk
     r = client.completions.create(model=engine.model_name, prompt=prompt, max_tokens=24, temperature=0,
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].text == engine.tokenizer.decode(want) and r.usage.completion_tokens == 24
+    assert [t for ids in emitted[r.id] for t in ids] == want
     metrics = httpx.get(srv.base_url + "/metrics").text
 
     def value(name):

@@ -33,23 +33,39 @@ def run(data, out, nproc: int, steps: int = 6, extra: tuple = ()):
 @pytest.mark.slow
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="gloo is not available")
 def test_two_processes_match_one_and_checkpoints_move_between_them(tiny_corpus, tmp_path):
-    one = run(tiny_corpus, tmp_path / "one", 1)
-    two = run(tiny_corpus, tmp_path / "two", 2)
+    # a flat learning rate after the warm-up: the schedule then does not depend on --steps, so a 6-step
+    # run resumed to 8 steps must repeat an uninterrupted 8-step run
+    flat = ("--min-lr-ratio", "1")
+    one = run(tiny_corpus, tmp_path / "one", 1, extra=flat)
+    two = run(tiny_corpus, tmp_path / "two", 2, extra=flat)
     # same global batch (4 sequences): the losses agree up to reduction order and routing near-ties
     for a, b in zip(one, two):
         assert abs(a["loss"] - b["loss"]) < 0.02, (a["step"], a["loss"], b["loss"])
     assert abs(one[-1]["val_loss"] - two[-1]["val_loss"]) < 0.02
+    full = {m["step"]: m["loss"] for m in run(tiny_corpus, tmp_path / "full", 1, steps=8, extra=flat)}
+    assert [full[s] for s in range(1, 7)] == [m["loss"] for m in one]  # 8 steps repeat the first 6 exactly
 
-    # a 2-process state resumed by 1 process, and a 1-process state resumed by 2 processes
-    for src, nproc in (("two", 1), ("one", 2)):
+    # Resumed at step 6 and run to 8, against the uninterrupted run. By the same world size: the same
+    # computation, so the same losses exactly. Across world sizes, the reduction order differs: step 7 of
+    # the 1-process state on 2 processes is a forward of the same weights (measured 2e-7 off), while a
+    # 2-process state carries its run's drift (one and two differ by up to 9e-4 a step) and step 8 adds
+    # one update under the other order (measured 1.5e-3 and 1.8e-4). A resume from fresh weights is ~0.3 off.
+    for src, nproc in (("one", 1), ("two", 1), ("one", 2)):
         dst = tmp_path / f"{src}-then-{nproc}"
         dst.mkdir()
         shutil.copytree(tmp_path / src / "train_state", dst / "train_state")
         state = json.load(open(dst / "train_state" / "state.json"))
         assert state["step"] == 6
-        more = run(tiny_corpus, dst, nproc, steps=8)
+        more = run(tiny_corpus, dst, nproc, steps=8, extra=flat)
         assert [m["step"] for m in more] == [7, 8]
-        assert all(abs(m["loss"] - one[-1]["loss"]) < 0.5 for m in more)
+        got = [m["loss"] for m in more]
+        want = [full[7], full[8]]
+        if nproc == 1 and src == "one":
+            assert got == want, (src, nproc, got, want)
+        elif src == "one":
+            assert abs(got[0] - want[0]) < 1e-5 and abs(got[1] - want[1]) < 3e-3, (src, nproc, got, want)
+        else:
+            assert all(abs(g - w) < 3e-3 for g, w in zip(got, want)), (src, nproc, got, want)
 
 
 @pytest.mark.slow
