@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible API and the OpenAI error shape.
 
 Field names and defaults follow the OpenAI API reference (`/v1/completions`, `/v1/chat/completions`);
-`top_k`, `stop_token_ids`, `ignore_eos` and `chat_template_kwargs` are the vLLM extensions of the same
-names. Unknown fields are ignored, as OpenAI-style servers do, so clients that send `user`, `store` or
+`top_k`, `stop_token_ids`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`, `return_token_ids` and
+`chat_template_kwargs` are the vLLM extensions of the same names. Unknown fields are ignored, as OpenAI-style servers do, so clients that send `user`, `store` or
 `metadata` keep working. Range checks that need the model (vocab, context length) live in `app.py`.
 """
 
@@ -103,6 +103,10 @@ class _Sampling(_Request):
     presence_penalty: Optional[float] = 0.0
     frequency_penalty: Optional[float] = 0.0
     logit_bias: Optional[dict[str, float]] = None
+    repetition_penalty: Optional[float] = None  # extension
+    min_p: Optional[float] = None  # extension
+    min_tokens: Optional[int] = None  # extension
+    return_token_ids: Optional[bool] = False  # extension: each choice carries its token ids
 
 
 class ChatCompletionRequest(_Sampling):

@@ -1,0 +1,123 @@
+"""n, best_of, the penalties, logit_bias, min_tokens and min_p through the official `openai` client against
+the real engine (`tiny` preset, random weights). Each effect is measured against the same request without
+the parameter; token ids come back with vLLM's `return_token_ids`. Budgets are a few tokens: the tiny
+model decodes slowly on a shared CPU."""
+
+import httpx
+import openai
+import pytest
+
+EOS = 1  # the tiny preset's eos_token_id
+PROMPT = "Count repeats please"  # greedy continuation repeats tokens (random weights)
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[0].base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _ids(client, engine, prompt=PROMPT, **kw):
+    extra = {"return_token_ids": True, "ignore_eos": True, **kw.pop("extra", {})}
+    r = client.completions.create(model=engine.model_name, prompt=prompt, extra_body=extra, **kw)
+    return r, [c.token_ids for c in r.choices]
+
+
+def test_logit_bias_forces_and_bans_tokens(served, client):
+    engine = served[1]
+    _, (greedy,) = _ids(client, engine, max_tokens=2, temperature=0)
+    _, (forced,) = _ids(client, engine, max_tokens=3, temperature=1.0, seed=3, logit_bias={"777": 100})
+    assert forced == [777, 777, 777] and greedy[0] != 777
+    _, (banned,) = _ids(client, engine, max_tokens=1, temperature=0, logit_bias={str(greedy[0]): -100})
+    assert banned[0] != greedy[0]
+
+
+def test_penalties_reduce_repeats(served, client):
+    engine = served[1]
+    _, (base,) = _ids(client, engine, max_tokens=10, temperature=0)
+    repeats = len(base) - len(set(base))
+    assert repeats >= 3, base  # the precondition the comparison needs
+    for name in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
+        kw = {name: 2.0} if name != "repetition_penalty" else {"extra": {name: 2.0}}
+        _, (pen,) = _ids(client, engine, max_tokens=10, temperature=0, **kw)
+        assert len(pen) - len(set(pen)) < repeats, (name, pen, base)
+        if name != "repetition_penalty":  # nothing generated yet: the first token cannot change
+            assert pen[0] == base[0]
+
+
+def test_min_tokens_holds_back_eos_and_stop_ids(served, client):
+    engine = served[1]
+    # EOS pushed to the top: without min_tokens the request ends at once
+    r, (ids,) = _ids(client, engine, max_tokens=8, temperature=0, logit_bias={str(EOS): 100},
+                     extra={"ignore_eos": False})
+    assert ids == [EOS] and r.choices[0].finish_reason == "stop"
+    r, (ids,) = _ids(client, engine, max_tokens=8, temperature=0, logit_bias={str(EOS): 100},
+                     extra={"ignore_eos": False, "min_tokens": 4})
+    assert len(ids) == 5 and ids[-1] == EOS and EOS not in ids[:4] and r.choices[0].finish_reason == "stop"
+    # a stop id likewise, at temperature 1
+    r, (ids,) = _ids(client, engine, max_tokens=6, temperature=1.0, seed=1, logit_bias={"500": 100},
+                     extra={"stop_token_ids": [500], "min_tokens": 3})
+    assert len(ids) == 4 and ids[-1] == 500 and 500 not in ids[:3]
+
+
+def test_n_choices_share_the_prompt_and_are_seeded(served, client):
+    _, engine, async_engine = served
+    prompt = "n choices share one prefill of this prompt, " * 3  # > 2 KV blocks, not seen before
+    before = async_engine.metrics()
+    r, ids = _ids(client, engine, prompt, max_tokens=3, temperature=1.0, seed=11, n=3)
+    after = async_engine.metrics()
+    assert [c.index for c in r.choices] == [0, 1, 2] and all(len(x) == 3 for x in ids)
+    assert r.usage.completion_tokens == 9 and r.usage.prompt_tokens == len(r.model_extra["prompt_token_ids"])
+    assert len({tuple(x) for x in ids}) > 1  # different seeds, different samples
+    # choices 1 and 2 computed no prompt token: all of the prompt came from choice 0's cache
+    n_prompt = r.usage.prompt_tokens
+    assert after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"] >= 2 * n_prompt
+    assert after["prefix_cache_snapshot_hits"] - before["prefix_cache_snapshot_hits"] >= 2
+    # reproducible, and choice i is the request with seed + i on its own
+    _, again = _ids(client, engine, prompt, max_tokens=3, temperature=1.0, seed=11, n=3)
+    _, (alone,) = _ids(client, engine, prompt, max_tokens=3, temperature=1.0, seed=12)
+    assert again == ids and alone == ids[1]
+
+
+def test_n_streamed_chat_equals_non_streamed(served, client):
+    engine = served[1]
+    kw = dict(model=engine.model_name, messages=[{"role": "user", "content": "two please"}], max_tokens=3,
+              temperature=1.0, seed=4, n=2)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    r = client.chat.completions.create(**kw, extra_body=extra)
+    assert [c.index for c in r.choices] == [0, 1]
+    streamed = {0: [], 1: []}
+    finishes = {}
+    for chunk in client.chat.completions.create(**kw, extra_body=extra, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.model_extra.get("token_ids") or []
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert streamed == {i: c.token_ids for i, c in enumerate(r.choices)}
+    assert finishes == {0: "length", 1: "length"}
+
+
+def test_best_of_returns_the_choices_with_the_best_mean_logprob(served, client):
+    engine = served[1]
+    kw = dict(max_tokens=3, temperature=1.5, seed=21)
+    r, all_ids = _ids(client, engine, n=3, logprobs=0, **kw)
+    means = [sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in r.choices]
+    best = max(range(3), key=lambda i: means[i])
+    b, (picked,) = _ids(client, engine, n=1, extra={"best_of": 3}, **kw)
+    assert picked == all_ids[best] and b.choices[0].logprobs is None
+    assert b.usage.completion_tokens == 9  # every generated sequence counts
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"n": 17}, "n"), ({"n": 0}, "n"), ({"best_of": 2, "n": 3}, "best_of"), ({"best_of": 3, "stream": True}, "best_of"),
+    ({"logit_bias": {"1024": 5}}, "logit_bias"), ({"logit_bias": {"-1": 5}}, "logit_bias"),
+    ({"logit_bias": {"5": 100.5}}, "logit_bias"), ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"presence_penalty": -2.5}, "presence_penalty"), ({"frequency_penalty": 2.01}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": -0.1}, "min_p"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+])
+def test_bad_sampling_input_is_a_400_in_openai_shape(served, body, param):
+    r = httpx.post(served[0].base_url + "/v1/completions", json={"prompt": "x", **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["param"] == param, err
