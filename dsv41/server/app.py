@@ -44,12 +44,15 @@ from dsv41.engine import AsyncEngine, EngineBusy, RequestOutput, SamplingParams,
 from dsv41.server.chat import (ChatStreamSplitter, PromptTooLong, build_chat_prompt, check_text_fits,
                                parse_chat_output, parse_tool_calls, resolve_thinking)
 from dsv41.server.metrics import CONTENT_TYPE, ServerMetrics
-from dsv41.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, error_body
+from dsv41.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                   TokenizeRequest, bad_request, error_body)
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "logprobs", "seed", "stop", "stop_token_ids",
                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias")
 DEFAULT_MAX_CHOICES = 16  # n and best_of: each choice is an engine request of its own
-ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/health",
+             "/metrics")
+KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize")  # routes that need the API key when one is set
 MIN_REQUEST_BYTES = 8 << 20
 MAX_HEADER_BYTES = 64 << 10  # all header lines together; nginx's default allows 32 KiB
 # a context's worth of JSON: a token is a few bytes of text, and JSON escapes can take 6 bytes a byte
@@ -159,6 +162,14 @@ def create_app(engine, async_engine=None, *, served_model_name: Optional[str] = 
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await _chat(state, body, request)
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return await _tokenize(state, body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return await _detokenize(state, body)
+
     return app
 
 
@@ -219,15 +230,16 @@ async def _send_error(send, status: int, message: str, code: str, headers: Optio
 
 
 class _RequireKey:
-    """With an API key, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise, as OpenAI and
-    vLLM answer); /health and /metrics stay open for probes and scrapers. Compared in constant time."""
+    """With an API key, every /v1 route and /tokenize, /detokenize need `Authorization: Bearer <key>` (401
+    otherwise, as OpenAI and vLLM answer): they cost the server work; /health and /metrics stay open for
+    probes and scrapers. Compared in constant time."""
 
     def __init__(self, app, api_key: Optional[str]):
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
-        if self.expected is not None and scope["type"] == "http" and scope.get("path", "").startswith("/v1"):
+        if self.expected is not None and scope["type"] == "http" and scope.get("path", "").startswith(KEYED_PREFIXES):
             given = dict(scope.get("headers") or ()).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 return await _send_error(send, 401, "Invalid or missing API key: send `Authorization: Bearer "
@@ -916,3 +928,48 @@ async def _chat_stream(state, req, request, request_ids, created, prompt_ids, pa
         return payloads
 
     return _sse_response(_stream_body(state, request_ids, started, timers, on_output, on_end))
+
+
+# ---------------------------------------------------------------------------------------------- tokenizer
+
+
+async def _tokenize(state: ServerState, req: TokenizeRequest) -> dict:
+    """vLLM's /tokenize: the ids the generation endpoints would compute from the same prompt or messages."""
+    _check_model(state, req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("send exactly one of prompt (text) or messages (a chat)", "prompt")
+    tokenizer = state.engine.tokenizer
+    if req.prompt is not None:
+        add_bos = req.add_special_tokens is not False
+
+        def encode() -> list[int]:
+            check_text_fits(tokenizer, len(req.prompt), state.max_model_len)
+            return tokenizer.encode(req.prompt, add_bos=add_bos)
+
+        ids = await _off_loop(state, encode, "prompt")
+    else:
+        if req.continue_final_message:
+            raise bad_request("continue_final_message is not supported", "continue_final_message")
+        if not req.messages:
+            raise bad_request("messages must not be empty", "messages")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        try:
+            thinking, effort = resolve_thinking(req.chat_template_kwargs, req.reasoning_effort)
+        except ValueError as exc:
+            param = "chat_template_kwargs" if "chat_template_kwargs" in str(exc) else "reasoning_effort"
+            raise bad_request(str(exc), param) from None
+        ids = await _off_loop(state, lambda: build_chat_prompt(
+            tokenizer, req.messages, thinking=thinking, effort=effort, tools=tools, token_limit=state.max_model_len,
+            image_loader=state.image_loader, spans=[], add_generation_prompt=req.add_generation_prompt), "messages")
+    strs = [tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None
+    return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+async def _detokenize(state: ServerState, req: DetokenizeRequest) -> dict:
+    """vLLM's /detokenize: ids -> text (special tokens spelled out, as the generation endpoints decode)."""
+    _check_model(state, req.model)
+    bad = [t for t in req.tokens if not (0 <= t < state.vocab_size)]
+    if bad:
+        raise bad_request(f"tokens must lie in [0, {state.vocab_size}); got {bad[0]}", "tokens")
+    text = await _off_loop(state, lambda: state.engine.tokenizer.decode(req.tokens), "tokens")
+    return {"prompt": text}

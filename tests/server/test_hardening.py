@@ -182,6 +182,9 @@ def test_api_key_guards_v1_only():
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
             r = httpx.post(srv.base_url + "/v1/chat/completions", json={"messages": USER}, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [5]})):
+                r = httpx.post(srv.base_url + path, json=body, headers=headers)
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert fake.requests == []  # no refused request reached the engine
         assert httpx.get(srv.base_url + "/health").status_code == 200
         assert httpx.get(srv.base_url + "/metrics").status_code == 200
@@ -190,6 +193,8 @@ def test_api_key_guards_v1_only():
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="sekrit", max_retries=0)
         assert client.chat.completions.create(model="fake-model", messages=USER).choices[0].message.content
         assert len(fake.requests) == 1  # the authorised one did
+        r = httpx.post(srv.base_url + "/tokenize", json={"prompt": "x"}, headers={"Authorization": "Bearer sekrit"})
+        assert r.status_code == 200 and r.json()["count"] == 2
 
 
 class _StopHere(Exception):
