@@ -447,17 +447,21 @@ async def _first(stream) -> Optional[RequestOutput]:
 async def _start(state: ServerState, request: Request, request_ids: list[str], prompt_ids: list[int],
                  params: list[SamplingParams], images: Optional[list] = None) -> list[tuple[Any, Optional[RequestOutput]]]:
     """Submit one engine request per choice and wait for each one's first output; returns (stream, first
-    output or None) per choice. With several choices the first runs alone until its first token: its
-    prompt is then in the prefix cache (exact reuse keeps the logits of the prompt's last position), so
+    output or None) per choice. With several choices (and prefix caching on) the first runs alone until its
+    first token: its prompt is then in the prefix cache (exact reuse keeps the logits of the prompt's last position), so
     the other choices compute no prompt token again. Any refusal aborts the choices already started."""
     streams: list = []
+    # without a prefix cache there is nothing to share: every choice starts at once
+    share = len(request_ids) > 1 and getattr(getattr(state.engine, "config", None), "enable_prefix_caching", False)
 
     async def begin():
-        streams.append(state.async_engine.generate(request_ids[0], prompt_ids, params[0], images))
-        firsts = [await _first(streams[0])]
-        for request_id, p in zip(request_ids[1:], params[1:]):
+        firsts = []
+        if share:
+            streams.append(state.async_engine.generate(request_ids[0], prompt_ids, params[0], images))
+            firsts.append(await _first(streams[0]))
+        for request_id, p in zip(request_ids[len(streams):], params[len(streams):]):
             streams.append(state.async_engine.generate(request_id, prompt_ids, p, images))
-        rest = await asyncio.gather(*(_first(s) for s in streams[1:]), return_exceptions=True)
+        rest = await asyncio.gather(*(_first(s) for s in streams[len(firsts):]), return_exceptions=True)
         for item in rest:
             if isinstance(item, BaseException):
                 raise item
