@@ -582,8 +582,9 @@ async def _stream_body(state: ServerState, request_ids: list[str], started: list
     n = len(started)
     finished = [False] * n
     lasts: list[Optional[RequestOutput]] = [None] * n
+    source = _merged(started)
     try:
-        async for i, out in _merged(started):
+        async for i, out in source:
             timers[i].output(out)
             lasts[i] = out
             if out.finish_reason == "error":  # failed in the engine (logged there under its request id)
@@ -612,6 +613,7 @@ async def _stream_body(state: ServerState, request_ids: list[str], started: list
         for request_id, done in zip(request_ids, finished):
             if not done:
                 state.async_engine.abort(request_id)
+        await _close(source)  # first: its reads of the streams end before the streams are closed
         for stream, _ in started:
             await _close(stream)
 
@@ -703,7 +705,7 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
             return _disconnected_response()
 
         def on_output(i: int, out: RequestOutput):
-            if not out.new_text and not out.finished and not out.new_logprobs:
+            if not (out.new_text or out.finished or out.new_logprobs or (req.return_token_ids and out.new_token_ids)):
                 return []
             c = body([choice(i, out.new_text, out.finish_reason if out.finished else None,
                              lps[i].block(out.new_logprobs) if want_lp else None)])

@@ -7,6 +7,8 @@ import httpx
 import openai
 import pytest
 
+from tests.server.test_server import _wait_idle
+
 EOS = 1  # the tiny preset's eos_token_id
 PROMPT = "Count repeats please"  # greedy continuation repeats tokens (random weights)
 
@@ -94,6 +96,31 @@ def test_n_streamed_chat_equals_non_streamed(served, client):
                 finishes[c.index] = c.finish_reason
     assert streamed == {i: c.token_ids for i, c in enumerate(r.choices)}
     assert finishes == {0: "length", 1: "length"}
+    # the legacy endpoint likewise, usage over both choices in the last chunk
+    _, ids = _ids(client, engine, max_tokens=3, temperature=1.0, seed=4, n=2)
+    streamed, usage = {0: [], 1: []}, None
+    for chunk in client.completions.create(model=engine.model_name, prompt=PROMPT, max_tokens=3, temperature=1.0,
+                                           seed=4, n=2, stream=True, stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True, "return_token_ids": True}):
+        for c in chunk.choices:
+            streamed[c.index] += c.model_extra.get("token_ids") or []
+        usage = chunk.usage or usage
+    assert [streamed[0], streamed[1]] == ids and usage.completion_tokens == 6
+
+
+def test_disconnect_mid_stream_aborts_every_choice(served):
+    srv, _, async_engine = served
+    _wait_idle(async_engine)
+    before = async_engine.metrics()
+    with httpx.stream("POST", srv.base_url + "/v1/completions", timeout=60,
+                      json={"prompt": "three long stories", "max_tokens": 1000, "ignore_eos": True, "n": 3,
+                            "stream": True}) as r:
+        assert r.status_code == 200
+        assert next(r.iter_lines()).startswith("data: ")
+    m = _wait_idle(async_engine)  # all three stopped long before their 1000 tokens
+    assert m["requests_finished_total"] == before["requests_finished_total"] + 3
+    assert m["generation_tokens_total"] - before["generation_tokens_total"] < 300
+    assert m["kv_blocks_used"] == before["kv_blocks_used"]
 
 
 def test_best_of_returns_the_choices_with_the_best_mean_logprob(served, client):
