@@ -148,3 +148,14 @@ def test_bad_sampling_input_is_a_400_in_openai_shape(served, body, param):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
     assert err["param"] == param, err
+
+
+def test_serve_option_sets_the_cap_on_choices(monkeypatch):
+    import dsv41.cli as cli
+    import dsv41.server.run as run
+
+    got = {}
+    monkeypatch.setattr(run, "serve", lambda model, **kw: got.update(kw))
+    assert cli.cmd_serve(cli.build_parser().parse_args(["serve", "tiny", "--max-choices", "4"])) == 0
+    assert got["max_choices"] == 4
+    assert cli.build_parser().parse_args(["serve", "tiny"]).max_choices == 16
