@@ -74,7 +74,8 @@ class SamplingParams:
             raise ValueError(f"logit_bias accepts at most {self.MAX_LOGIT_BIAS} token ids, got {len(self.logit_bias)}")
         for token, bias in self.logit_bias.items():
             if isinstance(token, bool) or not isinstance(token, int) or not (0 <= token < vocab_size):
-                raise ValueError(f"logit_bias has token id {token!r}, outside this model's vocabulary [0, {vocab_size})")
+                raise ValueError(f"logit_bias has token id {token!r}, outside this model's vocabulary "
+                                 f"[0, {vocab_size})")
             if not (-self.LOGIT_BIAS_RANGE <= bias <= self.LOGIT_BIAS_RANGE):
                 raise ValueError(f"logit_bias values must be in [-{self.LOGIT_BIAS_RANGE:g}, "
                                  f"{self.LOGIT_BIAS_RANGE:g}], got {bias} for token {token}")

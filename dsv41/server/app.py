@@ -445,7 +445,7 @@ async def _first(stream) -> Optional[RequestOutput]:
 
 
 async def _start(state: ServerState, request: Request, request_ids: list[str], prompt_ids: list[int],
-                 params: list[SamplingParams], images: Optional[list] = None) -> list[tuple[Any, Optional[RequestOutput]]]:
+                 params: list[SamplingParams], images: Optional[list] = None) -> list[tuple[Any, Any]]:
     """Submit one engine request per choice and wait for each one's first output; returns (stream, first
     output or None) per choice. With several choices (and prefix caching on) the first runs alone until its
     first token: its prompt is then in the prefix cache (exact reuse keeps the logits of the prompt's last position), so

@@ -1,9 +1,10 @@
 """Request bodies of the OpenAI-compatible API and the OpenAI error shape.
 
 Field names and defaults follow the OpenAI API reference (`/v1/completions`, `/v1/chat/completions`);
-`top_k`, `stop_token_ids`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`, `return_token_ids` and
-`chat_template_kwargs` are the vLLM extensions of the same names. Unknown fields are ignored, as OpenAI-style servers do, so clients that send `user`, `store` or
-`metadata` keep working. Range checks that need the model (vocab, context length) live in `app.py`.
+`top_k`, `stop_token_ids`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`, `return_token_ids`
+and `chat_template_kwargs` are the vLLM extensions of the same names, and `/tokenize` / `/detokenize`
+take vLLM's bodies. Unknown fields are ignored, as OpenAI-style servers do, so clients that send `user`,
+`store` or `metadata` keep working. Range checks that need the model (vocab, context length) live in `app.py`.
 """
 
 from __future__ import annotations
