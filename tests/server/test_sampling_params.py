@@ -159,3 +159,48 @@ def test_serve_option_sets_the_cap_on_choices(monkeypatch):
     assert cli.cmd_serve(cli.build_parser().parse_args(["serve", "tiny", "--max-choices", "4"])) == 0
     assert got["max_choices"] == 4
     assert cli.build_parser().parse_args(["serve", "tiny"]).max_choices == 16
+
+
+def test_parameters_reach_the_engine_once_per_choice():
+    """The scripted engine records each engine request: one per choice, seeds seed + i, the processing
+    parameters as sent; a 429 for a later choice aborts the choices already started."""
+    from dsv41.engine import EngineBusy
+    from dsv41.server import create_app
+    from dsv41.server.run import ServerThread
+    from tests.server.fake_engine import FakeAsyncEngine, FakeEngine
+
+    fake = FakeAsyncEngine("abc")
+    with ServerThread(create_app(FakeEngine(), fake)) as srv:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        r = client.chat.completions.create(
+            model="fake-model", messages=[{"role": "user", "content": "x"}], n=3, seed=2**63 - 2, max_tokens=3,
+            presence_penalty=0.5, frequency_penalty=-0.25, logit_bias={"7": -3, "9": 100},
+            extra_body={"repetition_penalty": 1.5, "min_p": 0.1, "min_tokens": 2})
+        assert [c.message.content for c in r.choices] == ["abc"] * 3 and r.usage.completion_tokens == 9
+        params = [p for _, _, p in fake.requests]
+        assert [p.seed for p in params] == [2**63 - 2, 2**63 - 1, 0]  # seed + i, wrapped into [0, 2**63)
+        p = params[0]
+        assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p, p.min_tokens) == (
+            0.5, -0.25, 1.5, 0.1, 2)
+        assert p.logit_bias == {7: -3.0, 9: 100.0}
+        assert len({rid for rid, _, _ in fake.requests}) == 3
+    busy = FakeAsyncEngine("abc", delay=0.2)
+    calls = []
+    real = busy.generate
+
+    def generate(request_id, prompt, params, images=None):  # the third choice finds the queue full
+        calls.append(request_id)
+        if len(calls) < 3:
+            return real(request_id, prompt, params, images)
+
+        async def refused():
+            raise EngineBusy("full")
+            yield  # an async generator, as AsyncEngine.generate is
+
+        return refused()
+
+    busy.generate = generate
+    with ServerThread(create_app(FakeEngine(), busy)) as srv:
+        r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "x", "n": 3, "max_tokens": 3}, timeout=60)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        assert sorted(busy.aborted) == sorted(calls[:2]) and not busy.running
