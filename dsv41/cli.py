@@ -326,7 +326,7 @@ def cmd_serve(args) -> int:
     _set_threads(args)
     serve(args.model, host=args.host, port=args.port, engine_config=engine_config, seed=args.seed,
           max_waiting=args.max_waiting, served_model_name=args.served_model_name, log_level=args.log_level,
-          api_key=args.api_key or None, max_request_bytes=args.max_request_bytes)
+          api_key=args.api_key or None, max_request_bytes=args.max_request_bytes, max_choices=args.max_choices)
     return 0
 
 
@@ -432,6 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_serve.add_argument("--max-request-bytes", type=_positive_int, metavar="BYTES",
                          help="request bodies larger than this get 413 (default: 8 MiB, or 32 bytes per token of "
                               "the context when that is more)")
+    p_serve.add_argument("--max-choices", type=_positive_int, default=16, metavar="N",
+                         help="the most choices one request may ask for with n or best_of; each is an engine "
+                              "request of its own (default: 16)")
     p_serve.add_argument("--threads", type=_positive_int, metavar="N", help=THREADS_HELP)
     p_serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                          help="server log verbosity (default: info)")

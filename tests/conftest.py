@@ -62,10 +62,10 @@ def poison_sampling(monkeypatch, seed: int, message: str) -> None:
 
     real_sample = llm_engine.sample
 
-    def sample(logits, params, generator):
+    def sample(logits, params, generator, history=None):
         if params.seed == seed:
             raise RuntimeError(message)
-        return real_sample(logits, params, generator)
+        return real_sample(logits, params, generator, history)
 
     monkeypatch.setattr(llm_engine, "sample", sample)
 

@@ -14,7 +14,6 @@ plus a `tokenizer_config.json` naming BOS/EOS/PAD, which `dsv41.tokenizer.HFToke
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Iterable, Optional
 
@@ -59,15 +58,18 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: Optional[str] = No
 
 
 def save_tokenizer(backend, out_dir: str) -> str:
-    """Write `tokenizer.json` and `tokenizer_config.json` (BOS/EOS/PAD names) into `out_dir`; returns the
+    """Write `tokenizer.json`, `tokenizer_config.json` (BOS/EOS/PAD names, the V4.1 chat template) and
+    `special_tokens_map.json` into `out_dir`, the files `transformers.AutoTokenizer` loads; returns the
     path of `tokenizer.json`."""
+    from dsv41.chat.hf_template import write_hf_tokenizer_files
+
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "tokenizer.json")
     backend.save(path)
-    config = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN,
-              "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20}
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-        json.dump(config, f, ensure_ascii=False, indent=2)
+    stale = os.path.join(out_dir, "tokenizer_config.json")
+    if os.path.exists(stale):  # a fresh tokenizer: nothing of an earlier one's config carries over
+        os.remove(stale)
+    write_hf_tokenizer_files(out_dir, HFTokenizer(backend, bos=BOS_TOKEN, eos=EOS_TOKEN, pad=PAD_TOKEN))
     return path
 
 

@@ -28,7 +28,7 @@ from dsv41.engine.config import EngineConfig
 from dsv41.engine.kv_pool import BlockAllocator, PagedKVPool, PoolExhausted
 from dsv41.engine.prefix_cache import PrefixStats, Snapshot, SnapshotStore, chain_hashes, prefix_key
 from dsv41.engine.runner import Chunk, ModelRunner
-from dsv41.engine.sampling import prompt_token_logprobs, sample, token_logprobs, verify_draft
+from dsv41.engine.sampling import TokenHistory, prompt_token_logprobs, sample, token_logprobs, verify_draft
 from dsv41.engine.sequence import DraftRings, Sequence, SequenceCache, StatePool, Status
 from dsv41.engine.types import RequestOutput, SamplingParams
 from dsv41.model.transformer import Transformer
@@ -258,9 +258,22 @@ class LLMEngine:
         """Sample the sequence's next token from its logits [vocab] and account for it."""
         if kind == "prefill":
             self._save_snapshot(seq, logits)  # message boundary: end of the prompt
-        token = sample(logits, seq.params, seq.generator or self.generator)
+        token = sample(logits, seq.params, seq.generator or self.generator, self._history(seq))
         self._append_token(seq, token, logits)
         return self._emit(seq)
+
+    def _history(self, seq: Sequence, drafted: tuple = ()) -> Optional[TokenHistory]:
+        """What the request's logit processing reads at its next position (after `drafted` more tokens);
+        None when it has no processing. The prompt's presence mask is kept on the sequence."""
+        p = seq.params
+        if not p.processes_logits:
+            return None
+        eos = self.model_config.eos_token_id
+        stop_ids = list(p.stop_token_ids) + ([eos] if eos is not None and not p.ignore_eos else [])
+        if seq.prompt_mask_cache is None:
+            seq.prompt_mask_cache = {}
+        output = seq.output_ids + list(drafted) if drafted else seq.output_ids
+        return TokenHistory(seq.prompt_ids, output, stop_ids, seq.prompt_mask_cache)
 
     def _add_prompt_logprobs(self, seq: Sequence, first: int, rows: torch.Tensor) -> None:
         """Record the prompt logprobs the logits rows [n, vocab] of positions first..first+n-1 give: row j
@@ -279,7 +292,8 @@ class LLMEngine:
             seq.logits.append(logits.clone())
         if seq.params.logprobs is not None:
             processed = seq.params if self.config.logprobs_mode == "processed" else None
-            seq.pending_logprobs.append(token_logprobs(logits, token, seq.params.logprobs, self.tokenizer, processed))
+            seq.pending_logprobs.append(token_logprobs(logits, token, seq.params.logprobs, self.tokenizer, processed,
+                                                       self._history(seq)))
         seq.output_ids.append(token)
         self._check_finished(seq, token)
 
@@ -304,7 +318,8 @@ class LLMEngine:
         saved, seq.saved_state = seq.saved_state, None
         n = len(draft)
         try:
-            accepted, nxt = verify_draft(rows, draft, draft_logits, seq.params, seq.generator or self.generator)
+            accepted, nxt = verify_draft(rows, draft, draft_logits, seq.params, seq.generator or self.generator,
+                                         self._history(seq))
             emitted = 0
             for i, token in enumerate(draft[:accepted] + [nxt]):
                 self._append_token(seq, token, rows[i])
@@ -365,8 +380,16 @@ class LLMEngine:
         first = torch.tensor([s.all_ids[-1] for s in seqs], dtype=torch.int64, device=model.device)
         hidden = torch.stack([t[1] for t in todo]).unsqueeze(1)  # [B, 1, F]
 
-        def choose(logits: torch.Tensor) -> torch.Tensor:  # each request draws with its own params
-            picks = [sample(logits[i], s.params, s.generator or self.generator) for i, s in enumerate(seqs)]
+        drafted: list[list[int]] = [[] for _ in seqs]
+
+        def choose(logits: torch.Tensor) -> torch.Tensor:
+            # each request draws with its own params, its logit processing seeing the drafts before this
+            # one (what plain decoding would have generated there), as verify_draft assumes
+            picks = []
+            for i, s in enumerate(seqs):
+                picks.append(sample(logits[i], s.params, s.generator or self.generator,
+                                    self._history(s, tuple(drafted[i]))))
+                drafted[i].append(picks[-1])
             return torch.tensor(picks, dtype=torch.int64, device=logits.device)
 
         result = self.runner.draft(first, hidden, pos, rings, choose)
@@ -667,7 +690,7 @@ class LLMEngine:
             seq.finish_reason = "length"
         text_ids = seq.output_ids[:-1] if seq.finish_reason == "stop" else seq.output_ids
         seq.text = self.tokenizer.decode(text_ids)
-        if p.stop:
+        if p.stop and len(seq.output_ids) >= p.min_tokens:  # vLLM: no stop string before min_tokens
             window_from = max(0, seq.emitted_text - max(len(s) for s in p.stop))
             hits = [i for i in (seq.text.find(s, window_from) for s in p.stop) if i >= 0]
             if hits:

@@ -256,6 +256,7 @@ class Sequence:
         self.rebuild_decoder_from = 0
         self.block_hashes: list[int] = []  # chain hash of each full block, in order
         self.generator: Optional[torch.Generator] = None
+        self.prompt_mask_cache: Optional[dict] = None  # repetition_penalty: the prompt's ids as a vocab mask
         if params.seed is not None:
             self.generator = torch.Generator(device="cpu").manual_seed(params.seed)
         self.text = ""

@@ -27,8 +27,22 @@ class SamplingParams:
     # prompt_logprobs; always the model's own distribution). Such a request computes its whole prompt
     # itself, every layer at every position: it reads nothing from the prefix cache and skips bounded replay.
     prompt_logprobs: Optional[int] = None
+    # Logit processing before temperature (vLLM's order, `sampling.process_logits`): min_tokens holds back
+    # EOS and stop_token_ids, logit_bias adds to single ids, then the penalties. presence/frequency count
+    # generated tokens only; repetition_penalty also tokens of the prompt (divides positive logits of seen
+    # tokens, multiplies negative ones). These apply to greedy requests too.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0  # no EOS / stop id / stop string before this many generated tokens
+    min_p: float = 0.0  # after temperature: drop tokens below min_p x the top token's probability
 
     MAX_LOGPROBS = 20
+    MAX_LOGIT_BIAS = 1024  # ids per request: every step of the request adds each one
+    LOGIT_BIAS_RANGE = 100.0  # OpenAI's range, -100..100
+    PENALTY_RANGE = 2.0  # presence/frequency: OpenAI's range, -2..2
+    MAX_REPETITION_PENALTY = 2.0
     # Caps on what every step of the whole batch pays for: each stop string is searched for in new text
     # at each step, each stop id is checked per token. OpenAI allows 4 stop strings.
     MAX_STOP = 4
@@ -45,6 +59,26 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (-self.PENALTY_RANGE <= value <= self.PENALTY_RANGE):  # NaN fails too
+                raise ValueError(f"{name} must be in [-{self.PENALTY_RANGE:g}, {self.PENALTY_RANGE:g}], got {value}")
+        if not (0.0 < self.repetition_penalty <= self.MAX_REPETITION_PENALTY):
+            raise ValueError(f"repetition_penalty must be in (0, {self.MAX_REPETITION_PENALTY:g}], "
+                             f"got {self.repetition_penalty}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not (0 <= self.min_tokens <= self.max_tokens):
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if len(self.logit_bias) > self.MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias accepts at most {self.MAX_LOGIT_BIAS} token ids, got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or not (0 <= token < vocab_size):
+                raise ValueError(f"logit_bias has token id {token!r}, outside this model's vocabulary "
+                                 f"[0, {vocab_size})")
+            if not (-self.LOGIT_BIAS_RANGE <= bias <= self.LOGIT_BIAS_RANGE):
+                raise ValueError(f"logit_bias values must be in [-{self.LOGIT_BIAS_RANGE:g}, "
+                                 f"{self.LOGIT_BIAS_RANGE:g}], got {bias} for token {token}")
         if self.logprobs is not None and not (0 <= self.logprobs <= self.MAX_LOGPROBS):
             raise ValueError(f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}")
         if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= self.MAX_LOGPROBS):
@@ -62,6 +96,12 @@ class SamplingParams:
                              f"got {len(self.stop_token_ids)}")
         if any(not (0 <= t < vocab_size) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must lie in [0, {vocab_size})")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any logit processing before temperature applies (see `sampling.process_logits`)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
 
 @dataclass

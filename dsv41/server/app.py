@@ -24,6 +24,7 @@ error" and the request id, and the details go to the log under that id. No malfo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -43,10 +44,15 @@ from dsv41.engine import AsyncEngine, EngineBusy, RequestOutput, SamplingParams,
 from dsv41.server.chat import (ChatStreamSplitter, PromptTooLong, build_chat_prompt, check_text_fits,
                                parse_chat_output, parse_tool_calls, resolve_thinking)
 from dsv41.server.metrics import CONTENT_TYPE, ServerMetrics
-from dsv41.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, error_body
+from dsv41.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                   TokenizeRequest, bad_request, error_body)
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "logprobs", "seed", "stop", "stop_token_ids")
-ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "logprobs", "seed", "stop", "stop_token_ids",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias")
+DEFAULT_MAX_CHOICES = 16  # n and best_of: each choice is an engine request of its own
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/health",
+             "/metrics")
+KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize")  # routes that need the API key when one is set
 MIN_REQUEST_BYTES = 8 << 20
 MAX_HEADER_BYTES = 64 << 10  # all header lines together; nginx's default allows 32 KiB
 # a context's worth of JSON: a token is a few bytes of text, and JSON escapes can take 6 bytes a byte
@@ -75,6 +81,7 @@ class ServerState:
     api_key: Optional[str] = None
     max_request_bytes: int = MIN_REQUEST_BYTES
     image_loader: Any = None  # dsv41.vision.ImageLoader when the model has a vision tower
+    max_choices: int = DEFAULT_MAX_CHOICES  # the cap on n and best_of
 
     @property
     def vocab_size(self) -> int:
@@ -87,11 +94,11 @@ class ServerState:
 
 def create_app(engine, async_engine=None, *, served_model_name: Optional[str] = None, max_waiting: int = 64,
                retry_after_s: int = 1, api_key: Optional[str] = None,
-               max_request_bytes: Optional[int] = None) -> FastAPI:
+               max_request_bytes: Optional[int] = None, max_choices: int = DEFAULT_MAX_CHOICES) -> FastAPI:
     """Build the app over a built `LLMEngine`. Without `async_engine`, one is made (queue bound
     `max_waiting`) and started/stopped with the app; a given one is left to its owner. With `api_key`,
     every /v1 route needs `Authorization: Bearer <api_key>`. Bodies over `max_request_bytes` (default
-    `default_max_request_bytes(max_model_len)`) get 413."""
+    `default_max_request_bytes(max_model_len)`) get 413. `n` and `best_of` may be at most `max_choices`."""
     owns = async_engine is None
     if owns:
         async_engine = AsyncEngine(engine, max_waiting=max_waiting)
@@ -99,9 +106,11 @@ def create_app(engine, async_engine=None, *, served_model_name: Optional[str] = 
         max_request_bytes = default_max_request_bytes(engine.max_model_len)
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+    if max_choices < 1:
+        raise ValueError(f"max_choices must be >= 1, got {max_choices}")
     state = ServerState(engine, async_engine, served_model_name or engine.model_name, retry_after_s,
                         metrics=ServerMetrics(async_engine.metrics), api_key=api_key or None,
-                        max_request_bytes=max_request_bytes)
+                        max_request_bytes=max_request_bytes, max_choices=max_choices)
     if engine.model_config.vision_enabled:
         from dsv41.vision.inputs import ImageLoader
 
@@ -152,6 +161,14 @@ def create_app(engine, async_engine=None, *, served_model_name: Optional[str] = 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await _chat(state, body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return await _tokenize(state, body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return await _detokenize(state, body)
 
     return app
 
@@ -213,15 +230,16 @@ async def _send_error(send, status: int, message: str, code: str, headers: Optio
 
 
 class _RequireKey:
-    """With an API key, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise, as OpenAI and
-    vLLM answer); /health and /metrics stay open for probes and scrapers. Compared in constant time."""
+    """With an API key, every /v1 route and /tokenize, /detokenize need `Authorization: Bearer <key>` (401
+    otherwise, as OpenAI and vLLM answer): they cost the server work; /health and /metrics stay open for
+    probes and scrapers. Compared in constant time."""
 
     def __init__(self, app, api_key: Optional[str]):
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
-        if self.expected is not None and scope["type"] == "http" and scope.get("path", "").startswith("/v1"):
+        if self.expected is not None and scope["type"] == "http" and scope.get("path", "").startswith(KEYED_PREFIXES):
             given = dict(scope.get("headers") or ()).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 return await _send_error(send, 401, "Invalid or missing API key: send `Authorization: Bearer "
@@ -300,15 +318,44 @@ def _check_model(state: ServerState, model: Optional[str]) -> None:
                        param="model", code="model_not_found")
 
 
+def _logit_bias(bias: Optional[dict[str, float]]) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as JSON object keys) -> {id: bias}; ranges are checked by
+    SamplingParams.validate against the model's vocabulary."""
+    out = {}
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids (integers), got {key!r}", "logit_bias") from None
+        out[token] = float(value)
+    return out
+
+
+def _choices(state: ServerState, n: Optional[int], best_of: Optional[int] = None,
+             stream: bool = False) -> tuple[int, int]:
+    """(choices returned, sequences generated) from n and best_of, checked against the server's cap."""
+    n = 1 if n is None else n
+    if not (1 <= n <= state.max_choices):
+        raise bad_request(f"n must be in [1, {state.max_choices}], got {n}", "n")
+    if best_of is None:
+        return n, n
+    if not (n <= best_of <= state.max_choices):
+        raise bad_request(f"best_of must be in [n={n}, {state.max_choices}], got {best_of}", "best_of")
+    if stream and best_of > n:
+        raise bad_request("best_of > n cannot be streamed: the best choices are known only at the end", "best_of")
+    return n, best_of
+
+
+def _choice_params(params: SamplingParams, count: int) -> list[SamplingParams]:
+    """One SamplingParams per generated sequence: with a seed, choice i draws with seed + i (vLLM's rule),
+    so every choice is reproducible and the choices differ."""
+    if params.seed is None:
+        return [params] + [dataclasses.replace(params) for _ in range(count - 1)]
+    return [dataclasses.replace(params, seed=(params.seed + i) % 2**63) for i in range(count)]
+
+
 def _sampling_params(state: ServerState, req, *, prompt_len: int, max_tokens: Optional[int],
                      logprobs: Optional[int], prompt_param: str) -> SamplingParams:
-    if req.n not in (None, 1):
-        raise bad_request("only n=1 is supported", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0):
-            raise bad_request(f"{name} is not supported (only 0)", name)
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
     if prompt_len >= state.max_model_len:
         raise _too_long(state, prompt_len, max_tokens or 0, prompt_param)
     if max_tokens is None:  # like vLLM: the rest of the context
@@ -318,7 +365,10 @@ def _sampling_params(state: ServerState, req, *, prompt_len: int, max_tokens: Op
     params = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k, seed=req.seed, max_tokens=max_tokens,
-        stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=bool(req.ignore_eos), logprobs=logprobs)
+        stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
+        presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        min_p=req.min_p or 0.0, min_tokens=req.min_tokens or 0, logit_bias=_logit_bias(req.logit_bias))
     try:
         params.validate(state.vocab_size)
     except ValueError as exc:
@@ -356,24 +406,26 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def _guarded(state: ServerState, request: Request, request_id: str, coro):
-    """Run `coro` (which drives the engine) until it ends or the client disconnects (-> abort, ClientGone).
-    Maps the engine's refusals to API errors."""
+async def _guarded(state: ServerState, request: Request, request_ids: list[str], coro):
+    """Run `coro` (which drives the engine) until it ends or the client disconnects (-> abort every one of
+    `request_ids`, ClientGone). Maps the engine's refusals to API errors."""
     task = asyncio.ensure_future(coro)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
         task.cancel()
-        state.async_engine.abort(request_id)
+        for request_id in request_ids:
+            state.async_engine.abort(request_id)
         raise
     finally:
         watcher.cancel()
     if not task.done():
         task.cancel()
-        state.async_engine.abort(request_id)
+        for request_id in request_ids:
+            state.async_engine.abort(request_id)
         state.metrics.client_disconnects.inc()
-        raise ClientGone(request_id)
+        raise ClientGone(request_ids[0])
     try:
         return task.result()
     except EngineBusy as exc:
@@ -385,23 +437,43 @@ async def _guarded(state: ServerState, request: Request, request_id: str, coro):
         raise bad_request(str(exc)) from None
 
 
-async def _start(state: ServerState, request: Request, request_id: str, prompt_ids: list[int],
-                 params: SamplingParams, images: Optional[list] = None):
-    """Submit and wait for the first output; returns (stream, first output or None)."""
-    stream = state.async_engine.generate(request_id, prompt_ids, params, images)
+async def _first(stream) -> Optional[RequestOutput]:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return None
 
-    async def first():
-        try:
-            return await stream.__anext__()
-        except StopAsyncIteration:
-            return None
+
+async def _start(state: ServerState, request: Request, request_ids: list[str], prompt_ids: list[int],
+                 params: list[SamplingParams], images: Optional[list] = None) -> list[tuple[Any, Any]]:
+    """Submit one engine request per choice and wait for each one's first output; returns (stream, first
+    output or None) per choice. With several choices (and prefix caching on) the first runs alone until its
+    first token: its prompt is then in the prefix cache (exact reuse keeps the logits of the prompt's last position), so
+    the other choices compute no prompt token again. Any refusal aborts the choices already started."""
+    streams: list = []
+    # without a prefix cache there is nothing to share: every choice starts at once
+    share = len(request_ids) > 1 and getattr(getattr(state.engine, "config", None), "enable_prefix_caching", False)
+
+    async def begin():
+        firsts = []
+        if share:
+            streams.append(state.async_engine.generate(request_ids[0], prompt_ids, params[0], images))
+            firsts.append(await _first(streams[0]))
+        for request_id, p in zip(request_ids[len(streams):], params[len(streams):]):
+            streams.append(state.async_engine.generate(request_id, prompt_ids, p, images))
+        rest = await asyncio.gather(*(_first(s) for s in streams[len(firsts):]), return_exceptions=True)
+        for item in rest:
+            if isinstance(item, BaseException):
+                raise item
+        return firsts + rest
 
     try:
-        out = await _guarded(state, request, request_id, first())
+        outs = await _guarded(state, request, request_ids, begin())
     except BaseException:
-        await _close(stream)
+        for stream in streams:
+            await _close(stream)
         raise
-    return stream, out
+    return list(zip(streams, outs))
 
 
 async def _close(stream) -> None:
@@ -424,8 +496,11 @@ async def _outputs(stream, first: Optional[RequestOutput]) -> AsyncIterator[Requ
             return
 
 
-def _usage(prompt_len: int, last: Optional[RequestOutput]) -> dict:
-    completion = len(last.token_ids) if last else 0
+def _usage(prompt_len: int, lasts: list[Optional[RequestOutput]]) -> dict:
+    """Usage over a request's choices: the prompt once (the first choice's cache hits: the later choices
+    reuse the first's prompt and are not counted again), completion tokens of every choice."""
+    completion = sum(len(last.token_ids) for last in lasts if last)
+    last = lasts[0]
     prompt = last.num_prompt_tokens if last and last.num_prompt_tokens else prompt_len
     cached = last.num_cached_tokens if last else 0
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
@@ -471,40 +546,76 @@ class _Timer:
                               prompt_tokens=last.num_prompt_tokens, generation_tokens=len(last.token_ids))
 
 
-async def _stream_body(state: ServerState, request_id: str, stream, first, timer: _Timer, on_output, on_end):
-    """The SSE body shared by both endpoints: `on_output(out)` and `on_end(last)` return lists of
-    payloads. Aborts the request unless it finished; an engine failure mid-stream becomes an error event."""
-    finished = False
-    last = None
+async def _merged(started: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from several choices' streams as they arrive (one stream: in order)."""
+    if len(started) == 1:
+        async for out in _outputs(*started[0]):
+            yield 0, out
+        return
+    iters = [_outputs(stream, first) for stream, first in started]
+    pending = {asyncio.ensure_future(it.__anext__()): i for i, it in enumerate(iters)}
     try:
-        async for out in _outputs(stream, first):
-            timer.output(out)
-            last = out
-            if out.finish_reason == "error":  # failed in the engine (logged there under request_id)
-                finished = True
-                yield _sse(error_body(internal_error_message(request_id), "server_error", None, "internal_error"))
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.get):  # ties in choice order
+                i = pending.pop(task)
+                try:
+                    out = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, out
+                pending[asyncio.ensure_future(iters[i].__anext__())] = i
+    finally:
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        for it in iters:
+            await it.aclose()
+
+
+async def _stream_body(state: ServerState, request_ids: list[str], started: list, timers: list["_Timer"],
+                       on_output, on_end):
+    """The SSE body shared by both endpoints, over one engine request per choice: `on_output(i, out)` and
+    `on_end(lasts)` return lists of payloads. Aborts the requests that did not finish; an engine failure
+    mid-stream becomes an error event (and ends the other choices)."""
+    n = len(started)
+    finished = [False] * n
+    lasts: list[Optional[RequestOutput]] = [None] * n
+    source = _merged(started)
+    try:
+        async for i, out in source:
+            timers[i].output(out)
+            lasts[i] = out
+            if out.finish_reason == "error":  # failed in the engine (logged there under its request id)
+                finished[i] = True
+                yield _sse(error_body(internal_error_message(request_ids[i]), "server_error", None, "internal_error"))
                 yield "data: [DONE]\n\n"
                 return
-            for payload in on_output(out):
+            for payload in on_output(i, out):
                 yield _sse(payload)
-            finished = out.finished
-        finished = True
-        timer.done(last)
-        for payload in on_end(last):
+            finished[i] = out.finished
+        finished = [True] * n
+        for timer, last in zip(timers, lasts):
+            timer.done(last)
+        for payload in on_end(lasts):
             yield _sse(payload)
         yield "data: [DONE]\n\n"
     except (asyncio.CancelledError, GeneratorExit):
-        if not finished:
+        if not all(finished):
             state.metrics.client_disconnects.inc()
         raise
     except Exception as exc:  # the response has started: report in-band, as OpenAI-style servers do
-        log.error("request %s failed while streaming", request_id, exc_info=(type(exc), exc, exc.__traceback__))
-        yield _sse(error_body(internal_error_message(request_id), "server_error", None, "internal_error"))
+        log.error("request %s failed while streaming", request_ids[0], exc_info=(type(exc), exc, exc.__traceback__))
+        yield _sse(error_body(internal_error_message(request_ids[0]), "server_error", None, "internal_error"))
         yield "data: [DONE]\n\n"
     finally:
-        if not finished:
-            state.async_engine.abort(request_id)
-        await _close(stream)
+        for request_id, done in zip(request_ids, finished):
+            if not done:
+                state.async_engine.abort(request_id)
+        await _close(source)  # first: its reads of the streams end before the streams are closed
+        for stream, _ in started:
+            await _close(stream)
 
 
 # ---------------------------------------------------------------------------------------------- completions
@@ -548,85 +659,115 @@ class _CompletionLogprobs:
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def _rank_best(outs: list[list[RequestOutput]], n: int) -> list[int]:
+    """best_of: the indices of the n choices with the highest mean log-probability per token (OpenAI's
+    "highest log probability per token"), best first; ties keep the generation order."""
+    def score(o: list[RequestOutput]) -> float:
+        lps = [x.logprob for out in o for x in out.new_logprobs]
+        return sum(lps) / len(lps) if lps else float("-inf")
+
+    return sorted(range(len(outs)), key=lambda i: -score(outs[i]))[:n]
+
+
 async def _completions(state: ServerState, req: CompletionRequest, request: Request):
     _check_model(state, req.model)
     if req.echo:
         raise bad_request("echo is not supported", "echo")
-    if req.best_of not in (None, 1):
-        raise bad_request("best_of is not supported (only 1)", "best_of")
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
+    n, generated = _choices(state, req.n, req.best_of, bool(req.stream))
     prompt_ids = await _completion_prompt(state, req.prompt)
     params = _sampling_params(state, req, prompt_len=len(prompt_ids),
                               max_tokens=16 if req.max_tokens is None else req.max_tokens,
                               logprobs=req.logprobs, prompt_param="prompt")
-    request_id = f"cmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-    timer = _Timer(state.metrics)
     want_lp = req.logprobs is not None
-    lp = _CompletionLogprobs(req.logprobs or 0)
+    if generated > n and not want_lp:  # ranking needs each token's logprob; not sent back
+        params = dataclasses.replace(params, logprobs=0)
+    plist = _choice_params(params, generated)
+    base_id = f"cmpl-{uuid.uuid4().hex}"
+    request_ids = [base_id] + [f"{base_id}-{i}" for i in range(1, generated)]
+    created = int(time.time())
+    timers = [_Timer(state.metrics) for _ in range(generated)]
+    lps = [_CompletionLogprobs(req.logprobs or 0) for _ in range(generated)]
 
-    def chunk(text: str, finish_reason=None, logprobs=None) -> dict:
-        return {"id": request_id, "object": "text_completion", "created": created, "model": state.model_name,
-                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+    def choice(i: int, text: str, finish_reason=None, logprobs=None) -> dict:
+        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def body(choices: list[dict]) -> dict:
+        return {"id": base_id, "object": "text_completion", "created": created, "model": state.model_name,
+                "choices": choices}
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         try:
-            stream, first = await _start(state, request, request_id, prompt_ids, params)
+            started = await _start(state, request, request_ids, prompt_ids, plist)
         except ClientGone:
             return _disconnected_response()
 
-        def on_output(out: RequestOutput):
-            if not out.new_text and not out.finished and not out.new_logprobs:
+        def on_output(i: int, out: RequestOutput):
+            if not (out.new_text or out.finished or out.new_logprobs or (req.return_token_ids and out.new_token_ids)):
                 return []
-            c = chunk(out.new_text, out.finish_reason if out.finished else None,
-                      lp.block(out.new_logprobs) if want_lp else None)
+            c = body([choice(i, out.new_text, out.finish_reason if out.finished else None,
+                             lps[i].block(out.new_logprobs) if want_lp else None)])
+            if req.return_token_ids:
+                c["choices"][0]["token_ids"] = list(out.new_token_ids)
             if include_usage:
                 c["usage"] = None
             return [c]
 
-        def on_end(last):
+        def on_end(lasts):
             if not include_usage:
                 return []
-            return [{"id": request_id, "object": "text_completion", "created": created, "model": state.model_name,
-                     "choices": [], "usage": _usage(len(prompt_ids), last)}]
+            return [{**body([]), "usage": _usage(len(prompt_ids), lasts)}]
 
-        return _sse_response(_stream_body(state, request_id, stream, first, timer, on_output, on_end))
+        return _sse_response(_stream_body(state, request_ids, started, timers, on_output, on_end))
 
-    outs = await _run_to_end(state, request, request_id, prompt_ids, params, timer)
+    outs = await _run_to_end(state, request, request_ids, prompt_ids, plist, timers)
     if outs is None:
         return _disconnected_response()
-    last = _last(outs, request_id)
-    logprobs = lp.block([x for o in outs for x in o.new_logprobs]) if want_lp else None
-    body = chunk(last.text, last.finish_reason, logprobs)
-    body["usage"] = _usage(len(prompt_ids), last)
-    return body
+    lasts = [_last(o, rid) for o, rid in zip(outs, request_ids)]
+    order = _rank_best(outs, n) if generated > n else list(range(n))
+    choices = [choice(k, lasts[i].text, lasts[i].finish_reason,
+                      lps[i].block([x for o in outs[i] for x in o.new_logprobs]) if want_lp else None)
+               for k, i in enumerate(order)]
+    if req.return_token_ids:
+        for c, i in zip(choices, order):
+            c["token_ids"] = list(lasts[i].token_ids)
+    result = body(choices)
+    if req.return_token_ids:
+        result["prompt_token_ids"] = list(prompt_ids)
+    result["usage"] = _usage(len(prompt_ids), lasts)  # every generated sequence's tokens count (OpenAI)
+    return result
 
 
-async def _run_to_end(state: ServerState, request: Request, request_id: str, prompt_ids, params,
-                      timer: "_Timer", images: Optional[list] = None) -> Optional[list[RequestOutput]]:
-    """A non-streamed request's outputs, or None when the client went away first."""
+async def _run_to_end(state: ServerState, request: Request, request_ids: list[str], prompt_ids,
+                      params: list[SamplingParams], timers: list["_Timer"],
+                      images: Optional[list] = None) -> Optional[list[list[RequestOutput]]]:
+    """Every output of each choice of a non-streamed request, or None when the client went away first."""
     try:
-        outs = await _guarded(state, request, request_id,
-                              _collect(state, request_id, prompt_ids, params, timer, images))
+        started = await _start(state, request, request_ids, prompt_ids, params, images)
     except ClientGone:
         return None
-    timer.done(outs[-1] if outs else None)
-    return outs
+    try:
+        outs = await _guarded(state, request, request_ids,
+                              asyncio.gather(*(_collect(s, f, t) for (s, f), t in zip(started, timers))))
+    except ClientGone:
+        return None
+    finally:
+        for stream, _ in started:
+            await _close(stream)
+    for timer, o in zip(timers, outs):
+        timer.done(o[-1] if o else None)
+    return list(outs)
 
 
-async def _collect(state: ServerState, request_id: str, prompt_ids, params, timer: "_Timer",
-                   images: Optional[list] = None) -> list[RequestOutput]:
-    """Every output of a non-streamed request (run inside `_guarded`)."""
-    stream = state.async_engine.generate(request_id, prompt_ids, params, images)
+async def _collect(stream, first: Optional[RequestOutput], timer: "_Timer") -> list[RequestOutput]:
+    """Every output of one started choice (run inside `_guarded`)."""
     outs = []
     try:
-        async for out in stream:
+        async for out in _outputs(stream, first):
             timer.output(out)
             outs.append(out)
-            if out.finished:
-                break
     finally:
         await _close(stream)
     return outs
@@ -683,6 +824,7 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
         raise bad_request("response_format other than text is not supported", "response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
+    n, _ = _choices(state, req.n)
     tools, parse_tools = _chat_tools(req)
     try:
         thinking, effort = resolve_thinking(req.chat_template_kwargs, req.reasoning_effort)
@@ -697,46 +839,56 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
     params = _sampling_params(state, req, prompt_len=len(prompt_ids), max_tokens=max_tokens,
                               logprobs=top_n if req.logprobs else None, prompt_param="messages")
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    plist = _choice_params(params, n)
+    base_id = f"chatcmpl-{uuid.uuid4().hex}"
+    request_ids = [base_id] + [f"{base_id}-{i}" for i in range(1, n)]
     created = int(time.time())
-    timer = _Timer(state.metrics)
+    timers = [_Timer(state.metrics) for _ in range(n)]
 
     if req.stream:
-        return await _chat_stream(state, req, request, request_id, created, prompt_ids, params, timer,
+        return await _chat_stream(state, req, request, request_ids, created, prompt_ids, plist, timers,
                                   thinking=thinking, parse_tools=parse_tools, top_n=top_n, images=images)
 
-    outs = await _run_to_end(state, request, request_id, prompt_ids, params, timer, images)
+    outs = await _run_to_end(state, request, request_ids, prompt_ids, plist, timers, images)
     if outs is None:
         return _disconnected_response()
-    last = _last(outs, request_id)
-    parsed = parse_chat_output(last.text, thinking=thinking, tools=parse_tools)
-    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-    if thinking:
-        message["reasoning_content"] = parsed.reasoning_content
-    finish = last.finish_reason
-    if parsed.tool_calls:
-        message["tool_calls"] = parsed.tool_calls
-        finish = "tool_calls"
-    logprobs = None
-    if req.logprobs:
-        logprobs = {"content": [_chat_logprob(x, top_n) for o in outs for x in o.new_logprobs]}
-    return {"id": request_id, "object": "chat.completion", "created": created, "model": state.model_name,
-            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
-            "usage": _usage(len(prompt_ids), last), "system_fingerprint": None}
+    lasts = [_last(o, rid) for o, rid in zip(outs, request_ids)]
+    choices = []
+    for i, (o, last) in enumerate(zip(outs, lasts)):
+        parsed = parse_chat_output(last.text, thinking=thinking, tools=parse_tools)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if thinking:
+            message["reasoning_content"] = parsed.reasoning_content
+        finish = last.finish_reason
+        if parsed.tool_calls:
+            message["tool_calls"] = parsed.tool_calls
+            finish = "tool_calls"
+        logprobs = None
+        if req.logprobs:
+            logprobs = {"content": [_chat_logprob(x, top_n) for out in o for x in out.new_logprobs]}
+        choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
+        if req.return_token_ids:
+            choices[-1]["token_ids"] = list(last.token_ids)
+    result = {"id": base_id, "object": "chat.completion", "created": created, "model": state.model_name,
+              "choices": choices, "usage": _usage(len(prompt_ids), lasts), "system_fingerprint": None}
+    if req.return_token_ids:
+        result["prompt_token_ids"] = list(prompt_ids)
+    return result
 
 
-async def _chat_stream(state, req, request, request_id, created, prompt_ids, params, timer, *, thinking,
+async def _chat_stream(state, req, request, request_ids, created, prompt_ids, params, timers, *, thinking,
                        parse_tools, top_n, images=None):
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     try:
-        stream, first = await _start(state, request, request_id, prompt_ids, params, images)
+        started = await _start(state, request, request_ids, prompt_ids, params, images)
     except ClientGone:
         return _disconnected_response()
-    splitter = ChatStreamSplitter(thinking=thinking, tools=parse_tools)
+    n = len(started)
+    splitters = [ChatStreamSplitter(thinking=thinking, tools=parse_tools) for _ in range(n)]
 
-    def chunk(delta: dict, finish_reason=None, logprobs=None) -> dict:
-        c = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
-             "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+    def chunk(i: int, delta: dict, finish_reason=None, logprobs=None) -> dict:
+        c = {"id": request_ids[0], "object": "chat.completion.chunk", "created": created, "model": state.model_name,
+             "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
         if include_usage:
             c["usage"] = None
         return c
@@ -744,35 +896,86 @@ async def _chat_stream(state, req, request, request_id, created, prompt_ids, par
     def deltas(pieces) -> list[dict]:
         return [{"reasoning_content": text} if kind == "reasoning" else {"content": text} for kind, text in pieces]
 
-    role_sent = []
+    role_sent = [False] * n
 
-    def on_output(out: RequestOutput):
-        payloads = [] if role_sent else [chunk({"role": "assistant", "content": ""})]
-        role_sent.append(True)
-        ds = deltas(splitter.feed(out.new_text))
+    def on_output(i: int, out: RequestOutput):
+        payloads = [] if role_sent[i] else [chunk(i, {"role": "assistant", "content": ""})]
+        role_sent[i] = True
+        ds = deltas(splitters[i].feed(out.new_text))
         lps = {"content": [_chat_logprob(x, top_n) for x in out.new_logprobs]} if req.logprobs else None
         if lps and lps["content"] and not ds:
             ds = [{}]  # logprobs of tokens whose text is held back still go out with their step
-        for i, d in enumerate(ds):
-            payloads.append(chunk(d, logprobs=lps if i == 0 else None))
+        if req.return_token_ids and out.new_token_ids and not ds:
+            ds = [{}]
+        for k, d in enumerate(ds):
+            payloads.append(chunk(i, d, logprobs=lps if k == 0 else None))
+            if req.return_token_ids:
+                payloads[-1]["choices"][0]["token_ids"] = list(out.new_token_ids) if k == 0 else []
         return payloads
 
-    def on_end(last: Optional[RequestOutput]):
-        payloads = [chunk(d) for d in deltas(splitter.finish())]
-        finish = last.finish_reason if last else "abort"
-        if splitter.tool_text:
-            calls = parse_tool_calls(splitter.tool_text)
-            if calls:
-                finish = "tool_calls"
-                payloads.append(chunk({"tool_calls": [
-                    {"index": i, "id": c["id"], "type": "function", "function": c["function"]}
-                    for i, c in enumerate(calls)]}))
-            else:
-                payloads.append(chunk({"content": splitter.tool_text}))
-        payloads.append(chunk({}, finish_reason=finish))
+    def on_end(lasts: list[Optional[RequestOutput]]):
+        payloads = []
+        for i, (splitter, last) in enumerate(zip(splitters, lasts)):
+            payloads += [chunk(i, d) for d in deltas(splitter.finish())]
+            finish = last.finish_reason if last else "abort"
+            if splitter.tool_text:
+                calls = parse_tool_calls(splitter.tool_text)
+                if calls:
+                    finish = "tool_calls"
+                    payloads.append(chunk(i, {"tool_calls": [
+                        {"index": k, "id": c["id"], "type": "function", "function": c["function"]}
+                        for k, c in enumerate(calls)]}))
+                else:
+                    payloads.append(chunk(i, {"content": splitter.tool_text}))
+            payloads.append(chunk(i, {}, finish_reason=finish))
         if include_usage:
-            payloads.append({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                             "model": state.model_name, "choices": [], "usage": _usage(len(prompt_ids), last)})
+            payloads.append({"id": request_ids[0], "object": "chat.completion.chunk", "created": created,
+                             "model": state.model_name, "choices": [], "usage": _usage(len(prompt_ids), lasts)})
         return payloads
 
-    return _sse_response(_stream_body(state, request_id, stream, first, timer, on_output, on_end))
+    return _sse_response(_stream_body(state, request_ids, started, timers, on_output, on_end))
+
+
+# ---------------------------------------------------------------------------------------------- tokenizer
+
+
+async def _tokenize(state: ServerState, req: TokenizeRequest) -> dict:
+    """vLLM's /tokenize: the ids the generation endpoints would compute from the same prompt or messages."""
+    _check_model(state, req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("send exactly one of prompt (text) or messages (a chat)", "prompt")
+    tokenizer = state.engine.tokenizer
+    if req.prompt is not None:
+        add_bos = req.add_special_tokens is not False
+
+        def encode() -> list[int]:
+            check_text_fits(tokenizer, len(req.prompt), state.max_model_len)
+            return tokenizer.encode(req.prompt, add_bos=add_bos)
+
+        ids = await _off_loop(state, encode, "prompt")
+    else:
+        if req.continue_final_message:
+            raise bad_request("continue_final_message is not supported", "continue_final_message")
+        if not req.messages:
+            raise bad_request("messages must not be empty", "messages")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        try:
+            thinking, effort = resolve_thinking(req.chat_template_kwargs, req.reasoning_effort)
+        except ValueError as exc:
+            param = "chat_template_kwargs" if "chat_template_kwargs" in str(exc) else "reasoning_effort"
+            raise bad_request(str(exc), param) from None
+        ids = await _off_loop(state, lambda: build_chat_prompt(
+            tokenizer, req.messages, thinking=thinking, effort=effort, tools=tools, token_limit=state.max_model_len,
+            image_loader=state.image_loader, spans=[], add_generation_prompt=req.add_generation_prompt), "messages")
+    strs = [tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None
+    return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+async def _detokenize(state: ServerState, req: DetokenizeRequest) -> dict:
+    """vLLM's /detokenize: ids -> text (special tokens spelled out, as the generation endpoints decode)."""
+    _check_model(state, req.model)
+    bad = [t for t in req.tokens if not (0 <= t < state.vocab_size)]
+    if bad:
+        raise bad_request(f"tokens must lie in [0, {state.vocab_size}); got {bad[0]}", "tokens")
+    text = await _off_loop(state, lambda: state.engine.tokenizer.decode(req.tokens), "tokens")
+    return {"prompt": text}

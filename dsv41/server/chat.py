@@ -56,14 +56,15 @@ def check_text_fits(tokenizer, num_chars: int, token_limit: Optional[int]) -> No
 
 def build_chat_prompt(tokenizer, messages: list[dict[str, Any]], *, thinking: bool, effort: Optional[int],
                       tools: Optional[list[dict[str, Any]]], token_limit: Optional[int] = None,
-                      image_loader=None, spans: Optional[list] = None) -> list[int]:
+                      image_loader=None, spans: Optional[list] = None, add_generation_prompt: bool = True) -> list[int]:
     """Render with the V4.1 encoder (ValueError on malformed messages) and tokenize. Control tokens come
     only from the template: message content and tool definitions are tokenized as text, so marker strings
     inside them stay text (`encode_prompt`). The rendered text starts with the BOS marker. With
     `token_limit`, a prompt that cannot fit is refused (PromptTooLong) before it is tokenized. Image parts
-    need `image_loader` (dsv41.vision.ImageLoader); each image's (start, ImagePatches) goes to `spans`."""
+    need `image_loader` (dsv41.vision.ImageLoader); each image's (start, ImagePatches) goes to `spans`.
+    Without `add_generation_prompt` the assistant turn's opening is left off (`/tokenize`)."""
     parts = prompt_parts(messages, thinking=thinking, reasoning_effort=effort, tools=tools or None,
-                         add_generation_prompt=True, drop_thinking=True)
+                         add_generation_prompt=add_generation_prompt, drop_thinking=True)
     slots = image_slots(parts)
     images = None
     if slots:  # image_url parts: decoded and preprocessed here, laid out as spans by encode_prompt

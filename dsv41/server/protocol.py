@@ -1,9 +1,10 @@
 """Request bodies of the OpenAI-compatible API and the OpenAI error shape.
 
 Field names and defaults follow the OpenAI API reference (`/v1/completions`, `/v1/chat/completions`);
-`top_k`, `stop_token_ids`, `ignore_eos` and `chat_template_kwargs` are the vLLM extensions of the same
-names. Unknown fields are ignored, as OpenAI-style servers do, so clients that send `user`, `store` or
-`metadata` keep working. Range checks that need the model (vocab, context length) live in `app.py`.
+`top_k`, `stop_token_ids`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`, `return_token_ids`
+and `chat_template_kwargs` are the vLLM extensions of the same names, and `/tokenize` / `/detokenize`
+take vLLM's bodies. Unknown fields are ignored, as OpenAI-style servers do, so clients that send `user`,
+`store` or `metadata` keep working. Range checks that need the model (vocab, context length) live in `app.py`.
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ class Tool(_Request):
     function: FunctionDef
 
 
-class _Sampling(_Request):
-    """Fields shared by both endpoints."""
+class _TextRequest(_Request):
+    """A body whose every string must be valid Unicode (checked before any field)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -87,6 +88,10 @@ class _Sampling(_Request):
             where = bad.lstrip(".") or "body"
             raise ValueError(f"{where} is not valid Unicode text (it holds a lone surrogate)")
         return data
+
+
+class _Sampling(_TextRequest):
+    """Fields shared by both endpoints."""
 
     model: Optional[str] = None
     temperature: Optional[float] = None
@@ -103,6 +108,10 @@ class _Sampling(_Request):
     presence_penalty: Optional[float] = 0.0
     frequency_penalty: Optional[float] = 0.0
     logit_bias: Optional[dict[str, float]] = None
+    repetition_penalty: Optional[float] = None  # extension
+    min_p: Optional[float] = None  # extension
+    min_tokens: Optional[int] = None  # extension
+    return_token_ids: Optional[bool] = False  # extension: each choice carries its token ids
 
 
 class ChatCompletionRequest(_Sampling):
@@ -123,3 +132,27 @@ class CompletionRequest(_Sampling):
     echo: Optional[bool] = False
     best_of: Optional[int] = None
     suffix: Optional[str] = None
+
+
+class TokenizeRequest(_TextRequest):
+    """vLLM's `/tokenize`: either `prompt` (tokenized as `/v1/completions` would: BOS first unless
+    `add_special_tokens` is false) or `messages` (rendered as `/v1/chat/completions` would, with the
+    assistant turn's opening when `add_generation_prompt`)."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[dict[str, Any]]] = None
+    add_special_tokens: Optional[bool] = None  # prompt: default true; chat: the template has its own BOS
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: Optional[bool] = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    reasoning_effort: Union[int, str, None] = None
+    tools: Optional[list[Tool]] = None
+
+
+class DetokenizeRequest(_Request):
+    """vLLM's `/detokenize`: token ids -> text."""
+
+    model: Optional[str] = None
+    tokens: list[int]

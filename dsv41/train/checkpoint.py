@@ -161,11 +161,24 @@ def save_checkpoint(folder: str, model: Transformer, cfg: ModelConfig, tokenizer
     cfg.to_json(os.path.join(tmp, "config.json"))
     if tokenizer_file:
         shutil.copy(tokenizer_file, os.path.join(tmp, "tokenizer.json"))
+        _write_tokenizer_config(tmp, tokenizer_file)
     if run_info is not None:
         with open(os.path.join(tmp, RUN_FILE), "w") as f:
             json.dump(run_info, f, indent=2)
     _finish(tmp)
     _swap_in(tmp, folder)
+
+
+def _write_tokenizer_config(folder: str, tokenizer_file: str) -> None:
+    """tokenizer_config.json (BOS/EOS/PAD as the tokenizer resolves them, the chat template) and
+    special_tokens_map.json next to the copied tokenizer.json, so `transformers.AutoTokenizer` loads the
+    checkpoint folder; fields of the source's own tokenizer_config.json are kept."""
+    from dsv41.chat.hf_template import write_hf_tokenizer_files
+    from dsv41.tokenizer import HFTokenizer
+
+    source_config = os.path.join(os.path.dirname(os.path.abspath(tokenizer_file)), "tokenizer_config.json")
+    write_hf_tokenizer_files(folder, HFTokenizer.from_file(tokenizer_file),
+                             source_config if os.path.isfile(source_config) else None)
 
 
 # ---------------------------------------------------------------------- training state

@@ -182,6 +182,9 @@ def test_api_key_guards_v1_only():
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
             r = httpx.post(srv.base_url + "/v1/chat/completions", json={"messages": USER}, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [5]})):
+                r = httpx.post(srv.base_url + path, json=body, headers=headers)
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert fake.requests == []  # no refused request reached the engine
         assert httpx.get(srv.base_url + "/health").status_code == 200
         assert httpx.get(srv.base_url + "/metrics").status_code == 200
@@ -190,6 +193,8 @@ def test_api_key_guards_v1_only():
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="sekrit", max_retries=0)
         assert client.chat.completions.create(model="fake-model", messages=USER).choices[0].message.content
         assert len(fake.requests) == 1  # the authorised one did
+        r = httpx.post(srv.base_url + "/tokenize", json={"prompt": "x"}, headers={"Authorization": "Bearer sekrit"})
+        assert r.status_code == 200 and r.json()["count"] == 2
 
 
 class _StopHere(Exception):
@@ -318,7 +323,15 @@ SWEEP = [
     ("/v1/chat/completions", {"messages": USER, "max_tokens": 10**30}),
     ("/v1/chat/completions", {"messages": USER, "stop": 5}), ("/v1/chat/completions", {"messages": USER, "stop": [""]}),
     ("/v1/chat/completions", {"messages": USER, "stop_token_ids": [-1]}),
-    ("/v1/chat/completions", {"messages": USER, "logit_bias": {"5": 1}}),
+    ("/v1/chat/completions", {"messages": USER, "logit_bias": {"5": 101}}),
+    ("/v1/chat/completions", {"messages": USER, "logit_bias": {"99999999": 1}}),
+    ("/v1/chat/completions", {"messages": USER, "logit_bias": {"five": 1}}),
+    ("/v1/chat/completions", {"messages": USER, "logit_bias": {"5": "x"}}),
+    ("/v1/chat/completions", {"messages": USER, "n": 10**9}), ("/v1/chat/completions", {"messages": USER, "n": 0}),
+    ("/v1/chat/completions", {"messages": USER, "presence_penalty": 1e308}),
+    ("/v1/chat/completions", {"messages": USER, "repetition_penalty": -1}),
+    ("/v1/chat/completions", {"messages": USER, "min_p": 2}),
+    ("/v1/chat/completions", {"messages": USER, "min_tokens": 50, "max_tokens": 4}),
     ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {"name": ""}}]}),
     ("/v1/chat/completions", {"messages": USER, "tools": "x"}),
     ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "json_object"}}),
@@ -329,7 +342,9 @@ SWEEP = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 200_000}]}),
     ("/v1/completions", {"prompt": None}), ("/v1/completions", {"prompt": [[1, 2], [3]]}),
     ("/v1/completions", {"prompt": [-1]}), ("/v1/completions", {"prompt": [1.5]}),
-    ("/v1/completions", {"prompt": "x", "best_of": 3}), ("/v1/completions", {"prompt": "x", "suffix": "y"}),
+    ("/v1/completions", {"prompt": "x", "best_of": 10**6}), ("/v1/completions", {"prompt": "x", "suffix": "y"}),
+    ("/v1/completions", {"prompt": "x", "n": 3, "best_of": 2}),
+    ("/v1/completions", {"prompt": "x", "best_of": 2, "stream": True}),
     ("/v1/completions", {"prompt": [7] * 5000}), ("/v1/completions", {"prompt": "x", "temperature": 1e-39,
                                                                       "max_tokens": 0}),
     # what used to give a 5xx or abort the bystander: answered normally now (2xx) or refused (4xx)

@@ -124,7 +124,7 @@ def test_raw_sse_framing(served):
     ({"messages": "hello"}, 400, "messages"),
     ({"prompt": "x"}, 400, "messages"),
     ({"model": "gpt-4", "messages": USER}, 404, "model"),
-    ({"messages": USER, "n": 2}, 400, "n"),
+    ({"messages": USER, "n": 17}, 400, "n"),
     ({"messages": USER, "max_tokens": 100_000}, 400, "messages"),
     ({"messages": USER, "max_tokens": 0}, 400, "max_tokens"),
     ({"messages": USER, "top_p": 0}, 400, "top_p"),
@@ -137,7 +137,10 @@ def test_raw_sse_framing(served):
     ({"messages": USER, "reasoning_effort": "extreme"}, 400, "reasoning_effort"),
     ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
     ({"messages": USER, "tool_choice": "auto"}, 400, "tool_choice"),
-    ({"messages": USER, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"messages": USER, "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"messages": USER, "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ({"messages": USER, "logit_bias": {"1": -100.5}}, 400, "logit_bias"),
+    ({"messages": USER, "logit_bias": {"100000000": 1}}, 400, "logit_bias"),
 ])
 def test_chat_errors_have_openai_shape(served, body, status, param):
     r = _post(served[0], "/v1/chat/completions", body)
@@ -184,7 +187,7 @@ def test_concurrent_clients_and_bad_requests_do_not_interfere(served, client):
 
     def bad():
         try:  # statuses are asserted in the main thread: an assert in a worker thread only warns
-            for body in ({"messages": USER, "temperature": -1}, b"{oops", {"messages": USER, "n": 3}):
+            for body in ({"messages": USER, "temperature": -1}, b"{oops", {"messages": USER, "n": 99}):
                 r = _post(served[0], "/v1/chat/completions", body)
                 bad_statuses.append((r.status_code, r.json()["error"]["type"]))
         except Exception as exc:  # pragma: no cover - reported below
