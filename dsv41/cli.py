@@ -110,6 +110,31 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
             continue
 
 
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    from dsv41.distributed.config import ParallelConfig
+
+    group = p.add_argument_group(
+        "parallel layout (vLLM's option names)",
+        "--data-parallel-size D runs D engine ranks, one process each (spawned by serve; torchrun also works: "
+        "every process runs the same command and rank 0 serves HTTP). --expert-parallel-size D splits every MoE "
+        "layer's routed experts over those D ranks (EP over the DP ranks, as vLLM's --enable-expert-parallel "
+        "does); it must be 1 or D. Tensor parallelism and prefill/decode disaggregation are not built yet.")
+    for f in dataclasses.fields(ParallelConfig):
+        if "help" in f.metadata:
+            group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_positive_int, default=f.default,
+                               metavar="N", help=f"{f.metadata['help']} (default: {f.default})")
+
+
+def _parallel_config(args):
+    from dsv41.distributed.config import ParallelConfig
+
+    config = ParallelConfig(data_parallel_size=args.data_parallel_size,
+                            expert_parallel_size=args.expert_parallel_size,
+                            tensor_parallel_size=args.tensor_parallel_size)
+    config.validate()
+    return config
+
+
 def _engine_config(args):
     cls, fields = _engine_fields()
     given = {f.name: getattr(args, f"engine_{f.name}") for f in fields
@@ -323,6 +348,15 @@ def cmd_serve(args) -> int:
     if args.engine_fused_kernels is None:  # ready to answer at once; the kernels arrive a few seconds later
         args.engine_fused_kernels = "background"
     engine_config = _engine_config(args)
+    parallel = _parallel_config(args)
+    if parallel.data_parallel_size > 1:
+        from dsv41.server.run import serve_data_parallel
+
+        serve_data_parallel(args.model, parallel, host=args.host, port=args.port, engine_config=engine_config,
+                            seed=args.seed, max_waiting=args.max_waiting, served_model_name=args.served_model_name,
+                            log_level=args.log_level, api_key=args.api_key or None,
+                            max_request_bytes=args.max_request_bytes, threads=args.threads)
+        return 0
     _set_threads(args)
     serve(args.model, host=args.host, port=args.port, engine_config=engine_config, seed=args.seed,
           max_waiting=args.max_waiting, served_model_name=args.served_model_name, log_level=args.log_level,
@@ -435,6 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_serve.add_argument("--threads", type=_positive_int, metavar="N", help=THREADS_HELP)
     p_serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                          help="server log verbosity (default: info)")
+    _add_parallel_args(p_serve)
     _add_engine_args(p_serve)
     p_serve.set_defaults(func=cmd_serve)
 

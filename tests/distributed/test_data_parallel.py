@@ -1,0 +1,158 @@
+"""`dsv41 serve tiny --data-parallel-size 2 --expert-parallel-size 2` (dsv41.distributed.data_parallel), driven
+through its HTTP front with the `openai` client: every request's greedy text and chosen-token logprobs equal
+the single-device engine's bit for bit, whichever rank serves it and whatever the other rank is doing; and
+Ctrl-C leaves no process behind.
+
+One server for the module (start-up costs two processes building `tiny`). The tests run in file order: the
+first request finds both ranks idle, so it goes to rank 0 while rank 1 only serves its experts.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import pytest
+import requests
+
+from dsv41.engine import EngineConfig, SamplingParams, build_engine
+
+openai = pytest.importorskip("openai")
+
+# small prefill chunks: a prompt longer than a chunk plus the window (8 at tiny) has chunks that lie wholly
+# before the bounded replay's decoder start, so its rank skips the decoder layers' MoE rounds in that step
+ENGINE_ARGS = {"prefill_chunk_size": 16, "kv_pool_tokens": 8192, "max_model_len": 1024, "fused_kernels": "off"}
+MAX_TOKENS = 6
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 131 + 17 * i) % 251 + 3 for i in range(n)]
+
+
+PROMPTS = {"alone": _prompt(1, 5), "a": _prompt(2, 40), "b": _prompt(3, 9), "c": _prompt(4, 3),
+           "d": _prompt(5, 23), "e": _prompt(6, 12)}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """name -> (text, tokens' logprobs) from the single-device engine, each prompt run on its own."""
+    engine = build_engine("tiny", EngineConfig(**ENGINE_ARGS), seed=0)
+    out = {}
+    for name, prompt in PROMPTS.items():
+        engine.add_request(name, prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0,
+                                                        ignore_eos=True))
+        logprobs, text = [], None
+        while text is None:
+            for o in engine.step():
+                logprobs += [lp.logprob for lp in o.new_logprobs]
+                if o.finished:
+                    text = o.text
+        out[name] = (text, logprobs)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "dsv41.cli", "serve", "tiny", "--data-parallel-size", "2", "--expert-parallel-size",
+           "2", "--port", str(port), "--log-level", "warning", "--threads", "1"]
+    cmd += [a for k, v in ENGINE_ARGS.items() for a in ("--" + k.replace("_", "-"), str(v))]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited: {proc.stdout.read()}")
+            try:
+                if requests.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server did not come up")
+            time.sleep(0.5)
+        yield proc, base
+    finally:
+        if proc.poll() is None:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+        proc.wait(timeout=30)
+
+
+def _metric(base: str, name: str) -> float:
+    for line in requests.get(base + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(f"dsv41_{name} "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+def _complete(client, name: str, stream: bool = False) -> tuple[str, list[float]]:
+    kw = dict(model="dsv41-tiny", prompt=PROMPTS[name], max_tokens=MAX_TOKENS, temperature=0, logprobs=0,
+              extra_body={"ignore_eos": True})
+    if not stream:
+        choice = client.completions.create(**kw).choices[0]
+        return choice.text, list(choice.logprobs.token_logprobs)
+    text, logprobs = "", []
+    for chunk in client.completions.create(stream=True, **kw):
+        if chunk.choices:
+            text += chunk.choices[0].text
+            if chunk.choices[0].logprobs is not None:
+                logprobs += chunk.choices[0].logprobs.token_logprobs
+    return text, logprobs
+
+
+def _client(base: str):
+    # a hang (a rank skipping a collective) fails the test instead of stalling the suite
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def test_request_on_rank0_while_rank1_idle(server, reference):
+    _, base = server
+    got = _complete(_client(base), "alone")
+    assert got == reference["alone"]
+    assert _metric(base, "dp_rank0_requests_assigned_total") == 1
+    assert _metric(base, "dp_rank1_requests_assigned_total") == 0
+    # rank 1 had no request, yet computed its experts' rows for rank 0 in every step: one round per MoE layer
+    assert _metric(base, "dp_served_moe_rounds_total") >= 10 * MAX_TOKENS
+
+
+def test_concurrent_requests_equal_single_device(server, reference):
+    _, base = server
+    client = _client(base)
+    names = ["a", "b", "c", "d", "e"]
+    with ThreadPoolExecutor(len(names)) as pool:
+        futures = {n: pool.submit(_complete, client, n, n == "b") for n in names}  # "b" streamed
+        got = {n: f.result() for n, f in futures.items()}
+    for n in names:
+        assert got[n][0] == reference[n][0], f"request {n}: text differs"
+        assert got[n][1] == reference[n][1], f"request {n}: logprobs differ"
+    # the front spread them (least outstanding requests): both ranks served some
+    assert _metric(base, "dp_rank1_requests_assigned_total") >= 2
+    assert _metric(base, "dp_rank0_requests_assigned_total") >= 3
+    assert _metric(base, "dp_rank0_running") == 0 and _metric(base, "dp_rank1_running") == 0
+    assert requests.get(base + "/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_ctrl_c_leaves_no_processes(server):
+    proc, _ = server
+    family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    assert len(family) >= 2  # rank 0 and the spawned rank 1 (and multiprocessing's resource tracker)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in family):
+        assert time.monotonic() < deadline, f"left behind: {[p for p in family if psutil.pid_exists(p)]}"
+        time.sleep(0.2)
