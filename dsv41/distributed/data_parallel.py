@@ -55,10 +55,18 @@ log = logging.getLogger("dsv41.distributed")
 def build_rank_engine(model: str, engine_config: Optional[EngineConfig], seed: int, parallel: ParallelConfig,
                       group: Optional[dist.ProcessGroup] = None) -> LLMEngine:
     """This rank's engine: the model built as `build_engine` builds it (every rank draws the same random
-    weights from `seed`), its experts sharded over `group` when expert parallelism is on."""
+    weights from `seed`), its experts sharded over `group` when expert parallelism is on; from a checkpoint
+    folder a rank then reads only its own experts' tensors (`load_expert_shard`)."""
+    import functools
+    import os
+
+    from dsv41.distributed.sharded_load import load_expert_shard
     from dsv41.engine.build import build_model
 
-    net, tokenizer, name = build_model(model, seed)
+    load = None
+    if parallel.expert_parallel and os.path.isdir(model):  # read only this rank's experts from the files
+        load = functools.partial(load_expert_shard, rank=dist.get_rank(group), world=dist.get_world_size(group))
+    net, tokenizer, name = build_model(model, seed, load=load)
     net.eval()
     if parallel.expert_parallel:
         shard_experts(net, group)

@@ -170,15 +170,28 @@ def shard_experts(model: nn.Module, group: Optional[dist.ProcessGroup] = None) -
     dropped) and route through `ExpertParallel`. Returns the dispatcher. Every rank must call it on the
     same model structure."""
     parallel = ExpertParallel(group)
+    drop_experts(model, parallel.rank, parallel.world)
     for module in model.modules():
         if hasattr(module, "dispatcher") and hasattr(module, "experts"):
-            mine = expert_range(len(module.experts), parallel.rank, parallel.world)
-            for e in range(len(module.experts)):
-                if e not in mine:
-                    module.experts[e] = _AbsentExpert(e)
             module.dispatcher = parallel
             parallel.add_layer(module)
     return parallel
+
+
+def drop_experts(model: nn.Module, rank: int, world: int) -> list[str]:
+    """Replace every routed expert outside `expert_range(E, rank, world)` by a placeholder without weights
+    (before a sharded load: on a meta-device model, so the others' experts are never allocated). Returns
+    the dropped experts' module names, e.g. "layers.3.ffn.experts.5"."""
+    dropped = []
+    for name, module in model.named_modules():
+        if hasattr(module, "dispatcher") and hasattr(module, "experts"):
+            mine = expert_range(len(module.experts), rank, world)
+            for e in range(len(module.experts)):
+                if e not in mine:
+                    if not isinstance(module.experts[e], _AbsentExpert):
+                        module.experts[e] = _AbsentExpert(e)
+                    dropped.append(f"{name}.experts.{e}")
+    return dropped
 
 
 def dispatcher_of(model: nn.Module) -> Optional[ExpertParallel]:
