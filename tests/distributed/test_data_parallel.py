@@ -7,6 +7,7 @@ One server for the module (start-up costs two processes building `tiny`). The te
 first request finds both ranks idle, so it goes to rank 0 while rank 1 only serves its experts.
 """
 
+import contextlib
 import os
 import signal
 import socket
@@ -18,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 import requests
+import torch
 
 from dsv41.engine import EngineConfig, SamplingParams, build_engine
 
@@ -40,6 +42,17 @@ PROMPTS = {"alone": _prompt(1, 5), "a": _prompt(2, 40), "b": _prompt(3, 9), "c":
 @pytest.fixture(scope="module")
 def reference():
     """name -> (text, tokens' logprobs) from the single-device engine, each prompt run on its own."""
+    threads = torch.get_num_threads()
+    # one thread, as each served rank uses: with the server's processes on the same cores, more threads
+    # oversubscribe them (measured here: 105 s instead of 5 s on a loaded 2-core machine)
+    torch.set_num_threads(1)
+    try:
+        return _reference()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference() -> dict:
     engine = build_engine("tiny", EngineConfig(**ENGINE_ARGS), seed=0)
     out = {}
     for name, prompt in PROMPTS.items():
@@ -61,8 +74,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
+@contextlib.contextmanager
+def _serve():
+    """`dsv41 serve tiny` with two data- and expert-parallel ranks, as a user starts it; (process, base URL)."""
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "dsv41.cli", "serve", "tiny", "--data-parallel-size", "2", "--expert-parallel-size",
@@ -90,6 +104,12 @@ def server():
                 child.kill()
             proc.kill()
         proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with _serve() as running:
+        yield running
 
 
 def _metric(base: str, name: str) -> float:
@@ -146,6 +166,21 @@ def test_concurrent_requests_equal_single_device(server, reference):
     assert requests.get(base + "/health", timeout=10).json() == {"status": "ok"}
 
 
+def test_cancelled_stream_is_aborted_on_its_rank(server):
+    _, base = server
+    before = _metric(base, "requests_finished_total")
+    stream = _client(base).completions.create(model="dsv41-tiny", prompt=PROMPTS["d"], max_tokens=500,
+                                              temperature=0, stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))  # it is running on a rank...
+    stream.close()  # ...when the client goes away: the front sends that rank an abort
+    deadline = time.monotonic() + 60
+    while _metric(base, "requests_finished_total") == before:
+        assert time.monotonic() < deadline, "the cancelled request was not aborted"
+        time.sleep(0.2)
+    assert _metric(base, "dp_rank0_running") == 0 and _metric(base, "dp_rank1_running") == 0
+    assert _metric(base, "generation_tokens_total") < 500 * 2
+
+
 def test_ctrl_c_leaves_no_processes(server):
     proc, _ = server
     family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
@@ -156,3 +191,23 @@ def test_ctrl_c_leaves_no_processes(server):
     while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in family):
         assert time.monotonic() < deadline, f"left behind: {[p for p in family if psutil.pid_exists(p)]}"
         time.sleep(0.2)
+
+
+def test_a_dead_rank_fails_requests_and_health_not_the_front():
+    with _serve() as (proc, base):
+        worker = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        assert len(worker) == 1
+        worker[0].kill()
+        while worker[0].is_running() and worker[0].status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.1)
+        started = time.monotonic()
+        reply = requests.post(base + "/v1/completions", timeout=60, json={
+            "model": "dsv41-tiny", "prompt": PROMPTS["b"], "max_tokens": 4, "temperature": 0})
+        assert reply.status_code == 500 and time.monotonic() - started < 30
+        health = requests.get(base + "/health", timeout=10)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+        # a request after the failure is refused at once, and Ctrl-C still ends the front
+        assert requests.post(base + "/v1/completions", timeout=10, json={
+            "model": "dsv41-tiny", "prompt": PROMPTS["b"], "max_tokens": 4}).status_code == 500
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
