@@ -130,15 +130,24 @@ def _while_ranks_live(work, children: list, what: str) -> None:
         except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
             failure.append(exc)
 
+    def check() -> None:
+        for rank, child in enumerate(children, start=1):
+            if child.exitcode is not None:
+                raise ChildProcessError(f"data-parallel rank {rank} exited (code {child.exitcode}) while {what}; "
+                                        f"its error is printed above")
+
     thread = threading.Thread(target=run, name="dsv41-rendezvous", daemon=True)
     thread.start()
     while thread.is_alive():
         thread.join(0.2)
-        for rank, child in enumerate(children, start=1):
-            if child.exitcode is not None:
-                raise RuntimeError(f"data-parallel rank {rank} exited (code {child.exitcode}) while {what}; "
-                                   f"its error is printed above")
+        check()
     if failure:
+        # a collective fails as soon as a peer's socket closes, often before that process has been reaped:
+        # wait a little for the rank that died, so the error names it rather than gloo's "connection closed"
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            check()
+            time.sleep(0.1)
         raise failure[0]
 
 

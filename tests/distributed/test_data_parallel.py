@@ -211,3 +211,28 @@ def test_a_dead_rank_fails_requests_and_health_not_the_front():
             "model": "dsv41-tiny", "prompt": PROMPTS["b"], "max_tokens": 4}).status_code == 500
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
+
+
+def test_a_rank_failing_at_start_up_is_one_clear_error(tmp_path):
+    """A checkpoint whose damage only rank 1 reads (one of its experts' tensors stored in the wrong dtype;
+    rank 0 never reads that tensor): serve exits with one line naming the rank, not a hang."""
+    from safetensors.torch import save_file
+
+    from dsv41.config import preset
+    from dsv41.model.init import init_random_weights
+    from dsv41.model.transformer import Transformer
+
+    model = init_random_weights(Transformer(preset("tiny")), seed=7)
+    state = {n: p.detach().contiguous() for n, p in model.named_parameters()}
+    bad = "layers.3.ffn.experts.6.w1.weight"  # expert 6 of 8: rank 1's
+    state[bad] = state[bad].half()
+    save_file(state, str(tmp_path / "model.safetensors"))
+    model.cfg.to_json(str(tmp_path / "config.json"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-m", "dsv41.cli", "serve", str(tmp_path), "--data-parallel-size", "2",
+                           "--expert-parallel-size", "2", "--port", str(_free_port()), "--threads", "1",
+                           "--fused-kernels", "off"], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == ("error: data-parallel rank 1 exited (code 1) while building "
+                                                    "its engine; its error is printed above")
+    assert f"{bad}: checkpoint dtype torch.float16" in done.stderr
