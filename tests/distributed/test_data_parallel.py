@@ -75,12 +75,13 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _serve():
-    """`dsv41 serve tiny` with two data- and expert-parallel ranks, as a user starts it; (process, base URL)."""
+def _serve(expert_parallel: int = 2):
+    """`dsv41 serve tiny` with two data-parallel ranks (and the experts split over them), as a user starts it;
+    (process, base URL)."""
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "dsv41.cli", "serve", "tiny", "--data-parallel-size", "2", "--expert-parallel-size",
-           "2", "--port", str(port), "--log-level", "warning", "--threads", "1"]
+           str(expert_parallel), "--port", str(port), "--log-level", "warning", "--threads", "1"]
     cmd += [a for k, v in ENGINE_ARGS.items() for a in ("--" + k.replace("_", "-"), str(v))]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
@@ -181,6 +182,17 @@ def test_cancelled_stream_is_aborted_on_its_rank(server):
     assert _metric(base, "generation_tokens_total") < 500 * 2
 
 
+def test_idle_ranks_sleep(server):
+    proc, base = server
+    ranks = [psutil.Process(proc.pid)] + [c for c in psutil.Process(proc.pid).children()
+                                          if "spawn_main" in " ".join(c.cmdline())]
+    assert len(ranks) == 2 and _metric(base, "num_requests_running") == 0
+    before = [sum(r.cpu_times()[:2]) for r in ranks]
+    time.sleep(3)
+    used = [sum(r.cpu_times()[:2]) - b for r, b in zip(ranks, before)]
+    assert max(used) < 0.3, f"CPU seconds used in 3 idle seconds, per rank: {used}"
+
+
 def test_ctrl_c_leaves_no_processes(server):
     proc, _ = server
     family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
@@ -236,3 +248,15 @@ def test_a_rank_failing_at_start_up_is_one_clear_error(tmp_path):
     assert done.stderr.strip().splitlines()[-1] == ("error: data-parallel rank 1 exited (code 1) while building "
                                                     "its engine; its error is printed above")
     assert f"{bad}: checkpoint dtype torch.float16" in done.stderr
+
+
+def test_data_parallel_without_expert_parallel(reference):
+    """--expert-parallel-size 1: each rank holds every expert; the ranks still step together, and a request's
+    output is still one device's."""
+    with _serve(expert_parallel=1) as (_, base):
+        client = _client(base)
+        with ThreadPoolExecutor(2) as pool:
+            got = dict(zip("ab", pool.map(lambda n: _complete(client, n), "ab")))
+        assert got == {n: reference[n] for n in "ab"}
+        assert _metric(base, "dp_rank1_requests_assigned_total") == 1
+        assert _metric(base, "dp_served_moe_rounds_total") == 0  # no expert parallelism: no MoE rounds
