@@ -37,14 +37,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
-import time
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from dsv41.distributed.config import ParallelConfig
-from dsv41.distributed.expert_parallel import ExpertParallel, shard_experts
+from dsv41.distributed.expert_parallel import ExpertParallel, dispatcher_of, shard_experts
 from dsv41.engine.async_engine import AsyncEngine
 from dsv41.engine.config import EngineConfig
 from dsv41.engine.llm_engine import LLMEngine
@@ -75,13 +74,6 @@ def build_rank_engine(model: str, engine_config: Optional[EngineConfig], seed: i
     return LLMEngine(net, tokenizer, engine_config, model_name=name, seed=seed + dist.get_rank(group))
 
 
-def _dispatcher(engine: LLMEngine) -> Optional[ExpertParallel]:
-    for module in engine.model.modules():
-        if isinstance(getattr(module, "dispatcher", None), ExpertParallel):
-            return module.dispatcher
-    return None
-
-
 class RankEngine:
     """One rank's part of a round (every rank, rank 0 included, runs `round`)."""
 
@@ -89,7 +81,7 @@ class RankEngine:
         self.engine = engine
         self.group = group
         self.rank = dist.get_rank(group)
-        self.experts = _dispatcher(engine)
+        self.experts: Optional[ExpertParallel] = dispatcher_of(engine.model)
         self.served_rounds = 0  # MoE rounds this rank computed for others after its own work (end_step)
 
     def _numerics(self):
@@ -191,7 +183,7 @@ class DataParallelFront(AsyncEngine):
         self._assigned = [0] * self.world
         self._busy = False  # some rank had work at the end of the last round
         self._failure: Optional[BaseException] = None
-        self._metrics = combine_metrics([self._metrics] * 1)
+        self._metrics = combine_metrics([self._metrics])  # rank 0's until the first round reports every rank's
         self._stopped = False
 
     async def generate(self, request_id, prompt_token_ids, params, images=None):
@@ -275,10 +267,6 @@ class DataParallelFront(AsyncEngine):
         with self._lock:  # hand the requests from "pending" to the ranks' "waiting" in one move
             self._pending -= adds
             self._metrics = combine_metrics([reply["metrics"] for reply in replies])
-
-    def shutdown(self) -> None:
-        """Stop the rounds: the other ranks leave `serve_forever` (the caller then ends their processes)."""
-        super().shutdown()
 
 
 def init_group(rank: int, world: int, init_method: str, timeout_s: float = 1800.0) -> None:
