@@ -75,13 +75,17 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _serve(expert_parallel: int = 2):
-    """`dsv41 serve tiny` with two data-parallel ranks (and the experts split over them), as a user starts it;
-    (process, base URL)."""
+def _serve(expert_parallel: int = 2, torchrun: bool = False):
+    """`dsv41 serve tiny` with two data-parallel ranks (and the experts split over them), as a user starts it
+    (or under torchrun); (process, base URL)."""
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, "-m", "dsv41.cli", "serve", "tiny", "--data-parallel-size", "2", "--expert-parallel-size",
-           str(expert_parallel), "--port", str(port), "--log-level", "warning", "--threads", "1"]
+    launcher = [sys.executable, "-m", "dsv41.cli"]
+    if torchrun:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                    str(_free_port()), "-m", "dsv41.cli"]
+    cmd = launcher + ["serve", "tiny", "--data-parallel-size", "2", "--expert-parallel-size",
+                      str(expert_parallel), "--port", str(port), "--log-level", "warning", "--threads", "1"]
     cmd += [a for k, v in ENGINE_ARGS.items() for a in ("--" + k.replace("_", "-"), str(v))]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
@@ -260,3 +264,18 @@ def test_data_parallel_without_expert_parallel(reference):
         assert got == {n: reference[n] for n in "ab"}
         assert _metric(base, "dp_rank1_requests_assigned_total") == 1
         assert _metric(base, "dp_served_moe_rounds_total") == 0  # no expert parallelism: no MoE rounds
+
+
+def test_torchrun_ranks_serve_as_spawned_ones(reference):
+    """The same command under torchrun: every process runs `serve`, rank 0 answers HTTP; Ctrl-C to torchrun
+    ends every rank."""
+    with _serve(torchrun=True) as (proc, base):
+        assert _complete(_client(base), "e") == reference["e"]
+        family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        assert len(family) >= 3  # torchrun and its two ranks
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 10
+        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in family):
+            assert time.monotonic() < deadline, "a rank outlived torchrun"
+            time.sleep(0.2)
