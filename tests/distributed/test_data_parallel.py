@@ -35,7 +35,7 @@ def _prompt(seed: int, n: int) -> list[int]:
     return [(seed * 131 + 17 * i) % 251 + 3 for i in range(n)]
 
 
-PROMPTS = {"alone": _prompt(1, 5), "a": _prompt(2, 40), "b": _prompt(3, 9), "c": _prompt(4, 3),
+PROMPTS = {"alone": _prompt(1, 40), "a": _prompt(2, 40), "b": _prompt(3, 9), "c": _prompt(4, 3),
            "d": _prompt(5, 23), "e": _prompt(6, 12)}
 
 
@@ -150,8 +150,11 @@ def test_request_on_rank0_while_rank1_idle(server, reference):
     assert got == reference["alone"]
     assert _metric(base, "dp_rank0_requests_assigned_total") == 1
     assert _metric(base, "dp_rank1_requests_assigned_total") == 0
-    # rank 1 had no request, yet computed its experts' rows for rank 0 in every step: one round per MoE layer
-    assert _metric(base, "dp_served_moe_rounds_total") >= 10 * MAX_TOKENS
+    # rank 1 had no request, yet served every MoE round of rank 0: one per layer a step ran. The 40-token
+    # prompt is prefilled in chunks of 16 ending at 16, 32, 40; bounded replay runs the decoder layers only
+    # over the last window (positions 32-39), so the first two steps stop at the decoder boundary (layer 6 of
+    # 10) and rank 0 ends them early; then a full step, then MAX_TOKENS - 1 decode steps
+    assert _metric(base, "dp_served_moe_rounds_total") == 6 + 6 + 10 + 10 * (MAX_TOKENS - 1)
 
 
 def test_concurrent_requests_equal_single_device(server, reference):
