@@ -92,7 +92,7 @@ class RankEngine:
 
     def round(self, message: dict) -> dict:
         engine = self.engine
-        rejected = []
+        rejected, failed = [], []  # (request id, why): bad input (the client's 400) / this rank's failure
         for command in message["commands"]:
             if command[0] == "add":
                 _, request_id, prompt, params, images = command
@@ -113,14 +113,15 @@ class RankEngine:
                     log.exception("rank %d: engine step failed", self.rank)
                     for request_id in list(engine.requests):
                         engine.abort_request(request_id)
-                        rejected.append((request_id, f"engine step failed on rank {self.rank}: {exc}"))
+                        failed.append((request_id, f"engine step failed on rank {self.rank}: {exc}"))
                     outputs = []
             if self.experts is not None:
                 with self._numerics(), torch.inference_mode():
                     self.served_rounds += self.experts.end_step()
         metrics = engine.metrics()
         metrics["dp_served_moe_rounds_total"] = self.served_rounds
-        return {"outputs": outputs, "rejected": rejected, "unfinished": engine.has_unfinished(), "metrics": metrics}
+        return {"outputs": outputs, "rejected": rejected, "failed": failed, "unfinished": engine.has_unfinished(),
+                "metrics": metrics}
 
     def serve_forever(self) -> None:
         """A rank other than 0: take part in rounds until rank 0 says stop."""
@@ -218,10 +219,23 @@ class DataParallelFront(AsyncEngine):
         except BaseException as exc:  # noqa: BLE001 - a rank died or a collective failed: fail every client
             log.exception("the data-parallel engine group failed")
             self._failure = exc
+            error = f"the data-parallel engine group failed: {exc}"
             with self._lock:
                 streams = list(self._streams)
             for request_id in streams:
-                self._deliver(request_id, RuntimeError(f"the data-parallel engine group failed: {exc}"))
+                self._deliver(request_id, RuntimeError(error))
+            # until shutdown, fail what still arrives (a request that got past `generate`'s check just before
+            # the failure), so no client waits on a group that will never answer; is_alive() is False now
+            while not self._stop.is_set():
+                try:
+                    command = self._commands.get(timeout=1.0)
+                except queue.Empty:
+                    continue
+                if command[0] == "add":
+                    self._deliver(command[1], RuntimeError(error))
+
+    def is_alive(self) -> bool:
+        return super().is_alive() and self._failure is None
 
     def _one_round(self) -> None:
         stop = self._stop.is_set()
@@ -259,6 +273,9 @@ class DataParallelFront(AsyncEngine):
             for request_id, message in reply["rejected"]:
                 self._done(request_id)
                 self._deliver(request_id, ValueError(message))
+            for request_id, message in reply["failed"]:
+                self._done(request_id)
+                self._deliver(request_id, RuntimeError(message))
             for out in reply["outputs"]:
                 if out.finished:
                     self._done(out.request_id)
