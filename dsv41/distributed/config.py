@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dsv41.engine.config import EngineConfig
-
 
 @dataclass
 class ParallelConfig:
@@ -38,9 +36,3 @@ class ParallelConfig:
                              f"({self.data_parallel_size})")
         if self.heartbeat_s <= 0:
             raise ValueError(f"ParallelConfig.heartbeat_s must be > 0, got {self.heartbeat_s}")
-
-    def check_engine(self, config: EngineConfig) -> None:
-        """Refuse engine settings the data-parallel ranks do not support yet."""
-        if self.data_parallel_size > 1 and config.speculative:
-            raise ValueError("--speculative with --data-parallel-size > 1 is not supported yet (the drafter's "
-                             "MoE rounds under expert parallelism are untested)")

@@ -178,7 +178,6 @@ def serve_data_parallel(model: str, parallel, *, host: str = "127.0.0.1", port: 
 
     parallel.validate()
     engine_config = engine_config or EngineConfig()
-    parallel.check_engine(engine_config)
     world = parallel.data_parallel_size
     # ranks share the machine's cores unless told otherwise
     threads = threads or max(1, (os.cpu_count() or 1) // world)

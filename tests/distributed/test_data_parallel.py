@@ -75,7 +75,7 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _serve(expert_parallel: int = 2, torchrun: bool = False):
+def _serve(expert_parallel: int = 2, torchrun: bool = False, model: str = "tiny", extra: tuple = ()):
     """`dsv41 serve tiny` with two data-parallel ranks (and the experts split over them), as a user starts it
     (or under torchrun); (process, base URL)."""
     port = _free_port()
@@ -84,8 +84,8 @@ def _serve(expert_parallel: int = 2, torchrun: bool = False):
     if torchrun:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                     str(_free_port()), "-m", "dsv41.cli"]
-    cmd = launcher + ["serve", "tiny", "--data-parallel-size", "2", "--expert-parallel-size",
-                      str(expert_parallel), "--port", str(port), "--log-level", "warning", "--threads", "1"]
+    cmd = launcher + ["serve", model, "--data-parallel-size", "2", "--expert-parallel-size",
+                      str(expert_parallel), "--port", str(port), "--log-level", "warning", "--threads", "1", *extra]
     cmd += [a for k, v in ENGINE_ARGS.items() for a in ("--" + k.replace("_", "-"), str(v))]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
@@ -282,3 +282,50 @@ def test_torchrun_ranks_serve_as_spawned_ones(reference):
         while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in family):
             assert time.monotonic() < deadline, "a rank outlived torchrun"
             time.sleep(0.2)
+
+
+def test_speculative_decoding_across_ranks(tmp_path):
+    """--speculative under data and expert parallelism: the DSpark drafter's own MoE layers are sharded too
+    and their rounds interleave with the backbone's; every token and logprob is the single-device speculative
+    engine's (itself equal to plain decoding, tests/engine/test_speculative.py)."""
+    import dataclasses
+
+    from safetensors.torch import save_file
+
+    from dsv41.config import preset
+    from dsv41.model.init import init_random_weights
+    from dsv41.model.transformer import Transformer
+
+    base = preset("tiny")
+    cfg = dataclasses.replace(base, n_mtp_layers=2, compress_ratios=base.compress_ratios + (0, 0),
+                              dspark_block_size=4, dspark_noise_token_id=base.vocab_size - 1,
+                              dspark_target_layer_ids=(3, 6, 8), dspark_markov_rank=16, dspark_n_routed_experts=4,
+                              dspark_n_activated_experts=2)
+    model = init_random_weights(Transformer(cfg), seed=1)
+    save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, str(tmp_path / "model.safetensors"))
+    cfg.to_json(str(tmp_path / "config.json"))
+    names = ["a", "b", "c", "d"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = build_engine(str(tmp_path), EngineConfig(speculative=True, **ENGINE_ARGS))
+        want = {}
+        for n in names:
+            engine.add_request(n, PROMPTS[n], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0,
+                                                             ignore_eos=True))
+            want[n] = []
+        while engine.has_unfinished():
+            for o in engine.step():
+                want[o.request_id] += [lp.logprob for lp in o.new_logprobs]
+    finally:
+        torch.set_num_threads(threads)
+    assert engine.metrics()["spec_decode_draft_tokens_total"] > 0
+    with _serve(model=str(tmp_path), extra=("--speculative",)) as (_, base_url):
+        client = _client(base_url)
+        with ThreadPoolExecutor(len(names)) as pool:
+            got = dict(zip(names, pool.map(lambda n: client.completions.create(
+                model=os.path.basename(str(tmp_path)), prompt=PROMPTS[n], max_tokens=MAX_TOKENS, temperature=0,
+                logprobs=0, extra_body={"ignore_eos": True}).choices[0].logprobs.token_logprobs, names)))
+        assert got == want
+        assert _metric(base_url, "spec_decode_draft_tokens_total") == engine.metrics()["spec_decode_draft_tokens_total"]
+        assert _metric(base_url, "dp_rank1_requests_assigned_total") == 2

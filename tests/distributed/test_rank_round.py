@@ -65,6 +65,4 @@ def test_layouts_that_do_not_exist_are_refused_by_name():
         ParallelConfig(data_parallel_size=2, tensor_parallel_size=2).validate()
     with pytest.raises(ValueError, match="must be 1 \\(off\\) or equal to --data-parallel-size"):
         ParallelConfig(data_parallel_size=4, expert_parallel_size=2).validate()
-    with pytest.raises(ValueError, match="--speculative"):
-        ParallelConfig(data_parallel_size=2).check_engine(EngineConfig(speculative=True))
     ParallelConfig(data_parallel_size=2, expert_parallel_size=2).validate()
