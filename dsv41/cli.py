@@ -50,6 +50,25 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from dsv41.distributed.plan import format_plan, parse_size, plan, sequences_note
+
+    if args.preset:
+        name, cfg = args.preset, preset(args.preset)
+    else:
+        path = args.model
+        name, cfg = path, ModelConfig.from_file(path)
+    memory = parse_size(args.device_memory)
+    rows = plan(cfg, args.devices, memory, args.memory_utilization)
+    if args.json:
+        print(json.dumps({"config": name, "devices": args.devices, "device_memory": memory,
+                          "memory_utilization": args.memory_utilization, "layouts": rows}, indent=2))
+    else:
+        print(format_plan(name, args.devices, memory, args.memory_utilization, rows))
+        print(sequences_note(rows))
+    return 0 if any(r["fits"] and r["built"] for r in rows) else 1  # 1: nothing this engine runs fits
+
+
 # ---------------------------------------------------------------------------------------------- engine
 
 
@@ -396,6 +415,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a config.json (inference or Hugging Face form) to account instead of --preset")
     p_info.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p_info.set_defaults(func=cmd_info)
+
+    p_plan = sub.add_parser("plan", help="per-device weight bytes and KV capacity of each serving layout")
+    source = p_plan.add_mutually_exclusive_group(required=True)
+    source.add_argument("--preset", choices=sorted(PRESETS), help="a built-in config (flash: the release)")
+    source.add_argument("--model", metavar="PATH", help="a checkpoint folder or config.json")
+    p_plan.add_argument("--devices", type=_positive_int, required=True, metavar="N", help="devices (one rank each)")
+    p_plan.add_argument("--device-memory", required=True, metavar="SIZE",
+                        help="memory of one device, e.g. 141GB (10^9 bytes) or 80GiB (2^30)")
+    p_plan.add_argument("--memory-utilization", type=float, default=0.9, metavar="F",
+                        help="fraction of each device for weights + KV cache; the rest is left to activations "
+                             "and the runtime (vLLM's gpu_memory_utilization; default: 0.9)")
+    p_plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p_plan.set_defaults(func=cmd_plan)
 
     def model_args(p):
         p.add_argument("--preset", default="tiny", choices=RUNNABLE_PRESETS,
