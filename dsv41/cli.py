@@ -1,10 +1,12 @@
 """Command line.
 
 - `dsv41 info`: parameter and KV-cache accounting of a config;
+- `dsv41 plan`: per-device weight bytes and KV capacity of each serving layout (`dsv41.distributed.plan`);
 - `dsv41 generate`: one completion, streamed, then a tokens/s line;
 - `dsv41 chat`: a conversation read line by line from stdin (a terminal or a pipe), each reply
   streamed and followed by a tokens/s line; `/reset` starts over, `/exit` quits;
-- `dsv41 serve MODEL`: the OpenAI-compatible server (`dsv41.server`);
+- `dsv41 serve MODEL`: the OpenAI-compatible server (`dsv41.server`); with `--data-parallel-size D
+  [--expert-parallel-size D]` over D engine ranks (`dsv41.distributed`);
 - `dsv41 train`: pre-training (`dsv41.train`), every `TrainConfig` field an option;
 - `dsv41 data`: a training data folder (`dsv41.data.build`, which has its own parser);
 - `dsv41 eval ppl|passkey|niah|vartrack|recall|cost|all`: evaluations of a model (`dsv41.eval`,
