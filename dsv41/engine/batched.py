@@ -16,6 +16,7 @@ sequence's result does not depend on the other sequences in the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -38,6 +39,9 @@ class DecodeBatch:
     tables: torch.Tensor  # [B, max_blocks] int64, padded with each sequence's first block
     shared: dict = field(default_factory=dict)  # per-step selections: "topk" by index source, "candidate_blocks"
     memo: dict = field(default_factory=dict)  # per-step derived tensors, keyed by what they depend on
+    # when a dict: each ratio>1 compressor leaves its fp32 rows (kv [B, D], score [B, D]) of this step
+    # under its layer id (a speculative verify keeps them to rebuild partial groups after a rejection)
+    record_rows: Optional[dict] = None
 
     @classmethod
     def build(cls, caches: list, positions: list[int], device) -> "DecodeBatch":
@@ -151,6 +155,8 @@ def _compress(attn, x, batch: DecodeBatch, states: StatePool, pool: PagedKVPool)
         latent = latent[:, 0]
     else:
         kv, score = comp.wkv(x.float())[:, 0], comp.wgate(x.float())[:, 0]  # [B, D] fp32
+        if batch.record_rows is not None:
+            batch.record_rows[layer] = (kv, score)
         slot_in_group = pos % ratio
         states.group_kv[layer][slots, slot_in_group] = kv
         states.group_score[layer][slots, slot_in_group] = score

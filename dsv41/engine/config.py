@@ -73,6 +73,11 @@ class EngineConfig:
     speculative_min_confidence: float = field(default=0.0, metadata={"help": (
         "with --speculative, verify only the leading draft positions whose predicted acceptance (the "
         "drafter's confidence head, running product of sigmoids) is at least this; 0 verifies every draft")})
+    batched_verify: bool = field(default=True, metadata={"help": (
+        "with --speculative, verify every request's draft together: a draft of n tokens runs as n batched "
+        "decode steps of the attention (each request's i-th token in step i), each token computed exactly "
+        "as plain decoding computes it; --no-batched-verify attends each request's draft on its own "
+        "(the same tokens and bits; slower at large batches, kept to compare)")})
 
     logprobs_mode: str = field(default="raw", metadata={"choices": LOGPROBS_MODES, "help": (
         "what a request's logprobs describe: 'raw' the model's own distribution (OpenAI's logprobs); "

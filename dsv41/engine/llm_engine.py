@@ -62,7 +62,8 @@ class LLMEngine:
         self.states = StatePool(cfg, config.max_num_seqs, model.device, drafter=self.speculative)
         self.snapshots = SnapshotStore(config.max_snapshots if config.enable_prefix_caching else 0, config.window_ttl_s)
         self.runner = ModelRunner(model, config.row_chunk if config.batch_invariant else 0,
-                                  capture_hidden=self.speculative, record_routing=config.record_routing)
+                                  capture_hidden=self.speculative, record_routing=config.record_routing,
+                                  batched_verify=config.batched_verify)
         # built before the first request ('now'), or on a thread while the eager ops serve ('background')
         self.fused_kernels = model.prepare_kernels(config.fused_kernels)
         self.boundary = self.runner.boundary

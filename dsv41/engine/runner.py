@@ -67,8 +67,10 @@ class ModelRunner:
     mode, the model's own settings restored afterwards. None: the model's settings as they are."""
 
     def __init__(self, model: Transformer, row_chunk: Optional[int] = None, capture_hidden: bool = False,
-                 record_routing: bool = False):
+                 record_routing: bool = False, batched_verify: bool = True):
         self.model = model
+        # speculative verify chunks run as batched decode steps (`_decode_steps`); False: each on its own
+        self.batched_verify = batched_verify
         self.record_routing = record_routing  # keep every MoE layer's picks per chunk (Chunk.routing)
         self.cfg = model.cfg
         self.boundary = model.cfg.decoder_boundary
@@ -112,12 +114,11 @@ class ModelRunner:
         ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.int64, device=device).unsqueeze(0)
         positions = torch.cat([torch.arange(c.start, c.start + len(c.tokens)) for c in chunks])
         for c in chunks:
-            # a verify chunk attends each query at a lone decode's width (Attention._attend_at_lone_widths)
+            # an unbatched verify chunk attends each query at a lone decode's width (Attention._attend_at_lone_widths)
             c.shared, c.main_hidden, c.routing = {"lone_widths": True} if c.verify else {}, None, None
         record = RoutingRecord(ids_only=True) if self.record_routing else None
         rope_rows: dict = {}  # id(RotaryTable) -> (positions, its RoPE rows), for this forward
-        decodes = [c for c in chunks if c.decode]
-        batch = DecodeBatch.build([c.cache for c in decodes], [c.start for c in decodes], device) if decodes else None
+        steps = self._decode_steps(chunks, device)
         hash_ids = self._engram_hashes(chunks) if model.engram_hash is not None else None
 
         x, image_mask = self._embed(ids, chunks)
@@ -145,7 +146,7 @@ class ModelRunner:
             if i in self.targets:
                 hidden.append(dspark.main_hidden(h))  # [1, T, dim], the stream entering the block
             shared = {"token_calls": calls} if record is None else {"token_calls": calls, "moe_aux": record}
-            h, pre_mix = layer.run(h, pre_mix, lambda x: self._attend(layer.attn, x, positions, chunks, batch, rope_rows),
+            h, pre_mix = layer.run(h, pre_mix, lambda x: self._attend(layer.attn, x, positions, chunks, steps, rope_rows),
                                    shared, image_mask)
 
         if record is not None:
@@ -209,31 +210,78 @@ class ModelRunner:
         with torch.inference_mode():
             return self.model.embed_image(image)
 
+    def _decode_steps(self, chunks: list[Chunk], device) -> list[tuple[DecodeBatch, list[Chunk]]]:
+        """The decode-step batches of this forward's attention. Decode tokens run as one batched decode
+        step; a speculative verify chunk of n tokens runs as n consecutive decode steps (its i-th token in
+        step i, batched with every other chunk's i-th token), so each verified token is computed exactly
+        as the decode step it replaces would compute it, and all verify chunks share each step's ops."""
+        stepped = [c for c in chunks if c.decode or (c.verify and self.batched_verify)]
+        steps = []
+        for i in range(max((len(c.tokens) for c in stepped), default=0)):
+            members = [c for c in stepped if len(c.tokens) > i]
+            steps.append((DecodeBatch.build([c.cache for c in members], [c.start + i for c in members], device),
+                          members))
+        return steps
+
     def _attend(self, attn, x: torch.Tensor, positions: torch.Tensor, chunks: list[Chunk],
-                batch: DecodeBatch | None, rope_rows: dict) -> torch.Tensor:
+                steps: list[tuple[DecodeBatch, list[Chunk]]], rope_rows: dict) -> torch.Tensor:
         freqs = self._rope(attn, positions, rope_rows, x.device)
         qr, q, kv = attn.project(x, freqs)
-        outs, a, decode_at = [], 0, []
+        if not steps:
+            outs, a = [], 0
+            for c in chunks:
+                b = a + len(c.tokens)
+                outs.append(attn.attend(x[:, a:b], qr[:, a:b], q[:, a:b], kv[:, a:b], c.start, c.cache, c.shared))
+                a = b
+            return attn.output(torch.cat(outs, dim=1), freqs)
+        caches = steps[0][1][0].cache
+        states, pool = caches.states, caches.pool
+        if len(steps) == 1 and len(steps[0][1]) == x.size(1):  # a decode-only batch: token i is sequence i
+            o = decode_attend(attn, x[0].unsqueeze(1), qr[0].unsqueeze(1), q[0].unsqueeze(1), kv[0].unsqueeze(1),
+                              steps[0][0], states, pool)  # [B, 1, H, D]
+            return attn.output(o.view(1, o.size(0), *o.shape[2:]), freqs)  # [1, B, H, D]
+        out = q.new_empty(q.shape)  # [1, T, H, D]
+        offset, a = {}, 0
         for c in chunks:
             b = a + len(c.tokens)
-            if c.decode:
-                decode_at.append(a)
-                outs.append(None)
+            if c.decode or (c.verify and self.batched_verify):
+                offset[id(c)] = a
             else:
-                outs.append(attn.attend(x[:, a:b], qr[:, a:b], q[:, a:b], kv[:, a:b], c.start, c.cache, c.shared))
+                out[:, a:b] = attn.attend(x[:, a:b], qr[:, a:b], q[:, a:b], kv[:, a:b], c.start, c.cache, c.shared)
             a = b
-        if decode_at:
-            caches = batch.caches
-            if len(decode_at) == x.size(1):  # a decode-only batch: token i is sequence i, no gathers
-                o = decode_attend(attn, x[0].unsqueeze(1), qr[0].unsqueeze(1), q[0].unsqueeze(1), kv[0].unsqueeze(1),
-                                  batch, caches[0].states, caches[0].pool)  # [B, 1, H, D]
-                return attn.output(o.view(1, o.size(0), *o.shape[2:]), freqs)  # [1, B, H, D]
-            at = torch.tensor(decode_at, device=x.device)
-            o = decode_attend(attn, x[0, at].unsqueeze(1), qr[0, at].unsqueeze(1), q[0, at].unsqueeze(1),
-                              kv[0, at].unsqueeze(1), batch, caches[0].states, caches[0].pool)  # [B, 1, H, D]
-            rows = iter(o.transpose(0, 1).split(1, dim=1))
-            outs = [next(rows) if out is None else out for out in outs]
-        return attn.output(torch.cat(outs, dim=1), freqs)
+        kept = self._verify_group_rows(attn, steps, states)
+        for i, (batch, members) in enumerate(steps):
+            at = torch.tensor([offset[id(c)] + i for c in members], device=x.device)
+            batch.record_rows = {} if kept else None
+            out[0, at] = decode_attend(attn, x[0, at].unsqueeze(1), qr[0, at].unsqueeze(1), q[0, at].unsqueeze(1),
+                                       kv[0, at].unsqueeze(1), batch, states, pool)[:, 0]
+            if kept:
+                kv_rows, score_rows = batch.record_rows[attn.layer_id]  # [B_i, D] fp32
+                for row, c in enumerate(members):
+                    if id(c) in kept:
+                        kept[id(c)][1].append(kv_rows[row:row + 1])
+                        kept[id(c)][2].append(score_rows[row:row + 1])
+        for c in chunks:
+            if id(c) in kept:
+                first, kvs, scores = kept[id(c)]
+                c.cache.keep_group_rows(attn.layer_id, first, torch.cat(kvs).unsqueeze(0), torch.cat(scores).unsqueeze(0))
+        return attn.output(out, freqs)
+
+    @staticmethod
+    def _verify_group_rows(attn, steps, states) -> dict:
+        """For a ratio>1 compressor: each verify chunk that may roll back (`SequenceCache.keep_group_rows`)
+        gets its fp32 rows from its group's first position on: the group's pending rows as they are before
+        the chunk, then (appended by the caller) the row each decode step computes. Keyed by id(chunk):
+        (first position, kv rows, score rows)."""
+        if attn.compressor is None or attn.ratio < 2:
+            return {}
+        layer, ratio, kept = attn.layer_id, attn.ratio, {}
+        for c in steps[0][1]:
+            if c.verify and c.cache.keep_group_rows is not None:
+                pending, slot = c.start % ratio, c.cache.slot
+                kept[id(c)] = (c.start - pending, [states.group_kv[layer][slot, :pending].clone()],
+                               [states.group_score[layer][slot, :pending].clone()])
+        return kept
 
     def _skip_decoder(self, layer: Block, chunks: list[Chunk], h: torch.Tensor, pre_mix: torch.Tensor):
         """For positions below each chunk's decoder_from: write the boundary layer's compressed entries

@@ -338,3 +338,32 @@ def test_a_verified_token_gets_the_bits_of_a_decode_step_at_two_threads(monkeypa
     assert engine.metrics()["spec_decode_mean_emitted_per_step"] > 2  # verify chunks did the work
     assert spec == plain
     assert spec_lp == plain_lp  # bit for bit
+
+
+def test_batched_verify_gives_the_bits_of_per_request_verify(model, monkeypatch):
+    """Batched verify (issue 30: a draft of n tokens runs as n batched decode steps of the attention,
+    every request's i-th token in step i) against each request verified on its own: same tokens as plain
+    decoding and bit-identical logprobs, with sequences accepting different lengths in one step (so the
+    steps' batches shrink and rejected tails are rolled back from the rows the decode steps kept)."""
+    from dsv41.engine.runner import ModelRunner
+
+    batch = prompts([13, 30, 5, 47, 21], seed=4)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=0)
+    plain, plain_lp = _greedy_with_logprobs(make(model), batch, params)
+    oracle(monkeypatch, {tuple(p): t for p, t in zip(batch, plain)}, 0.25, seed=5)
+    widest = []
+    real = ModelRunner._decode_steps
+
+    def spy(self, chunks, device):
+        steps = real(self, chunks, device)
+        widest.append(max((len(members) for _, members in steps[1:]), default=0))
+        return steps
+
+    monkeypatch.setattr(ModelRunner, "_decode_steps", spy)
+    batched, batched_lp = _greedy_with_logprobs(make(model, speculative=True), batch, params)
+    assert max(widest) >= 3  # several requests' verify tokens shared a decode step
+    widest.clear()
+    alone, alone_lp = _greedy_with_logprobs(make(model, speculative=True, batched_verify=False), batch, params)
+    assert max(widest) == 0  # no verify token went through a batched decode step
+    assert batched == alone == plain
+    assert batched_lp == alone_lp == plain_lp  # bit for bit
