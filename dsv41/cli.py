@@ -1,10 +1,12 @@
 """Command line.
 
 - `dsv41 info`: parameter and KV-cache accounting of a config;
+- `dsv41 plan`: per-device weight bytes and KV capacity of each serving layout (`dsv41.distributed.plan`);
 - `dsv41 generate`: one completion, streamed, then a tokens/s line;
 - `dsv41 chat`: a conversation read line by line from stdin (a terminal or a pipe), each reply
   streamed and followed by a tokens/s line; `/reset` starts over, `/exit` quits;
-- `dsv41 serve MODEL`: the OpenAI-compatible server (`dsv41.server`);
+- `dsv41 serve MODEL`: the OpenAI-compatible server (`dsv41.server`); with `--data-parallel-size D
+  [--expert-parallel-size D]` over D engine ranks (`dsv41.distributed`);
 - `dsv41 train`: pre-training (`dsv41.train`), every `TrainConfig` field an option;
 - `dsv41 data`: a training data folder (`dsv41.data.build`, which has its own parser);
 - `dsv41 eval ppl|passkey|niah|vartrack|recall|cost|all`: evaluations of a model (`dsv41.eval`,
@@ -48,6 +50,25 @@ def cmd_info(args) -> int:
     else:
         print(format_table(name, acc))
     return 0
+
+
+def cmd_plan(args) -> int:
+    from dsv41.distributed.plan import format_plan, parse_size, plan, sequences_note
+
+    if args.preset:
+        name, cfg = args.preset, preset(args.preset)
+    else:
+        path = args.model
+        name, cfg = path, ModelConfig.from_file(path)
+    memory = parse_size(args.device_memory)
+    rows = plan(cfg, args.devices, memory, args.memory_utilization)
+    if args.json:
+        print(json.dumps({"config": name, "devices": args.devices, "device_memory": memory,
+                          "memory_utilization": args.memory_utilization, "layouts": rows}, indent=2))
+    else:
+        print(format_plan(name, args.devices, memory, args.memory_utilization, rows))
+        print(sequences_note(rows))
+    return 0 if any(r["fits"] and r["built"] for r in rows) else 1  # 1: nothing this engine runs fits
 
 
 # ---------------------------------------------------------------------------------------------- engine
@@ -108,6 +129,31 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
             _add_field_option(group, f, f"engine_{f.name}")
         except argparse.ArgumentError:  # the name is taken by a command option; the command's wins
             continue
+
+
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    from dsv41.distributed.config import ParallelConfig
+
+    group = p.add_argument_group(
+        "parallel layout (vLLM's option names)",
+        "--data-parallel-size D runs D engine ranks, one process each (spawned by serve; torchrun also works: "
+        "every process runs the same command and rank 0 serves HTTP). --expert-parallel-size D splits every MoE "
+        "layer's routed experts over those D ranks (EP over the DP ranks, as vLLM's --enable-expert-parallel "
+        "does); it must be 1 or D. Tensor parallelism and prefill/decode disaggregation are not built yet.")
+    for f in dataclasses.fields(ParallelConfig):
+        if "help" in f.metadata:
+            group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_positive_int, default=f.default,
+                               metavar="N", help=f"{f.metadata['help']} (default: {f.default})")
+
+
+def _parallel_config(args):
+    from dsv41.distributed.config import ParallelConfig
+
+    config = ParallelConfig(data_parallel_size=args.data_parallel_size,
+                            expert_parallel_size=args.expert_parallel_size,
+                            tensor_parallel_size=args.tensor_parallel_size)
+    config.validate()
+    return config
 
 
 def _engine_config(args):
@@ -323,6 +369,15 @@ def cmd_serve(args) -> int:
     if args.engine_fused_kernels is None:  # ready to answer at once; the kernels arrive a few seconds later
         args.engine_fused_kernels = "background"
     engine_config = _engine_config(args)
+    parallel = _parallel_config(args)
+    if parallel.data_parallel_size > 1:
+        from dsv41.server.run import serve_data_parallel
+
+        serve_data_parallel(args.model, parallel, host=args.host, port=args.port, engine_config=engine_config,
+                            seed=args.seed, max_waiting=args.max_waiting, served_model_name=args.served_model_name,
+                            log_level=args.log_level, api_key=args.api_key or None,
+                            max_request_bytes=args.max_request_bytes, threads=args.threads)
+        return 0
     _set_threads(args)
     serve(args.model, host=args.host, port=args.port, engine_config=engine_config, seed=args.seed,
           max_waiting=args.max_waiting, served_model_name=args.served_model_name, log_level=args.log_level,
@@ -362,6 +417,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a config.json (inference or Hugging Face form) to account instead of --preset")
     p_info.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p_info.set_defaults(func=cmd_info)
+
+    p_plan = sub.add_parser("plan", help="per-device weight bytes and KV capacity of each serving layout")
+    source = p_plan.add_mutually_exclusive_group(required=True)
+    source.add_argument("--preset", choices=sorted(PRESETS), help="a built-in config (flash: the release)")
+    source.add_argument("--model", metavar="PATH", help="a checkpoint folder or config.json")
+    p_plan.add_argument("--devices", type=_positive_int, required=True, metavar="N", help="devices (one rank each)")
+    p_plan.add_argument("--device-memory", required=True, metavar="SIZE",
+                        help="memory of one device, e.g. 141GB (10^9 bytes) or 80GiB (2^30)")
+    p_plan.add_argument("--memory-utilization", type=float, default=0.9, metavar="F",
+                        help="fraction of each device for weights + KV cache; the rest is left to activations "
+                             "and the runtime (vLLM's gpu_memory_utilization; default: 0.9)")
+    p_plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p_plan.set_defaults(func=cmd_plan)
 
     def model_args(p):
         p.add_argument("--preset", default="tiny", choices=RUNNABLE_PRESETS,
@@ -438,6 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_serve.add_argument("--threads", type=_positive_int, metavar="N", help=THREADS_HELP)
     p_serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                          help="server log verbosity (default: info)")
+    _add_parallel_args(p_serve)
     _add_engine_args(p_serve)
     p_serve.set_defaults(func=cmd_serve)
 

@@ -23,6 +23,7 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -44,6 +45,8 @@ class LoadReport:
     loaded: list[str] = field(default_factory=list)
     converted: dict[str, str] = field(default_factory=dict)  # name -> what was done
     skipped: list[str] = field(default_factory=list)  # present in the checkpoint, not used by this model
+    elsewhere: int = 0  # tensors another rank loads (a sharded load's `elsewhere`): never read here
+    bytes_read: int = 0  # bytes of the tensors read from the files, as stored
 
     def summary(self) -> str:
         lines = [f"loaded {len(self.loaded)} tensors, converted {len(self.converted)}"]
@@ -154,8 +157,10 @@ def _convert(name: str, tensor: torch.Tensor, target: torch.Tensor, scale: torch
     return tensor
 
 
-def load_weights(model: Transformer, path: str) -> LoadReport:
-    """Copy every tensor of the folder's safetensors files into `model`; raise on anything malformed."""
+def load_weights(model: Transformer, path: str, elsewhere: Optional[Callable[[str], bool]] = None) -> LoadReport:
+    """Copy every tensor of the folder's safetensors files into `model`; raise on anything malformed.
+    `elsewhere(name)`: True for the tensors another rank holds (expert parallelism): they are neither read
+    nor reported as unknown; only their names, from the file headers, are looked at."""
     params = dict(model.named_parameters())
     report = LoadReport()
     files = checkpoint_files(path)
@@ -171,9 +176,11 @@ def load_weights(model: Transformer, path: str) -> LoadReport:
     def read(name: str) -> torch.Tensor:
         file_index, key = where[name]
         try:
-            return handles[file_index].get_tensor(key)
+            tensor = handles[file_index].get_tensor(key)
         except SafetensorError as exc:
             raise ValueError(f"{files[file_index]}: cannot read {key!r} ({exc})") from exc
+        report.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
 
     consumed = set()
     for name, param in params.items():
@@ -201,7 +208,9 @@ def load_weights(model: Transformer, path: str) -> LoadReport:
     for name in where:
         if name in consumed:
             continue
-        if name.startswith(OPTIONAL_PART_PREFIXES):
+        if elsewhere is not None and elsewhere(name):
+            report.elsewhere += 1
+        elif name.startswith(OPTIONAL_PART_PREFIXES):
             report.skipped.append(name)
         else:
             unknown.append(name)

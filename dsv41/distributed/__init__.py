@@ -2,4 +2,7 @@
 
 - `expert_parallel`: routed experts split over ranks, tokens dispatched and combined with all-to-all,
   bit-identical to one device under the engine's batch-invariant numerics.
+- `data_parallel`: D engine ranks in lockstep (each its own requests, scheduler, KV pool and prefix cache),
+  rank 0 holding the HTTP front (`DataParallelFront`, an `AsyncEngine`); with expert parallelism over them.
+- `config`: `ParallelConfig`, the `dsv41 serve` layout options.
 """

@@ -32,6 +32,8 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._metrics: dict = engine.metrics()
         self._pending = 0  # submitted but not yet seen by the engine thread
+        # requests that can run at once (a data-parallel front: the sum over its ranks)
+        self.max_running = engine.config.max_num_seqs
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -85,7 +87,7 @@ class AsyncEngine:
                              f"{self.engine.max_model_len} tokens, prompt and output together")
         with self._lock:
             # requests that can start at once (free run slots) do not count against the waiting queue
-            free_slots = max(0, self.engine.config.max_num_seqs - self._metrics["running"])
+            free_slots = max(0, self.max_running - self._metrics["running"])
             if self._metrics["waiting"] + self._pending >= self.max_waiting + free_slots:
                 raise EngineBusy(f"{self.max_waiting} requests are already waiting")
             if request_id in self._streams:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -30,8 +30,11 @@ def build_engine(model: str, engine_config: Optional[EngineConfig] = None, seed:
     return LLMEngine(net, tokenizer, engine_config, model_name=name, seed=seed)
 
 
-def build_model(model: str, seed: int = 0, device: str | torch.device = "cpu") -> tuple[Transformer, object, str]:
-    """(model, tokenizer, served name) for a preset name or a checkpoint folder, as `build_engine` uses them."""
+def build_model(model: str, seed: int = 0, device: str | torch.device = "cpu",
+                load: Optional[Callable[[str], Transformer]] = None) -> tuple[Transformer, object, str]:
+    """(model, tokenizer, served name) for a preset name or a checkpoint folder, as `build_engine` uses them.
+    `load(folder)`: how a checkpoint folder's weights are read (default `dsv41.weights.load_model`; an
+    expert-parallel rank reads only its share, dsv41.distributed.sharded_load)."""
     if model in PRESETS:
         cfg = preset(model)
         with torch.device(device):
@@ -42,7 +45,7 @@ def build_model(model: str, seed: int = 0, device: str | torch.device = "cpu") -
     elif os.path.isdir(model):
         from dsv41.weights import checkpoint_run_info, load_model
 
-        net = load_model(model, device)
+        net = load_model(model, device) if load is None else load(model).to(device)
         cfg = net.cfg
         tokenizer = load_tokenizer(model, cfg.vocab_size)
         # a trained checkpoint records its run's name: its folder is always called "checkpoint"

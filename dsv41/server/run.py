@@ -117,3 +117,120 @@ class ServerThread:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def _while_ranks_live(work, children: list, what: str) -> None:
+    """Run `work()` (a collective that waits for every rank) while watching the spawned ranks: a rank that
+    dies first (a bad checkpoint, no memory) is one clear error here rather than a wait for gloo's timeout."""
+    failure: list = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            failure.append(exc)
+
+    def check() -> None:
+        for rank, child in enumerate(children, start=1):
+            if child.exitcode is not None:
+                raise ChildProcessError(f"data-parallel rank {rank} exited (code {child.exitcode}) while {what}; "
+                                        f"its error is printed above")
+
+    thread = threading.Thread(target=run, name="dsv41-rendezvous", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)
+        check()
+    if failure:
+        # a collective fails as soon as a peer's socket closes, often before that process has been reaped:
+        # wait a little for the rank that died, so the error names it rather than gloo's "connection closed"
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            check()
+            time.sleep(0.1)
+        raise failure[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_data_parallel(model: str, parallel, *, host: str = "127.0.0.1", port: int = 8000, engine_config=None,
+                        seed: int = 0, max_waiting: int = 64, served_model_name: Optional[str] = None,
+                        log_level: str = "info", api_key: Optional[str] = None,
+                        max_request_bytes: Optional[int] = None, threads: Optional[int] = None) -> None:
+    """`dsv41 serve --data-parallel-size D [--expert-parallel-size D]`: D engine ranks in lockstep
+    (dsv41.distributed.data_parallel) behind one HTTP front on rank 0. Started alone, this process is rank 0
+    and spawns ranks 1..D-1 (torch.multiprocessing, spawn); under torchrun (RANK and WORLD_SIZE set) every
+    process runs this and rank 0 serves HTTP. Ctrl-C stops the front, which stops the other ranks; spawned
+    ranks still alive 10 s later are terminated, so none is left behind."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    from dsv41.distributed.data_parallel import (DataParallelFront, RankEngine, build_rank_engine, init_group,
+                                                 worker_main)
+    from dsv41.engine import EngineConfig
+
+    parallel.validate()
+    engine_config = engine_config or EngineConfig()
+    world = parallel.data_parallel_size
+    # ranks share the machine's cores unless told otherwise
+    threads = threads or max(1, (os.cpu_count() or 1) // world)
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if under_torchrun:
+        rank = int(os.environ["RANK"])
+        if int(os.environ["WORLD_SIZE"]) != world:
+            raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes; --data-parallel-size is {world}")
+        if rank != 0:  # a worker rank: no HTTP
+            worker_main(rank, world, "env://", model, engine_config, seed, parallel, threads)
+            return
+        init_method = "env://"
+    else:
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+    sock = bind(host, port)
+    if not api_key and not is_loopback(host):
+        print(f"dsv41: WARNING: serving on {host}, reachable from other machines, without an API key; "
+              f"anyone who can reach it can use it. Set --api-key or DSV41_API_KEY.", file=sys.stderr, flush=True)
+    children: list = []
+    front = None
+    torch.set_num_threads(threads)
+    try:
+        if not under_torchrun:
+            context = mp.get_context("spawn")  # gloo under fork has deadlocked in other projects
+            for r in range(1, world):
+                child = context.Process(target=worker_main, name=f"dsv41-rank{r}",
+                                        args=(r, world, init_method, model, engine_config, seed, parallel, threads))
+                child.start()
+                children.append(child)
+        _while_ranks_live(lambda: init_group(0, world, init_method), children, "joining the process group")
+        engine = build_rank_engine(model, engine_config, seed, parallel)
+        _while_ranks_live(dist.barrier, children, "building its engine")
+        front = DataParallelFront(RankEngine(engine), parallel, max_waiting=max_waiting)
+        app = create_app(engine, front, served_model_name=served_model_name, max_waiting=max_waiting,
+                         api_key=api_key, max_request_bytes=max_request_bytes)
+        front.start()
+        layout = f"{world} data-parallel ranks" + (f", experts split {world} ways" if parallel.expert_parallel else "")
+        print(f"dsv41: serving {app.state.server.model_name} on {layout} (max_model_len {engine.max_model_len}) "
+              f"on http://{host}:{sock.getsockname()[1]}/v1" + (" (API key required)" if api_key else ""),
+              flush=True)
+        server = uvicorn.Server(uvicorn_config(app, log_level, timeout_graceful_shutdown=5))
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down gracefully and re-raises; exit quietly
+            pass
+    finally:
+        if front is not None:
+            front.shutdown()  # a stop round: the other ranks leave their loops and exit
+        for child in children:
+            child.join(timeout=10)
+            if child.is_alive():
+                child.terminate()
+                child.join(timeout=5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sock.close()

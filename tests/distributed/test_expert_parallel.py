@@ -1,5 +1,6 @@
 """Expert parallelism (dsv41.distributed.expert_parallel): two gloo ranks, each serving its own prompt with
-half of every layer's routed experts, give the logits one device gives each prompt, bit for bit."""
+half of every layer's routed experts, give the logits one device gives each prompt, bit for bit. Every rank
+ends every step with `end_step` (or `join_without_tokens` when it ran nothing), as the engine ranks do."""
 
 import os
 import socket
@@ -13,7 +14,7 @@ from dsv41.distributed.expert_parallel import expert_range
 from dsv41.model.init import init_random_weights
 from dsv41.model.transformer import Transformer
 
-PROMPTS = {0: 12, 1: 5}  # tokens per rank: uneven, so the all-to-all splits are uneven too
+PROMPTS = {0: 12, 1: 5, 2: 9, 3: 3}  # tokens per rank: uneven, so the all-to-all splits are uneven too
 
 
 def _model(name: str) -> Transformer:
@@ -32,7 +33,7 @@ def _logits(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
 def _rank(rank: int, world: int, port: int, name: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from dsv41.distributed.expert_parallel import join_without_tokens, shard_experts
+    from dsv41.distributed.expert_parallel import end_step, join_without_tokens, shard_experts
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -45,13 +46,17 @@ def _rank(rank: int, world: int, port: int, name: str, out_dir: str) -> None:
         kept = sum(p.numel() for p in model.parameters())
         ids = _prompt(rank, model.cfg.vocab_size)
         logits = _logits(model, ids)
-        # a second step in which rank 1 has nothing to do: it only joins every layer's exchange
-        if rank == 1:
+        with model.numerics(16), torch.inference_mode():
+            end_step(model)
+        # a second step in which only rank 0 has tokens: the others serve its rounds with their experts
+        if rank != 0:
             with model.numerics(16), torch.inference_mode():
-                join_without_tokens(model)
+                served = join_without_tokens(model)
             second = None
         else:
             second = _logits(model, _prompt(0, model.cfg.vocab_size))
+            with model.numerics(16), torch.inference_mode():
+                served = end_step(model)
         # the routed sum itself, in fp32 before any rounding: each token's outputs added in ascending expert
         # order, as MoE.forward adds them on one device (written out here, independently of the dispatcher)
         moe, ref = model.layers[1].ffn, whole.layers[1].ffn
@@ -63,7 +68,9 @@ def _rank(rank: int, world: int, port: int, name: str, out_dir: str) -> None:
             for e in range(len(ref.experts)):
                 token, slot = torch.where(indices == e)
                 single[token] += ref.experts[e](x[token], weights[token, slot, None])
-        torch.save({"logits": logits, "second": second, "total": total, "kept": kept, "routed_equal": torch.equal(routed, single)},
+            end_step(model)
+        torch.save({"logits": logits, "second": second, "total": total, "kept": kept, "served": served,
+                    "routed_equal": torch.equal(routed, single)},
                    f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -75,9 +82,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("name", ["tiny", pytest.param("small", marks=pytest.mark.slow)])
-def test_two_expert_parallel_ranks_give_one_device_logits(tmp_path, name):
-    world = 2
+@pytest.mark.parametrize("name,world", [("tiny", 2), pytest.param("small", 2, marks=pytest.mark.slow),
+                                        pytest.param("tiny", 4, marks=pytest.mark.slow)])
+def test_expert_parallel_ranks_give_one_device_logits(tmp_path, name, world):
     mp.get_context("spawn")  # gloo under fork has deadlocked elsewhere
     mp.start_processes(_rank, args=(world, _free_port(), name, str(tmp_path)), nprocs=world, start_method="spawn")
     model = _model(name)
@@ -91,8 +98,9 @@ def test_two_expert_parallel_ranks_give_one_device_logits(tmp_path, name):
         expert_params = sum(p.numel() for p in model.layers[0].ffn.experts[0].parameters()) * cfg.n_layers
         held = len(expert_range(cfg.n_routed_experts, rank, world))
         assert got["total"] - got["kept"] == expert_params * (cfg.n_routed_experts - held)
-    # rank 0's second forward ran while rank 1 had no tokens at all
+    # rank 0's second forward ran while the others had no tokens at all: each served one round per MoE layer
     assert torch.equal(torch.load(tmp_path / "rank0.pt")["second"], _logits(model, _prompt(0, cfg.vocab_size)))
+    assert [torch.load(tmp_path / f"rank{r}.pt")["served"] for r in range(world)] == [0] + [cfg.n_layers] * (world - 1)
 
 
 def test_expert_ranges_cover_every_expert_once():

@@ -1,0 +1,313 @@
+"""Data-parallel engine ranks in lockstep, with expert parallelism over them (issue 32;
+../shared/docs/serving-at-scale.md: "data-parallel attention + expert parallelism").
+
+D ranks, one process each, in one torch.distributed group (gloo on CPU). Each rank has a whole `LLMEngine`:
+its own scheduler, KV pool and prefix cache, its own requests. With expert parallelism (EP = D, vLLM's "EP
+over the DP ranks") each rank keeps only its share of every MoE layer's routed experts (`shard_experts`), so
+every forward needs the other ranks: every engine step is a collective step.
+
+A *round* (every rank runs one per loop iteration, rank 0 leading):
+1. rank 0 holds the HTTP front (`DataParallelFront`). It sends each rank its commands (new requests, which it
+   places on the rank with the fewest outstanding requests, and aborts) and whether this round steps, with
+   one `scatter_object_list`;
+2. every rank applies its commands; if the round steps, it runs `LLMEngine.step()` when it has work and then
+   `end_step`, which serves the other ranks' MoE rounds with its experts until every rank has finished its
+   own forwards (`dsv41.distributed.expert_parallel`): a rank with no work joins the MoE collectives, so
+   nobody stalls;
+3. one `gather_object` brings every rank's outputs, rejected requests, "still has work" flag and engine
+   metrics back to rank 0, which streams the outputs to their clients.
+
+The gathered flags are how the ranks agree whether anyone has work: rank 0 steps the next round only when
+some rank still has work or a command is on its way, and sends that decision to everyone in step 1, so all
+ranks step together or none does. When nobody has work rank 0 sleeps on its command queue and the other
+ranks sleep inside the scatter (a blocking socket read, no spinning); rank 0 still runs an empty round every
+`heartbeat_s` so an idle group notices a dead rank and never reaches gloo's collective timeout.
+
+A request's numerics do not depend on its rank or on what the others are doing: the engine's batch-invariant
+GEMMs make an expert's output for a row independent of the rows it shares a GEMM with, and the combine sums
+each token's expert outputs in the single-device order. So greedy tokens and logprobs are bit-identical to
+the single-device engine's (tests/distributed/test_data_parallel.py).
+
+torch.distributed carries everything between ranks (commands, outputs and the MoE rows), so the same code
+runs under `dsv41 serve --data-parallel-size D` (which spawns the ranks) and under torchrun.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from dsv41.distributed.config import ParallelConfig
+from dsv41.distributed.expert_parallel import ExpertParallel, dispatcher_of, shard_experts
+from dsv41.engine.async_engine import AsyncEngine
+from dsv41.engine.config import EngineConfig
+from dsv41.engine.llm_engine import LLMEngine
+
+log = logging.getLogger("dsv41.distributed")
+
+
+def build_rank_engine(model: str, engine_config: Optional[EngineConfig], seed: int, parallel: ParallelConfig,
+                      group: Optional[dist.ProcessGroup] = None) -> LLMEngine:
+    """This rank's engine: the model built as `build_engine` builds it (every rank draws the same random
+    weights from `seed`), its experts sharded over `group` when expert parallelism is on; from a checkpoint
+    folder a rank then reads only its own experts' tensors (`load_expert_shard`)."""
+    import functools
+    import os
+
+    from dsv41.distributed.sharded_load import load_expert_shard
+    from dsv41.engine.build import build_model
+
+    load = None
+    if parallel.expert_parallel and os.path.isdir(model):  # read only this rank's experts from the files
+        load = functools.partial(load_expert_shard, rank=dist.get_rank(group), world=dist.get_world_size(group))
+    net, tokenizer, name = build_model(model, seed, load=load)
+    net.eval()
+    if parallel.expert_parallel:
+        shard_experts(net, group)
+    # the engine's own generator draws the tokens of requests without a seed: one stream per rank, so two
+    # ranks given the same unseeded request at once do not sample the same tokens
+    return LLMEngine(net, tokenizer, engine_config, model_name=name, seed=seed + dist.get_rank(group))
+
+
+class RankEngine:
+    """One rank's part of a round (every rank, rank 0 included, runs `round`)."""
+
+    def __init__(self, engine: LLMEngine, group: Optional[dist.ProcessGroup] = None):
+        self.engine = engine
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.experts: Optional[ExpertParallel] = dispatcher_of(engine.model)
+        self.served_rounds = 0  # MoE rounds this rank computed for others after its own work (end_step)
+
+    def _numerics(self):
+        """The numerics the runner's forwards use: end_step computes other ranks' rows and must give the
+        bits their own forward would."""
+        row_chunk = self.engine.runner.row_chunk
+        return contextlib.nullcontext() if row_chunk is None else self.engine.model.numerics(row_chunk)
+
+    def round(self, message: dict) -> dict:
+        engine = self.engine
+        rejected, failed = [], []  # (request id, why): bad input (the client's 400) / this rank's failure
+        for command in message["commands"]:
+            if command[0] == "add":
+                _, request_id, prompt, params, images = command
+                try:
+                    engine.add_request(request_id, prompt, params, images)
+                except ValueError as exc:
+                    rejected.append((request_id, str(exc)))
+            elif command[0] == "abort":
+                engine.abort_request(command[1])
+        outputs = []
+        if message["step"]:
+            if engine.has_unfinished():
+                try:
+                    outputs = engine.step()
+                except Exception as exc:  # noqa: BLE001
+                    # as AsyncEngine: the engine isolates a failing request itself; what still gets here is a
+                    # bookkeeping bug, and must not hang every client (nor leave this rank's round half done)
+                    log.exception("rank %d: engine step failed", self.rank)
+                    for request_id in list(engine.requests):
+                        engine.abort_request(request_id)
+                        failed.append((request_id, f"engine step failed on rank {self.rank}: {exc}"))
+                    outputs = []
+            if self.experts is not None:
+                with self._numerics(), torch.inference_mode():
+                    self.served_rounds += self.experts.end_step()
+        metrics = engine.metrics()
+        metrics["dp_served_moe_rounds_total"] = self.served_rounds
+        return {"outputs": outputs, "rejected": rejected, "failed": failed, "unfinished": engine.has_unfinished(),
+                "metrics": metrics}
+
+    def serve_forever(self) -> None:
+        """A rank other than 0: take part in rounds until rank 0 says stop."""
+        if self.rank == 0:
+            raise RuntimeError("rank 0 leads the rounds (DataParallelFront); serve_forever is for the others")
+        while True:
+            box = [None]
+            dist.scatter_object_list(box, None, src=0, group=self.group)
+            message = box[0]
+            if message["stop"]:
+                return
+            dist.gather_object(self.round(message), None, dst=0, group=self.group)
+
+
+# metrics that are ratios or rates of the summed counters: recomputed after summing, not summed
+_RATIOS = {"kv_usage": ("kv_blocks_used", "kv_blocks_total"),
+           "prefix_cache_hit_rate": ("prefix_cache_hit_tokens", "prefix_cache_queried_tokens")}
+
+
+def combine_metrics(per_rank: list[dict]) -> dict:
+    """The group's engine metrics: counts summed over the ranks, ratios recomputed from the sums, other
+    non-additive figures (per-token bytes, acceptance rates) averaged over the ranks; and each rank's own
+    waiting/running/finished counts as rank<r>_* keys."""
+    out: dict = {}
+    for key in per_rank[0]:
+        values = [m[key] for m in per_rank if isinstance(m.get(key), (int, float))]
+        if not values:
+            continue
+        if key in _RATIOS:
+            num, den = _RATIOS[key]
+            total = sum(m[den] for m in per_rank)
+            out[key] = sum(m[num] for m in per_rank) / total if total else 0.0
+        elif key.endswith(("_per_token", "_rate", "_per_step")) or "_rate_position_" in key:
+            out[key] = sum(values) / len(values)
+        else:
+            out[key] = sum(values)
+    for r, m in enumerate(per_rank):
+        out[f"dp_rank{r}_waiting"] = m["waiting"]
+        out[f"dp_rank{r}_running"] = m["running"]
+        out[f"dp_rank{r}_requests_finished_total"] = m["requests_finished_total"]
+    return out
+
+
+class DataParallelFront(AsyncEngine):
+    """Rank 0's `AsyncEngine`: the server's interface (generate, abort, metrics, is_alive) over the whole
+    group. Its engine thread leads the rounds; `engine` is rank 0's own `LLMEngine` (the tokenizer and model
+    facts the server reads are the same on every rank)."""
+
+    def __init__(self, rank: RankEngine, parallel: ParallelConfig, max_waiting: int = 64):
+        super().__init__(rank.engine, max_waiting=max_waiting)
+        if rank.rank != 0:
+            raise ValueError("the front runs on rank 0")
+        self.rank0 = rank
+        self.group = rank.group
+        self.world = dist.get_world_size(self.group)
+        self.parallel = parallel
+        self.max_running = self.world * rank.engine.config.max_num_seqs
+        self._owner: dict[str, int] = {}  # request id -> the rank serving it
+        self._outstanding = [0] * self.world
+        self._assigned = [0] * self.world
+        self._busy = False  # some rank had work at the end of the last round
+        self._failure: Optional[BaseException] = None
+        self._metrics = combine_metrics([self._metrics])  # rank 0's until the first round reports every rank's
+        self._stopped = False
+
+    async def generate(self, request_id, prompt_token_ids, params, images=None):
+        if self._failure is not None:
+            raise RuntimeError(f"the data-parallel engine group has failed: {self._failure}")
+        async for out in super().generate(request_id, prompt_token_ids, params, images):
+            yield out
+
+    def metrics(self) -> dict:
+        m = super().metrics()
+        for r in range(self.world):
+            m[f"dp_rank{r}_requests_assigned_total"] = self._assigned[r]
+        return m
+
+    def _place(self, request_id: str) -> int:
+        """Least outstanding requests; ties to the lowest rank."""
+        rank = min(range(self.world), key=lambda r: (self._outstanding[r], r))
+        self._owner[request_id] = rank
+        self._outstanding[rank] += 1
+        self._assigned[rank] += 1
+        return rank
+
+    def _done(self, request_id: str) -> None:
+        rank = self._owner.pop(request_id, None)
+        if rank is not None:
+            self._outstanding[rank] -= 1
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopped:
+                self._one_round()
+        except BaseException as exc:  # noqa: BLE001 - a rank died or a collective failed: fail every client
+            log.exception("the data-parallel engine group failed")
+            self._failure = exc
+            error = f"the data-parallel engine group failed: {exc}"
+            with self._lock:
+                streams = list(self._streams)
+            for request_id in streams:
+                self._deliver(request_id, RuntimeError(error))
+            # until shutdown, fail what still arrives (a request that got past `generate`'s check just before
+            # the failure), so no client waits on a group that will never answer; is_alive() is False now
+            while not self._stop.is_set():
+                try:
+                    command = self._commands.get(timeout=1.0)
+                except queue.Empty:
+                    continue
+                if command[0] == "add":
+                    self._deliver(command[1], RuntimeError(error))
+
+    def is_alive(self) -> bool:
+        return super().is_alive() and self._failure is None
+
+    def _one_round(self) -> None:
+        stop = self._stop.is_set()
+        commands: list = []
+        if not stop:
+            try:
+                if self._busy:
+                    commands.append(self._commands.get_nowait())
+                else:  # nobody has work: sleep here until a request (or the heartbeat) comes
+                    commands.append(self._commands.get(timeout=self.parallel.heartbeat_s))
+                while True:
+                    commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                pass
+        per_rank: list[list] = [[] for _ in range(self.world)]
+        adds = 0
+        for command in commands:
+            if command[0] == "add":
+                per_rank[self._place(command[1])].append(command)
+                adds += 1
+            elif command[0] == "abort" and command[1] in self._owner:
+                per_rank[self._owner[command[1]]].append(command)
+        stop = stop or self._stop.is_set()
+        step = not stop and (self._busy or any(per_rank))
+        messages = [{"commands": c, "step": step, "stop": stop} for c in per_rank]
+        box = [None]
+        dist.scatter_object_list(box, messages, src=0, group=self.group)
+        if stop:
+            self._stopped = True
+            return
+        replies: list = [None] * self.world
+        mine = self.rank0.round(box[0])
+        dist.gather_object(mine, replies, dst=0, group=self.group)
+        for reply in replies:
+            for request_id, message in reply["rejected"]:
+                self._done(request_id)
+                self._deliver(request_id, ValueError(message))
+            for request_id, message in reply["failed"]:
+                self._done(request_id)
+                self._deliver(request_id, RuntimeError(message))
+            for out in reply["outputs"]:
+                if out.finished:
+                    self._done(out.request_id)
+                self._deliver(out.request_id, out)
+        self._busy = any(reply["unfinished"] for reply in replies)
+        with self._lock:  # hand the requests from "pending" to the ranks' "waiting" in one move
+            self._pending -= adds
+            self._metrics = combine_metrics([reply["metrics"] for reply in replies])
+
+
+def init_group(rank: int, world: int, init_method: str, timeout_s: float = 1800.0) -> None:
+    """Join the gloo group (CPU transport; NCCL is for a GPU run, not built yet)."""
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def worker_main(rank: int, world: int, init_method: str, model: str, engine_config: Optional[EngineConfig],
+                seed: int, parallel: ParallelConfig, threads: Optional[int] = None) -> None:
+    """The process of a rank other than 0 (spawned by `dsv41 serve`, or started by torchrun)."""
+    import signal
+
+    # Ctrl-C reaches the whole process group; rank 0 stops the workers (a stop round), so they ignore it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if threads:
+        torch.set_num_threads(threads)
+    if not dist.is_initialized():
+        init_group(rank, world, init_method)
+    try:
+        engine = build_rank_engine(model, engine_config, seed, parallel)
+        dist.barrier()  # ready: rank 0 starts serving once every rank has built its engine
+        RankEngine(engine).serve_forever()
+    finally:
+        dist.destroy_process_group()
