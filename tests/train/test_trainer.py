@@ -72,7 +72,8 @@ def test_router_bias_moves_per_modality():
 
     trainer = Trainer.__new__(Trainer)  # only the model, config and process group matter here
     trainer.model = Transformer(tiny().replace(vision_n_layers=1))
-    trainer.cfg, trainer.distributed = TrainConfig(bias_rate=0.01), False
+    # the release's sign rule on purpose (the recipe's look-ahead sets the text bias before the step instead)
+    trainer.cfg, trainer.distributed = TrainConfig(bias_rate=0.01, balance="release").resolved(), False
     text = torch.tensor([9.0, 1, 1, 1, 1, 1, 1, 1])  # expert 0 overloaded
     image = torch.tensor([0.0, 0, 0, 0, 0, 0, 0, 8])  # expert 7 overloaded
     ratios, natural = trainer._update_router_bias({("bias", 2): text, ("bias_vl", 2): image,
