@@ -23,7 +23,9 @@ def test_loss_falls_and_the_checkpoint_serves(tiny_corpus, tmp_path):
     import dsv41
     from dsv41.engine import SamplingParams, build_engine
 
-    Trainer(config(tiny_corpus, tmp_path)).run()
+    # the release's rule, which the 0.3 drop was set under: the default recipe's N(0, 1) embedding starts
+    # slower (5.89 -> 5.80 over these 12 steps; docs/moe-balancing.md), and this test is about the trainer
+    Trainer(config(tiny_corpus, tmp_path, balance="release")).run()
     lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     assert [x["step"] for x in lines] == list(range(1, 13))
     first, last = lines[0], lines[-1]
