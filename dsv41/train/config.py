@@ -8,6 +8,19 @@ from typing import Optional
 
 
 NS_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+BIAS_UPDATES = ("sign", "proportional", "lookahead")
+
+# --balance: the defaults of the four routing options it covers. "recipe" is what docs/moe-balancing.md
+# chose and measured at our scale; "release" is V4.1's own rule, kept as the flash preset's default so a
+# release-scale run trains as published. --bias-rate is left out: both rules use 1e-3 (the look-ahead sets
+# the text bias outright; the rate still moves the image-span bias).
+BALANCE_RULES = {
+    "recipe": {"embed_init_std": 1.0, "bias_update": "lookahead", "decorrelate_router": True,
+               "capacity_factor": 1.5},
+    "release": {"embed_init_std": 0.02, "bias_update": "sign", "decorrelate_router": False,
+                "capacity_factor": 0.0},
+}
+RELEASE_PRESETS = ("flash",)  # presets whose --balance default is "release"
 
 
 @dataclass
@@ -58,33 +71,44 @@ class TrainConfig:
         "probability per step of simulating the engine's bounded-replay prefill for the decoder layers")})
     kl_weight: float = field(default=1.0, metadata={"metavar": "W", "help": (
         "weight of the indexer's KL loss, which trains the indexer's scores towards the attention's")})
+    balance: Optional[str] = field(default=None, metadata={"choices": tuple(BALANCE_RULES), "help": (
+        "the MoE routers' balancing, the default of --embed-init-std, --bias-update, --decorrelate-router and "
+        "--capacity-factor (each of which, given, wins): 'recipe' (embedding std 1.0, look-ahead bias, "
+        "decorrelated routers, capacity 1.5) keeps every expert's load near the mean at the scale trained "
+        "here, where the release's rule collapses the routing within ten steps (docs/moe-balancing.md); "
+        "'release' (embedding std 0.02, sign bias at --bias-rate, no decorrelation, no capacity bound) is "
+        "V4.1's published rule, made for million-token batches and a 2,000-step warm-up (default: 'release' "
+        "for the flash preset, 'recipe' for every other)")})
     balance_weight: float = field(default=1e-4, metadata={"metavar": "W", "help": (
         "weight of the sequence-wise MoE balance loss")})
     bias_rate: float = field(default=1e-3, metadata={"metavar": "RATE", "help": (
         "per-step size of the aux-loss-free update of the routers' selection bias")})
-    bias_update: str = field(default="sign", metadata={"choices": ("sign", "proportional", "lookahead"), "help": (
+    bias_update: Optional[str] = field(default=None, metadata={"choices": BIAS_UPDATES, "help": (
         "how the routers' selection bias follows the expert loads: 'sign' adds --bias-rate * sign(mean - "
         "load) after each step (the release's rule); 'proportional' adds --bias-rate * (mean - load) / mean; "
         "'lookahead' routes a probe batch with the weights the step will use and sets the text bias to the "
-        "one that balances it (see dsv41.train.balance)")})
+        "one that balances it (see dsv41.train.balance) (default: from --balance: lookahead under 'recipe', "
+        "sign under 'release')")})
     probe_sequences: Optional[int] = field(default=None, metadata={"metavar": "N", "help": (
         "sequences (per process) of the look-ahead probe batch (default: --batch-size). A larger probe fits "
         "a bias that transfers better to the step's own batch, at the cost of a longer no-grad forward")})
-    capacity_factor: float = field(default=0.0, metadata={"metavar": "F", "help": (
+    capacity_factor: Optional[float] = field(default=None, metadata={"metavar": "F", "help": (
         "bound every expert's tokens in a training step to F x the mean load (per router call: "
         "ceil(F x tokens x top-k / experts)); a token over the bound goes to its next choice. 0 (the "
-        "release's way) routes freely. Training only: inference always routes freely")})
-    embed_init_std: float = field(default=0.02, metadata={"metavar": "STD", "help": (
+        "release's way) routes freely. Training only: inference always routes freely (default: from "
+        "--balance: 1.5 under 'recipe', 0 under 'release')")})
+    embed_init_std: Optional[float] = field(default=None, metadata={"metavar": "STD", "help": (
         "standard deviation of the token embedding's initial values (the other matrices start at 0.02). "
         "At 0.02 the blocks' outputs (window averages) soon outweigh the token in the residual stream and "
-        "the MoE routers see one shared vector; 1.0 keeps the router inputs token-specific")})
+        "the MoE routers see one shared vector; 1.0 keeps the router inputs token-specific (default: from "
+        "--balance: 1.0 under 'recipe', 0.02 under 'release')")})
     shared_input_weight: float = field(default=0.0, metadata={"metavar": "W", "help": (
         "weight of a loss on every MoE router input's component shared by the tokens of a sequence "
         "(its fraction of the input's energy), which otherwise grows until all tokens pick the same experts")})
-    decorrelate_router: bool = field(default=False, metadata={"help": (
+    decorrelate_router: Optional[bool] = field(default=None, metadata={"help": (
         "remove from every router matrix its response to the mean router input (of the probe batch under "
         "'lookahead', else of the step), so a component shared by all tokens cannot rank the experts alike "
-        "for all of them")})
+        "for all of them (default: from --balance: on under 'recipe', off under 'release')")})
     eval_every: int = field(default=100, metadata={"metavar": "STEPS", "help": (
         "compute the validation loss every this many steps (and at the last)")})
     eval_batches: int = field(default=8, metadata={"metavar": "N", "help": (
@@ -103,7 +127,27 @@ class TrainConfig:
     allow_config_change: bool = field(default=False, metadata={"help": (
         "resume even if flags that change the run differ from the saved run's")})
 
+    @property
+    def balance_rule(self) -> str:
+        """--balance as given, else the preset's: the release's rule for the release preset, the recipe for
+        the presets small enough to train here (with the release's rule they collapse: moe-balancing.md)."""
+        if self.balance is not None:
+            return self.balance
+        return "release" if self.preset in RELEASE_PRESETS else "recipe"
+
+    def resolved(self) -> "TrainConfig":
+        """A copy with --balance and every option it covers filled in (options given explicitly keep their
+        value). The trainer runs and saves this copy, so a resume compares concrete values: a run saved
+        under one rule refuses to continue under the other."""
+        if self.balance not in (None, *BALANCE_RULES):
+            raise ValueError(f"TrainConfig.balance must be one of {sorted(BALANCE_RULES)} or None, "
+                             f"got {self.balance!r}")
+        rule = self.balance_rule
+        filled = {name: value for name, value in BALANCE_RULES[rule].items() if getattr(self, name) is None}
+        return dataclasses.replace(self, balance=rule, **filled)
+
     def validate(self) -> None:
+        self = self.resolved()  # the balancing options as the trainer will use them
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_batches", "save_every",
                      "log_every"):
             if getattr(self, name) <= 0:
@@ -114,7 +158,7 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.device must be auto, cpu or cuda, got {self.device!r}")
         if self.ns_dtype not in NS_DTYPES:
             raise ValueError(f"TrainConfig.ns_dtype must be one of {sorted(NS_DTYPES)}, got {self.ns_dtype!r}")
-        if self.bias_update not in ("sign", "proportional", "lookahead"):
+        if self.bias_update not in BIAS_UPDATES:
             raise ValueError(f"TrainConfig.bias_update must be sign, proportional or lookahead, got {self.bias_update!r}")
         if self.capacity_factor != 0 and self.capacity_factor < 1:
             raise ValueError(f"TrainConfig.capacity_factor must be 0 (off) or >= 1, got {self.capacity_factor}")

@@ -97,6 +97,7 @@ class Trainer:
         """datasets: optional (train, val) sets with the interface of `dsv41.vision.synthetic.SyntheticImageText`
         (batch, sequential_batches; batches with x, y (-100 outside the targets), images, tasks) over a byte
         tokenizer (`.tokenizer`, whose size becomes the vocabulary), replacing --data (`dsv41 rl sft`)."""
+        cfg = cfg.resolved()  # --balance's defaults filled in: the run and its saved config use concrete values
         cfg.validate()
         self.cfg = cfg
         if cfg.threads:

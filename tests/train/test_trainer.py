@@ -23,7 +23,9 @@ def test_loss_falls_and_the_checkpoint_serves(tiny_corpus, tmp_path):
     import dsv41
     from dsv41.engine import SamplingParams, build_engine
 
-    Trainer(config(tiny_corpus, tmp_path)).run()
+    # the release's rule, which the 0.3 drop was set under: the default recipe's N(0, 1) embedding starts
+    # slower (5.89 -> 5.80 over these 12 steps; docs/moe-balancing.md), and this test is about the trainer
+    Trainer(config(tiny_corpus, tmp_path, balance="release")).run()
     lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     assert [x["step"] for x in lines] == list(range(1, 13))
     first, last = lines[0], lines[-1]
@@ -72,7 +74,8 @@ def test_router_bias_moves_per_modality():
 
     trainer = Trainer.__new__(Trainer)  # only the model, config and process group matter here
     trainer.model = Transformer(tiny().replace(vision_n_layers=1))
-    trainer.cfg, trainer.distributed = TrainConfig(bias_rate=0.01), False
+    # the release's sign rule on purpose (the recipe's look-ahead sets the text bias before the step instead)
+    trainer.cfg, trainer.distributed = TrainConfig(bias_rate=0.01, balance="release").resolved(), False
     text = torch.tensor([9.0, 1, 1, 1, 1, 1, 1, 1])  # expert 0 overloaded
     image = torch.tensor([0.0, 0, 0, 0, 0, 0, 0, 8])  # expert 7 overloaded
     ratios, natural = trainer._update_router_bias({("bias", 2): text, ("bias_vl", 2): image,
