@@ -48,6 +48,7 @@ def test_sizes_parse_in_both_units_and_bad_ones_are_named():
         parse_size("lots")
 
 
+@pytest.mark.slow  # a whole training/planning run (~15-50 s); the slow tier, which CI runs
 def test_the_release_on_eight_devices(capsys):
     """flash keeps two ~98 GB Engram tables; whole on every rank (what this engine does) they do not fit a
     141 GB device even with the experts split eight ways; sharded or in host memory they would."""

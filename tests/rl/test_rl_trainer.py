@@ -23,6 +23,7 @@ def _rows(out):
     return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
 
 
+@pytest.mark.slow  # a whole training/planning run (~15-50 s); the slow tier, which CI runs
 def test_a_grpo_run_writes_its_folder_and_resumes(tmp_path):
     out = str(tmp_path / "run")
     RLTrainer(RLConfig(out=out, **FAST)).run()
@@ -53,6 +54,7 @@ def _reverse_kl(student, teacher, ids) -> float:
     return float((log_s.exp() * (log_s - log_t)).sum(-1).mean())
 
 
+@pytest.mark.slow  # a whole training/planning run (~15-50 s); the slow tier, which CI runs
 def test_a_distillation_run_lowers_nothing_it_should_not(tmp_path):
     """A student (seed 0) distilled from a teacher of another initialisation (seed 7): the teacher is left
     as it was, in the trainer and on disk; the student's weights moved; and its reverse KL to the teacher

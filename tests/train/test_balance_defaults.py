@@ -98,6 +98,7 @@ def worst_per_layer(rows: list[dict], key: str) -> list[float]:
 FAST_STEPS, FAST_TAIL = 10, 5
 
 
+@pytest.mark.slow  # a whole training/planning run (~15-50 s); the slow tier, which CI runs
 def test_a_default_run_balances_and_the_release_rule_still_collapses(tiny_corpus, tmp_path):
     """The default-tier version of the issue's bar (the slow test below runs the issue's own command):
     tiny on the test corpus, 10 steps of 8 x 64 tokens. Default flags keep every MoE layer's max/mean load,

@@ -66,6 +66,7 @@ def test_routing_table_from_the_given_step(tmp_path):
     assert summarize(load_runs([legacy]))["runs"]["old"]["routing"] is None
 
 
+@pytest.mark.slow  # a whole training/planning run (~15-50 s); the slow tier, which CI runs
 def test_served_loss_matches_the_training_forward_of_the_same_weights(tiny_corpus, tmp_path):
     """--served scores the checkpoint through the inference forward (quantised cache, top-k selection).
     The trainer's last validation ran the training forward (QAT fake-quantisation, the same top-k) on the

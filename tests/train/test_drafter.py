@@ -4,6 +4,7 @@ with speculation, greedy output identical to plain decoding."""
 
 import os
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -73,6 +74,7 @@ def test_no_gradient_reaches_the_backbone(tiny_corpus, tmp_path):
         assert torch.equal(backbone(x, 0, None), target)
 
 
+@pytest.mark.slow  # a whole training/planning run (~15-50 s); the slow tier, which CI runs
 def test_drafter_learns_and_the_checkpoint_serves_speculatively(tiny_corpus, tmp_path):
     from dsv41.engine import EngineConfig, SamplingParams, build_engine
 

@@ -3,6 +3,7 @@
 import json
 import os
 
+import pytest
 import torch
 
 from dsv41.train import TrainConfig, Trainer
@@ -19,6 +20,7 @@ def config(data, out, **kw):
     return TrainConfig(**base)
 
 
+@pytest.mark.slow  # a whole training/planning run (~15-50 s); the slow tier, which CI runs
 def test_loss_falls_and_the_checkpoint_serves(tiny_corpus, tmp_path):
     import dsv41
     from dsv41.engine import SamplingParams, build_engine

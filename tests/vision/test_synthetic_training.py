@@ -159,6 +159,7 @@ def test_training_forward_with_images_trains_the_vit_and_matches_inference():
         forward_train(trainable, batch.x, images=batch.images, token_types=types >= 0)
 
 
+@pytest.mark.slow  # a whole training/planning run (~15-50 s); the slow tier, which CI runs
 def test_train_images_synthetic_end_to_end(tmp_path):
     """A few steps of `dsv41 train --images synthetic`: the loss falls on a fixed batch order, the
     evaluation reports accuracy per task, and the checkpoint loads with its vision tower."""
