@@ -24,7 +24,7 @@ from dsv41 import ops
 from dsv41.engine.kv_pool import PagedKVPool
 from dsv41.engine.sequence import StatePool
 from dsv41.model.attention import ring_ids
-from dsv41.ops.quant import FP4_BLOCK, KV_FP4_BLOCK, fp8_dequant, fp8_quant
+from dsv41.ops.quant import FP4_BLOCK, KV_FP4_BLOCK, fp4_quant_rounded, fp8_dequant, fp8_quant
 
 
 @dataclass
@@ -173,9 +173,10 @@ def _compress(attn, x, batch: DecodeBatch, states: StatePool, pool: PagedKVPool)
     freqs = attn.rope.at(group * ratio, x.device)  # a group is stamped with its first token
     latent = latent.unsqueeze(0)  # [1, C, D]: one row of C groups at their own positions
     keys = attn.indexer.make_keys(latent, freqs)[0] if attn.indexer is not None else None
-    latent = ops.fp4_qdq(ops.apply_rope(latent, freqs, attn.rope_dim), KV_FP4_BLOCK, "e4m3")[0]
+    # quantised once from the unrounded latent: its codes decode to exactly the model's fp4_qdq values
+    kv = ops.fp4_quant(ops.apply_rope(latent, freqs, attn.rope_dim)[0], KV_FP4_BLOCK, "e4m3")
     rows = pool.rows_batched(layer, batch.tables[done], group.unsqueeze(1))[:, 0]
-    pool.write_rows(layer, rows, latent, keys)
+    pool.write_packed(layer, rows, kv, None if keys is None else fp4_quant_rounded(keys, FP4_BLOCK, "ue8m0"))
 
 
 def _select(attn, x, qr, batch: DecodeBatch, pool: PagedKVPool) -> torch.Tensor:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv41.config import ModelConfig
-from dsv41.ops.quant import FP4_BLOCK, KV_FP4_BLOCK, fp4_dequant_bf16, fp4_quant
+from dsv41.ops.quant import FP4_BLOCK, KV_FP4_BLOCK, fp4_dequant_bf16, fp4_quant_rounded
 
 
 class PoolExhausted(RuntimeError):
@@ -84,14 +84,20 @@ class PagedKVPool:
         return tables.gather(1, entries // per) * per + entries % per
 
     def write_rows(self, layer: int, rows: torch.Tensor, kv: torch.Tensor, keys) -> None:
-        """Store entries at flat rows [n]: kv [n, head_dim], keys [n, index_dim] or None."""
-        codes, scale = fp4_quant(kv, KV_FP4_BLOCK, "e4m3")
-        self.kv_codes[layer][rows] = codes
-        self.kv_scale[layer][rows] = scale.to(torch.float8_e4m3fn)
+        """Store entries at flat rows [n]: kv [n, head_dim], keys [n, index_dim] or None, values already
+        on the model's grids (packed losslessly: `fp4_quant_rounded`)."""
+        kv_packed = fp4_quant_rounded(kv, KV_FP4_BLOCK, "e4m3")
+        key_packed = None if keys is None else fp4_quant_rounded(keys, FP4_BLOCK, "ue8m0")
+        self.write_packed(layer, rows, kv_packed, key_packed)
+
+    def write_packed(self, layer: int, rows: torch.Tensor, kv: tuple, keys) -> None:
+        """Store entries already packed: kv = (codes [n, head_dim/2] uint8, scales [n, head_dim/16] fp32
+        E4M3 values), keys likewise (UE8M0 values per 32) or None."""
+        self.kv_codes[layer][rows] = kv[0]
+        self.kv_scale[layer][rows] = kv[1].to(torch.float8_e4m3fn)
         if keys is not None:
-            codes, scale = fp4_quant(keys, FP4_BLOCK, "ue8m0")
-            self.key_codes[layer][rows] = codes
-            self.key_scale[layer][rows] = scale.to(torch.float8_e8m0fnu).view(torch.uint8)
+            self.key_codes[layer][rows] = keys[0]
+            self.key_scale[layer][rows] = keys[1].to(torch.float8_e8m0fnu).view(torch.uint8)
 
     def kv_at(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """Dequantised main KV at flat rows (any shape [...]) -> bf16 [..., head_dim]."""

@@ -145,6 +145,45 @@ def fp4_quant(x: torch.Tensor, block: int = FP4_BLOCK, scale_fmt: str = "ue8m0")
     return pack_fp4(e2m1_codes(rounded).flatten(-2)), scale
 
 
+def fp4_quant_rounded(values: torch.Tensor, block: int = FP4_BLOCK, scale_fmt: str = "ue8m0") -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack values that are already `fp4_qdq` output, losslessly: `fp4_dequant` of the result gives back
+    exactly `values` (the cache stores what the model computed, spec §8).
+
+    Re-quantising is not always the identity. With UE8M0 scales it is (the block maximum re-derives the
+    same power of two, or half of it when the maximum rounded to 3, and doubling 0..3 stays on the grid).
+    With E4M3 scales it is not where the first rounding picked a *subnormal* scale above amax/6: a block
+    whose amax lies in [9, 10) x 2^-9 gets s = 2 x 2^-9, its maximum rounds to 4s = 8 x 2^-9, and
+    re-quantising that derives e4m3(8 x 2^-9 / 6) = 2^-9, under which 8 x 2^-9 saturates to 6 x 2^-9. Those
+    blocks take the scale amax / g for the largest grid value g that gives an exact E4M3 scale putting
+    every value on the grid (the original scale is one such candidate, so one always exists).
+
+    values: [..., K] on the grid of (block, scale_fmt). Returns (packed uint8 [..., K/2], scale fp32 [..., K/block]).
+    """
+    packed, scale = fp4_quant(values, block, scale_fmt)
+    if scale_fmt == "ue8m0":
+        return packed, scale
+    exact = values.float().unflatten(-1, (-1, block))  # [..., K/block, block]
+    lossy = (fp4_dequant(packed, scale, block).unflatten(-1, (-1, block)) != exact).any(-1)  # [..., K/block]
+    if not bool(lossy.any()):
+        return packed, scale
+    groups = exact[lossy]  # [n, block]
+    amax = groups.abs().amax(-1, keepdim=True)  # [n, 1], > 0: an all-zero block is never lossy
+    chosen = torch.zeros_like(amax)
+    for top in (6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5):  # the grid values the block maximum can have landed on
+        candidate = amax / top  # exact when the maximum is top x an E4M3 scale
+        on_grid = e4m3_saturate(candidate).float() == candidate
+        ratio = groups / candidate
+        fits = on_grid & ((ratio.abs() <= FP4_MAX) & (round_e2m1(ratio.clamp(-FP4_MAX, FP4_MAX)) == ratio)).all(-1, keepdim=True)
+        chosen = torch.where((chosen == 0) & fits, candidate, chosen)
+    if bool((chosen == 0).any()):
+        raise ValueError("fp4_quant_rounded: values are not on the E2M1 x E4M3 grid (not fp4_qdq output)")
+    codes = pack_fp4(e2m1_codes(groups / chosen))  # [n, block/2]
+    packed, scale = packed.clone(), scale.clone()
+    packed.unflatten(-1, (-1, block // 2))[lossy] = codes
+    scale[lossy] = chosen[:, 0]
+    return packed, scale
+
+
 def fp4_dequant(packed: torch.Tensor, scale: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
     """Inverse of `fp4_quant`: packed [..., K/2], scale [..., K/block] -> fp32 [..., K]."""
     values = unpack_fp4(packed)

@@ -369,3 +369,30 @@ def test_snapshot_restore_is_lossless(model):
     p = len(first) + 6
     continued = runner.forward([Chunk(cache, turn2[p:], p, turn2[p - 3:p], p)])[0]
     assert torch.equal(restored, continued)
+
+
+def test_small_latents_survive_the_packed_cache():
+    """Compressed entries whose 16-value blocks have small maxima (E4M3 scales in the subnormal range,
+    where re-quantising fp4_qdq output is not the identity) read back from the packed pool exactly as the
+    model's bf16 cache holds them: prefill writes and batched decode writes alike."""
+    m = init_random_weights(Transformer(tiny()), seed=1).eval()
+    m.set_batch_invariant(16)
+    cfg = m.cfg
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # compressor norm weights of 0.004-0.012: block maxima around 0.01-0.03
+        for s in cfg.kv_source_layers:
+            weight = m.layers[s].attn.compressor.norm.weight
+            weight.copy_(torch.rand(weight.shape, generator=g) * 0.008 + 0.004)
+    tokens = torch.randint(3, 1000, (60,), generator=g).tolist()
+    ids = torch.tensor([tokens])
+    ref_cache = m.new_cache(1, 64)
+    expected = [m(ids[:, :30], 0, ref_cache)[0, -1]] + [m(ids[:, p:p + 1], p, ref_cache)[0, -1] for p in range(30, 60)]
+    cache = SequenceCache(cfg, PagedKVPool(cfg, 8, 10), StatePool(cfg, 1), 0)
+    cache.set_blocks(list(range(9, -1, -1)))
+    runner = ModelRunner(m)
+    got = [runner.forward([Chunk(cache, tokens[:30], 0, [])])[0]]
+    got += [runner.forward([Chunk(cache, tokens[p:p + 1], p, tokens[p - 3:p], decode=True)])[0] for p in range(30, 60)]
+    subnormal = [(s.float() < 2**-6).float().mean().item() for s in (cache.pool.kv_scale[layer] for layer in cfg.kv_source_layers)]
+    assert max(subnormal) > 0.01  # the weights did put blocks in the band this test is about
+    for step, (a, b) in enumerate(zip(got, expected)):
+        assert torch.equal(a, b), step

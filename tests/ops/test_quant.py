@@ -49,6 +49,29 @@ def test_fp4_qdq_idempotent_bounded_and_zero_safe(block, fmt):
     assert torch.equal(quant.fp4_dequant(packed, s, block).to(torch.bfloat16), y)
 
 
+@pytest.mark.parametrize("block,fmt", [(32, "ue8m0"), (16, "e4m3")])
+def test_packing_rounded_values_is_lossless_at_every_magnitude(block, fmt):
+    """What the cache stores: `fp4_quant_rounded` of fp4_qdq output decodes to that output exactly, for
+    block maxima swept across the subnormal-scale band (E4M3 scales below 2^-6) and beyond."""
+    g = torch.Generator().manual_seed(0)
+    amax = 2.0 ** torch.linspace(-12, 6, 4000)  # [n] block maxima, dense around 9..10 x 2^-9
+    x = torch.rand(4000, 4 * block, generator=g) * 2 - 1
+    x = x / x.abs().unflatten(-1, (-1, block)).amax(-1).repeat_interleave(block, -1) * amax.unsqueeze(-1)
+    rounded = quant.fp4_qdq(x.bfloat16(), block, fmt)
+    packed, scale = quant.fp4_quant_rounded(rounded, block, fmt)
+    assert torch.equal(quant.fp4_dequant(packed, scale, block).bfloat16(), rounded)
+    assert torch.equal(quant.fp4_dequant_bf16(packed, scale, block), rounded)
+    if fmt == "e4m3":  # the scales stay E4M3 values, and the sweep did reach the blocks plain re-quantising breaks
+        assert torch.equal(quant.e4m3_saturate(scale).float(), scale)
+        plain, plain_scale = quant.fp4_quant(rounded, block, fmt)
+        assert not torch.equal(quant.fp4_dequant(plain, plain_scale, block).bfloat16(), rounded)
+
+
+def test_packing_refuses_values_off_the_grid():
+    with pytest.raises(ValueError, match="not on the E2M1"):
+        quant.fp4_quant_rounded(torch.full((1, 16), 0.001).index_fill(1, torch.tensor([0]), 0.0183), 16, "e4m3")
+
+
 def test_fp8_qdq_idempotent_bounded_and_zero_safe():
     x = torch.randn(3, 96).to(torch.bfloat16) * 10
     y = quant.fp8_qdq(x)
