@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over `dsv41.engine.AsyncEngine`.
 
 Routes: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions`, `POST /v1/chat/completions`
-(both with SSE when `stream: true`), `GET /health`, `GET /metrics` (Prometheus, `prometheus_client`).
+(both with SSE when `stream: true`), `/v1/responses` (responses_api.py), `/tokenize`, `/detokenize`,
+`GET /health`, `GET /metrics` (Prometheus, `prometheus_client`). Shared checks and engine driving: serving.py.
 
 Life of a request: with an API key set, every /v1 route needs `Authorization: Bearer <key>` (401);
 a body over `max_request_bytes` is refused with 413 while it is still arriving; the body is validated
@@ -43,13 +44,15 @@ from dsv41.server.chat import (ChatStreamSplitter, build_chat_prompt, check_text
 from dsv41.server.metrics import CONTENT_TYPE, ServerMetrics
 from dsv41.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest, bad_request, error_body)
+from dsv41.server.responses import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
+from dsv41.server.responses_api import add_responses_routes
 from dsv41.server.serving import (DEFAULT_MAX_CHOICES, MIN_REQUEST_BYTES, SAMPLING_FIELDS, ClientGone,  # noqa: F401
                                   ServerState, _check_model, _choice_params, _choices, _disconnected_response,
                                   _last, _model_card, _off_loop, _run_to_end, _sampling_params, _sse_response,
                                   _start, _stream_body, _Timer, _usage, internal_error_message)
 
-ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/health",
-             "/metrics")
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize",
+             "/health", "/metrics")
 KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize")  # routes that need the API key when one is set
 MAX_HEADER_BYTES = 64 << 10  # all header lines together; nginx's default allows 32 KiB
 # a context's worth of JSON: a token is a few bytes of text, and JSON escapes can take 6 bytes a byte
@@ -65,11 +68,13 @@ def default_max_request_bytes(max_model_len: int) -> int:
 
 def create_app(engine, async_engine=None, *, served_model_name: Optional[str] = None, max_waiting: int = 64,
                retry_after_s: int = 1, api_key: Optional[str] = None,
-               max_request_bytes: Optional[int] = None, max_choices: int = DEFAULT_MAX_CHOICES) -> FastAPI:
+               max_request_bytes: Optional[int] = None, max_choices: int = DEFAULT_MAX_CHOICES,
+               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> FastAPI:
     """Build the app over a built `LLMEngine`. Without `async_engine`, one is made (queue bound
     `max_waiting`) and started/stopped with the app; a given one is left to its owner. With `api_key`,
     every /v1 route needs `Authorization: Bearer <api_key>`. Bodies over `max_request_bytes` (default
-    `default_max_request_bytes(max_model_len)`) get 413. `n` and `best_of` may be at most `max_choices`."""
+    `default_max_request_bytes(max_model_len)`) get 413. `n` and `best_of` may be at most `max_choices`.
+    At most `max_stored_responses` finished /v1/responses results are kept for `previous_response_id`."""
     owns = async_engine is None
     if owns:
         async_engine = AsyncEngine(engine, max_waiting=max_waiting)
@@ -81,7 +86,8 @@ def create_app(engine, async_engine=None, *, served_model_name: Optional[str] = 
         raise ValueError(f"max_choices must be >= 1, got {max_choices}")
     state = ServerState(engine, async_engine, served_model_name or engine.model_name, retry_after_s,
                         metrics=ServerMetrics(async_engine.metrics), api_key=api_key or None,
-                        max_request_bytes=max_request_bytes, max_choices=max_choices)
+                        max_request_bytes=max_request_bytes, max_choices=max_choices,
+                        responses=ResponseStore(max_stored_responses))
     if engine.model_config.vision_enabled:
         from dsv41.vision.inputs import ImageLoader
 
@@ -141,6 +147,7 @@ def create_app(engine, async_engine=None, *, served_model_name: Optional[str] = 
     async def detokenize(body: DetokenizeRequest):
         return await _detokenize(state, body)
 
+    add_responses_routes(app, state)
     return app
 
 

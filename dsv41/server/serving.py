@@ -48,6 +48,7 @@ class ServerState:
     max_request_bytes: int = MIN_REQUEST_BYTES
     image_loader: Any = None  # dsv41.vision.ImageLoader when the model has a vision tower
     max_choices: int = DEFAULT_MAX_CHOICES  # the cap on n and best_of
+    responses: Any = None  # dsv41.server.responses.ResponseStore: stored /v1/responses results
 
     @property
     def vocab_size(self) -> int:
@@ -331,10 +332,12 @@ async def _merged(started: list) -> AsyncIterator[tuple[int, RequestOutput]]:
 
 
 async def _stream_body(state: ServerState, request_ids: list[str], started: list, timers: list["_Timer"],
-                       on_output, on_end):
+                       on_output, on_end, frame=None):
     """The SSE body shared by both endpoints, over one engine request per choice: `on_output(i, out)` and
     `on_end(lasts)` return lists of payloads. Aborts the requests that did not finish; an engine failure
-    mid-stream becomes an error event (and ends the other choices)."""
+    mid-stream becomes an error event (and ends the other choices). `frame(payload)` writes one payload
+    (default `_sse`: a bare `data:` line)."""
+    frame = frame or _sse
     n = len(started)
     finished = [False] * n
     lasts: list[Optional[RequestOutput]] = [None] * n
@@ -349,13 +352,13 @@ async def _stream_body(state: ServerState, request_ids: list[str], started: list
                 yield "data: [DONE]\n\n"
                 return
             for payload in on_output(i, out):
-                yield _sse(payload)
+                yield frame(payload)
             finished[i] = out.finished
         finished = [True] * n
         for timer, last in zip(timers, lasts):
             timer.done(last)
         for payload in on_end(lasts):
-            yield _sse(payload)
+            yield frame(payload)
         yield "data: [DONE]\n\n"
     except (asyncio.CancelledError, GeneratorExit):
         if not all(finished):
