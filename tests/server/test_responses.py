@@ -413,3 +413,16 @@ def test_response_store_unit():
     assert empty.get("r0") is None
     with pytest.raises(ValueError):
         ResponseStore(-1)
+
+
+def test_serve_option_sets_the_store_size(monkeypatch):
+    import dsv41.cli as cli
+    import dsv41.server.run as run
+
+    got = {}
+    monkeypatch.setattr(run, "serve", lambda model, **kw: got.update(kw))
+    assert cli.cmd_serve(cli.build_parser().parse_args(["serve", "tiny", "--max-stored-responses", "0"])) == 0
+    assert got["max_stored_responses"] == 0
+    assert cli.build_parser().parse_args(["serve", "tiny"]).max_stored_responses == 256
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "tiny", "--max-stored-responses", "-1"])
