@@ -348,7 +348,7 @@ async def _stream_body(state: ServerState, request_ids: list[str], started: list
             lasts[i] = out
             if out.finish_reason == "error":  # failed in the engine (logged there under its request id)
                 finished[i] = True
-                yield _sse(error_body(internal_error_message(request_ids[i]), "server_error", None, "internal_error"))
+                yield frame(error_body(internal_error_message(request_ids[i]), "server_error", None, "internal_error"))
                 yield "data: [DONE]\n\n"
                 return
             for payload in on_output(i, out):
@@ -366,7 +366,7 @@ async def _stream_body(state: ServerState, request_ids: list[str], started: list
         raise
     except Exception as exc:  # the response has started: report in-band, as OpenAI-style servers do
         log.error("request %s failed while streaming", request_ids[0], exc_info=(type(exc), exc, exc.__traceback__))
-        yield _sse(error_body(internal_error_message(request_ids[0]), "server_error", None, "internal_error"))
+        yield frame(error_body(internal_error_message(request_ids[0]), "server_error", None, "internal_error"))
         yield "data: [DONE]\n\n"
     finally:
         for request_id, done in zip(request_ids, finished):

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from dsv41.chat.dsml import render_tool_calls
+from dsv41.engine import EngineBusy
 from dsv41.server import create_app
 from dsv41.server.responses import ResponseStore, StoredResponse, input_messages
 from dsv41.server.run import ServerThread
@@ -426,3 +427,42 @@ def test_serve_option_sets_the_store_size(monkeypatch):
     assert cli.build_parser().parse_args(["serve", "tiny"]).max_stored_responses == 256
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["serve", "tiny", "--max-stored-responses", "-1"])
+
+
+class _FailingEngine(FakeAsyncEngine):
+    """Generates "A", then fails in the engine (finish_reason "error")."""
+
+    async def generate(self, request_id, prompt_token_ids, params, images=None):
+        from dsv41.engine.types import RequestOutput
+
+        self.requests.append((request_id, list(prompt_token_ids), params))
+        yield RequestOutput(request_id, [65], "A", [65], "A", num_prompt_tokens=len(prompt_token_ids))
+        yield RequestOutput(request_id, [], "", [65], "A", finished=True, finish_reason="error", error="boom")
+
+
+def test_engine_failure_mid_stream_is_an_error_event_and_nothing_is_stored():
+    with ServerThread(create_app(FakeEngine(), _FailingEngine())) as srv:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        seen = []
+        with pytest.raises(openai.APIError) as info:
+            for event in client.responses.create(input="Hi", stream=True):
+                seen.append(event)
+        assert "internal error" in info.value.message
+        assert [e.type for e in seen][:2] == ["response.created", "response.in_progress"]
+        assert [e.delta for e in seen if e.type == "response.output_text.delta"] == ["A"]
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(seen[0].response.id)
+        with pytest.raises(openai.InternalServerError):
+            client.responses.create(input="Hi")
+        with httpx.stream("POST", srv.base_url + "/v1/responses", json={"input": "Hi", "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line]
+        i = lines.index("event: error")
+        assert json.loads(lines[i + 1][len("data: "):])["error"]["code"] == "internal_error"
+
+
+@pytest.mark.parametrize("scripted", [{"busy_exc": EngineBusy("64 requests waiting")}], indirect=True)
+def test_full_queue_is_a_429(scripted):
+    client, _, _ = scripted
+    for stream in (False, True):
+        with pytest.raises(openai.RateLimitError):
+            client.responses.create(input="Hi", stream=stream)
