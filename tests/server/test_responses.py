@@ -466,3 +466,40 @@ def test_full_queue_is_a_429(scripted):
     for stream in (False, True):
         with pytest.raises(openai.RateLimitError):
             client.responses.create(input="Hi", stream=stream)
+
+
+def test_continued_prompt_splices_only_where_the_turn_renders_as_it_stood():
+    from dsv41.server.chat import build_chat_prompt
+    from dsv41.server.responses import continued_prompt
+
+    tok = FakeEngine().tokenizer
+    eos = tok.eos_id
+    q1, q2 = [{"role": "user", "content": "q1"}], [{"role": "user", "content": "q2"}]
+    turn = [{"role": "assistant", "content": "xy"}]
+    generated = [300, 301]  # what the model "generated" for "xy": not what re-tokenizing "xy" gives
+
+    def case(finish, output, *, thinking=False, tools=None, system=(), earlier_system=()):
+        kw = dict(thinking=thinking, effort=75 if thinking else None, tools=tools)
+        rendered1 = build_chat_prompt(tok, list(earlier_system) + q1, **kw)
+        previous = StoredResponse({"id": "r"}, q1 + turn, rendered1, output, finish, rendered1)
+        messages = list(system) + q1 + turn + q2
+        prompt, full = continued_prompt(tok, messages, list(system) + q1 + turn, previous, token_limit=None, **kw)
+        assert full == build_chat_prompt(tok, messages, **kw)
+        return prompt, full, rendered1
+
+    prompt, full, p1 = case("stop", generated + [eos])
+    head = build_chat_prompt(tok, q1 + turn, add_generation_prompt=False, thinking=False, effort=None, tools=None)
+    assert prompt == p1 + generated + [eos] + full[len(head):] and prompt != full
+    prompt, full, p1 = case("length", generated)  # cut off: the turn is closed by EOS as rendered
+    assert prompt == p1 + generated + [eos] + full[len(head):]
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    prompt, full, p1 = case("stop", generated + [eos], thinking=True, tools=tools)  # tools keep reasoning
+    assert prompt[:len(p1) + 3] == p1 + generated + [eos]
+    # the plain rendering where the earlier turn is rendered differently now, or its end is unknown
+    assert case("stop", generated + [eos], thinking=True)[0] == case("stop", generated + [eos], thinking=True)[1]
+    assert case("stop", generated + [7])[0] == case("stop", generated + [7])[1]  # ended on a stop string
+    system = [{"role": "system", "content": "new rules"}]
+    prompt, full, _ = case("stop", generated + [eos], system=system)
+    assert prompt == full
+    prompt, full, p1 = case("stop", generated + [eos], system=system, earlier_system=system)  # same instructions
+    assert prompt[:len(p1) + 3] == p1 + generated + [eos] and prompt != full
