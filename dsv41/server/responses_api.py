@@ -110,11 +110,10 @@ async def _create(state: ServerState, req: ResponsesRequest, request: Request):
         use = usage(last, len(prompt_ids), reasoning_token_count(token_ids, thinking, end_id))
         events = builder.finish("incomplete" if incomplete else "completed", use,
                                 "max_output_tokens" if incomplete else None)
-        if req.store is not False:
+        if req.store is not False and last is not None and last.finish_reason in ("stop", "length"):
             state.responses.put(StoredResponse(
-                builder.response(events[-1]["response"]["status"], use, "max_output_tokens" if incomplete else None),
-                earlier + new_messages + [builder.assistant_message()], list(prompt_ids), token_ids,
-                last.finish_reason if last is not None else None, list(rendered_ids)))
+                events[-1]["response"], earlier + new_messages + [builder.assistant_message()], list(prompt_ids),
+                token_ids, last.finish_reason, list(rendered_ids)))
         return events
 
     if req.stream:
