@@ -178,6 +178,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _set_threads(args) -> None:
     """Apply --threads before anything builds or runs the model, so every torch kernel, weight
     initialisation included, uses that many threads. Not given: torch's default stays."""
@@ -381,7 +388,8 @@ def cmd_serve(args) -> int:
     _set_threads(args)
     serve(args.model, host=args.host, port=args.port, engine_config=engine_config, seed=args.seed,
           max_waiting=args.max_waiting, served_model_name=args.served_model_name, log_level=args.log_level,
-          api_key=args.api_key or None, max_request_bytes=args.max_request_bytes, max_choices=args.max_choices)
+          api_key=args.api_key or None, max_request_bytes=args.max_request_bytes, max_choices=args.max_choices,
+          max_stored_responses=args.max_stored_responses)
     return 0
 
 
@@ -503,6 +511,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_serve.add_argument("--max-choices", type=_positive_int, default=16, metavar="N",
                          help="the most choices one request may ask for with n or best_of; each is an engine "
                               "request of its own (default: 16)")
+    p_serve.add_argument("--max-stored-responses", type=_non_negative_int, default=256, metavar="N",
+                         help="the most finished /v1/responses results kept in memory for previous_response_id "
+                              "and GET /v1/responses/{id}, least recently used dropped first; 0 keeps none "
+                              "(default: 256)")
     p_serve.add_argument("--threads", type=_positive_int, metavar="N", help=THREADS_HELP)
     p_serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                          help="server log verbosity (default: info)")

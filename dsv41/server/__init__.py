@@ -4,7 +4,10 @@
 - `chat.py`: chat messages -> prompt ids (V4.1 encoder) and generated text -> reasoning / content /
   tool calls, also while streaming;
 - `metrics.py`: `/metrics` in the Prometheus text format;
+- `serving.py`: what the generation endpoints share (state, checks, engine submission, SSE body);
 - `app.py`: `create_app(engine)`, the FastAPI routes;
+- `responses.py`, `responses_api.py`: the Responses API (`/v1/responses`): shapes, conversions, store;
+  its routes;
 - `run.py`: `serve(...)`, uvicorn in the foreground, and `ServerThread` (a server in a background
   thread, for tests and notebooks).
 """
