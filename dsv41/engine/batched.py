@@ -24,7 +24,13 @@ from dsv41 import ops
 from dsv41.engine.kv_pool import PagedKVPool
 from dsv41.engine.sequence import StatePool
 from dsv41.model.attention import ring_ids
-from dsv41.ops.quant import FP4_BLOCK, KV_FP4_BLOCK, fp4_quant_rounded, fp8_dequant, fp8_quant
+from dsv41.ops.quant import (
+    FP4_BLOCK,
+    KV_FP4_BLOCK,
+    fp4_quant_rounded,
+    fp8_dequant,
+    fp8_quant,
+)
 
 
 @dataclass
@@ -116,23 +122,18 @@ def decode_attend(attn, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: 
     states.window_scale[slots, layer, at] = scale.to(torch.float8_e8m0fnu).view(torch.uint8)
 
     if not attn.ratio:
-        return ops.sparse_attn(q, rows, attn.attn_sink, ids.int(), attn.softmax_scale)
-    comp_rows, comp_ids = _compressed(attn, x, qr, batch, states, pool, offset=w + 1)
-    rows = torch.cat([rows, comp_rows], dim=1)
-    ids = torch.cat([ids, comp_ids], dim=-1).int()
+        return ops.paged_sparse_attn(q, rows, ids, None, batch.tables, None, attn.attn_sink, attn.softmax_scale)
+    picked, selected = _compressed(attn, x, qr, batch, states, pool)
     # a lone decode lists min(index_topk, visible entries) selected slots, and the attention's block sums
     # depend on that width; so rows are attended in groups of equal width, each at its own width (most
     # rows, past index_topk entries, share the full one)
-    groups = batch.lone_widths(attn.ratio, comp_ids.size(-1))
-    if not groups:
-        return ops.sparse_attn(q, rows, attn.attn_sink, ids, attn.softmax_scale)
-    out = q.new_empty(q.shape)
-    for k, group in groups:
-        out[group] = ops.sparse_attn(q[group], rows[group], attn.attn_sink, ids[group, :, :w + k], attn.softmax_scale)
-    return out
+    return ops.paged_sparse_attn(q, rows, ids, pool.pages(attn.kv_source), batch.tables, picked, attn.attn_sink,
+                                 attn.softmax_scale, batch.lone_widths(attn.ratio, picked.size(-1)), selected)
 
 
-def _compressed(attn, x, qr, batch: DecodeBatch, states: StatePool, pool: PagedKVPool, offset: int):
+def _compressed(attn, x, qr, batch: DecodeBatch, states: StatePool, pool: PagedKVPool):
+    """This step's selection [B, 1, k] for the layer's kv source and, once per (source, selection), the
+    selected entries' KV [B, k, D]: Reuse layers attend exactly what their source attended."""
     src = attn.kv_source
     if attn.compressor is not None:
         _compress(attn, x, batch, states, pool)
@@ -140,10 +141,10 @@ def _compressed(attn, x, qr, batch: DecodeBatch, states: StatePool, pool: PagedK
         batch.shared.setdefault("topk", {})[attn.layer_id] = _select(attn, x, qr, batch, pool)
     picked = batch.shared["topk"][attn.index_source]  # [B, 1, index_topk] entry ids, -1 unused
     gathered = batch.shared.setdefault("gathered", {})
-    key = (src, attn.index_source)  # Reuse layers read exactly what their source read: dequantise once
+    key = (src, attn.index_source)
     if key not in gathered:
-        gathered[key] = pool.kv_at(src, pool.rows_batched(src, batch.tables, picked[:, 0].clamp_min(0)))  # [B, k, D]
-    return gathered[key], batch.compressed_ids(offset, picked)
+        gathered[key] = ops.gather_picked(pool.pages(src), batch.tables, picked)  # [B, k, D]
+    return picked, gathered[key]
 
 
 def _compress(attn, x, batch: DecodeBatch, states: StatePool, pool: PagedKVPool) -> None:
@@ -191,22 +192,17 @@ def _select(attn, x, qr, batch: DecodeBatch, pool: PagedKVPool) -> torch.Tensor:
     t = int(visible.max())
     if t == 0:
         return torch.full((b, 1, idx.topk), -1, dtype=torch.int64, device=pos.device)
-    last = (visible - 1).clamp_min(0).view(b, 1, 1)
-    if idx.uses_candidates:
-        blocks = batch.shared["candidate_blocks"]  # [B, 1, n_blocks]
-        entries, usable = ops.candidate_entries(blocks, visible.view(b, 1, 1), idx.candidate_block_size)
-        keys = pool.keys_at(src, pool.rows_batched(src, batch.tables, torch.minimum(entries, last)[:, 0]))  # [B, n, d]
-    else:
-        entries = torch.arange(t, device=pos.device).expand(b, 1, t)
-        usable = entries < visible.view(b, 1, 1)
-        # every visible key: whole blocks at once (the entries past a sequence's own end are masked above)
-        per = pool.sources[src].entries_per_block
-        keys = pool.keys_of_blocks(src, batch.tables[:, :-(-t // per)])[:, :t]  # [B, t, d]
     freqs = batch.rope(attn.rope)
     q = idx.wq_b(qr).unflatten(-1, (idx.n_heads, idx.head_dim))
     q = ops.fp4_qdq(_rope_rows(q, freqs, idx.rope_dim), FP4_BLOCK, "ue8m0")
     weights = idx.weights_proj(x) * idx.weight_scale
-    scores = ops.index_scores_mm(q, keys, weights).masked_fill(~usable, -torch.inf)  # [B, 1, n]
+    if idx.uses_candidates:  # the entries of the candidate blocks the candidate source picked this step
+        entries, usable = ops.candidate_entries(batch.shared["candidate_blocks"], visible.view(b, 1, 1),
+                                                idx.candidate_block_size)
+        scores = ops.paged_index_scores(q, weights, pool.pages(src), batch.tables, visible, entries, usable)
+    else:  # every visible entry, a whole block of keys at a time
+        scores = ops.paged_index_scores(q, weights, pool.pages(src), batch.tables, visible)  # [B, 1, t]
+        entries = torch.arange(t, device=pos.device).expand(b, 1, t)
     if idx.is_candidate_source:
         batch.shared["candidate_blocks"] = ops.candidate_blocks(scores, visible.view(b, 1, 1), idx.candidate_blocks,
                                                                 idx.candidate_block_size, idx.canonical_ties)

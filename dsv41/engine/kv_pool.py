@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from dsv41.config import ModelConfig
-from dsv41.ops.quant import FP4_BLOCK, KV_FP4_BLOCK, fp4_dequant_bf16, fp4_quant_rounded
+from dsv41.ops import paged
+from dsv41.ops.quant import FP4_BLOCK, KV_FP4_BLOCK, fp4_quant_rounded
 
 
 class PoolExhausted(RuntimeError):
@@ -80,8 +81,7 @@ class PagedKVPool:
     def rows_batched(self, layer: int, tables: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
         """Flat rows for many sequences at once: tables [B, max_blocks] (padded), entries [B, T] -> [B, T].
         Entries must lie inside each sequence's table (clamp padding before calling)."""
-        per = self.sources[layer].entries_per_block
-        return tables.gather(1, entries // per) * per + entries % per
+        return paged.page_rows(tables, entries, self.sources[layer].entries_per_block)
 
     def write_rows(self, layer: int, rows: torch.Tensor, kv: torch.Tensor, keys) -> None:
         """Store entries at flat rows [n]: kv [n, head_dim], keys [n, index_dim] or None, values already
@@ -99,24 +99,23 @@ class PagedKVPool:
             self.key_codes[layer][rows] = keys[0]
             self.key_scale[layer][rows] = keys[1].to(torch.float8_e8m0fnu).view(torch.uint8)
 
+    def pages(self, layer: int) -> paged.PagedCache:
+        """One kv source's packed storage, as the paged ops (dsv41.ops.paged) take it."""
+        return paged.PagedCache(self.kv_codes[layer], self.kv_scale[layer], self.key_codes[layer],
+                                self.key_scale[layer], self.sources[layer].entries_per_block)
+
     def kv_at(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """Dequantised main KV at flat rows (any shape [...]) -> bf16 [..., head_dim]."""
-        return fp4_dequant_bf16(self.kv_codes[layer][rows], self.kv_scale[layer][rows].float(), KV_FP4_BLOCK)
+        return paged.gather_kv(self.pages(layer), rows)
 
     def keys_at(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """Dequantised index keys at flat rows (any shape [...]) -> bf16 [..., index_dim]."""
-        scale = self.key_scale[layer][rows].view(torch.float8_e8m0fnu).float()
-        return fp4_dequant_bf16(self.key_codes[layer][rows], scale, FP4_BLOCK)
+        return paged.gather_keys(self.pages(layer), rows)
 
     def keys_of_blocks(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
         """Dequantised index keys of whole blocks: block ids [..., nb] -> bf16 [..., nb * entries_per_block,
-        index_dim], in entry order. One gather per block instead of one per entry (the scan of every key
-        that Full index layers do each step); entries past what was written hold stale values, so callers
-        mask them."""
-        per = self.sources[layer].entries_per_block
-        codes = self.key_codes[layer].view(self.num_blocks, per, -1)[blocks]  # [..., nb, per, D/2]
-        scale = self.key_scale[layer].view(self.num_blocks, per, -1)[blocks].view(torch.float8_e8m0fnu).float()
-        return fp4_dequant_bf16(codes, scale, FP4_BLOCK).flatten(-3, -2)
+        index_dim], in entry order (`paged.block_keys`)."""
+        return paged.block_keys(self.pages(layer), blocks)
 
     def read_key_range(self, layer: int, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Dequantised index keys of entries start..end-1 of one sequence -> bf16 [end - start, index_dim]."""

@@ -61,6 +61,30 @@ def test_index_scores_paged_equals_the_reference_on_dequantised_keys():
         assert torch.isneginf(got[seq, n:]).all()
 
 
+def test_the_paged_scan_runs_the_kernel_with_the_reference_bits():
+    """`ops.paged_index_scores`, the engine's one call for a Full index layer's scan: its Triton path
+    (forced here; automatic on a GPU) gives the bits of its pure-PyTorch reference."""
+    cfg = tiny()
+    layer = cfg.candidate_source_layer
+    pool = PagedKVPool(cfg, block_size=8, num_blocks=12)
+    g = torch.Generator().manual_seed(2)
+    tables = torch.tensor([[7, 2, 9, 4, 0], [3, 11, 5, 5, 5]])
+    visible = torch.tensor([37, 19])
+    for seq, n in enumerate(visible.tolist()):
+        k = fp4_qdq(torch.randn(n, cfg.index_head_dim, generator=g), FP4_BLOCK, "ue8m0").bfloat16()
+        pool.write(layer, tables[seq], 0, fp4_qdq(torch.randn(n, cfg.head_dim, generator=g), KV_FP4_BLOCK, "e4m3").bfloat16(), k)
+    h, d = cfg.index_n_heads, cfg.index_head_dim
+    q = fp4_qdq(torch.randn(2, 1, h, d, generator=g), FP4_BLOCK, "ue8m0").bfloat16()
+    w = torch.randn(2, 1, h, generator=g).bfloat16()
+    pages = pool.pages(layer)
+    want = ops.paged_index_scores(q, w, pages, tables, visible, fast=False)
+    on = ops.PagedCache(*(t.to(DEVICE) for t in (pages.kv_codes, pages.kv_scale, pages.key_codes, pages.key_scale)),
+                        pages.entries_per_block)
+    got = ops.paged_index_scores(q.to(DEVICE), w.to(DEVICE), on, tables.to(DEVICE), visible.to(DEVICE), fast=True).cpu()
+    assert got.shape == want.shape == (2, 1, 37)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # an empty row: exp(sink + 1e30), as in the reference
 @pytest.mark.parametrize("n_idx", [64, 100])
 def test_sparse_attn_decode_matches_the_reference(n_idx):
