@@ -261,4 +261,4 @@ def import_sequence(engine, seq, handoff: KVHandoff, cache) -> None:
     both_draft = bool(meta.get("drafter_rings")) and engine.speculative
     seq.rows_first = meta["rows_first"] if both_draft else None  # no rings: the drafter starts them afresh
     seq.rows_end = meta["rows_end"] if both_draft else 0
-    seq.restored_logits = t["logits"].to(device)
+    seq.restored_logits = t["logits"].to(device).clone()  # several choices may share one hand-off

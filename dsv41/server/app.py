@@ -82,6 +82,7 @@ class ServerState:
     max_request_bytes: int = MIN_REQUEST_BYTES
     image_loader: Any = None  # dsv41.vision.ImageLoader when the model has a vision tower
     max_choices: int = DEFAULT_MAX_CHOICES  # the cap on n and best_of
+    disaggregation: Any = None  # dsv41.server.disaggregation.Disaggregation on a prefill or decode worker
 
     @property
     def vocab_size(self) -> int:
@@ -94,11 +95,13 @@ class ServerState:
 
 def create_app(engine, async_engine=None, *, served_model_name: Optional[str] = None, max_waiting: int = 64,
                retry_after_s: int = 1, api_key: Optional[str] = None,
-               max_request_bytes: Optional[int] = None, max_choices: int = DEFAULT_MAX_CHOICES) -> FastAPI:
+               max_request_bytes: Optional[int] = None, max_choices: int = DEFAULT_MAX_CHOICES,
+               disaggregation_mode: Optional[str] = None) -> FastAPI:
     """Build the app over a built `LLMEngine`. Without `async_engine`, one is made (queue bound
     `max_waiting`) and started/stopped with the app; a given one is left to its owner. With `api_key`,
     every /v1 route needs `Authorization: Bearer <api_key>`. Bodies over `max_request_bytes` (default
-    `default_max_request_bytes(max_model_len)`) get 413. `n` and `best_of` may be at most `max_choices`."""
+    `default_max_request_bytes(max_model_len)`) get 413. `n` and `best_of` may be at most `max_choices`.
+    `disaggregation_mode` 'prefill' or 'decode' adds a worker's internal routes (dsv41.server.disaggregation)."""
     owns = async_engine is None
     if owns:
         async_engine = AsyncEngine(engine, max_waiting=max_waiting)
@@ -128,6 +131,11 @@ def create_app(engine, async_engine=None, *, served_model_name: Optional[str] = 
 
     app = FastAPI(title="dsv41", lifespan=lifespan)
     app.state.server = state
+    if disaggregation_mode:
+        from dsv41.server.disaggregation import Disaggregation, install_routes
+
+        state.disaggregation = Disaggregation(disaggregation_mode)
+        install_routes(app, state.disaggregation)
     # outermost last: responses (401/413 included) are counted, then the key, then the body cap
     app.add_middleware(_LimitSize, max_bytes=state.max_request_bytes)
     app.add_middleware(_RequireKey, api_key=state.api_key)
@@ -451,8 +459,12 @@ async def _start(state: ServerState, request: Request, request_ids: list[str], p
     first token: its prompt is then in the prefix cache (exact reuse keeps the logits of the prompt's last position), so
     the other choices compute no prompt token again. Any refusal aborts the choices already started."""
     streams: list = []
-    # without a prefix cache there is nothing to share: every choice starts at once
-    share = len(request_ids) > 1 and getattr(getattr(state.engine, "config", None), "enable_prefix_caching", False)
+    extra = {}  # a disaggregated worker: prefill computes the prompt here; decode starts from a hand-off
+    if state.disaggregation is not None:
+        extra = await state.disaggregation.engine_kwargs(state, request, request_ids, prompt_ids, params, images)
+    # without a prefix cache there is nothing to share: every choice starts at once (nor from a hand-off)
+    share = len(request_ids) > 1 and not extra and getattr(getattr(state.engine, "config", None),
+                                                             "enable_prefix_caching", False)
 
     async def begin():
         firsts = []
@@ -460,7 +472,7 @@ async def _start(state: ServerState, request: Request, request_ids: list[str], p
             streams.append(state.async_engine.generate(request_ids[0], prompt_ids, params[0], images))
             firsts.append(await _first(streams[0]))
         for request_id, p in zip(request_ids[len(streams):], params[len(streams):]):
-            streams.append(state.async_engine.generate(request_id, prompt_ids, p, images))
+            streams.append(state.async_engine.generate(request_id, prompt_ids, p, images, **extra))
         rest = await asyncio.gather(*(_first(s) for s in streams[len(firsts):]), return_exceptions=True)
         for item in rest:
             if isinstance(item, BaseException):
