@@ -52,7 +52,8 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "logprobs", "s
 DEFAULT_MAX_CHOICES = 16  # n and best_of: each choice is an engine request of its own
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/health",
              "/metrics")
-KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize")  # routes that need the API key when one is set
+KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/internal")  # routes that need the API key when one is set
+UNCAPPED_PATHS = ("/internal/handoff",)  # a KV hand-off grows with the prompt: the route applies its own cap
 MIN_REQUEST_BYTES = 8 << 20
 MAX_HEADER_BYTES = 64 << 10  # all header lines together; nginx's default allows 32 KiB
 # a context's worth of JSON: a token is a few bytes of text, and JSON escapes can take 6 bytes a byte
@@ -268,7 +269,7 @@ class _LimitSize:
         return f"The request body is larger than this server accepts ({self.max_bytes} bytes)."
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get("path") in UNCAPPED_PATHS:
             return await self.app(scope, receive, send)
         headers = scope.get("headers") or ()
         if sum(len(k) + len(v) + 4 for k, v in headers) > MAX_HEADER_BYTES:

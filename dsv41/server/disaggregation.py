@@ -16,6 +16,10 @@ front (`dsv41 router`, dsv41.server.router) drives:
   unknown or expired id is 422 `handoff_missing`. In every refusal nothing was imported, so no token is
   produced from bad state.
 
+With `--api-key` the internal routes need the key too (the router forwards the client's Authorization
+header). The hand-off upload is exempt from the server's body cap and has its own: the largest hand-off
+the engine's context allows (`max_handoff_bytes`).
+
 Tokenizing on both sides costs a little CPU and buys a check that both workers built the same prompt
 (same chat template, same tokenizer) before any state is trusted.
 """
@@ -51,12 +55,14 @@ class HandoffReady(Exception):
 
 
 class HandoffStore:
-    """Verified hand-offs waiting for their decode request: at most `max_pending` (oldest dropped first),
-    each for at most `ttl_s` seconds. Thread-safe (the upload is parsed off the event loop)."""
+    """Verified hand-offs waiting for their decode request: at most `max_pending` of them and `max_bytes`
+    together (oldest dropped first), each for at most `ttl_s` seconds. Thread-safe (the upload is parsed off
+    the event loop)."""
 
-    def __init__(self, max_pending: int = 256, ttl_s: float = 120.0):
-        self.max_pending, self.ttl_s = max_pending, ttl_s
+    def __init__(self, max_pending: int = 256, ttl_s: float = 120.0, max_bytes: int = 4 << 30):
+        self.max_pending, self.ttl_s, self.max_bytes = max_pending, ttl_s, max_bytes
         self._items: OrderedDict[str, tuple[float, KVHandoff]] = OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()
 
     def put(self, handoff: KVHandoff) -> str:
@@ -64,14 +70,21 @@ class HandoffStore:
         with self._lock:
             self._expire()
             self._items[key] = (time.monotonic(), handoff)
-            while len(self._items) > self.max_pending:
-                self._items.popitem(last=False)
+            self._bytes += handoff.nbytes()
+            while len(self._items) > 1 and (len(self._items) > self.max_pending or self._bytes > self.max_bytes):
+                self._drop_oldest()
         return key
+
+    def _drop_oldest(self) -> None:
+        _, (_, handoff) = self._items.popitem(last=False)
+        self._bytes -= handoff.nbytes()
 
     def take(self, key: str) -> KVHandoff:
         with self._lock:
             self._expire()
             item = self._items.pop(key, None)
+            if item is not None:
+                self._bytes -= item[1].nbytes()
         if item is None:
             raise APIError(422, f"no KV hand-off {key!r} on this decode worker (never sent, already used, or "
                            f"expired after {self.ttl_s:g} s)", code="handoff_missing")
@@ -83,7 +96,7 @@ class HandoffStore:
     def _expire(self) -> None:
         now = time.monotonic()
         while self._items and now - next(iter(self._items.values()))[0] > self.ttl_s:
-            self._items.popitem(last=False)
+            self._drop_oldest()
 
 
 class Disaggregation:
@@ -140,6 +153,14 @@ class Disaggregation:
         return out.handoff
 
 
+def max_handoff_bytes(engine) -> int:
+    """The largest hand-off this engine can take: its context's packed entries, the fixed state, the logits,
+    and the header (token ids as JSON, block list) with room to spare."""
+    n = engine.max_model_len
+    kv = sum(engine.pool.stored_bytes(layer, n // lay.ratio) for layer, lay in engine.pool.sources.items())
+    return kv + engine.states.slot_bytes() + 4 * engine.model_config.vocab_size + 12 * n + (1 << 20)
+
+
 def install_routes(app: FastAPI, disagg: Disaggregation) -> None:
     """The internal routes of a prefill or decode worker (see the module docstring)."""
     from dsv41.server import app as server_app
@@ -167,9 +188,21 @@ def install_routes(app: FastAPI, disagg: Disaggregation) -> None:
             return await respond(server_app._chat(state, body, request))
 
     else:
+        limit = max_handoff_bytes(state.engine)
+
         @app.post("/internal/handoff")
         async def receive_handoff(request: Request):
-            data = await request.body()
+            declared = request.headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                raise APIError(413, f"a KV hand-off for this engine is at most {limit} bytes", code="request_too_large")
+            chunks, size = [], 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"a KV hand-off for this engine is at most {limit} bytes",
+                                   code="request_too_large")
+                chunks.append(chunk)
+            data = b"".join(chunks)
             identity = state.engine.identity()
             try:
                 handoff = await anyio.to_thread.run_sync(lambda: KVHandoff.from_bytes(data, identity))

@@ -17,6 +17,7 @@ import pytest
 
 from dsv41.engine import EngineConfig, build_engine
 from dsv41.server import create_app
+from dsv41.server.disaggregation import max_handoff_bytes
 from dsv41.server.router import HttpTransport, RouterConfig, create_router
 from dsv41.server.run import ServerThread, _free_port
 
@@ -106,6 +107,16 @@ def test_corrupt_handoff_is_caught(workers):
     assert "checksum mismatch" in r.json()["error"]["message"] and "block '" in r.json()["error"]["message"]
     r = httpx.post(decode.base_url + "/internal/handoff", content=data[:len(data) // 3], timeout=60)
     assert r.status_code == 422 and "truncated" in r.json()["error"]["message"]
+    r = httpx.post(decode.base_url + "/internal/handoff", content=data + bytes(max_handoff_bytes(engine)), timeout=60)
+    assert r.status_code == 413
+    # with an API key the internal routes need it too (the same engine thread: nothing runs twice)
+    keyed = create_app(engine, decode.server.config.app.state.server.async_engine, api_key="k",
+                       disaggregation_mode="decode")
+    with ServerThread(keyed) as srv:
+        assert httpx.post(srv.base_url + "/internal/handoff", content=data, timeout=60).status_code == 401
+        r = httpx.post(srv.base_url + "/internal/handoff", content=data, timeout=60,
+                       headers={"Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.json()["tokens"] > 0
     r = httpx.post(decode.base_url + "/v1/completions", headers={"X-DSV41-Handoff": "nope"}, timeout=60,
                    json={"model": engine.model_name, "prompt": PROMPT, "max_tokens": 2})
     assert r.status_code == 422 and r.json()["error"]["code"] == "handoff_missing"
