@@ -545,11 +545,14 @@ def build_parser() -> argparse.ArgumentParser:
                                "http://127.0.0.1:8001")
     p_router.add_argument("--decode", nargs="+", required=True, metavar="URL",
                           help="decode workers (`dsv41 serve MODEL --disaggregation-mode decode`)")
-    p_router.add_argument("--host", default="127.0.0.1", metavar="ADDRESS", help="address to listen on")
-    p_router.add_argument("--port", type=int, default=8000, metavar="PORT", help="TCP port (default: 8000)")
+    p_router.add_argument("--host", default="127.0.0.1", metavar="ADDRESS",
+                          help="address to listen on (default: 127.0.0.1, this machine only). Clients' "
+                               "Authorization headers are passed to the workers, which check their own --api-key")
+    p_router.add_argument("--port", type=int, default=8000, metavar="PORT", help="TCP port to listen on (default: 8000)")
     p_router.add_argument("--timeout", type=float, default=600.0, metavar="S",
                           help="longest wait in seconds for a worker's next bytes (default: 600)")
-    p_router.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p_router.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                          help="router log verbosity (default: info)")
     p_router.set_defaults(func=cmd_router)
 
     p_train = sub.add_parser("train", help="pre-train from scratch (V4.1 recipe; torchrun for FSDP2)")
