@@ -107,7 +107,7 @@ class HttpTransport(HandoffTransport):
     async def prefill(self, worker: str, path: str, body: bytes, headers: dict) -> bytes:
         r = await self._post(f"{worker}/internal/prefill{path}", content=body, headers=headers)
         if r.status_code != 200:
-            raise Answered(r.status_code, r.content, {"content-type": r.headers.get("content-type", "application/json")})
+            raise Answered(r.status_code, r.content, _relayed_headers(r))
         if r.headers.get("content-type", "").split(";")[0] != HANDOFF_MEDIA_TYPE:
             raise WorkerFailed(f"{worker} answered {r.headers.get('content-type')!r}, not a KV hand-off")
         return r.content
@@ -121,6 +121,14 @@ class HttpTransport(HandoffTransport):
         if r.status_code != 200:
             raise WorkerFailed(f"{worker}/internal/handoff: HTTP {r.status_code}: {r.text[:300]}")
         return r.json()["handoff_id"]
+
+
+def _relayed_headers(r: httpx.Response) -> dict:
+    """What a worker's refusal says besides its body: its type, and when to retry (429 queue full)."""
+    out = {"content-type": r.headers.get("content-type", "application/json")}
+    if "retry-after" in r.headers:
+        out["retry-after"] = r.headers["retry-after"]
+    return out
 
 
 def _message(body: bytes) -> str:
@@ -140,7 +148,6 @@ class RouterStats:
     requests: int = 0
     handoffs: int = 0
     handoff_bytes: int = 0
-    handoff_tokens: int = 0
     prefill_s: float = 0.0  # prefill worker: validate, tokenize, compute the prompt, serialise, send back
     deliver_s: float = 0.0  # the bytes to the decode worker, checked and stored there
     handoff_rejections: int = 0
@@ -246,8 +253,7 @@ def create_router(config: RouterConfig, transport: Optional[HandoffTransport] = 
             if upstream.status_code != 200:
                 data = await upstream.aread()
                 await upstream.aclose()
-                return Response(data, status_code=upstream.status_code,
-                                headers={"content-type": upstream.headers.get("content-type", "application/json")})
+                return Response(data, status_code=upstream.status_code, headers=_relayed_headers(upstream))
             if streamed:
                 return StreamingResponse(_relay(upstream, target, decode), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

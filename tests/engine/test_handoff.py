@@ -17,6 +17,7 @@ from tests.conftest import GOLDEN_DIR
 from tests.engine.helpers import make as _make
 from tests.engine.helpers import prompts
 
+
 def make(model, **overrides):
     """The shared test engine without the fused kernels (bit-identical to the eager ops; their build is
     tens of seconds per process on a busy machine, paid by the first test that needs them)."""
