@@ -166,6 +166,7 @@ def install_routes(app: FastAPI, disagg: Disaggregation) -> None:
     from dsv41.server import app as server_app
 
     state = app.state.server
+    state.engine.identity()  # computed now (it reads every non-expert weight), not on the first request's loop
     if disagg.mode == "prefill":
         async def respond(call):
             try:

@@ -64,6 +64,10 @@ def test_disaggregated_equals_colocated(workers):
         assert got.usage.prompt_tokens == want.usage.prompt_tokens
         streamed = "".join(c.choices[0].text for c in front.completions.create(**kw, stream=True))
         assert streamed == want.choices[0].text
+        # two seeded sampled choices start from copies of one hand-off and draw what colocated choices draw
+        sampled = dict(kw, temperature=0.8, seed=7, n=2, max_tokens=5)
+        assert [c.text for c in front.completions.create(**sampled).choices] == \
+            [c.text for c in direct.completions.create(**sampled).choices]
         chat = dict(model=engine.model_name, messages=[{"role": "user", "content": PROMPT}], max_tokens=8,
                     temperature=0, extra_body={"ignore_eos": True})
         want_chat = direct.chat.completions.create(**chat).choices[0].message.content
@@ -71,9 +75,9 @@ def test_disaggregated_equals_colocated(workers):
                  if c.choices]
         assert "".join(parts) == want_chat
         stats = httpx.get(router.base_url + "/stats").json()
-        assert stats["handoffs"] == 3 and stats["handoff_bytes"] > 0 and stats["reprefills"] == 0
+        assert stats["handoffs"] == 4 and stats["handoff_bytes"] > 0 and stats["reprefills"] == 0
         info = httpx.get(decode.base_url + "/internal/disaggregation").json()
-        assert info["handoffs_imported"] >= 3 and info["handoffs_pending"] == 0
+        assert info["handoffs_imported"] == 4 and info["handoffs_pending"] == 0
         # a bad request is refused by the prefill worker and relayed unchanged (400, OpenAI shape)
         with pytest.raises(openai.BadRequestError, match="temperature"):
             front.completions.create(model=engine.model_name, prompt="x", max_tokens=2, temperature=-1)
