@@ -269,12 +269,14 @@ class _LimitSize:
         return f"The request body is larger than this server accepts ({self.max_bytes} bytes)."
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("path") in UNCAPPED_PATHS:
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = scope.get("headers") or ()
         if sum(len(k) + len(v) + 4 for k, v in headers) > MAX_HEADER_BYTES:
             return await _send_error(send, 431, f"The request headers are larger than this server accepts "
                                      f"({MAX_HEADER_BYTES} bytes).", "headers_too_large")
+        if scope.get("path") in UNCAPPED_PATHS:
+            return await self.app(scope, receive, send)
         declared = dict(headers).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await _send_error(send, 413, self._too_large(), "request_too_large")
