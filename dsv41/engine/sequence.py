@@ -285,6 +285,10 @@ class Sequence:
         self.rows_first: Optional[int] = None
         self.rows_end = 0
         self.saved_state: Optional[dict] = None
+        # disaggregation (dsv41.engine.handoff): start from this KV hand-off instead of prefilling; or,
+        # on a prefill worker, finish with a hand-off once the prompt is computed instead of sampling
+        self.handoff = None
+        self.export_handoff = False
 
     @property
     def all_ids(self) -> list[int]:

@@ -141,3 +141,6 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs, on every output once the prompt is computed: entry i is prompt token
     # i's logprob given tokens 0..i-1 (entry 0, which has no context, is None)
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+    # a prefill-only request (disaggregation), on its final output (finish_reason "handoff"): the
+    # dsv41.engine.handoff.KVHandoff a decode engine continues from
+    handoff: Optional[object] = None

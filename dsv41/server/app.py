@@ -53,7 +53,8 @@ from dsv41.server.serving import (DEFAULT_MAX_CHOICES, MIN_REQUEST_BYTES, SAMPLI
 
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize",
              "/health", "/metrics")
-KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize")  # routes that need the API key when one is set
+KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/internal")  # routes that need the API key when one is set
+UNCAPPED_PATHS = ("/internal/handoff",)  # a KV hand-off grows with the prompt: the route applies its own cap
 MAX_HEADER_BYTES = 64 << 10  # all header lines together; nginx's default allows 32 KiB
 # a context's worth of JSON: a token is a few bytes of text, and JSON escapes can take 6 bytes a byte
 REQUEST_BYTES_PER_TOKEN = 32
@@ -69,12 +70,14 @@ def default_max_request_bytes(max_model_len: int) -> int:
 def create_app(engine, async_engine=None, *, served_model_name: Optional[str] = None, max_waiting: int = 64,
                retry_after_s: int = 1, api_key: Optional[str] = None,
                max_request_bytes: Optional[int] = None, max_choices: int = DEFAULT_MAX_CHOICES,
-               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> FastAPI:
+               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
+               disaggregation_mode: Optional[str] = None) -> FastAPI:
     """Build the app over a built `LLMEngine`. Without `async_engine`, one is made (queue bound
     `max_waiting`) and started/stopped with the app; a given one is left to its owner. With `api_key`,
     every /v1 route needs `Authorization: Bearer <api_key>`. Bodies over `max_request_bytes` (default
     `default_max_request_bytes(max_model_len)`) get 413. `n` and `best_of` may be at most `max_choices`.
-    At most `max_stored_responses` finished /v1/responses results are kept for `previous_response_id`."""
+    At most `max_stored_responses` finished /v1/responses results are kept for `previous_response_id`.
+    `disaggregation_mode` 'prefill' or 'decode' adds a worker's internal routes (dsv41.server.disaggregation)."""
     owns = async_engine is None
     if owns:
         async_engine = AsyncEngine(engine, max_waiting=max_waiting)
@@ -105,6 +108,11 @@ def create_app(engine, async_engine=None, *, served_model_name: Optional[str] = 
 
     app = FastAPI(title="dsv41", lifespan=lifespan)
     app.state.server = state
+    if disaggregation_mode:
+        from dsv41.server.disaggregation import Disaggregation, install_routes
+
+        state.disaggregation = Disaggregation(disaggregation_mode)
+        install_routes(app, state.disaggregation)
     # outermost last: responses (401/413 included) are counted, then the key, then the body cap
     app.add_middleware(_LimitSize, max_bytes=state.max_request_bytes)
     app.add_middleware(_RequireKey, api_key=state.api_key)
@@ -241,6 +249,8 @@ class _LimitSize:
         if sum(len(k) + len(v) + 4 for k, v in headers) > MAX_HEADER_BYTES:
             return await _send_error(send, 431, f"The request headers are larger than this server accepts "
                                      f"({MAX_HEADER_BYTES} bytes).", "headers_too_large")
+        if scope.get("path") in UNCAPPED_PATHS:
+            return await self.app(scope, receive, send)
         declared = dict(headers).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await _send_error(send, 413, self._too_large(), "request_too_large")

@@ -59,7 +59,7 @@ def uvicorn_config(app, log_level: str = "info", **kw) -> uvicorn.Config:
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, engine_config=None, seed: int = 0,
           max_waiting: int = 64, served_model_name: Optional[str] = None, log_level: str = "info",
           api_key: Optional[str] = None, max_request_bytes: Optional[int] = None, max_choices: int = 16,
-          max_stored_responses: int = 256) -> None:
+          max_stored_responses: int = 256, disaggregation_mode: Optional[str] = None) -> None:
     """Build the engine for `model` (preset name or checkpoint folder) and serve it until interrupted.
     The port is bound first: a clash fails in a second, not after the weights have loaded."""
     from dsv41.engine import build_engine
@@ -72,8 +72,10 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, engine_confi
         engine = build_engine(model, engine_config=engine_config, seed=seed)
         app = create_app(engine, served_model_name=served_model_name, max_waiting=max_waiting, api_key=api_key,
                          max_request_bytes=max_request_bytes, max_choices=max_choices,
-                         max_stored_responses=max_stored_responses)
-        print(f"dsv41: serving {app.state.server.model_name} (max_model_len {engine.max_model_len}) "
+                         max_stored_responses=max_stored_responses,
+                         disaggregation_mode=disaggregation_mode)
+        role = f" as a {disaggregation_mode} worker" if disaggregation_mode else ""
+        print(f"dsv41: serving {app.state.server.model_name}{role} (max_model_len {engine.max_model_len}) "
               f"on http://{host}:{sock.getsockname()[1]}/v1" + (" (API key required)" if api_key else ""),
               flush=True)
         server = uvicorn.Server(uvicorn_config(app, log_level, timeout_graceful_shutdown=5))
