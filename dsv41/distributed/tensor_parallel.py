@@ -171,3 +171,19 @@ def install_gather(model: nn.Module, tp: TensorParallel) -> None:
 def _kept(p: nn.Parameter, rows: slice) -> nn.Parameter:
     """A new parameter holding only `rows` of p (a copy: the whole tensor's storage is released)."""
     return nn.Parameter(p[rows].clone(), requires_grad=p.requires_grad)
+
+
+def check_model_split(model: str, world: int) -> None:
+    """`check_head_split` for a preset name or a checkpoint folder (its config.json), before any rank is
+    started: a bad layout is one clear error rather than one per spawned rank."""
+    import os
+
+    from dsv41.config import PRESETS, preset
+
+    if model in PRESETS:
+        cfg = preset(model)
+    elif os.path.isdir(model):
+        cfg = ModelConfig.from_file(model)
+    else:
+        return  # build_model names the problem
+    check_head_split(cfg, world)
