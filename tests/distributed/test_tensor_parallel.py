@@ -8,6 +8,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+from safetensors.torch import save_file
 
 from dsv41.config import preset
 from dsv41.distributed.tensor_parallel import check_head_split, head_slices
@@ -37,10 +38,11 @@ def _run(model: Transformer, row_chunk: int = 16) -> list[torch.Tensor]:
     return out
 
 
-def _rank(rank: int, world: int, port: int, name: str, out_dir: str, broken: bool) -> None:
+def _rank(rank: int, world: int, port: int, name: str, out_dir: str, broken: bool, folder=None) -> None:
     import torch.distributed as dist
 
-    from dsv41.distributed.tensor_parallel import shard_attention_heads
+    from dsv41.distributed.sharded_load import load_shard
+    from dsv41.distributed.tensor_parallel import TensorParallel, install_gather, shard_attention_heads
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -48,7 +50,12 @@ def _rank(rank: int, world: int, port: int, name: str, out_dir: str, broken: boo
     try:
         model = _model(name)
         total = sum(p.numel() for p in model.parameters())
-        tp = shard_attention_heads(model)
+        if folder is None:
+            tp = shard_attention_heads(model)
+        else:  # this rank reads only its head rows from the checkpoint
+            model = load_shard(folder, tp_rank=rank, tp_world=world)
+            tp = TensorParallel()
+            install_gather(model, tp)
         if broken:  # a deliberate fault: gather the groups in reverse rank order
             gather = tp.gather
             tp.gather = lambda x: torch.cat(list(reversed(gather(x).chunk(world, dim=-1))), dim=-1)
@@ -65,15 +72,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(tmp_path, name: str, world: int, broken: bool = False) -> list[dict]:
-    mp.start_processes(_rank, args=(world, _free_port(), name, str(tmp_path), broken), nprocs=world,
+def _spawn(tmp_path, name: str, world: int, broken: bool = False, folder=None) -> list[dict]:
+    mp.start_processes(_rank, args=(world, _free_port(), name, str(tmp_path), broken, folder), nprocs=world,
                        start_method="spawn")
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 
-@pytest.mark.parametrize("name", ["tiny", pytest.param("small", marks=pytest.mark.slow)])
-def test_tensor_parallel_ranks_give_one_device_logits(tmp_path, name):
-    got = _spawn(tmp_path, name, 2)
+def _write_checkpoint(folder) -> Transformer:
+    model = _model("tiny")
+    save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, os.path.join(folder, "model.safetensors"))
+    model.cfg.to_json(os.path.join(folder, "config.json"))
+    return model
+
+
+@pytest.mark.parametrize("name,loaded", [("tiny", False), ("tiny", True),
+                                         pytest.param("small", False, marks=pytest.mark.slow)])
+def test_tensor_parallel_ranks_give_one_device_logits(tmp_path, name, loaded):
+    folder = None
+    if loaded:
+        folder = tmp_path / "ckpt"
+        folder.mkdir()
+        _write_checkpoint(folder)
+    got = _spawn(tmp_path, name, 2, folder=None if folder is None else str(folder))
     model = _model(name)
     torch.set_num_threads(1)
     want = _run(model)
@@ -104,3 +124,64 @@ def test_layouts_that_split_a_group_are_refused():
     check_head_split(tiny, 2)
     s = head_slices(tiny, 1, 2)
     assert (s["wq_b"], s["attn_sink"], s["wo_a"]) == (slice(128, 256), slice(2, 4), slice(32, 64))
+
+
+@pytest.mark.parametrize("rank", range(2))
+def test_a_rank_reads_only_its_head_rows(tmp_path, monkeypatch, rank):
+    import dsv41.weights
+    from dsv41.distributed.sharded_load import load_shard
+
+    whole = _write_checkpoint(tmp_path)
+    sliced: dict[str, slice] = {}
+    opened = dsv41.weights._open
+
+    class Spy:  # records which tensors are read in slices, and which slice
+        def __init__(self, handle):
+            self.handle = handle
+
+        def keys(self):
+            return self.handle.keys()
+
+        def get_tensor(self, key):
+            return self.handle.get_tensor(key)
+
+        def get_slice(self, key):
+            spy = self
+
+            class Part:
+                def __getitem__(self, rows):
+                    sliced[key] = rows
+                    return spy.handle.get_slice(key)[rows]
+
+            return Part()
+
+    monkeypatch.setattr(dsv41.weights, "_open", lambda f: Spy(opened(f)))
+    model = load_shard(str(tmp_path), tp_rank=rank, tp_world=2)
+    cfg = whole.cfg
+    file_bytes = sum(p.numel() * p.element_size() for p in whole.parameters())
+    split = 0
+    for i, layer in enumerate(whole.layers):
+        for leaf in ("wq_b.weight", "attn_sink", "wo_a.weight"):
+            name = f"layers.{i}.attn.{leaf}"
+            part = dict(whole.named_parameters())[name]
+            split += part.numel() * part.element_size()
+            assert name in sliced, f"{name} was read whole"
+            # the rank's rows are the checkpoint's rows of its heads
+            assert torch.equal(dict(model.named_parameters())[name], part[sliced[name]])
+    assert sliced["layers.0.attn.attn_sink"] == slice(2 * rank, 2 * rank + 2)
+    assert not any(".indexer." in k for k in sliced)  # the indexer stays whole
+    assert model.load_report.bytes_read == file_bytes - split // 2
+    assert len(sliced) == 3 * cfg.n_layers
+
+
+def test_diverged_tensor_parallel_ranks_stop_the_group():
+    from dsv41.distributed.data_parallel import engine_replies
+    from dsv41.engine.types import RequestOutput
+
+    def reply(tokens):
+        return {"outputs": [RequestOutput("r", tokens, "", tokens, "")], "unfinished": True}
+
+    same = [reply([5]), reply([5]), reply([7]), reply([7])]
+    assert engine_replies(same, 2) == [same[0], same[2]]
+    with pytest.raises(RuntimeError, match="tensor-parallel rank 3 produced other tokens than rank 2"):
+        engine_replies([reply([5]), reply([5]), reply([7]), reply([8])], 2)
