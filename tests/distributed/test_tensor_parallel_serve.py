@@ -36,9 +36,9 @@ def _env() -> dict:
 
 
 @contextlib.contextmanager
-def _serve(*layout: str):
+def _serve(*layout: str, model: str = "tiny"):
     port = _free_port()
-    cmd = [sys.executable, "-m", "dsv41.cli", "serve", "tiny", *layout, "--port", str(port), "--log-level",
+    cmd = [sys.executable, "-m", "dsv41.cli", "serve", model, *layout, "--port", str(port), "--log-level",
            "warning", "--threads", "1"]
     cmd += [a for k, v in ENGINE_ARGS.items() for a in ("--" + k.replace("_", "-"), str(v))]
     proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -81,6 +81,54 @@ def test_tensor_parallel_serving_equals_single_device(reference):
         # one engine (two TP ranks): every request counted once
         assert _metric(base, "dp_rank0_requests_assigned_total") == 4
         assert _metric(base, "requests_finished_total") == 4
+
+
+def test_speculative_decoding_from_a_sharded_checkpoint(tmp_path):
+    """--speculative with the heads split over two TP ranks that each read only their head rows from a
+    checkpoint folder: the DSpark drafter's stages stay whole on both ranks; every token and logprob is the
+    single-device speculative engine's."""
+    import dataclasses
+
+    from safetensors.torch import save_file
+
+    from dsv41.config import preset
+    from dsv41.engine import EngineConfig, SamplingParams, build_engine
+    from dsv41.model.init import init_random_weights
+    from dsv41.model.transformer import Transformer
+    from tests.distributed.test_data_parallel import MAX_TOKENS
+
+    base = preset("tiny")
+    cfg = dataclasses.replace(base, n_mtp_layers=2, compress_ratios=base.compress_ratios + (0, 0),
+                              dspark_block_size=4, dspark_noise_token_id=base.vocab_size - 1,
+                              dspark_target_layer_ids=(3, 6, 8), dspark_markov_rank=16, dspark_n_routed_experts=4,
+                              dspark_n_activated_experts=2)
+    model = init_random_weights(Transformer(cfg), seed=1)
+    save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, str(tmp_path / "model.safetensors"))
+    cfg.to_json(str(tmp_path / "config.json"))
+    names = ["a", "b", "c"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = build_engine(str(tmp_path), EngineConfig(speculative=True, **ENGINE_ARGS))
+        want = {}
+        for n in names:
+            engine.add_request(n, PROMPTS[n], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0,
+                                                             ignore_eos=True))
+            want[n] = []
+        while engine.has_unfinished():
+            for o in engine.step():
+                want[o.request_id] += [lp.logprob for lp in o.new_logprobs]
+    finally:
+        torch.set_num_threads(threads)
+    assert engine.metrics()["spec_decode_draft_tokens_total"] > 0
+    with _serve("--tensor-parallel-size", "2", "--speculative", model=str(tmp_path)) as (_, base_url):
+        client = _client(base_url)
+        with ThreadPoolExecutor(len(names)) as pool:
+            got = dict(zip(names, pool.map(lambda n: client.completions.create(
+                model=os.path.basename(str(tmp_path)), prompt=PROMPTS[n], max_tokens=MAX_TOKENS, temperature=0,
+                logprobs=0, extra_body={"ignore_eos": True}).choices[0].logprobs.token_logprobs, names)))
+        assert got == want
+        assert _metric(base_url, "spec_decode_draft_tokens_total") == engine.metrics()["spec_decode_draft_tokens_total"]
 
 
 @pytest.mark.slow
