@@ -185,3 +185,59 @@ def test_diverged_tensor_parallel_ranks_stop_the_group():
     assert engine_replies(same, 2) == [same[0], same[2]]
     with pytest.raises(RuntimeError, match="tensor-parallel rank 3 produced other tokens than rank 2"):
         engine_replies([reply([5]), reply([5]), reply([7]), reply([8])], 2)
+
+
+def _vision_logits(model, folder: str) -> torch.Tensor:
+    """The golden vision set's second row with its image spans (the released FP8 layout, vision tower on)."""
+    from safetensors.torch import load_file
+
+    from dsv41.vision import IMAGE_START, ImageProcessor
+
+    model.set_batch_invariant(16)
+    inputs = load_file(os.path.join(folder, "inputs.safetensors"))
+    model.set_engram_token_map(inputs["engram_token_map"])
+    ids = inputs["input_ids"].clone()
+    ids[(ids == model.cfg.image_token_id) & (inputs["token_types"] < 0)] = model.cfg.image_token_id - 1
+    processor = ImageProcessor.from_config(model.cfg)
+    starts = (inputs["token_types"] == IMAGE_START).nonzero().tolist()
+    images = [(row, start, processor(inputs[f"image_pixels.{k}"])) for k, (row, start) in enumerate(starts)]
+    with torch.inference_mode():
+        embeds, types = model.embed_inputs(ids, images)
+        return model(ids, 0, None, inputs_embeds=embeds, token_types=types).float()
+
+
+def _vision_rank(rank: int, world: int, port: int, folder: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from dsv41.distributed.sharded_load import load_shard
+    from dsv41.distributed.tensor_parallel import TensorParallel, install_gather
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = load_shard(folder, tp_rank=rank, tp_world=world)
+        install_gather(model, TensorParallel())
+        torch.save({"logits": _vision_logits(model, folder), "bytes_read": model.load_report.bytes_read},
+                   f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_released_fp8_layout_with_images_splits_exactly(tmp_path):
+    """The golden FP8 vision checkpoint (FP8 wq_b with its scale, FP8 wo_a + 32x32 scales dequantised on
+    load, the vision tower replicated on both ranks): each TP rank reads its FP8 rows and scale rows, and
+    the two give one device's logits for a prompt with images."""
+    from tests.conftest import GOLDEN_DIR
+
+    from dsv41.weights import load_model
+
+    folder = os.path.join(GOLDEN_DIR, "v41-vision-fp8")
+    mp.start_processes(_vision_rank, args=(2, _free_port(), folder, str(tmp_path)), nprocs=2, start_method="spawn")
+    torch.set_num_threads(1)
+    whole = load_model(folder)
+    want = _vision_logits(whole, folder)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert torch.equal(got["logits"], want), f"rank {rank}: max diff {(got['logits'] - want).abs().max()}"
+        assert got["bytes_read"] < whole.load_report.bytes_read
