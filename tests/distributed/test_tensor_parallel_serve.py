@@ -36,9 +36,13 @@ def _env() -> dict:
 
 
 @contextlib.contextmanager
-def _serve(*layout: str, model: str = "tiny"):
+def _serve(*layout: str, model: str = "tiny", torchrun: int = 0):
     port = _free_port()
-    cmd = [sys.executable, "-m", "dsv41.cli", "serve", model, *layout, "--port", str(port), "--log-level",
+    launcher = [sys.executable, "-m", "dsv41.cli"]
+    if torchrun:  # torchrun starts every process; each runs the same command and rank 0 serves HTTP
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun),
+                    "--master-port", str(_free_port()), "-m", "dsv41.cli"]
+    cmd = launcher + ["serve", model, *layout, "--port", str(port), "--log-level",
            "warning", "--threads", "1"]
     cmd += [a for k, v in ENGINE_ARGS.items() for a in ("--" + k.replace("_", "-"), str(v))]
     proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -81,6 +85,11 @@ def test_tensor_parallel_serving_equals_single_device(reference):
         # one engine (two TP ranks): every request counted once
         assert _metric(base, "dp_rank0_requests_assigned_total") == 4
         assert _metric(base, "requests_finished_total") == 4
+
+
+def test_tensor_parallel_under_torchrun(reference):
+    with _serve("--tensor-parallel-size", "2", torchrun=2) as (_, base):
+        _check_concurrent(base, reference, ["b", "e"])
 
 
 def test_speculative_decoding_from_a_sharded_checkpoint(tmp_path):
