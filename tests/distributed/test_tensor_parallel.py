@@ -85,7 +85,8 @@ def _write_checkpoint(folder) -> Transformer:
     return model
 
 
-@pytest.mark.parametrize("name,loaded", [("tiny", False), ("tiny", True),
+# loaded from a checkpoint: slow tier (the FP8 golden test below also loads sliced in the default tier)
+@pytest.mark.parametrize("name,loaded", [("tiny", False), pytest.param("tiny", True, marks=pytest.mark.slow),
                                          pytest.param("small", False, marks=pytest.mark.slow)])
 def test_tensor_parallel_ranks_give_one_device_logits(tmp_path, name, loaded):
     folder = None
@@ -109,6 +110,7 @@ def test_tensor_parallel_ranks_give_one_device_logits(tmp_path, name, loaded):
         assert result["gathers"] == cfg.n_layers * (1 + DECODE)
 
 
+@pytest.mark.slow  # a deliberate fault: shows the equality test can fail
 def test_gathering_in_the_wrong_order_changes_the_logits(tmp_path):
     got = _spawn(tmp_path, "tiny", 2, broken=True)
     want = _run(_model("tiny"))
