@@ -65,12 +65,16 @@ def _stream(base: str, model: str, prompt: list[int], max_tokens: int) -> dict:
     return {"ttft": first - start, "itl": (end - first) / max(tokens - 1, 1), "tokens": tokens, "end": end}
 
 
-def run_layout(preset: str, ranks: int, n_requests: int, max_tokens: int, prompt_len: int) -> dict:
+def run_layout(preset: str, ranks: int, n_requests: int, max_tokens: int, prompt_len: int, tp: int = 1) -> dict:
+    """`ranks` data- and expert-parallel engines (1: one device), or with tp > 1 one engine whose attention
+    heads are split over `tp` tensor-parallel ranks."""
     port = _free_port()
     cmd = [sys.executable, "-m", "dsv41.cli", "serve", preset, "--port", str(port), "--threads", "1",
            "--fused-kernels", "off", "--log-level", "warning"]
     if ranks > 1:
         cmd += ["--data-parallel-size", str(ranks), "--expert-parallel-size", str(ranks)]
+    if tp > 1:
+        cmd += ["--tensor-parallel-size", str(tp)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -98,7 +102,7 @@ def run_layout(preset: str, ranks: int, n_requests: int, max_tokens: int, prompt
         # steps_total counts each rank's steps: the group ran steps / ranks collective steps (its ranks all
         # step together), each taking wall / that
         collective_steps = steps / ranks
-        return {"ranks": ranks, "requests": n_requests, "tokens": tokens, "wall_s": wall,
+        return {"ranks": ranks * tp, "layout": f"TP={tp}" if tp > 1 else f"DP={ranks}", "requests": n_requests, "tokens": tokens, "wall_s": wall,
                 "tokens_per_s": tokens / wall, "ttft_mean_s": statistics.mean(r["ttft"] for r in results),
                 "itl_mean_s": statistics.mean(itl), "itl_max_s": max(itl),
                 "engine_steps": steps, "wall_per_collective_step_s": wall / max(collective_steps, 1)}
@@ -249,7 +253,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--ranks", default="1,2", help="layouts to measure, comma-separated rank counts")
+    parser.add_argument("--ranks", default="1,2", help=(
+        "layouts to measure, comma-separated: N (N data- and expert-parallel ranks) or tpN (one engine, its "
+        "attention heads split over N tensor-parallel ranks)"))
     parser.add_argument("--out", help="also write the results as JSON here")
     parser.add_argument("--disaggregation", action="store_true",
                         help="colocated vs prefill/decode disaggregated serving, and the KV hand-off's size and time")
@@ -260,15 +266,16 @@ def main() -> None:
     if args.disaggregation:
         sys.path.insert(0, env_path)
         return main_disaggregation(args)
-    rows = [run_layout(args.preset, int(r), args.requests, args.max_tokens, args.prompt_len)
+    rows = [run_layout(args.preset, 1, args.requests, args.max_tokens, args.prompt_len, tp=int(r[2:]))
+            if r.startswith("tp") else run_layout(args.preset, int(r), args.requests, args.max_tokens, args.prompt_len)
             for r in args.ranks.split(",")]
-    print(f"{'ranks':>5} {'tokens/s':>9} {'TTFT s':>8} {'ITL ms':>8} {'ITL max':>8} {'steps':>6} {'s/step':>7}")
+    print(f"{'layout':>6} {'ranks':>5} {'tokens/s':>9} {'TTFT s':>8} {'ITL ms':>8} {'ITL max':>8} {'steps':>6} {'s/step':>7}")
     for r in rows:
-        print(f"{r['ranks']:>5} {r['tokens_per_s']:>9.1f} {r['ttft_mean_s']:>8.2f} {1e3 * r['itl_mean_s']:>8.1f} "
+        print(f"{r['layout']:>6} {r['ranks']:>5} {r['tokens_per_s']:>9.1f} {r['ttft_mean_s']:>8.2f} {1e3 * r['itl_mean_s']:>8.1f} "
               f"{1e3 * r['itl_max_s']:>8.1f} {r['engine_steps']:>6.0f} {r['wall_per_collective_step_s']:>7.3f}")
     if len(rows) > 1:
-        print(f"tokens/s ratio {rows[-1]['ranks']} vs {rows[0]['ranks']} ranks: "
-              f"{rows[-1]['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x")
+        for r in rows[1:]:
+            print(f"tokens/s ratio {r['layout']} vs {rows[0]['layout']}: {r['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"preset": args.preset, "cpu_count": os.cpu_count(), "load_avg": os.getloadavg(),

@@ -140,7 +140,8 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
         "--data-parallel-size D runs D engine ranks, one process each (spawned by serve; torchrun also works: "
         "every process runs the same command and rank 0 serves HTTP). --expert-parallel-size D splits every MoE "
         "layer's routed experts over those D ranks (EP over the DP ranks, as vLLM's --enable-expert-parallel "
-        "does); it must be 1 or D. Tensor parallelism is not built yet.")
+        "does); it must be 1 or D. --tensor-parallel-size T splits each engine's attention heads over T ranks "
+        "(D x T processes).")
     for f in dataclasses.fields(ParallelConfig):
         if "help" in f.metadata:
             group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_positive_int, default=f.default,
@@ -378,7 +379,7 @@ def cmd_serve(args) -> int:
         args.engine_fused_kernels = "background"
     engine_config = _engine_config(args)
     parallel = _parallel_config(args)
-    if parallel.data_parallel_size > 1:
+    if parallel.world_size > 1:
         from dsv41.server.run import serve_data_parallel
 
         if args.disaggregation_mode:
