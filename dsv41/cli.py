@@ -383,7 +383,8 @@ def cmd_serve(args) -> int:
         from dsv41.server.run import serve_data_parallel
 
         if args.disaggregation_mode:
-            raise ValueError("--disaggregation-mode with --data-parallel-size > 1 is not built yet: run each "
+            raise ValueError("--disaggregation-mode with more than one rank (data or tensor parallel) is not built "
+                             "yet: run each "
                              "worker with one rank (several prefill/decode workers behind one router)")
         serve_data_parallel(args.model, parallel, host=args.host, port=args.port, engine_config=engine_config,
                             seed=args.seed, max_waiting=args.max_waiting, served_model_name=args.served_model_name,
