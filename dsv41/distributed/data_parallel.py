@@ -139,9 +139,9 @@ class RankEngine:
         rejected, failed = [], []  # (request id, why): bad input (the client's 400) / this rank's failure
         for command in message["commands"]:
             if command[0] == "add":
-                _, request_id, prompt, params, images = command
+                _, request_id, prompt, params, images, handoff = command  # as AsyncEngine.generate queues it
                 try:
-                    engine.add_request(request_id, prompt, params, images)
+                    engine.add_request(request_id, prompt, params, images, **handoff)
                 except ValueError as exc:
                     rejected.append((request_id, str(exc)))
             elif command[0] == "abort":
