@@ -4,19 +4,24 @@ greedy text and chosen-token logprobs equal the single-device engine's bit for b
 output group is refused before any rank starts. The D x T = 2 x 2 layout with expert parallelism is in the
 slow tier (four processes)."""
 
-import contextlib
 import os
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
-import psutil
 import pytest
-import requests
 import torch
 
-from tests.distributed.test_data_parallel import ENGINE_ARGS, PROMPTS, _client, _complete, _free_port, _metric, _reference
+from tests.distributed.test_data_parallel import (
+    ENGINE_ARGS,
+    PROMPTS,
+    _client,
+    _complete,
+    _free_port,
+    _metric,
+    _reference,
+    serve_layout,
+)
 
 openai = pytest.importorskip("openai")
 
@@ -35,38 +40,8 @@ def _env() -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
 
 
-@contextlib.contextmanager
 def _serve(*layout: str, model: str = "tiny", torchrun: int = 0):
-    port = _free_port()
-    launcher = [sys.executable, "-m", "dsv41.cli"]
-    if torchrun:  # torchrun starts every process; each runs the same command and rank 0 serves HTTP
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun),
-                    "--master-port", str(_free_port()), "-m", "dsv41.cli"]
-    cmd = launcher + ["serve", model, *layout, "--port", str(port), "--log-level",
-           "warning", "--threads", "1"]
-    cmd += [a for k, v in ENGINE_ARGS.items() for a in ("--" + k.replace("_", "-"), str(v))]
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited: {proc.stdout.read()}")
-            try:
-                if requests.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not come up")
-            time.sleep(0.5)
-        yield proc, base
-    finally:
-        if proc.poll() is None:
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                child.kill()
-            proc.kill()
-        proc.wait(timeout=30)
+    return serve_layout(layout, model, torchrun)
 
 
 def _check_concurrent(base: str, reference: dict, names: list[str]) -> None:
