@@ -308,6 +308,8 @@ class Trainer:
             dist.all_reduce(n, op=dist.ReduceOp.MIN)
             batches = batches[:int(n)]
         right: dict[str, list[int]] = {}  # task -> [correct, seen] (image-text batches)
+        # task -> [answer-token loss sum, answer tokens]; "text" for plain text batches (--mix retrieval)
+        nats: dict[str, list[float]] = {}
         for batch in batches:
             images = tasks = None
             if not isinstance(batch, tuple):
@@ -317,6 +319,13 @@ class Trainer:
             weight = int((y != -100).sum())  # trained targets (all of them in a text batch)
             total += float(lm) * weight
             count += weight
+            if self.cfg.mix:  # the mix's text and each task's answers apart (the mean mixes them)
+                rows = F.cross_entropy(out.logits.transpose(1, 2), y, reduction="none").sum(1)  # [B]
+                counts = (y != -100).sum(1)  # [B]
+                for row, task in enumerate(tasks or ["text"] * y.shape[0]):
+                    acc = nats.setdefault(task, [0.0, 0.0])
+                    acc[0] += float(rows[row])
+                    acc[1] += float(counts[row])
             if tasks is not None:
                 from dsv41.vision.synthetic import answer_accuracy
 
@@ -334,6 +343,13 @@ class Trainer:
                 dist.all_reduce(r)
                 right = {n: [int(a), int(b)] for n, (a, b) in zip(names, r.tolist())}
         self.last_eval = {}
+        if self.distributed and nats:  # (every rank sees the same task names: the batches are alike)
+            names = sorted(nats)
+            t = torch.tensor([nats[n] for n in names], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t)
+            nats = dict(zip(names, t.tolist()))
+        for task in sorted(nats):  # nats per trained token: "val_loss_text", "val_loss_passkey", ...
+            self.last_eval[f"val_loss_{task}"] = nats[task][0] / max(nats[task][1], 1)
         if right:
             self.last_eval["val_accuracy"] = sum(a for a, _ in right.values()) / sum(b for _, b in right.values())
             for task in sorted(right):

@@ -164,5 +164,6 @@ def test_the_trainer_takes_the_mix_and_logs_answer_accuracy(tiny_corpus, tmp_pat
     train(cfg)
     last = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][-1]
     assert "val_loss" in last and any(k.startswith("val_accuracy_") for k in last)
+    assert "val_loss_text" in last and any(f"val_loss_{t}" in last for t in TASKS)  # text and answers apart
     saved = json.load(open(tmp_path / "run" / "checkpoint" / "config.json"))
     assert not any(saved["compress_ratios"])  # --swa-only: the checkpoint has no compressed layer
