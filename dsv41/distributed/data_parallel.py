@@ -139,9 +139,10 @@ class RankEngine:
         rejected, failed = [], []  # (request id, why): bad input (the client's 400) / this rank's failure
         for command in message["commands"]:
             if command[0] == "add":
-                _, request_id, prompt, params, images, handoff = command  # as AsyncEngine.generate queues it
+                # as AsyncEngine.generate queues it: ("add", id, prompt, params, images[, hand-off arguments])
+                _, request_id, prompt, params, images, *handoff = command
                 try:
-                    engine.add_request(request_id, prompt, params, images, **handoff)
+                    engine.add_request(request_id, prompt, params, images, **(handoff[0] if handoff else {}))
                 except ValueError as exc:
                     rejected.append((request_id, str(exc)))
             elif command[0] == "abort":
