@@ -79,6 +79,39 @@ def test_prefetched_batch_masks_equal_single_masks(compiler):
         assert torch.equal(b.allowed([0]), s.allowed([0]))
 
 
+def test_tool_call_grammar_accepts_what_the_template_renders(compiler):
+    """The DSML grammar of tool_choice "required" takes the chat template's own rendering of valid calls
+    (raw strings, enums, JSON values, a call without parameters, two calls) up to EOS, and refuses an
+    unknown tool, a missing required parameter and a value outside its schema."""
+    from dsv41.chat.dsml import render_tool_calls
+    from dsv41.server.structured import tool_call_lark
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "required": ["city", "days"],
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                       "unit": {"enum": ["c", "f"]}, "at": {"type": "object", "properties": {
+                           "lat": {"type": "number"}}, "required": ["lat"]}}}}},
+             {"type": "function", "function": {"name": "ping"}}]
+    tok = ByteTokenizer(1024)
+    grammar = compiler.lark(tool_call_lark(tools, tok.token_to_id("｜DSML｜"), parallel=True))
+    single = compiler.lark(tool_call_lark(tools, tok.token_to_id("｜DSML｜"), parallel=False))
+
+    def takes(g, calls) -> bool:
+        ids = tok.encode("\n\n" + render_tool_calls(calls), add_bos=False)
+        m = compiler.matcher(GrammarSpec(g))._m
+        return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+
+    def call(name, **args):
+        return {"type": "function", "function": {"name": name, "arguments": args}}
+
+    good = [call("get_weather", city="Paris 2", days=3), call("ping")]
+    assert takes(grammar, good) and takes(grammar, [call("get_weather", city="", days=7, unit="f", at={"lat": 1.5})])
+    assert takes(single, good[:1]) and not takes(single, good)
+    for bad in ([call("other")], [call("get_weather", city="Paris")], [call("get_weather", city="x", days=9)],
+                [call("get_weather", city="x", days=2, unit="k")]):
+        assert not takes(grammar, bad), bad
+
+
 def test_bad_grammars_raise_value_error(compiler):
     for make_bad in (lambda: compiler.regex("a(b"), lambda: compiler.json_schema({"type": "foo"}),
                      lambda: compiler.lark("start: nowhere"), lambda: compiler.json_schema([1])):
