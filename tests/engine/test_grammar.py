@@ -65,7 +65,13 @@ def test_masks_follow_the_grammar_and_allow_eos_only_where_it_accepts(compiler):
         g.advance(byte("c"))
 
 
-def test_prefetched_batch_masks_equal_single_masks(compiler):
+@pytest.mark.parametrize("threaded", [True, False])
+def test_prefetched_batch_masks_equal_single_masks(compiler, threaded):
+    """Both ways of computing a step's masks (llguidance's thread pool, used from 4 cores, and one request
+    after another) give each request the mask it computes alone."""
+    import llguidance
+
+    compiler._executor = llguidance.LLExecutor() if threaded else None
     specs = [compiler.regex("[0-9]{2}x"), compiler.json_schema(SCHEMA), compiler.lark('start: "ab" | "ac"')]
     batched = [compiler.matcher(GrammarSpec(s)) for s in specs]
     single = [compiler.matcher(GrammarSpec(s)) for s in specs]

@@ -51,6 +51,18 @@ def client(served):
     return _client(served[0])
 
 
+@pytest.fixture(scope="module")
+def tool_server():
+    """(ServerThread, engine, client): tiny with a 4,096-token context (the tools' system prompt alone is
+    over 1,000 byte tokens)."""
+    optional_import("llguidance")
+    from dsv41.engine import EngineConfig, build_engine
+
+    engine = build_engine("tiny", EngineConfig(kv_pool_tokens=16384, max_model_len=4096), seed=0)
+    with ServerThread(create_app(engine, max_waiting=16)) as srv:
+        yield srv, engine, _client(srv)
+
+
 def _valid(value, schema) -> None:
     jsonschema = optional_import("jsonschema")
     jsonschema.validate(value, schema)
@@ -117,30 +129,32 @@ def _schemas():
     return {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in TOOLS}
 
 
-def test_required_tool_choice_gives_calls_that_validate(served, client):
+def test_required_tool_choice_gives_calls_that_validate(tool_server):
+    served, client = tool_server[:2], tool_server[2]
     free = client.chat.completions.create(model=served[1].model_name, messages=USER, tools=TOOLS, max_tokens=30,
                                           seed=2)
     assert not free.choices[0].message.tool_calls  # "auto" stays free: noise is no tool call
     schemas = _schemas()
     r = client.chat.completions.create(model=served[1].model_name, messages=USER, tools=TOOLS, tool_choice="required",
-                                       max_tokens=400, n=3, seed=11, temperature=1.0)
+                                       max_tokens=1500, n=2, seed=11, temperature=1.0)
     for c in r.choices:
         assert c.finish_reason == "tool_calls" and c.message.tool_calls, c.message
         for call in c.message.tool_calls:
             _valid(json.loads(call.function.arguments), schemas[call.function.name])
     # one call only with parallel_tool_calls=false
     r = client.chat.completions.create(model=served[1].model_name, messages=USER, tools=TOOLS, tool_choice="required",
-                                       parallel_tool_calls=False, max_tokens=400, n=2, seed=12, temperature=1.0)
+                                       parallel_tool_calls=False, max_tokens=600, n=2, seed=12, temperature=1.0)
     for c in r.choices:
         assert len(c.message.tool_calls) == 1
         call = c.message.tool_calls[0]
         _valid(json.loads(call.function.arguments), schemas[call.function.name])
 
 
-def test_named_tool_choice_calls_that_tool(served, client):
+def test_named_tool_choice_calls_that_tool(tool_server):
+    served, client = tool_server[:2], tool_server[2]
     schemas = _schemas()
     r = client.chat.completions.create(
-        model=served[1].model_name, messages=USER, tools=TOOLS, max_tokens=400, n=2, seed=13, temperature=1.0,
+        model=served[1].model_name, messages=USER, tools=TOOLS, max_tokens=600, n=2, seed=13, temperature=1.0,
         tool_choice={"type": "function", "function": {"name": "book"}}, extra_body={"return_token_ids": True})
     for c in r.choices:
         (call,) = c.message.tool_calls
@@ -211,14 +225,14 @@ def test_small_preset_choice_and_required_tool():
     optional_import("llguidance")
     from dsv41.engine import EngineConfig, build_engine
 
-    engine = build_engine("small", EngineConfig(kv_pool_tokens=4096, max_model_len=1024), seed=0)
+    engine = build_engine("small", EngineConfig(kv_pool_tokens=16384, max_model_len=4096), seed=0)
     with ServerThread(create_app(engine, max_waiting=8)) as srv:
         client = _client(srv)
         r = client.completions.create(model=engine.model_name, prompt="Pick:", max_tokens=8, n=2, seed=1,
                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
         assert all(c.text in ("yes", "no") for c in r.choices)
         tool = [t for t in TOOLS if t["function"]["name"] == "get_weather"]
-        r = client.chat.completions.create(model=engine.model_name, messages=USER, tools=tool, max_tokens=300,
+        r = client.chat.completions.create(model=engine.model_name, messages=USER, tools=tool, max_tokens=600,
                                            tool_choice="required", parallel_tool_calls=False, seed=3)
         (call,) = r.choices[0].message.tool_calls
         _valid(json.loads(call.function.arguments), tool[0]["function"]["parameters"])
