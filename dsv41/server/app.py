@@ -44,9 +44,9 @@ from dsv41.engine import AsyncEngine, EngineBusy, RequestOutput, SamplingParams,
 from dsv41.server.chat import (ChatStreamSplitter, PromptTooLong, build_chat_prompt, check_text_fits,
                                parse_chat_output, parse_tool_calls, resolve_thinking)
 from dsv41.server.metrics import CONTENT_TYPE, ServerMetrics
-from dsv41.server.structured import chat_constraint, output_constraint
 from dsv41.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest, bad_request, error_body)
+from dsv41.server.structured import chat_constraint, output_constraint
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "logprobs", "seed", "stop", "stop_token_ids",
                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias")
