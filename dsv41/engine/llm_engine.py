@@ -87,6 +87,7 @@ class LLMEngine:
             self.verified_at = [0] * self.num_draft
         self._recent: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens generated) per step
         self._identity: Optional[dict] = None
+        self._grammar_compiler = None
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: Optional[SamplingParams] = None,
@@ -116,9 +117,22 @@ class LLMEngine:
             check_handoff(self, handoff, prompt_token_ids)  # HandoffError (a ValueError) names the problem
         seq = Sequence(request_id, prompt_token_ids, params, self._arrivals, images)
         seq.handoff, seq.export_handoff = handoff, export_handoff
+        if params.structured is not None:
+            seq.grammar = self.grammar_compiler.matcher(params.structured)
         self._arrivals += 1
         self.requests[request_id] = seq
         self.waiting.append(seq)
+
+    @property
+    def grammar_compiler(self):
+        """The `GrammarCompiler` for this tokenizer and vocabulary, built on first use (llguidance is an
+        optional dependency: without it, GrammarUnavailable, a ValueError). A concurrent first use
+        builds it twice, harmlessly."""
+        if self._grammar_compiler is None:
+            from dsv41.engine.grammar import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        return self._grammar_compiler
 
     def _check_images(self, prompt: list[int], images: list) -> None:
         """Every image span inside the prompt, on image_token_id positions, without overlaps; and no
@@ -220,6 +234,7 @@ class LLMEngine:
             self._finished_outputs = []
             return outputs
         self.counters["steps_total"] += 1
+        self._prefetch_masks(plan)
         row, generated = 0, 0
         for seq, chunk, kind in plan:
             seq.cache.global_writes = True
@@ -270,6 +285,16 @@ class LLMEngine:
         self._recent.append((time.perf_counter(), generated))
         return outputs
 
+    def _prefetch_masks(self, plan: list) -> None:
+        """The grammar masks of every constrained request sampling this step, in one batched call."""
+        grammars = [seq.grammar for seq, chunk, kind in plan
+                    if seq.grammar is not None and kind != "rebuild" and chunk.end >= seq.prefill_target]
+        if grammars:
+            try:
+                self.grammar_compiler.prefetch(grammars)
+            except Exception as exc:  # noqa: BLE001 - each request then computes its own mask when sampling
+                log.warning("batched grammar masks failed (%s: %s)", type(exc).__name__, exc)
+
     def _sampled(self, seq: Sequence, kind: str, logits: torch.Tensor) -> RequestOutput:
         """Sample the sequence's next token from its logits [vocab] and account for it."""
         if kind == "prefill":
@@ -289,7 +314,7 @@ class LLMEngine:
         if seq.prompt_mask_cache is None:
             seq.prompt_mask_cache = {}
         output = seq.output_ids + list(drafted) if drafted else seq.output_ids
-        return TokenHistory(seq.prompt_ids, output, stop_ids, seq.prompt_mask_cache)
+        return TokenHistory(seq.prompt_ids, output, stop_ids, seq.prompt_mask_cache, seq.grammar)
 
     def _add_prompt_logprobs(self, seq: Sequence, first: int, rows: torch.Tensor) -> None:
         """Record the prompt logprobs the logits rows [n, vocab] of positions first..first+n-1 give: row j
@@ -311,6 +336,8 @@ class LLMEngine:
             seq.pending_logprobs.append(token_logprobs(logits, token, seq.params.logprobs, self.tokenizer, processed,
                                                        self._history(seq)))
         seq.output_ids.append(token)
+        if seq.grammar is not None:
+            seq.grammar.advance(token)
         self._check_finished(seq, token)
 
     def _emit(self, seq: Sequence) -> RequestOutput:
@@ -750,7 +777,9 @@ class LLMEngine:
     def _check_finished(self, seq: Sequence, token: int) -> None:
         p = seq.params
         eos = self.model_config.eos_token_id
-        if (token == eos and not p.ignore_eos) or token in p.stop_token_ids:
+        # a finished grammar allows only EOS: with ignore_eos too, the request ends there
+        grammar_done = seq.grammar is not None and seq.grammar.finished
+        if (token == eos and (not p.ignore_eos or grammar_done)) or token in p.stop_token_ids:
             seq.finish_reason = "stop"
         elif len(seq.output_ids) >= p.max_tokens or len(seq) >= self.max_model_len:
             seq.finish_reason = "length"

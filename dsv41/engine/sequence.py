@@ -257,6 +257,7 @@ class Sequence:
         self.block_hashes: list[int] = []  # chain hash of each full block, in order
         self.generator: Optional[torch.Generator] = None
         self.prompt_mask_cache: Optional[dict] = None  # repetition_penalty: the prompt's ids as a vocab mask
+        self.grammar = None  # params.structured: its dsv41.engine.grammar.RequestGrammar, fed every kept token
         if params.seed is not None:
             self.generator = torch.Generator(device="cpu").manual_seed(params.seed)
         self.text = ""

@@ -113,7 +113,7 @@ def _choice_params(params: SamplingParams, count: int) -> list[SamplingParams]:
 
 
 def _sampling_params(state: ServerState, req, *, prompt_len: int, max_tokens: Optional[int],
-                     logprobs: Optional[int], prompt_param: str) -> SamplingParams:
+                     logprobs: Optional[int], prompt_param: str, structured=None) -> SamplingParams:
     if prompt_len >= state.max_model_len:
         raise _too_long(state, prompt_len, max_tokens or 0, prompt_param)
     if max_tokens is None:  # like vLLM: the rest of the context
@@ -126,7 +126,8 @@ def _sampling_params(state: ServerState, req, *, prompt_len: int, max_tokens: Op
         stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
         presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        min_p=req.min_p or 0.0, min_tokens=req.min_tokens or 0, logit_bias=_logit_bias(req.logit_bias))
+        min_p=req.min_p or 0.0, min_tokens=req.min_tokens or 0, logit_bias=_logit_bias(req.logit_bias),
+        structured=structured)
     try:
         params.validate(state.vocab_size)
     except ValueError as exc:
