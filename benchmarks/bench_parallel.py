@@ -2,6 +2,13 @@
 expert-parallel ranks, through the HTTP front, in one run.
 
     python benchmarks/bench_parallel.py [--preset tiny] [--requests 8] [--max-tokens 32] [--out FILE.json]
+    python benchmarks/bench_parallel.py --disaggregation [--prompt-len 256] [--handoff-lens 64,256,1024]
+
+`--disaggregation` (issue 32, second part) measures instead, in one run: colocated serving (one `dsv41
+serve`) against disaggregated serving (`dsv41 router` + one prefill and one decode worker, each a process
+with `--threads 1`) on the same requests; and the KV hand-off itself, in process: its bytes per prompt token
+against the analytic global-KV size (dsv41.model.cache.global_kv_bytes_per_token), its fixed payload, and
+the time to export, serialise (crc32 per block), parse and verify, and import it, per prompt length.
 
 For each layout it starts the server as a user would (`--threads 1` per rank), sends `--requests`
 concurrent streamed greedy completions with random prompts, and reports output tokens/s over the whole
@@ -58,12 +65,16 @@ def _stream(base: str, model: str, prompt: list[int], max_tokens: int) -> dict:
     return {"ttft": first - start, "itl": (end - first) / max(tokens - 1, 1), "tokens": tokens, "end": end}
 
 
-def run_layout(preset: str, ranks: int, n_requests: int, max_tokens: int, prompt_len: int) -> dict:
+def run_layout(preset: str, ranks: int, n_requests: int, max_tokens: int, prompt_len: int, tp: int = 1) -> dict:
+    """`ranks` data- and expert-parallel engines (1: one device), or with tp > 1 one engine whose attention
+    heads are split over `tp` tensor-parallel ranks."""
     port = _free_port()
     cmd = [sys.executable, "-m", "dsv41.cli", "serve", preset, "--port", str(port), "--threads", "1",
            "--fused-kernels", "off", "--log-level", "warning"]
     if ranks > 1:
         cmd += ["--data-parallel-size", str(ranks), "--expert-parallel-size", str(ranks)]
+    if tp > 1:
+        cmd += ["--tensor-parallel-size", str(tp)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -91,7 +102,7 @@ def run_layout(preset: str, ranks: int, n_requests: int, max_tokens: int, prompt
         # steps_total counts each rank's steps: the group ran steps / ranks collective steps (its ranks all
         # step together), each taking wall / that
         collective_steps = steps / ranks
-        return {"ranks": ranks, "requests": n_requests, "tokens": tokens, "wall_s": wall,
+        return {"ranks": ranks * tp, "layout": f"TP={tp}" if tp > 1 else f"DP={ranks}", "requests": n_requests, "tokens": tokens, "wall_s": wall,
                 "tokens_per_s": tokens / wall, "ttft_mean_s": statistics.mean(r["ttft"] for r in results),
                 "itl_mean_s": statistics.mean(itl), "itl_max_s": max(itl),
                 "engine_steps": steps, "wall_per_collective_step_s": wall / max(collective_steps, 1)}
@@ -103,26 +114,168 @@ def run_layout(preset: str, ranks: int, n_requests: int, max_tokens: int, prompt
             proc.kill()
 
 
+def _wait_up(base: str, proc, what: str) -> None:
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            if requests.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not come up")
+        time.sleep(0.5)
+
+
+def _batch(base: str, n_requests: int, max_tokens: int, prompt_len: int) -> dict:
+    model = requests.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
+    prompts = [[(r * 97 + 13 * i) % 1000 + 3 for i in range(prompt_len)] for r in range(n_requests)]
+    _stream(base, model, prompts[0][:4], 4)  # warm-up
+    start = time.perf_counter()
+    with ThreadPoolExecutor(n_requests) as pool:
+        results = list(pool.map(lambda p: _stream(base, model, p, max_tokens), prompts))
+    wall = max(r["end"] for r in results) - start
+    tokens = sum(r["tokens"] for r in results)
+    return {"requests": n_requests, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "ttft_mean_s": statistics.mean(r["ttft"] for r in results),
+            "itl_mean_s": statistics.mean(r["itl"] for r in results)}
+
+
+def run_disaggregation(preset: str, n_requests: int, max_tokens: int, prompt_len: int) -> list[dict]:
+    """Colocated (one server) vs disaggregated (router + prefill worker + decode worker) on one batch."""
+    serve = [sys.executable, "-m", "dsv41.cli", "serve", preset, "--threads", "1", "--fused-kernels", "off",
+             "--log-level", "warning"]
+    rows = []
+    for layout in ("colocated", "disaggregated"):
+        procs, ports = [], [_free_port() for _ in range(3)]
+        try:
+            if layout == "colocated":
+                procs.append(subprocess.Popen(serve + ["--port", str(ports[0])], stdout=subprocess.DEVNULL,
+                                              stderr=subprocess.DEVNULL))
+                _wait_up(f"http://127.0.0.1:{ports[0]}", procs[0], "the server")
+            else:
+                for port, mode in zip(ports[1:], ("prefill", "decode")):
+                    procs.append(subprocess.Popen(serve + ["--port", str(port), "--disaggregation-mode", mode],
+                                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                for port, proc in zip(ports[1:], procs):
+                    _wait_up(f"http://127.0.0.1:{port}", proc, "a worker")
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "dsv41.cli", "router", "--port", str(ports[0]), "--log-level", "warning",
+                     "--prefill", f"http://127.0.0.1:{ports[1]}", "--decode", f"http://127.0.0.1:{ports[2]}"],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                _wait_up(f"http://127.0.0.1:{ports[0]}", procs[-1], "the router")
+            row = {"layout": layout, **_batch(f"http://127.0.0.1:{ports[0]}", n_requests, max_tokens, prompt_len)}
+            if layout == "disaggregated":
+                stats = requests.get(f"http://127.0.0.1:{ports[0]}/stats", timeout=10).json()
+                row["router"] = stats
+                row["prefill_s_per_request"] = stats["prefill_s"] / max(stats["handoffs"], 1)
+                row["deliver_s_per_request"] = stats["deliver_s"] / max(stats["handoffs"], 1)
+                row["handoff_bytes_per_request"] = stats["handoff_bytes"] / max(stats["handoffs"], 1)
+            rows.append(row)
+        finally:
+            for proc in procs:
+                proc.send_signal(2)
+            for proc in procs:
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    return rows
+
+
+def measure_handoff(preset: str, lengths: list[int]) -> list[dict]:
+    """The hand-off of one prompt per length, in process: sizes against the analytic KV, and timings."""
+    import torch
+
+    from dsv41.engine import EngineConfig, SamplingParams, build_engine
+    from dsv41.engine.handoff import KVHandoff
+    from dsv41.model.cache import fixed_state_bytes_per_sequence, global_kv_bytes_per_token
+
+    cfg_kw = dict(kv_pool_tokens=max(lengths) * 2 + 1024, fused_kernels="off", enable_prefix_caching=False)
+    p_engine = build_engine(preset, EngineConfig(**cfg_kw), seed=0)
+    d_engine = build_engine(preset, EngineConfig(**cfg_kw), seed=0)
+    cfg = p_engine.model_config
+    analytic = global_kv_bytes_per_token(cfg)["total"]
+    fixed = fixed_state_bytes_per_sequence(cfg)
+    rows = []
+    for n in lengths:
+        prompt = [(13 * i) % 1000 + 3 for i in range(n)]
+        t0 = time.perf_counter()
+        p_engine.add_request(f"p{n}", prompt, SamplingParams(max_tokens=1), export_handoff=True)
+        out = None
+        while p_engine.has_unfinished():
+            out = next((o for o in p_engine.step() if o.finished), out)
+        t1 = time.perf_counter()
+        data = out.handoff.to_bytes()
+        t2 = time.perf_counter()
+        handoff = KVHandoff.from_bytes(data, d_engine.identity())
+        t3 = time.perf_counter()
+        d_engine.add_request(f"d{n}", prompt, SamplingParams(temperature=0, max_tokens=1), handoff=handoff)
+        while d_engine.has_unfinished():  # admission imports; the step samples the first token
+            d_engine.step()
+        t4 = time.perf_counter()
+        kv = handoff.kv_bytes()
+        rows.append({"prompt_tokens": n, "handoff_bytes": len(data), "kv_bytes": kv,
+                     "kv_bytes_per_token": kv / n, "analytic_kv_bytes_per_token": analytic,
+                     "fixed_bytes": len(data) - kv, "analytic_fixed_state_bytes": fixed["window_fp8"]
+                     + fixed["compressor_partial_groups"], "logits_bytes": cfg.vocab_size * 4,
+                     "prefill_s": t1 - t0, "serialize_s": t2 - t1, "parse_verify_s": t3 - t2, "import_s": t4 - t3,
+                     "serialize_gb_per_s": len(data) / (t2 - t1) / 1e9, "threads": torch.get_num_threads()})
+    return rows
+
+
+def main_disaggregation(args) -> None:
+    handoff = measure_handoff(args.preset, [int(x) for x in args.handoff_lens.split(",")])
+    print(f"{'prompt':>7} {'bytes':>9} {'KV B/tok':>9} {'analytic':>9} {'fixed B':>8} {'prefill s':>9} "
+          f"{'ser ms':>7} {'parse ms':>8} {'import ms':>9}")
+    for r in handoff:
+        print(f"{r['prompt_tokens']:>7} {r['handoff_bytes']:>9} {r['kv_bytes_per_token']:>9.1f} "
+              f"{r['analytic_kv_bytes_per_token']:>9.1f} {r['fixed_bytes']:>8} {r['prefill_s']:>9.2f} "
+              f"{1e3 * r['serialize_s']:>7.2f} {1e3 * r['parse_verify_s']:>8.2f} {1e3 * r['import_s']:>9.2f}")
+    rows = run_disaggregation(args.preset, args.requests, args.max_tokens, args.prompt_len)
+    print(f"{'layout':>14} {'tokens/s':>9} {'TTFT s':>8} {'ITL ms':>8}")
+    for r in rows:
+        print(f"{r['layout']:>14} {r['tokens_per_s']:>9.1f} {r['ttft_mean_s']:>8.2f} {1e3 * r['itl_mean_s']:>8.1f}")
+    co, dis = rows
+    print(f"disaggregated / colocated: tokens/s {dis['tokens_per_s'] / co['tokens_per_s']:.2f}x, "
+          f"TTFT {dis['ttft_mean_s'] / co['ttft_mean_s']:.2f}x, ITL {dis['itl_mean_s'] / co['itl_mean_s']:.2f}x; "
+          f"hand-off {dis['handoff_bytes_per_request']:.0f} B/request, delivered in "
+          f"{1e3 * dis['deliver_s_per_request']:.1f} ms")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"preset": args.preset, "cpu_count": os.cpu_count(), "load_avg": os.getloadavg(),
+                       "handoff": handoff, "layouts": rows}, f, indent=2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--ranks", default="1,2", help="layouts to measure, comma-separated rank counts")
+    parser.add_argument("--ranks", default="1,2", help=(
+        "layouts to measure, comma-separated: N (N data- and expert-parallel ranks) or tpN (one engine, its "
+        "attention heads split over N tensor-parallel ranks)"))
     parser.add_argument("--out", help="also write the results as JSON here")
+    parser.add_argument("--disaggregation", action="store_true",
+                        help="colocated vs prefill/decode disaggregated serving, and the KV hand-off's size and time")
+    parser.add_argument("--handoff-lens", default="64,256,1024", help="prompt lengths of the hand-off measurement")
     args = parser.parse_args()
     env_path = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [env_path, os.environ.get("PYTHONPATH")]))
-    rows = [run_layout(args.preset, int(r), args.requests, args.max_tokens, args.prompt_len)
+    if args.disaggregation:
+        sys.path.insert(0, env_path)
+        return main_disaggregation(args)
+    rows = [run_layout(args.preset, 1, args.requests, args.max_tokens, args.prompt_len, tp=int(r[2:]))
+            if r.startswith("tp") else run_layout(args.preset, int(r), args.requests, args.max_tokens, args.prompt_len)
             for r in args.ranks.split(",")]
-    print(f"{'ranks':>5} {'tokens/s':>9} {'TTFT s':>8} {'ITL ms':>8} {'ITL max':>8} {'steps':>6} {'s/step':>7}")
+    print(f"{'layout':>6} {'ranks':>5} {'tokens/s':>9} {'TTFT s':>8} {'ITL ms':>8} {'ITL max':>8} {'steps':>6} {'s/step':>7}")
     for r in rows:
-        print(f"{r['ranks']:>5} {r['tokens_per_s']:>9.1f} {r['ttft_mean_s']:>8.2f} {1e3 * r['itl_mean_s']:>8.1f} "
+        print(f"{r['layout']:>6} {r['ranks']:>5} {r['tokens_per_s']:>9.1f} {r['ttft_mean_s']:>8.2f} {1e3 * r['itl_mean_s']:>8.1f} "
               f"{1e3 * r['itl_max_s']:>8.1f} {r['engine_steps']:>6.0f} {r['wall_per_collective_step_s']:>7.3f}")
     if len(rows) > 1:
-        print(f"tokens/s ratio {rows[-1]['ranks']} vs {rows[0]['ranks']} ranks: "
-              f"{rows[-1]['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x")
+        for r in rows[1:]:
+            print(f"tokens/s ratio {r['layout']} vs {rows[0]['layout']}: {r['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"preset": args.preset, "cpu_count": os.cpu_count(), "load_avg": os.getloadavg(),

@@ -9,7 +9,9 @@ side by side in one run (these machines are noisy; compare the ratios):
 - decode step time at context 1K, 16K and 64K (the context is laid down synthetically: random values on
   the storage grids, so the step does the same work as after a real prefill, without the prefill);
 - resident KV bytes per token: the engine's packed pool (measured) vs the analytic figure vs the
-  baseline's bf16 containers.
+  baseline's bf16 containers;
+- structured outputs (with the `structured` extra): decode step time under a JSON-schema mask against
+  unconstrained sampling, and the mask work alone per step.
 Random weights: only speeds and sizes mean anything here.
 """
 
@@ -61,6 +63,57 @@ def engine_decode_rate(model, batch: int, prompt_len: int, new_tokens: int, **ov
             seconds += time.perf_counter() - t
             tokens += sum(len(o.new_token_ids) for o in outs)
     return tokens / seconds
+
+
+# a schema that keeps random weights writing for the whole budget (a long string), so both runs time the
+# same number of steps
+JSON_BENCH_SCHEMA = {"type": "object", "required": ["notes"], "additionalProperties": False,
+                     "properties": {"notes": {"type": "string", "minLength": 4096}}}
+
+
+def decode_steps(model, batch: int, prompt_len: int, new_tokens: int, structured: bool) -> dict:
+    """Decode steps of `batch` sampled requests (temperature 1, seeded), unconstrained or under
+    JSON_BENCH_SCHEMA: mean ms per step and tokens/s over the steps where every request decodes."""
+    engine = make_engine(model)
+    spec = None
+    if structured:
+        from dsv41.engine.types import GrammarSpec
+
+        spec = GrammarSpec(engine.grammar_compiler.json_schema(JSON_BENCH_SCHEMA))
+    for i, p in enumerate(random_prompts(batch, prompt_len, model.cfg.vocab_size)):
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=1.0, seed=i, max_tokens=new_tokens,
+                                                      ignore_eos=not structured, structured=spec))
+    tokens, seconds, steps = 0, 0.0, 0
+    while engine.has_unfinished():
+        decoding = all(not s.in_prefill for s in engine.running) and not engine.waiting
+        t = time.perf_counter()
+        outs = engine.step()
+        if decoding:
+            seconds += time.perf_counter() - t
+            steps += 1
+            tokens += sum(len(o.new_token_ids) for o in outs)
+    return {"step_ms": 1e3 * seconds / max(steps, 1), "tok_s": tokens / max(seconds, 1e-9), "steps": steps}
+
+
+def mask_cost(vocab: int, batch: int, steps: int) -> float:
+    """ms per step of the grammar work alone for `batch` requests under JSON_BENCH_SCHEMA: the batched
+    mask, applying it to a logits row per request, and advancing each matcher by one token."""
+    from dsv41.engine.grammar import GrammarCompiler
+    from dsv41.engine.types import GrammarSpec
+
+    tok = ByteTokenizer(vocab)
+    compiler = GrammarCompiler(tok, vocab)
+    spec = GrammarSpec(compiler.json_schema(JSON_BENCH_SCHEMA))
+    grammars = [compiler.matcher(spec) for _ in range(batch)]
+    doc = tok.encode('{"notes":"' + "abcdefghij" * (steps // 10 + 1), add_bos=False)[:steps]
+    logits = torch.randn(batch, vocab)  # [B, vocab]
+    t = time.perf_counter()
+    for k, token in enumerate(doc):
+        compiler.prefetch(grammars)
+        for row, g in enumerate(grammars):
+            logits[row].masked_fill(~g.allowed(doc[:k]), -torch.inf)
+            g.advance(token)
+    return 1e3 * (time.perf_counter() - t) / len(doc)
 
 
 def baseline_decode_rate(model, batch: int, prompt_len: int, new_tokens: int) -> float:
@@ -238,6 +291,23 @@ def main(argv=None) -> int:
     print(table(f"\n[decode] {args.preset}, prompt {prompt_len}, {new_tokens} new tokens each",
                 ["batch", "engine tok/s", "engine (no batch inv.) tok/s", "baseline tok/s", "engine/baseline",
                  "no-inv./baseline"], rows))
+
+    try:  # structured outputs (optional extra): the JSON-schema mask's cost per decode step
+        rows = []
+        for b in batches:
+            free = decode_steps(model, b, prompt_len, new_tokens, structured=False)
+            con = decode_steps(model, b, prompt_len, new_tokens, structured=True)
+            rows.append([b, free["step_ms"], con["step_ms"], con["step_ms"] / free["step_ms"],
+                         mask_cost(cfg.vocab_size, b, new_tokens)])
+        results["structured_decode"] = [dict(zip(["batch", "free_step_ms", "json_schema_step_ms", "ratio",
+                                                  "mask_only_ms_per_step"], r)) for r in rows]
+        print(table(f"\n[structured outputs] {args.preset}: decode step with a JSON-schema mask vs unconstrained "
+                    f"(temperature 1)", ["batch", "free ms/step", "JSON schema ms/step", "ratio",
+                                         "mask alone ms/step"], rows))
+    except ImportError as exc:  # GrammarUnavailable is a ValueError; a missing llguidance ends here too
+        print(f"\n[structured outputs] skipped: {exc}")
+    except ValueError as exc:
+        print(f"\n[structured outputs] skipped: {exc}")
 
     prefill_lens = [256] if quick else [512, 2048]
     rows = []

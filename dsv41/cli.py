@@ -6,7 +6,8 @@
 - `dsv41 chat`: a conversation read line by line from stdin (a terminal or a pipe), each reply
   streamed and followed by a tokens/s line; `/reset` starts over, `/exit` quits;
 - `dsv41 serve MODEL`: the OpenAI-compatible server (`dsv41.server`); with `--data-parallel-size D
-  [--expert-parallel-size D]` over D engine ranks (`dsv41.distributed`);
+  [--expert-parallel-size D]` over D engine ranks (`dsv41.distributed`); with `--disaggregation-mode
+  prefill|decode` a worker behind `dsv41 router --prefill URL... --decode URL...` (`dsv41.server.router`);
 - `dsv41 train`: pre-training (`dsv41.train`), every `TrainConfig` field an option;
 - `dsv41 data`: a training data folder (`dsv41.data.build`, which has its own parser);
 - `dsv41 eval ppl|passkey|niah|vartrack|recall|cost|all`: evaluations of a model (`dsv41.eval`,
@@ -139,7 +140,8 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
         "--data-parallel-size D runs D engine ranks, one process each (spawned by serve; torchrun also works: "
         "every process runs the same command and rank 0 serves HTTP). --expert-parallel-size D splits every MoE "
         "layer's routed experts over those D ranks (EP over the DP ranks, as vLLM's --enable-expert-parallel "
-        "does); it must be 1 or D. Tensor parallelism and prefill/decode disaggregation are not built yet.")
+        "does); it must be 1 or D. --tensor-parallel-size T splits each engine's attention heads over T ranks "
+        "(D x T processes).")
     for f in dataclasses.fields(ParallelConfig):
         if "help" in f.metadata:
             group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_positive_int, default=f.default,
@@ -377,9 +379,13 @@ def cmd_serve(args) -> int:
         args.engine_fused_kernels = "background"
     engine_config = _engine_config(args)
     parallel = _parallel_config(args)
-    if parallel.data_parallel_size > 1:
+    if parallel.world_size > 1:
         from dsv41.server.run import serve_data_parallel
 
+        if args.disaggregation_mode:
+            raise ValueError("--disaggregation-mode with more than one rank (data or tensor parallel) is not built "
+                             "yet: run each "
+                             "worker with one rank (several prefill/decode workers behind one router)")
         serve_data_parallel(args.model, parallel, host=args.host, port=args.port, engine_config=engine_config,
                             seed=args.seed, max_waiting=args.max_waiting, served_model_name=args.served_model_name,
                             log_level=args.log_level, api_key=args.api_key or None,
@@ -389,7 +395,28 @@ def cmd_serve(args) -> int:
     serve(args.model, host=args.host, port=args.port, engine_config=engine_config, seed=args.seed,
           max_waiting=args.max_waiting, served_model_name=args.served_model_name, log_level=args.log_level,
           api_key=args.api_key or None, max_request_bytes=args.max_request_bytes, max_choices=args.max_choices,
-          max_stored_responses=args.max_stored_responses)
+          max_stored_responses=args.max_stored_responses,
+          disaggregation_mode=args.disaggregation_mode)
+    return 0
+
+
+def cmd_router(args) -> int:
+    import uvicorn
+
+    from dsv41.server.router import RouterConfig, create_router
+    from dsv41.server.run import bind, uvicorn_config
+
+    config = RouterConfig(prefill=args.prefill, decode=args.decode, timeout_s=args.timeout)
+    app = create_router(config)
+    sock = bind(args.host, args.port)
+    print(f"dsv41: router on http://{args.host}:{sock.getsockname()[1]}/v1 over {len(args.prefill)} prefill and "
+          f"{len(args.decode)} decode worker(s)", flush=True)
+    try:
+        uvicorn.Server(uvicorn_config(app, args.log_level, timeout_graceful_shutdown=5)).run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sock.close()
     return 0
 
 
@@ -518,9 +545,29 @@ def build_parser() -> argparse.ArgumentParser:
     p_serve.add_argument("--threads", type=_positive_int, metavar="N", help=THREADS_HELP)
     p_serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                          help="server log verbosity (default: info)")
+    p_serve.add_argument("--disaggregation-mode", choices=["prefill", "decode"], default=None,
+                         help="run as a prefill or decode worker behind `dsv41 router` (prefill/decode "
+                              "disaggregation; the ordinary routes keep working)")
     _add_parallel_args(p_serve)
     _add_engine_args(p_serve)
     p_serve.set_defaults(func=cmd_serve)
+
+    p_router = sub.add_parser("router", help="the OpenAI front of prefill/decode disaggregation: prompts to "
+                                             "prefill workers, KV hand-offs to decode workers")
+    p_router.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                          help="prefill workers (`dsv41 serve MODEL --disaggregation-mode prefill`), e.g. "
+                               "http://127.0.0.1:8001")
+    p_router.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                          help="decode workers (`dsv41 serve MODEL --disaggregation-mode decode`)")
+    p_router.add_argument("--host", default="127.0.0.1", metavar="ADDRESS",
+                          help="address to listen on (default: 127.0.0.1, this machine only). Clients' "
+                               "Authorization headers are passed to the workers, which check their own --api-key")
+    p_router.add_argument("--port", type=int, default=8000, metavar="PORT", help="TCP port to listen on (default: 8000)")
+    p_router.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                          help="longest wait in seconds for a worker's next bytes (default: 600)")
+    p_router.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                          help="router log verbosity (default: info)")
+    p_router.set_defaults(func=cmd_router)
 
     p_train = sub.add_parser("train", help="pre-train from scratch (V4.1 recipe; torchrun for FSDP2)")
     _add_train_args(p_train)

@@ -157,10 +157,13 @@ def _convert(name: str, tensor: torch.Tensor, target: torch.Tensor, scale: torch
     return tensor
 
 
-def load_weights(model: Transformer, path: str, elsewhere: Optional[Callable[[str], bool]] = None) -> LoadReport:
+def load_weights(model: Transformer, path: str, elsewhere: Optional[Callable[[str], bool]] = None,
+                 rows: Optional[Callable[[str], Optional[slice]]] = None) -> LoadReport:
     """Copy every tensor of the folder's safetensors files into `model`; raise on anything malformed.
     `elsewhere(name)`: True for the tensors another rank holds (expert parallelism): they are neither read
-    nor reported as unknown; only their names, from the file headers, are looked at."""
+    nor reported as unknown; only their names, from the file headers, are looked at. `rows(name)`: the
+    first-dimension slice of that tensor this rank holds (tensor parallelism), read alone (`get_slice`), or
+    None for the whole tensor."""
     params = dict(model.named_parameters())
     report = LoadReport()
     files = checkpoint_files(path)
@@ -175,8 +178,9 @@ def load_weights(model: Transformer, path: str, elsewhere: Optional[Callable[[st
 
     def read(name: str) -> torch.Tensor:
         file_index, key = where[name]
+        part = rows(name) if rows is not None else None
         try:
-            tensor = handles[file_index].get_tensor(key)
+            tensor = handles[file_index].get_tensor(key) if part is None else handles[file_index].get_slice(key)[part]
         except SafetensorError as exc:
             raise ValueError(f"{files[file_index]}: cannot read {key!r} ({exc})") from exc
         report.bytes_read += tensor.numel() * tensor.element_size()

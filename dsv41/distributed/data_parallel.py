@@ -51,27 +51,71 @@ from dsv41.engine.llm_engine import LLMEngine
 log = logging.getLogger("dsv41.distributed")
 
 
+def layout_groups(parallel: ParallelConfig) -> tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
+    """(this rank's tensor-parallel group, its expert-parallel group). Global rank r is tensor-parallel rank
+    r % T of data-parallel engine r // T; engine d's TP group is ranks d*T .. d*T+T-1 and the expert-parallel
+    group of TP rank t is the ranks t, t+T, t+2T, ... (one per engine: the ranks of an engine hold the same
+    hidden states, so each TP rank runs its own EP all-to-all with its peers of the other engines). With T = 1
+    both are None (the whole world). Every rank creates every group, in the same order (torch.distributed
+    requires it)."""
+    t = parallel.tensor_parallel_size
+    if t == 1:
+        return None, None
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world != parallel.world_size:
+        raise ValueError(f"{world} processes, but --data-parallel-size {parallel.data_parallel_size} x "
+                         f"--tensor-parallel-size {t} needs {parallel.world_size}")
+    tp_group = ep_group = None
+    for d in range(parallel.data_parallel_size):
+        g = dist.new_group(list(range(d * t, (d + 1) * t)))
+        if rank // t == d:
+            tp_group = g
+    if parallel.expert_parallel:
+        for i in range(t):
+            g = dist.new_group(list(range(i, world, t)))
+            if rank % t == i:
+                ep_group = g
+    return tp_group, ep_group
+
+
 def build_rank_engine(model: str, engine_config: Optional[EngineConfig], seed: int, parallel: ParallelConfig,
                       group: Optional[dist.ProcessGroup] = None) -> LLMEngine:
     """This rank's engine: the model built as `build_engine` builds it (every rank draws the same random
-    weights from `seed`), its experts sharded over `group` when expert parallelism is on; from a checkpoint
-    folder a rank then reads only its own experts' tensors (`load_expert_shard`)."""
+    weights from `seed`), its experts sharded over its expert-parallel group when expert parallelism is on
+    and its attention heads over its tensor-parallel group (`layout_groups`); from a checkpoint folder a rank
+    then reads only its own experts' and heads' slices (`load_shard`). `group`: the expert-parallel group
+    when T = 1 (default: the world)."""
     import functools
     import os
 
-    from dsv41.distributed.sharded_load import load_expert_shard
+    from dsv41.distributed.sharded_load import load_shard
+    from dsv41.distributed.tensor_parallel import TensorParallel, install_gather, shard_attention_heads
     from dsv41.engine.build import build_model
 
+    tp_group, ep_group = layout_groups(parallel)
+    if parallel.tensor_parallel_size == 1:
+        ep_group = group
+    tp = TensorParallel(tp_group) if parallel.tensor_parallel_size > 1 else None
+    ep = (dist.get_rank(ep_group), dist.get_world_size(ep_group)) if parallel.expert_parallel else (0, 1)
     load = None
-    if parallel.expert_parallel and os.path.isdir(model):  # read only this rank's experts from the files
-        load = functools.partial(load_expert_shard, rank=dist.get_rank(group), world=dist.get_world_size(group))
+    sharded = (parallel.expert_parallel or tp is not None) and os.path.isdir(model)
+    if sharded:  # read only this rank's experts and heads from the files
+        load = functools.partial(load_shard, expert_rank=ep[0], expert_world=ep[1],
+                                 tp_rank=tp.rank if tp else 0, tp_world=tp.world if tp else 1)
     net, tokenizer, name = build_model(model, seed, load=load)
     net.eval()
     if parallel.expert_parallel:
-        shard_experts(net, group)
-    # the engine's own generator draws the tokens of requests without a seed: one stream per rank, so two
-    # ranks given the same unseeded request at once do not sample the same tokens
-    return LLMEngine(net, tokenizer, engine_config, model_name=name, seed=seed + dist.get_rank(group))
+        shard_experts(net, ep_group)
+    if tp is not None:
+        if sharded:
+            install_gather(net, tp)  # the loader kept only this rank's slices
+        else:
+            shard_attention_heads(net, tp_group)
+    # the engine's own generator draws the tokens of requests without a seed: one stream per engine, so two
+    # engines given the same unseeded request at once do not sample the same tokens; the TP ranks of one
+    # engine draw the same stream (they must pick the same tokens)
+    engine_rank = dist.get_rank() // parallel.tensor_parallel_size if tp is not None else dist.get_rank(group)
+    return LLMEngine(net, tokenizer, engine_config, model_name=name, seed=seed + engine_rank)
 
 
 class RankEngine:
@@ -95,9 +139,10 @@ class RankEngine:
         rejected, failed = [], []  # (request id, why): bad input (the client's 400) / this rank's failure
         for command in message["commands"]:
             if command[0] == "add":
-                _, request_id, prompt, params, images = command
+                # as AsyncEngine.generate queues it: ("add", id, prompt, params, images[, hand-off arguments])
+                _, request_id, prompt, params, images, *handoff = command
                 try:
-                    engine.add_request(request_id, prompt, params, images)
+                    engine.add_request(request_id, prompt, params, images, **(handoff[0] if handoff else {}))
                 except ValueError as exc:
                     rejected.append((request_id, str(exc)))
             elif command[0] == "abort":
@@ -176,7 +221,9 @@ class DataParallelFront(AsyncEngine):
             raise ValueError("the front runs on rank 0")
         self.rank0 = rank
         self.group = rank.group
-        self.world = dist.get_world_size(self.group)
+        # tensor parallelism: the T ranks of an engine get the same commands and give the same outputs
+        self.tp = parallel.tensor_parallel_size
+        self.world = dist.get_world_size(self.group) // self.tp  # engines (data-parallel ranks)
         self.parallel = parallel
         self.max_running = self.world * rank.engine.config.max_num_seqs
         self._owner: dict[str, int] = {}  # request id -> the rank serving it
@@ -260,15 +307,16 @@ class DataParallelFront(AsyncEngine):
                 per_rank[self._owner[command[1]]].append(command)
         stop = stop or self._stop.is_set()
         step = not stop and (self._busy or any(per_rank))
-        messages = [{"commands": c, "step": step, "stop": stop} for c in per_rank]
+        messages = [{"commands": c, "step": step, "stop": stop} for c in per_rank for _ in range(self.tp)]
         box = [None]
         dist.scatter_object_list(box, messages, src=0, group=self.group)
         if stop:
             self._stopped = True
             return
-        replies: list = [None] * self.world
+        replies: list = [None] * (self.world * self.tp)
         mine = self.rank0.round(box[0])
         dist.gather_object(mine, replies, dst=0, group=self.group)
+        replies = engine_replies(replies, self.tp)
         for reply in replies:
             for request_id, message in reply["rejected"]:
                 self._done(request_id)
@@ -284,6 +332,21 @@ class DataParallelFront(AsyncEngine):
         with self._lock:  # hand the requests from "pending" to the ranks' "waiting" in one move
             self._pending -= adds
             self._metrics = combine_metrics([reply["metrics"] for reply in replies])
+
+
+def engine_replies(replies: list, tp: int) -> list:
+    """One reply per engine from the replies of all D x T ranks: each engine's first TP rank's, after checking
+    that its other TP ranks produced the same tokens (they run the same batch on identical inputs; a
+    difference means they diverged, and the group stops rather than serve either)."""
+    if tp == 1:
+        return replies
+    for d in range(len(replies) // tp):
+        lead = replies[d * tp]
+        tokens = [(o.request_id, o.new_token_ids, o.finished) for o in lead["outputs"]]
+        for r in range(d * tp + 1, (d + 1) * tp):
+            if [(o.request_id, o.new_token_ids, o.finished) for o in replies[r]["outputs"]] != tokens:
+                raise RuntimeError(f"tensor-parallel rank {r} produced other tokens than rank {d * tp} of its engine")
+    return replies[::tp]
 
 
 def init_group(rank: int, world: int, init_method: str, timeout_s: float = 1800.0) -> None:

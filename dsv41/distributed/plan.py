@@ -8,8 +8,11 @@ rest, the Engram tables whole (what this engine does). Serving systems shard the
 ranks or keep them in host memory; those are planned as separate rows, marked not built. KV per token and the fixed per-sequence state come from
 `dsv41.model.cache` (the pool's packed formats).
 
-Built layouts only: data parallelism with expert parallelism over the same ranks (EP = DP or 1). Tensor
-parallelism is not built, so it is not planned.
+Built layouts: data parallelism with expert parallelism over the same ranks (EP = DP or 1), and each
+data-parallel engine's attention heads split over T tensor-parallel ranks (D x T devices; a TP rank holds
+1/T of every backbone layer's `wq_b`, `attn_sink` and `wo_a`, `dsv41.distributed.tensor_parallel`, and the
+rest of its engine's share, its KV cache included: KV is replicated over the TP ranks, so a TP layout's
+KV tokens are counted once per engine). T must split the output groups (`check_head_split`).
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ import torch
 
 from dsv41.config import ModelConfig
 from dsv41.distributed.expert_parallel import expert_range
+from dsv41.distributed.tensor_parallel import check_head_split
 from dsv41.model.cache import fixed_state_bytes_per_sequence, global_kv_bytes_per_token
 
 _EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.")
+# the parameters tensor parallelism splits by heads (dsv41.distributed.tensor_parallel.slice_attention_heads)
+_TP_SPLIT = re.compile(r"^layers\.\d+\.attn\.(wq_b\.weight|wq_b\.scale|attn_sink|wo_a\.weight)$")
 MILLION = 1_000_000
 
 
@@ -45,7 +51,8 @@ class WeightBytes:
 
     experts: dict  # MoE layer name -> [bytes of expert 0, 1, ...]
     engram_tables: int
-    rest: int
+    rest: int  # everything else, head_split included
+    head_split: int = 0  # the part of `rest` tensor parallelism splits over its ranks (whole row tiles)
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> "WeightBytes":
@@ -54,9 +61,11 @@ class WeightBytes:
         with torch.device("meta"):
             model = Transformer(cfg)
         experts: dict = {}
-        engram = rest = 0
+        engram = rest = split = 0
         for name, p in model.named_parameters():
             size = p.numel() * p.element_size()
+            if _TP_SPLIT.match(name):
+                split += size
             match = _EXPERT.match(name)
             if match is not None:
                 layer = experts.setdefault(match.group(1), {})
@@ -65,19 +74,20 @@ class WeightBytes:
                 engram += size
             else:
                 rest += size
-        return cls({k: [v[e] for e in sorted(v)] for k, v in experts.items()}, engram, rest)
+        return cls({k: [v[e] for e in sorted(v)] for k, v in experts.items()}, engram, rest, split)
 
     @property
     def total(self) -> int:
         return self.rest + self.engram_tables + sum(sum(v) for v in self.experts.values())
 
-    def rank_bytes(self, rank: int, world: int, engram: str = "device") -> int:
-        """What rank `rank` of `world` expert-parallel ranks holds (world 1: everything). engram: "device"
+    def rank_bytes(self, rank: int, world: int, engram: str = "device", tp: int = 1) -> int:
+        """What rank `rank` of `world` expert-parallel ranks holds (world 1: everything), with its engine's
+        attention heads split over `tp` tensor-parallel ranks (they divide exactly). engram: "device"
         (every rank holds the whole tables: what this engine does), "sharded" (rows split evenly over the
         ranks, as vLLM moves them to their tokens' owners; not built here) or "host" (not on the device)."""
         held = sum(sum(sizes[e] for e in expert_range(len(sizes), rank, world)) for sizes in self.experts.values())
         tables = {"device": self.engram_tables, "sharded": -(-self.engram_tables // world), "host": 0}[engram]
-        return self.rest + tables + held
+        return self.rest - self.head_split + self.head_split // tp + tables + held
 
 
 def plan(cfg: ModelConfig, devices: int, device_memory: int, utilization: float = 0.9) -> list[dict]:
@@ -92,19 +102,27 @@ def plan(cfg: ModelConfig, devices: int, device_memory: int, utilization: float 
     fixed = fixed_state_bytes_per_sequence(cfg)
     fixed_seq = fixed["window_fp8"] + fixed["compressor_partial_groups"]
     usable = int(device_memory * utilization)
-    layouts = [(devices, 1, "device")]
+    layouts = [(devices, 1, 1, "device")]
     if devices > 1:
-        layouts += [(devices, devices, "device")]
+        layouts += [(devices, devices, 1, "device")]
+    for tp in range(2, devices + 1):  # D x T: the attention heads of each of D engines split T ways
+        try:
+            check_head_split(cfg, tp)
+        except ValueError:
+            continue
+        if devices % tp == 0:
+            dp = devices // tp
+            layouts += [(dp, dp, tp, "device")]
     if weights.engram_tables:
         # what serving systems do with the release's ~100 GB tables; this engine keeps them whole on every rank
-        layouts += [(devices, devices, "sharded"), (devices, devices, "host")] if devices > 1 else [(1, 1, "host")]
+        layouts += [(devices, devices, 1, "sharded"), (devices, devices, 1, "host")] if devices > 1 else [(1, 1, 1, "host")]
     rows = []
-    for dp, ep, engram in layouts:
-        per_rank = max(weights.rank_bytes(r, ep, engram) for r in range(ep))
+    for dp, ep, tp, engram in layouts:
+        per_rank = max(weights.rank_bytes(r, ep, engram, tp) for r in range(ep))
         free = usable - per_rank
-        name = f"DP={dp} EP={ep}" + {"device": "", "sharded": ", Engram rows sharded (not built)",
+        name = f"DP={dp} EP={ep}" + (f" TP={tp}" if tp > 1 else "") + {"device": "", "sharded": ", Engram rows sharded (not built)",
                                      "host": ", Engram in host memory (not built)"}[engram]
-        row = {"layout": name, "data_parallel": dp, "expert_parallel": ep, "engram": engram,
+        row = {"layout": name, "data_parallel": dp, "expert_parallel": ep, "tensor_parallel": tp, "engram": engram,
                "built": engram == "device", "weight_bytes_per_rank": per_rank, "usable_bytes_per_rank": usable,
                "fits": free > 0}
         if free > 0:

@@ -1,6 +1,7 @@
-"""Sharded weight loading for expert parallelism (issue 32): each rank reads only its own routed experts'
-tensors from the safetensors files (plus everything every rank keeps: attention, router, shared expert,
-Engram, head), and the other ranks' experts are never allocated, let alone read.
+"""Sharded weight loading for expert and tensor parallelism (issue 32): each rank reads only its own routed
+experts' tensors and its own attention heads' rows from the safetensors files (plus everything every rank
+keeps: the rest of attention, router, shared expert, Engram, head), and the other ranks' experts and head
+slices are never allocated, let alone read (a head slice is read with `safe_open(...).get_slice`).
 
 The model is built on the meta device (no storage), the other ranks' experts are replaced by placeholders
 (`drop_experts`), the rest is given real CPU storage (`to_empty`), and `dsv41.weights.load_weights` fills it
@@ -18,6 +19,7 @@ import torch
 
 from dsv41.config import ModelConfig
 from dsv41.distributed.expert_parallel import drop_experts
+from dsv41.distributed.tensor_parallel import parameter_slice, slice_attention_heads
 from dsv41.model.engram import NgramHasher
 from dsv41.model.transformer import Transformer
 from dsv41.weights import load_weights
@@ -29,6 +31,15 @@ def load_expert_shard(path: str | os.PathLike, rank: int, world: int) -> Transfo
     """The model of `path` (a checkpoint folder) holding only the routed experts `expert_range(E, rank,
     world)` of every MoE layer; `model.load_report` says what was read (`bytes_read`) and how many tensors
     were left to the other ranks (`elsewhere`). Install the dispatcher with `shard_experts(model, group)`."""
+    return load_shard(path, expert_rank=rank, expert_world=world)
+
+
+def load_shard(path: str | os.PathLike, expert_rank: int = 0, expert_world: int = 1, tp_rank: int = 0,
+               tp_world: int = 1) -> Transformer:
+    """The model of `path` holding only expert-parallel rank `expert_rank`'s routed experts and
+    tensor-parallel rank `tp_rank`'s query heads and output groups (`head_slices`); install the dispatcher
+    (`shard_experts`) and the gather (`install_gather`) afterwards."""
+    rank, world = expert_rank, expert_world
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: not a folder")
@@ -36,6 +47,8 @@ def load_expert_shard(path: str | os.PathLike, rank: int, world: int) -> Transfo
     with torch.device("meta"):
         model = Transformer(cfg)
     others = set(drop_experts(model, rank, world))
+    if tp_world > 1:
+        slice_attention_heads(model, tp_rank, tp_world)  # on meta: only the slices get storage
     model.to_empty(device="cpu")
     if model.engram_hash is not None:  # computed from the config at construction: build it for real
         model.engram_hash = NgramHasher(cfg, model.engram_layout)
@@ -44,6 +57,9 @@ def load_expert_shard(path: str | os.PathLike, rank: int, world: int) -> Transfo
         match = _EXPERT.match(name)
         return match is not None and match.group(1) in others
 
-    report = load_weights(model, path, elsewhere)
+    def rows(name: str):
+        return parameter_slice(cfg, name, tp_rank, tp_world)
+
+    report = load_weights(model, path, elsewhere, rows if tp_world > 1 else None)
     model.load_report = report
     return model.eval()

@@ -76,9 +76,10 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       images: Optional[list] = None) -> AsyncIterator[RequestOutput]:
+                       images: Optional[list] = None, **disaggregation) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Raises ValueError for bad input, EngineBusy when the queue is full.
-        `images`: (start, ImagePatches) pairs, as LLMEngine.add_request takes them."""
+        `images`: (start, ImagePatches) pairs, as LLMEngine.add_request takes them; `disaggregation`:
+        its handoff / export_handoff arguments (dsv41.engine.handoff)."""
         params.validate(self.engine.model_config.vocab_size)
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
@@ -96,7 +97,7 @@ class AsyncEngine:
             stream: asyncio.Queue = asyncio.Queue()
             self._streams[request_id] = (loop, stream)
             self._pending += 1
-        self._commands.put(("add", request_id, list(prompt_token_ids), params, images))
+        self._commands.put(("add", request_id, list(prompt_token_ids), params, images, disaggregation))
         finished = False
         try:
             while True:
@@ -131,9 +132,9 @@ class AsyncEngine:
     def _handle(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt, params, images = command
+            _, request_id, prompt, params, images, disaggregation = command
             try:
-                self.engine.add_request(request_id, prompt, params, images)
+                self.engine.add_request(request_id, prompt, params, images, **disaggregation)
                 queued = 1
             except ValueError as exc:
                 self._deliver(request_id, exc)

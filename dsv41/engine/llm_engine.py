@@ -25,6 +25,7 @@ import torch
 
 from dsv41.config import ModelConfig
 from dsv41.engine.config import EngineConfig
+from dsv41.engine.handoff import KVHandoff, check_handoff, export_sequence, import_sequence, model_identity
 from dsv41.engine.kv_pool import BlockAllocator, PagedKVPool, PoolExhausted
 from dsv41.engine.prefix_cache import PrefixStats, Snapshot, SnapshotStore, chain_hashes, prefix_key
 from dsv41.engine.runner import Chunk, ModelRunner
@@ -78,20 +79,25 @@ class LLMEngine:
         self.stats = PrefixStats()
         self.counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_finished_total": 0,
                          "preemptions_total": 0, "steps_total": 0, "failed_steps_total": 0,
-                         "requests_failed_total": 0}
+                         "requests_failed_total": 0, "handoffs_exported_total": 0, "handoffs_imported_total": 0}
         if self.speculative:
             self.counters.update({"spec_decode_steps_total": 0, "spec_decode_draft_tokens_total": 0,
                                   "spec_decode_accepted_tokens_total": 0, "spec_decode_emitted_tokens_total": 0})
             self.accepted_at = [0] * self.num_draft  # per draft position: verified with a draft kept there
             self.verified_at = [0] * self.num_draft
         self._recent: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens generated) per step
+        self._identity: Optional[dict] = None
+        self._grammar_compiler = None
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: Optional[SamplingParams] = None,
-                    images: Optional[list] = None) -> None:
+                    images: Optional[list] = None, handoff: Optional[KVHandoff] = None,
+                    export_handoff: bool = False) -> None:
         """Queue a request. `images`: (start, dsv41.vision.ImagePatches) pairs, each image's span occupying
         prompt positions start .. start + span_length - 1, which must carry the model's image_token_id
-        (dsv41.vision.prompt builds such prompts)."""
+        (dsv41.vision.prompt builds such prompts). Disaggregation (dsv41.engine.handoff): `export_handoff`
+        computes the prompt and finishes with the KV hand-off (finish_reason "handoff", output.handoff)
+        instead of sampling; `handoff` starts the request from one (no prefill) and decodes on."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -105,10 +111,28 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model's context limit is "
                              f"{self.max_model_len} tokens, prompt and output together")
         self._check_images(prompt_token_ids, images or [])
+        if export_handoff and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported with prefill/decode disaggregation")
+        if handoff is not None:
+            check_handoff(self, handoff, prompt_token_ids)  # HandoffError (a ValueError) names the problem
         seq = Sequence(request_id, prompt_token_ids, params, self._arrivals, images)
+        seq.handoff, seq.export_handoff = handoff, export_handoff
+        if params.structured is not None:
+            seq.grammar = self.grammar_compiler.matcher(params.structured)
         self._arrivals += 1
         self.requests[request_id] = seq
         self.waiting.append(seq)
+
+    @property
+    def grammar_compiler(self):
+        """The `GrammarCompiler` for this tokenizer and vocabulary, built on first use (llguidance is an
+        optional dependency: without it, GrammarUnavailable, a ValueError). A concurrent first use
+        builds it twice, harmlessly."""
+        if self._grammar_compiler is None:
+            from dsv41.engine.grammar import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        return self._grammar_compiler
 
     def _check_images(self, prompt: list[int], images: list) -> None:
         """Every image span inside the prompt, on image_token_id positions, without overlaps; and no
@@ -185,6 +209,9 @@ class LLMEngine:
         plan = self._schedule()
         for seq in [s for s in self.running if s.restored_logits is not None]:
             logits, seq.restored_logits = seq.restored_logits, None
+            if seq.export_handoff:  # a whole-prompt prefix-cache hit on a prefill worker
+                outputs.append(self._export_handoff(seq, logits, None))
+                continue
             try:
                 outputs.append(self._sampled(seq, "restored", logits))
             except Exception as exc:  # noqa: BLE001 - this request's own failure
@@ -207,6 +234,7 @@ class LLMEngine:
             self._finished_outputs = []
             return outputs
         self.counters["steps_total"] += 1
+        self._prefetch_masks(plan)
         row, generated = 0, 0
         for seq, chunk, kind in plan:
             seq.cache.global_writes = True
@@ -235,6 +263,9 @@ class LLMEngine:
                     continue
             if seq.num_computed < seq.prefill_target:
                 continue
+            if seq.export_handoff:
+                outputs.append(self._export_handoff(seq, rows[-1], chunk))
+                continue
             try:
                 out = self._sampled(seq, kind, rows[-1])
             except Exception as exc:  # noqa: BLE001 - this request's own failure (sampling, decoding, stop)
@@ -253,6 +284,16 @@ class LLMEngine:
         self.counters["generation_tokens_total"] += generated
         self._recent.append((time.perf_counter(), generated))
         return outputs
+
+    def _prefetch_masks(self, plan: list) -> None:
+        """The grammar masks of every constrained request sampling this step, in one batched call."""
+        grammars = [seq.grammar for seq, chunk, kind in plan
+                    if seq.grammar is not None and kind != "rebuild" and chunk.end >= seq.prefill_target]
+        if grammars:
+            try:
+                self.grammar_compiler.prefetch(grammars)
+            except Exception as exc:  # noqa: BLE001 - each request then computes its own mask when sampling
+                log.warning("batched grammar masks failed (%s: %s)", type(exc).__name__, exc)
 
     def _sampled(self, seq: Sequence, kind: str, logits: torch.Tensor) -> RequestOutput:
         """Sample the sequence's next token from its logits [vocab] and account for it."""
@@ -273,7 +314,7 @@ class LLMEngine:
         if seq.prompt_mask_cache is None:
             seq.prompt_mask_cache = {}
         output = seq.output_ids + list(drafted) if drafted else seq.output_ids
-        return TokenHistory(seq.prompt_ids, output, stop_ids, seq.prompt_mask_cache)
+        return TokenHistory(seq.prompt_ids, output, stop_ids, seq.prompt_mask_cache, seq.grammar)
 
     def _add_prompt_logprobs(self, seq: Sequence, first: int, rows: torch.Tensor) -> None:
         """Record the prompt logprobs the logits rows [n, vocab] of positions first..first+n-1 give: row j
@@ -295,6 +336,8 @@ class LLMEngine:
             seq.pending_logprobs.append(token_logprobs(logits, token, seq.params.logprobs, self.tokenizer, processed,
                                                        self._history(seq)))
         seq.output_ids.append(token)
+        if seq.grammar is not None:
+            seq.grammar.advance(token)
         self._check_finished(seq, token)
 
     def _emit(self, seq: Sequence) -> RequestOutput:
@@ -545,6 +588,8 @@ class LLMEngine:
         """Set up a sequence's cache for (re)prefill of all its tokens, reusing what the prefix cache
         holds. Returns False (changing nothing) when the pool cannot take it yet."""
         mcfg, bs = self.model_config, self.config.block_size
+        if seq.handoff is not None:
+            return self._start_from_handoff(seq)
         tokens = seq.key_ids  # what the prefix cache hashes (image spans keyed by their pixels)
         n = len(tokens)
         seq.draft_tokens, seq.draft_logits, seq.saved_state = [], None, None  # a new cache: no draft, no rows
@@ -636,6 +681,54 @@ class LLMEngine:
             self.counters["prompt_tokens_total"] += n
         return True
 
+    # ------------------------------------------------------------------ disaggregation (engine/handoff.py)
+    def identity(self) -> dict:
+        """The model's identity, which a hand-off must carry to be imported here (computed once)."""
+        if self._identity is None:
+            self._identity = model_identity(self.model)
+        return self._identity
+
+    def _start_from_handoff(self, seq: Sequence) -> bool:
+        """Admit a request from its KV hand-off: blocks for the prompt, the state written, the first token
+        sampled from the handed-off logits by the next step. False (nothing changed) when there is no room."""
+        blocks = math.ceil(len(seq.prompt_ids) / self.config.block_size)
+        if self.allocator.num_available() < blocks + len(self.running):
+            if self.running or self.allocator.num_available() < blocks:
+                return False
+        cache = SequenceCache(self.model_config, self.pool, self.states, self.states.acquire())
+        for _ in range(blocks):
+            cache.append_block(self.allocator.allocate())
+        import_sequence(self, seq, seq.handoff, cache)
+        seq.handoff = None  # consumed: a recompute after preemption prefills here, from the same decoder start
+        self._register_full_blocks(seq)
+        self.counters["handoffs_imported_total"] += 1
+        return True
+
+    def _export_handoff(self, seq: Sequence, logits: torch.Tensor, chunk: Optional[Chunk]) -> RequestOutput:
+        """A prefill-only request computed its prompt: keep its snapshot, write the drafter rings of the last
+        chunk (what the draft after the first token would have written), export, finish and release."""
+        try:
+            self._save_snapshot(seq, logits)
+            if self.speculative and chunk is not None and chunk.main_hidden is not None:
+                first_pos = chunk.hidden_start
+                start = max(first_pos, seq.rows_end if seq.rows_first is not None else first_pos)
+                if start < seq.num_computed:
+                    self.runner.draft_rows(chunk.main_hidden[start - first_pos:seq.num_computed - first_pos]
+                                           .unsqueeze(0), start, seq.cache)
+                    self._rows_written(seq, start, seq.num_computed)
+            handoff = export_sequence(self, seq, logits)
+        except Exception as exc:  # noqa: BLE001 - this request's own failure
+            return self._fail(seq, exc)
+        seq.finish_reason = "handoff"
+        seq.status = Status.FINISHED
+        self.running.remove(seq)
+        self._release(seq)
+        self._finish(seq)
+        out = self._output(seq)
+        out.handoff = handoff
+        self.counters["handoffs_exported_total"] += 1
+        return out
+
     # ------------------------------------------------------------------ bookkeeping
     def _register_full_blocks(self, seq: Sequence) -> None:
         if not self.config.enable_prefix_caching:
@@ -684,7 +777,9 @@ class LLMEngine:
     def _check_finished(self, seq: Sequence, token: int) -> None:
         p = seq.params
         eos = self.model_config.eos_token_id
-        if (token == eos and not p.ignore_eos) or token in p.stop_token_ids:
+        # a finished grammar allows only EOS: with ignore_eos too, the request ends there
+        grammar_done = seq.grammar is not None and seq.grammar.finished
+        if (token == eos and (not p.ignore_eos or grammar_done)) or token in p.stop_token_ids:
             seq.finish_reason = "stop"
         elif len(seq.output_ids) >= p.max_tokens or len(seq) >= self.max_model_len:
             seq.finish_reason = "length"

@@ -21,12 +21,15 @@ GREEDY_TEMPERATURE = 1e-5
 class TokenHistory:
     """What the logit processing of one position reads: the request's prompt and the tokens generated
     before that position, and the ids min_tokens holds back (EOS unless ignore_eos, and stop_token_ids).
-    The prompt's presence mask (repetition_penalty) is computed once and shared by `then`."""
+    The prompt's presence mask (repetition_penalty) is computed once and shared by `then`. `grammar`: the
+    request's `dsv41.engine.grammar.RequestGrammar` (structured outputs), whose mask at this position
+    applies last."""
 
     def __init__(self, prompt_ids: Sequence[int], output_ids: Sequence[int], stop_ids: Sequence[int] = (),
-                 _prompt_mask: Optional[dict] = None):
+                 _prompt_mask: Optional[dict] = None, grammar=None):
         self.prompt_ids, self.output_ids, self.stop_ids = prompt_ids, output_ids, stop_ids
         self._prompt_mask = {} if _prompt_mask is None else _prompt_mask  # vocab -> bool [vocab]
+        self.grammar = grammar
 
     def prompt_mask(self, vocab: int) -> torch.Tensor:
         if vocab not in self._prompt_mask:
@@ -38,7 +41,8 @@ class TokenHistory:
 
     def then(self, drafted: Sequence[int]) -> "TokenHistory":
         """The history of the position after `drafted` more generated tokens (a speculative draft)."""
-        return TokenHistory(self.prompt_ids, list(self.output_ids) + list(drafted), self.stop_ids, self._prompt_mask)
+        return TokenHistory(self.prompt_ids, list(self.output_ids) + list(drafted), self.stop_ids, self._prompt_mask,
+                            self.grammar)
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, history: Optional[TokenHistory]) -> torch.Tensor:
@@ -46,7 +50,8 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, history: Option
     order: min_tokens (EOS and stop ids to -inf while fewer than min_tokens tokens are generated),
     logit_bias (added), repetition_penalty (tokens in the prompt or the output: positive logits divided,
     negative multiplied), frequency_penalty (minus penalty x count in the output), presence_penalty
-    (minus penalty once per token present in the output). A new tensor only when something applies."""
+    (minus penalty once per token present in the output), then the grammar's mask (structured outputs:
+    the tokens it does not allow next to -inf). A new tensor only when something applies."""
     logits = logits.float().cpu()
     if not params.processes_logits:
         return logits
@@ -62,7 +67,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, history: Option
         logits.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), dtype=torch.float32))
     needs_counts = params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty
     if not needs_counts:
-        return logits
+        return _grammar_masked(logits, history)
     out = torch.tensor(list(history.output_ids), dtype=torch.int64)
     counts = torch.bincount(out, minlength=vocab)[:vocab].float() if generated else torch.zeros(vocab)
     if params.repetition_penalty != 1.0:
@@ -73,7 +78,18 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, history: Option
         logits = logits - params.frequency_penalty * counts
     if params.presence_penalty:
         logits = logits - params.presence_penalty * (counts > 0).float()
-    return logits
+    return _grammar_masked(logits, history)
+
+
+def _grammar_masked(logits: torch.Tensor, history: TokenHistory) -> torch.Tensor:
+    if history.grammar is None:
+        return logits
+    allowed = history.grammar.allowed(history.output_ids)  # bool [vocab] or None (not constrained here)
+    if allowed is None:
+        return logits
+    if allowed.numel() != logits.numel():
+        raise ValueError(f"the grammar's vocabulary ({allowed.numel()}) differs from the logits' ({logits.numel()})")
+    return logits.masked_fill(~allowed, -torch.inf)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator],

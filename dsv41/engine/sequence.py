@@ -257,6 +257,7 @@ class Sequence:
         self.block_hashes: list[int] = []  # chain hash of each full block, in order
         self.generator: Optional[torch.Generator] = None
         self.prompt_mask_cache: Optional[dict] = None  # repetition_penalty: the prompt's ids as a vocab mask
+        self.grammar = None  # params.structured: its dsv41.engine.grammar.RequestGrammar, fed every kept token
         if params.seed is not None:
             self.generator = torch.Generator(device="cpu").manual_seed(params.seed)
         self.text = ""
@@ -285,6 +286,10 @@ class Sequence:
         self.rows_first: Optional[int] = None
         self.rows_end = 0
         self.saved_state: Optional[dict] = None
+        # disaggregation (dsv41.engine.handoff): start from this KV hand-off instead of prefilling; or,
+        # on a prefill worker, finish with a hand-off once the prompt is computed instead of sampling
+        self.handoff = None
+        self.export_handoff = False
 
     @property
     def all_ids(self) -> list[int]:

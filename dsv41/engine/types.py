@@ -9,6 +9,17 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A request's output constraint (structured outputs, enforced tool calls; `dsv41.engine.grammar`):
+    an llguidance grammar, compiled and checked by the server, and the token id after which it applies
+    (`</think>` in thinking mode: the reasoning is never constrained), None: from the first token."""
+
+    grammar: str
+    start_after: Optional[int] = None
+    kind: str = "grammar"  # what it came from (json_schema, regex, choice, tool_call, ...), for logs
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request. temperature 0 (or anything below 1e-5) is greedy; top_k 0
@@ -37,6 +48,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0  # no EOS / stop id / stop string before this many generated tokens
     min_p: float = 0.0  # after temperature: drop tokens below min_p x the top token's probability
+    # tokens outside the grammar are set to -inf after the logit processing; EOS only where it accepts
+    structured: Optional[GrammarSpec] = None
 
     MAX_LOGPROBS = 20
     MAX_LOGIT_BIAS = 1024  # ids per request: every step of the request adds each one
@@ -83,6 +96,9 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}")
         if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= self.MAX_LOGPROBS):
             raise ValueError(f"prompt_logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        if self.structured is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with structured outputs: the grammar decides "
+                             "where the output ends")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if len(self.stop) > self.MAX_STOP:
@@ -101,7 +117,7 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether any logit processing before temperature applies (see `sampling.process_logits`)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or self.min_tokens or self.structured is not None)
 
 
 @dataclass
@@ -141,3 +157,6 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs, on every output once the prompt is computed: entry i is prompt token
     # i's logprob given tokens 0..i-1 (entry 0, which has no context, is None)
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+    # a prefill-only request (disaggregation), on its final output (finish_reason "handoff"): the
+    # dsv41.engine.handoff.KVHandoff a decode engine continues from
+    handoff: Optional[object] = None

@@ -50,10 +50,12 @@ from dsv41.server.serving import (DEFAULT_MAX_CHOICES, MIN_REQUEST_BYTES, SAMPLI
                                   ServerState, _check_model, _choice_params, _choices, _disconnected_response,
                                   _last, _model_card, _off_loop, _run_to_end, _sampling_params, _sse_response,
                                   _start, _stream_body, _Timer, _usage, internal_error_message)
+from dsv41.server.structured import chat_constraint, output_constraint
 
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize",
              "/health", "/metrics")
-KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize")  # routes that need the API key when one is set
+KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/internal")  # routes that need the API key when one is set
+UNCAPPED_PATHS = ("/internal/handoff",)  # a KV hand-off grows with the prompt: the route applies its own cap
 MAX_HEADER_BYTES = 64 << 10  # all header lines together; nginx's default allows 32 KiB
 # a context's worth of JSON: a token is a few bytes of text, and JSON escapes can take 6 bytes a byte
 REQUEST_BYTES_PER_TOKEN = 32
@@ -69,12 +71,14 @@ def default_max_request_bytes(max_model_len: int) -> int:
 def create_app(engine, async_engine=None, *, served_model_name: Optional[str] = None, max_waiting: int = 64,
                retry_after_s: int = 1, api_key: Optional[str] = None,
                max_request_bytes: Optional[int] = None, max_choices: int = DEFAULT_MAX_CHOICES,
-               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> FastAPI:
+               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
+               disaggregation_mode: Optional[str] = None) -> FastAPI:
     """Build the app over a built `LLMEngine`. Without `async_engine`, one is made (queue bound
     `max_waiting`) and started/stopped with the app; a given one is left to its owner. With `api_key`,
     every /v1 route needs `Authorization: Bearer <api_key>`. Bodies over `max_request_bytes` (default
     `default_max_request_bytes(max_model_len)`) get 413. `n` and `best_of` may be at most `max_choices`.
-    At most `max_stored_responses` finished /v1/responses results are kept for `previous_response_id`."""
+    At most `max_stored_responses` finished /v1/responses results are kept for `previous_response_id`.
+    `disaggregation_mode` 'prefill' or 'decode' adds a worker's internal routes (dsv41.server.disaggregation)."""
     owns = async_engine is None
     if owns:
         async_engine = AsyncEngine(engine, max_waiting=max_waiting)
@@ -105,6 +109,11 @@ def create_app(engine, async_engine=None, *, served_model_name: Optional[str] = 
 
     app = FastAPI(title="dsv41", lifespan=lifespan)
     app.state.server = state
+    if disaggregation_mode:
+        from dsv41.server.disaggregation import Disaggregation, install_routes
+
+        state.disaggregation = Disaggregation(disaggregation_mode)
+        install_routes(app, state.disaggregation)
     # outermost last: responses (401/413 included) are counted, then the key, then the body cap
     app.add_middleware(_LimitSize, max_bytes=state.max_request_bytes)
     app.add_middleware(_RequireKey, api_key=state.api_key)
@@ -241,6 +250,8 @@ class _LimitSize:
         if sum(len(k) + len(v) + 4 for k, v in headers) > MAX_HEADER_BYTES:
             return await _send_error(send, 431, f"The request headers are larger than this server accepts "
                                      f"({MAX_HEADER_BYTES} bytes).", "headers_too_large")
+        if scope.get("path") in UNCAPPED_PATHS:
+            return await self.app(scope, receive, send)
         declared = dict(headers).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await _send_error(send, 413, self._too_large(), "request_too_large")
@@ -341,9 +352,11 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
         raise bad_request("suffix is not supported", "suffix")
     n, generated = _choices(state, req.n, req.best_of, bool(req.stream))
     prompt_ids = await _completion_prompt(state, req.prompt)
+    structured = await _off_loop(state, lambda: output_constraint(state, req.response_format, req.structured_outputs),
+                                 "structured_outputs")
     params = _sampling_params(state, req, prompt_len=len(prompt_ids),
                               max_tokens=16 if req.max_tokens is None else req.max_tokens,
-                              logprobs=req.logprobs, prompt_param="prompt")
+                              logprobs=req.logprobs, prompt_param="prompt", structured=structured)
     want_lp = req.logprobs is not None
     if generated > n and not want_lp:  # ranking needs each token's logprob; not sent back
         params = dataclasses.replace(params, logprobs=0)
@@ -415,8 +428,8 @@ def _chat_logprob(lp: TokenLogprob, top_n: int) -> dict:
 
 def _chat_tools(req: ChatCompletionRequest) -> tuple[Optional[list[dict]], bool]:
     """(tools to render, whether to parse tool calls) from `tools` and `tool_choice`.
-    `required` and a named function are not enforced by constrained decoding; a named function
-    renders only that tool."""
+    `required` and a named function are enforced by constrained decoding (dsv41.server.structured); a
+    named function renders only that tool."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     choice = req.tool_choice
     if choice is None:
@@ -439,8 +452,6 @@ def _chat_tools(req: ChatCompletionRequest) -> tuple[Optional[list[dict]], bool]
 
 async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request):
     _check_model(state, req.model)
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("response_format other than text is not supported", "response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
     n, _ = _choices(state, req.n)
@@ -454,10 +465,12 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
     prompt_ids = await _off_loop(state, lambda: build_chat_prompt(
         state.engine.tokenizer, req.messages, thinking=thinking, effort=effort, tools=tools,
         token_limit=state.max_model_len - 1, image_loader=state.image_loader, spans=images), "messages")
+    structured = await _off_loop(state, lambda: chat_constraint(state, req, tools, thinking), "response_format")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
     params = _sampling_params(state, req, prompt_len=len(prompt_ids), max_tokens=max_tokens,
-                              logprobs=top_n if req.logprobs else None, prompt_param="messages")
+                              logprobs=top_n if req.logprobs else None, prompt_param="messages",
+                              structured=structured)
     plist = _choice_params(params, n)
     base_id = f"chatcmpl-{uuid.uuid4().hex}"
     request_ids = [base_id] + [f"{base_id}-{i}" for i in range(1, n)]
@@ -480,7 +493,7 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
             message["reasoning_content"] = parsed.reasoning_content
         finish = last.finish_reason
         if parsed.tool_calls:
-            message["tool_calls"] = parsed.tool_calls
+            message["tool_calls"] = parsed.tool_calls[:1] if req.parallel_tool_calls is False else parsed.tool_calls
             finish = "tool_calls"
         logprobs = None
         if req.logprobs:
@@ -538,7 +551,7 @@ async def _chat_stream(state, req, request, request_ids, created, prompt_ids, pa
             payloads += [chunk(i, d) for d in deltas(splitter.finish())]
             finish = last.finish_reason if last else "abort"
             if splitter.tool_text:
-                calls = parse_tool_calls(splitter.tool_text)
+                calls = parse_tool_calls(splitter.tool_text)[:1 if req.parallel_tool_calls is False else None]
                 if calls:
                     finish = "tool_calls"
                     payloads.append(chunk(i, {"tool_calls": [

@@ -112,6 +112,8 @@ class _Sampling(_TextRequest):
     min_p: Optional[float] = None  # extension
     min_tokens: Optional[int] = None  # extension
     return_token_ids: Optional[bool] = False  # extension: each choice carries its token ids
+    response_format: Optional[dict[str, Any]] = None  # text, json_object, json_schema (dsv41.server.structured)
+    structured_outputs: Optional[dict[str, Any]] = None  # extension (vLLM): json, regex, choice, grammar, json_object
 
 
 class ChatCompletionRequest(_Sampling):
@@ -123,7 +125,7 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: Optional[dict[str, Any]] = None  # {"thinking": bool} (vLLM style)
     tools: Optional[list[Tool]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
-    response_format: Optional[dict[str, Any]] = None
+    parallel_tool_calls: Optional[bool] = None  # false: at most one tool call
 
 
 class CompletionRequest(_Sampling):

@@ -59,7 +59,7 @@ def uvicorn_config(app, log_level: str = "info", **kw) -> uvicorn.Config:
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, engine_config=None, seed: int = 0,
           max_waiting: int = 64, served_model_name: Optional[str] = None, log_level: str = "info",
           api_key: Optional[str] = None, max_request_bytes: Optional[int] = None, max_choices: int = 16,
-          max_stored_responses: int = 256) -> None:
+          max_stored_responses: int = 256, disaggregation_mode: Optional[str] = None) -> None:
     """Build the engine for `model` (preset name or checkpoint folder) and serve it until interrupted.
     The port is bound first: a clash fails in a second, not after the weights have loaded."""
     from dsv41.engine import build_engine
@@ -72,8 +72,10 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, engine_confi
         engine = build_engine(model, engine_config=engine_config, seed=seed)
         app = create_app(engine, served_model_name=served_model_name, max_waiting=max_waiting, api_key=api_key,
                          max_request_bytes=max_request_bytes, max_choices=max_choices,
-                         max_stored_responses=max_stored_responses)
-        print(f"dsv41: serving {app.state.server.model_name} (max_model_len {engine.max_model_len}) "
+                         max_stored_responses=max_stored_responses,
+                         disaggregation_mode=disaggregation_mode)
+        role = f" as a {disaggregation_mode} worker" if disaggregation_mode else ""
+        print(f"dsv41: serving {app.state.server.model_name}{role} (max_model_len {engine.max_model_len}) "
               f"on http://{host}:{sock.getsockname()[1]}/v1" + (" (API key required)" if api_key else ""),
               flush=True)
         server = uvicorn.Server(uvicorn_config(app, log_level, timeout_graceful_shutdown=5))
@@ -179,15 +181,20 @@ def serve_data_parallel(model: str, parallel, *, host: str = "127.0.0.1", port: 
     from dsv41.engine import EngineConfig
 
     parallel.validate()
+    if parallel.tensor_parallel_size > 1:
+        from dsv41.distributed.tensor_parallel import check_model_split
+
+        check_model_split(model, parallel.tensor_parallel_size)
     engine_config = engine_config or EngineConfig()
-    world = parallel.data_parallel_size
+    world = parallel.world_size  # D x T processes
     # ranks share the machine's cores unless told otherwise
     threads = threads or max(1, (os.cpu_count() or 1) // world)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if under_torchrun:
         rank = int(os.environ["RANK"])
         if int(os.environ["WORLD_SIZE"]) != world:
-            raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes; --data-parallel-size is {world}")
+            raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes; --data-parallel-size x "
+                             f"--tensor-parallel-size is {world}")
         if rank != 0:  # a worker rank: no HTTP
             worker_main(rank, world, "env://", model, engine_config, seed, parallel, threads)
             return
@@ -216,7 +223,10 @@ def serve_data_parallel(model: str, parallel, *, host: str = "127.0.0.1", port: 
         app = create_app(engine, front, served_model_name=served_model_name, max_waiting=max_waiting,
                          api_key=api_key, max_request_bytes=max_request_bytes)
         front.start()
-        layout = f"{world} data-parallel ranks" + (f", experts split {world} ways" if parallel.expert_parallel else "")
+        dp = parallel.data_parallel_size
+        layout = (f"{dp} data-parallel ranks" + (f", experts split {dp} ways" if parallel.expert_parallel else "")
+                  + (f", attention heads split {parallel.tensor_parallel_size} ways in each"
+                     if parallel.tensor_parallel_size > 1 else ""))
         print(f"dsv41: serving {app.state.server.model_name} on {layout} (max_model_len {engine.max_model_len}) "
               f"on http://{host}:{sock.getsockname()[1]}/v1" + (" (API key required)" if api_key else ""),
               flush=True)

@@ -48,6 +48,7 @@ class ServerState:
     max_request_bytes: int = MIN_REQUEST_BYTES
     image_loader: Any = None  # dsv41.vision.ImageLoader when the model has a vision tower
     max_choices: int = DEFAULT_MAX_CHOICES  # the cap on n and best_of
+    disaggregation: Any = None  # dsv41.server.disaggregation.Disaggregation on a prefill or decode worker
     responses: Any = None  # dsv41.server.responses.ResponseStore: stored /v1/responses results
 
     @property
@@ -112,7 +113,7 @@ def _choice_params(params: SamplingParams, count: int) -> list[SamplingParams]:
 
 
 def _sampling_params(state: ServerState, req, *, prompt_len: int, max_tokens: Optional[int],
-                     logprobs: Optional[int], prompt_param: str) -> SamplingParams:
+                     logprobs: Optional[int], prompt_param: str, structured=None) -> SamplingParams:
     if prompt_len >= state.max_model_len:
         raise _too_long(state, prompt_len, max_tokens or 0, prompt_param)
     if max_tokens is None:  # like vLLM: the rest of the context
@@ -125,7 +126,8 @@ def _sampling_params(state: ServerState, req, *, prompt_len: int, max_tokens: Op
         stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
         presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        min_p=req.min_p or 0.0, min_tokens=req.min_tokens or 0, logit_bias=_logit_bias(req.logit_bias))
+        min_p=req.min_p or 0.0, min_tokens=req.min_tokens or 0, logit_bias=_logit_bias(req.logit_bias),
+        structured=structured)
     try:
         params.validate(state.vocab_size)
     except ValueError as exc:
@@ -208,8 +210,12 @@ async def _start(state: ServerState, request: Request, request_ids: list[str], p
     first token: its prompt is then in the prefix cache (exact reuse keeps the logits of the prompt's last position), so
     the other choices compute no prompt token again. Any refusal aborts the choices already started."""
     streams: list = []
-    # without a prefix cache there is nothing to share: every choice starts at once
-    share = len(request_ids) > 1 and getattr(getattr(state.engine, "config", None), "enable_prefix_caching", False)
+    extra = {}  # a disaggregated worker: prefill computes the prompt here; decode starts from a hand-off
+    if state.disaggregation is not None:
+        extra = await state.disaggregation.engine_kwargs(state, request, request_ids, prompt_ids, params, images)
+    # without a prefix cache there is nothing to share: every choice starts at once (nor from a hand-off)
+    share = len(request_ids) > 1 and not extra and getattr(getattr(state.engine, "config", None),
+                                                             "enable_prefix_caching", False)
 
     async def begin():
         firsts = []
@@ -217,7 +223,7 @@ async def _start(state: ServerState, request: Request, request_ids: list[str], p
             streams.append(state.async_engine.generate(request_ids[0], prompt_ids, params[0], images))
             firsts.append(await _first(streams[0]))
         for request_id, p in zip(request_ids[len(streams):], params[len(streams):]):
-            streams.append(state.async_engine.generate(request_id, prompt_ids, p, images))
+            streams.append(state.async_engine.generate(request_id, prompt_ids, p, images, **extra))
         rest = await asyncio.gather(*(_first(s) for s in streams[len(firsts):]), return_exceptions=True)
         for item in rest:
             if isinstance(item, BaseException):

@@ -36,6 +36,23 @@ class TrainConfig:
         "train on image-text samples instead of --data: 'synthetic' renders shapes, colours, counts, "
         "seven-segment digits and two-image comparisons with their answers (dsv41.vision.synthetic), gives "
         "the preset a small ViT (4 layers, width 128) and logs held-out answer accuracy at each evaluation")})
+    mix: Optional[str] = field(default=None, metadata={"choices": ("retrieval",), "help": (
+        "a named training mix over --data: 'retrieval' renders long-context retrieval tasks on demand "
+        "(dsv41.data.retrieval_tasks: passkey, RULER-style single/multi-key needles and variable tracking, "
+        "MQAR associative recall over key-value lists) in the harness's prompt format, answer-only targets, "
+        "grass-noise or text filler, values and keys split train/val by hash, lengths from --mix-min-len up "
+        "to --seq-len; a --mix-text-fraction of the batches are ordinary text windows so the model still "
+        "writes; logs held-out answer accuracy per task at each evaluation")})
+    mix_text_fraction: float = field(default=0.25, metadata={"metavar": "P", "help": (
+        "--mix retrieval: probability per batch of an ordinary text batch instead of a retrieval one")})
+    mix_min_len: int = field(default=128, metadata={"metavar": "TOKENS", "help": (
+        "--mix retrieval: the shortest retrieval sample (raised to what the shortest task needs)")})
+    curriculum_steps: int = field(default=0, metadata={"metavar": "STEPS", "help": (
+        "--mix retrieval: the longest retrieval sample grows linearly from --mix-min-len to --seq-len over "
+        "these steps (a curriculum over length); 0: every length from the start")})
+    dense_steps: int = field(default=0, metadata={"metavar": "STEPS", "help": (
+        "the first STEPS steps attend to every visible compressed entry and train the indexer's KL over all "
+        "of them (the dense warm-up of training.md §4, as --dense-attention), then the indexer's top-k")})
     out: str = field(default="runs/train", metadata={"metavar": "DIR", "help": (
         "run folder: metrics.jsonl, loss.png, checkpoint/ (loadable by `dsv41 chat --model DIR/checkpoint`) and "
         "train_state/; a run whose train_state/ exists resumes from it")})
@@ -67,6 +84,9 @@ class TrainConfig:
         "as the inference cache stores them (straight-through gradients)")})
     dense_attention: bool = field(default=False, metadata={"help": (
         "attend to every visible compressed entry instead of the indexer's selection (the dense variant)")})
+    swa_only: bool = field(default=False, metadata={"help": (
+        "baseline: every layer sliding-window only (compress ratio 0, no indexer, no compressed cache), so a "
+        "query sees only its --window tokens; the checkpoint serves as such")})
     replay_prob: float = field(default=0.0, metadata={"metavar": "P", "help": (
         "probability per step of simulating the engine's bounded-replay prefill for the decoder layers")})
     kl_weight: float = field(default=1.0, metadata={"metavar": "W", "help": (
@@ -169,6 +189,14 @@ class TrainConfig:
                              "bias_rate must be >= 0")
         if self.images not in (None, "synthetic"):
             raise ValueError(f"TrainConfig.images must be None or 'synthetic', got {self.images!r}")
+        if self.mix not in (None, "retrieval"):
+            raise ValueError(f"TrainConfig.mix must be None or 'retrieval', got {self.mix!r}")
+        if self.mix and self.images:
+            raise ValueError("--mix retrieval is a text mix; it does not combine with --images")
+        if not 0 <= self.mix_text_fraction < 1 or self.mix_min_len <= 0:
+            raise ValueError("TrainConfig.mix_text_fraction must lie in [0, 1) and mix_min_len be > 0")
+        if self.curriculum_steps < 0 or self.dense_steps < 0:
+            raise ValueError("TrainConfig.curriculum_steps and dense_steps must be >= 0")
         if self.images and self.data:
             raise ValueError("give --data (text) or --images (image-text), not both")
         if not 0 <= self.min_lr_ratio <= 1 or not 0 <= self.replay_prob <= 1:

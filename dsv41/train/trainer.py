@@ -149,6 +149,21 @@ class Trainer:
             self.tokenizer_file = os.path.join(data, meta["tokenizer_path"]) if meta.get("tokenizer_path") else None
             self.train_set = TokenDataset.from_dir(data, "train")
             self.val_set = TokenDataset.from_dir(data, "val")
+            if cfg.mix == "retrieval":  # retrieval tasks over the data's tokenizer, text batches mixed in
+                from dsv41.data.retrieval_tasks import RetrievalMix
+                from dsv41.tokenizer import load_tokenizer
+
+                tokenizer = load_tokenizer(os.path.dirname(self.tokenizer_file) if self.tokenizer_file else None,
+                                           self.model_cfg.vocab_size)
+                options = dict(text_fraction=cfg.mix_text_fraction, min_len=cfg.mix_min_len)
+                self.train_set = RetrievalMix(self.train_set, tokenizer, "train",
+                                              curriculum=cfg.curriculum_steps * cfg.grad_accum, **options)
+                self.val_set = RetrievalMix(self.val_set, tokenizer, "val", **options)
+        if cfg.swa_only:  # the baseline without the compressed path: every layer a window-only layer
+            n_all = self.model_cfg.n_layers + self.model_cfg.n_mtp_layers
+            self.model_cfg = self.model_cfg.replace(compress_ratios=(0,) * n_all, kv_source_layers=(),
+                                                    index_source_layers=(), candidate_source_layer=-1)
+            self.model_cfg.validate()
         self.tokens_seen: Optional[int] = None  # tokens trained on so far (set at the first step)
         self.last_eval: dict = {}  # the latest evaluation's extra figures (answer accuracy with --images)
 
@@ -261,7 +276,8 @@ class Trainer:
             if torch.rand((), generator=g) < cfg.replay_prob:
                 window = self.model_cfg.window_size
                 start = int(torch.randint(window, max(cfg.seq_len, window + 1), (), generator=g))
-        return TrainOptions(qat=cfg.qat, dense_indexer=cfg.dense_attention, replay_start=start,
+        dense = cfg.dense_attention or step < cfg.dense_steps  # --dense-steps: the dense warm-up
+        return TrainOptions(qat=cfg.qat, dense_indexer=dense, replay_start=start,
                             capacity_factor=cfg.capacity_factor)
 
     def _losses(self, x: torch.Tensor, y: torch.Tensor, opts: TrainOptions, images: Optional[list] = None):
@@ -292,6 +308,8 @@ class Trainer:
             dist.all_reduce(n, op=dist.ReduceOp.MIN)
             batches = batches[:int(n)]
         right: dict[str, list[int]] = {}  # task -> [correct, seen] (image-text batches)
+        # task -> [answer-token loss sum, answer tokens]; "text" for plain text batches (--mix retrieval)
+        nats: dict[str, list[float]] = {}
         for batch in batches:
             images = tasks = None
             if not isinstance(batch, tuple):
@@ -301,6 +319,13 @@ class Trainer:
             weight = int((y != -100).sum())  # trained targets (all of them in a text batch)
             total += float(lm) * weight
             count += weight
+            if self.cfg.mix:  # the mix's text and each task's answers apart (the mean mixes them)
+                rows = F.cross_entropy(out.logits.transpose(1, 2), y, reduction="none").sum(1)  # [B]
+                counts = (y != -100).sum(1)  # [B]
+                for row, task in enumerate(tasks or ["text"] * y.shape[0]):
+                    acc = nats.setdefault(task, [0.0, 0.0])
+                    acc[0] += float(rows[row])
+                    acc[1] += float(counts[row])
             if tasks is not None:
                 from dsv41.vision.synthetic import answer_accuracy
 
@@ -318,6 +343,13 @@ class Trainer:
                 dist.all_reduce(r)
                 right = {n: [int(a), int(b)] for n, (a, b) in zip(names, r.tolist())}
         self.last_eval = {}
+        if self.distributed and nats:  # (every rank sees the same task names: the batches are alike)
+            names = sorted(nats)
+            t = torch.tensor([nats[n] for n in names], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t)
+            nats = dict(zip(names, t.tolist()))
+        for task in sorted(nats):  # nats per trained token: "val_loss_text", "val_loss_passkey", ...
+            self.last_eval[f"val_loss_{task}"] = nats[task][0] / max(nats[task][1], 1)
         if right:
             self.last_eval["val_accuracy"] = sum(a for a, _ in right.values()) / sum(b for _, b in right.values())
             for task in sorted(right):

@@ -28,4 +28,8 @@ def test_bench_serve_quick_run(tmp_path):
     for name in ("prefix cache (exact reuse)", "prefix cache, approximate reuse"):
         assert turns[name]["snapshot_hits"] == result["multi_turn"]["turns"] - 1, name
     assert turns["no prefix cache"]["hit_rate"] == 0
+    if "structured_decode" in result:  # with the structured extra: both step times measured, per batch
+        assert [r["batch"] for r in result["structured_decode"]] == [1, 8]
+        assert all(r["free_step_ms"] > 0 and r["json_schema_step_ms"] > 0 and r["mask_only_ms_per_step"] > 0
+                   for r in result["structured_decode"])
     assert "decode step time vs context" in run.stdout

@@ -75,22 +75,21 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _serve(expert_parallel: int = 2, torchrun: bool = False, model: str = "tiny", extra: tuple = ()):
-    """`dsv41 serve tiny` with two data-parallel ranks (and the experts split over them), as a user starts it
-    (or under torchrun); (process, base URL)."""
+def serve_layout(layout: tuple, model: str = "tiny", torchrun: int = 0):
+    """`dsv41 serve MODEL *layout` as a user starts it (or every process under torchrun with `torchrun`
+    processes; rank 0 serves HTTP), with the tests' engine settings; (process, base URL)."""
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
     launcher = [sys.executable, "-m", "dsv41.cli"]
     if torchrun:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun), "--master-port",
                     str(_free_port()), "-m", "dsv41.cli"]
-    cmd = launcher + ["serve", model, "--data-parallel-size", "2", "--expert-parallel-size",
-                      str(expert_parallel), "--port", str(port), "--log-level", "warning", "--threads", "1", *extra]
+    cmd = launcher + ["serve", model, *layout, "--port", str(port), "--log-level", "warning", "--threads", "1"]
     cmd += [a for k, v in ENGINE_ARGS.items() for a in ("--" + k.replace("_", "-"), str(v))]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 300
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"the server exited: {proc.stdout.read()}")
@@ -109,6 +108,12 @@ def _serve(expert_parallel: int = 2, torchrun: bool = False, model: str = "tiny"
                 child.kill()
             proc.kill()
         proc.wait(timeout=30)
+
+
+def _serve(expert_parallel: int = 2, torchrun: bool = False, model: str = "tiny", extra: tuple = ()):
+    """`dsv41 serve tiny` with two data-parallel ranks (and the experts split over them)."""
+    layout = ("--data-parallel-size", "2", "--expert-parallel-size", str(expert_parallel), *extra)
+    return serve_layout(layout, model, 2 if torchrun else 0)
 
 
 @pytest.fixture(scope="module")

@@ -62,3 +62,29 @@ def test_the_release_on_eight_devices(capsys):
     out = capsys.readouterr().out
     assert "refused: the weights exceed the 72.0 GB usable per device" in out
     assert "no layout this engine has built fits these devices" in out
+
+
+@pytest.mark.parametrize("name,tp,ep", [("tiny", 2, 1), ("tiny", 2, 2), ("small", 2, 2)])
+def test_tensor_parallel_rank_bytes_are_the_sliced_models(name, tp, ep):
+    from dsv41.distributed.tensor_parallel import slice_attention_heads
+
+    cfg = preset(name)
+    weights = WeightBytes.of(cfg)
+    for rank in range(ep):
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        drop_experts(model, rank, ep)
+        slice_attention_heads(model, 0, tp)
+        held = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert weights.rank_bytes(rank, ep, tp=tp) == held
+    assert weights.rank_bytes(0, ep, tp=tp) < weights.rank_bytes(0, ep)
+
+
+def test_tensor_parallel_layouts_are_planned_where_the_heads_split():
+    cfg = preset("tiny")  # 2 output groups: TP=2 splits them, TP=4 would not
+    rows = {r["layout"]: r for r in plan(cfg, 4, 10**9)}
+    assert "DP=2 EP=2 TP=2" in rows and not any("TP=4" in name for name in rows)
+    tp = rows["DP=2 EP=2 TP=2"]
+    assert tp["weight_bytes_per_rank"] < rows["DP=4 EP=1"]["weight_bytes_per_rank"]
+    # the KV cache is replicated over an engine's TP ranks: counted once per engine
+    assert tp["kv_tokens_total"] == 2 * tp["kv_tokens_per_rank"]

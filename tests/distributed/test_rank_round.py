@@ -61,8 +61,9 @@ def test_combined_metrics_sum_counts_and_recompute_ratios():
 
 
 def test_layouts_that_do_not_exist_are_refused_by_name():
-    with pytest.raises(ValueError, match="tensor parallelism is not implemented"):
-        ParallelConfig(data_parallel_size=2, tensor_parallel_size=2).validate()
+    with pytest.raises(ValueError, match="--tensor-parallel-size must be >= 1"):
+        ParallelConfig(tensor_parallel_size=0).validate()
+    ParallelConfig(data_parallel_size=2, expert_parallel_size=2, tensor_parallel_size=2).validate()
     with pytest.raises(ValueError, match="must be 1 \\(off\\) or equal to --data-parallel-size"):
         ParallelConfig(data_parallel_size=4, expert_parallel_size=2).validate()
     ParallelConfig(data_parallel_size=2, expert_parallel_size=2).validate()

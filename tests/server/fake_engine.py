@@ -19,6 +19,15 @@ class FakeEngine:
         self.tokenizer = ByteTokenizer(vocab_size)
         self.model_config = SimpleNamespace(vocab_size=vocab_size, vision_enabled=False)
         self.max_model_len = max_model_len
+        self._grammar_compiler = None
+
+    @property
+    def grammar_compiler(self):  # as LLMEngine's: structured outputs are compiled and checked by the server
+        if self._grammar_compiler is None:
+            from dsv41.engine.grammar import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        return self._grammar_compiler
 
 
 class FakeAsyncEngine:

@@ -13,6 +13,7 @@ from dsv41.chat.dsml import render_tool_calls
 from dsv41.engine import EngineBusy
 from dsv41.server import create_app
 from dsv41.server.run import ServerThread
+from tests.conftest import optional_import
 from tests.server.fake_engine import FakeAsyncEngine, FakeEngine
 
 CALL = {"type": "function",
@@ -94,16 +95,24 @@ def test_tool_choice_none_and_non_thinking_default(server):
     prompt = _prompt_text(fake)
     assert "get_weather" not in prompt and "Reasoning Effort" not in prompt
     assert prompt.endswith("<｜Assistant｜></think>")
-    # a named function: only that tool is rendered, and the call is parsed
-    r = client.chat.completions.create(model="fake-model", messages=USER, tools=TOOLS, max_tokens=1000,
-                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content == "Plain answer."
-    assert "get_time" not in _prompt_text(fake) and "get_weather" in _prompt_text(fake)
     # explicit thinking switch, vLLM style
     client.chat.completions.create(model="fake-model", messages=USER, max_tokens=3,
                                    extra_body={"chat_template_kwargs": {"thinking": True}})
     assert _prompt_text(fake).endswith("<｜Assistant｜><think>")
     assert "Reasoning Effort: 75" in _prompt_text(fake)  # the default effort
+
+
+@pytest.mark.parametrize("server", [{"script": "Plain answer.\n\n" + render_tool_calls([CALL])}], indirect=True)
+def test_named_tool_choice_renders_only_that_tool_and_is_enforced(server):
+    optional_import("llguidance")  # a named function is enforced by constrained decoding
+    srv, fake = server
+    client = _client(srv)
+    r = client.chat.completions.create(model="fake-model", messages=USER, tools=TOOLS, max_tokens=1000,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content == "Plain answer."
+    assert "get_time" not in _prompt_text(fake) and "get_weather" in _prompt_text(fake)
+    spec = fake.requests[-1][2].structured  # the engine got the DSML grammar, starting at once (no thinking)
+    assert spec is not None and spec.kind == "tool_call" and spec.start_after is None
 
 
 def test_parameters_reach_the_engine(server):
