@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 
@@ -20,6 +21,7 @@ from dsv41.server.responses import (ResponseBuilder, ResponsesRequest, StoredRes
                                     input_messages, reasoning_token_count, resolve_reasoning, think_end_id, usage)
 from dsv41.server.serving import (ClientGone, ServerState, _check_model, _disconnected_response, _last, _off_loop,
                                   _run_to_end, _sampling_params, _sse_response, _start, _stream_body, _Timer)
+from dsv41.server.structured import chat_constraint
 
 
 def add_responses_routes(app: FastAPI, state: ServerState) -> None:
@@ -57,13 +59,37 @@ def _check(state: ServerState, req: ResponsesRequest) -> None:
     _check_model(state, req.model)
     if req.background:
         raise bad_request("background responses are not supported", "background")
-    fmt = (req.text or {}).get("format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
-        raise bad_request("text.format other than text is not supported", "text.format")
+    _response_format(req)  # text.format is checked here; its grammar is compiled with the prompt
     if req.max_output_tokens is not None and req.max_output_tokens < 1:
         raise bad_request(f"max_output_tokens must be >= 1, got {req.max_output_tokens}", "max_output_tokens")
     if req.truncation not in (None, "disabled", "auto"):
         raise bad_request(f"truncation must be 'auto' or 'disabled', got {req.truncation!r}", "truncation")
+
+
+def _response_format(req: ResponsesRequest) -> Optional[dict]:
+    """The Responses `text.format` ({type: text | json_object | json_schema, name, schema, strict}) as chat's
+    `response_format`, or None for plain text."""
+    fmt = (req.text or {}).get("format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type", "text") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise bad_request("text.format json_schema needs a schema object", "text.format.schema")
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt["schema"]}}
+    raise bad_request(f"text.format type must be text, json_object or json_schema, got {kind!r}", "text.format")
+
+
+def _constraint(state: ServerState, req: ResponsesRequest, tools: Optional[list[dict]], thinking: bool):
+    """The request's grammar (dsv41.server.structured), as for chat: an enforced function call for
+    tool_choice "required" or a named function, else text.format, else None. Call it off the event loop."""
+    asked = SimpleNamespace(tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
+                            response_format=_response_format(req), structured_outputs=None)
+    return chat_constraint(state, asked, tools, thinking)
 
 
 async def _create(state: ServerState, req: ResponsesRequest, request: Request):
@@ -96,8 +122,9 @@ async def _create(state: ServerState, req: ResponsesRequest, request: Request):
     else:
         prompt_ids = rendered_ids = await _off_loop(state, lambda: build_chat_prompt(tokenizer, messages, **kw),
                                                     "input")
+    structured = await _off_loop(state, lambda: _constraint(state, req, tools, thinking), "text.format")
     params = _sampling_params(state, req, prompt_len=len(prompt_ids), max_tokens=req.max_output_tokens,
-                              logprobs=None, prompt_param="input")
+                              logprobs=None, prompt_param="input", structured=structured)
     response_id = f"resp_{uuid.uuid4().hex}"
     builder = ResponseBuilder(_base(state, req, response_id), thinking=thinking, tools=parse_tools)
     end_id = think_end_id(tokenizer)
@@ -148,7 +175,7 @@ def _base(state: ServerState, req: ResponsesRequest, response_id: str) -> dict[s
         "previous_response_id": req.previous_response_id,
         "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
         "store": req.store is not False, "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p, "text": {"format": {"type": "text"}},
+        "top_p": 1.0 if req.top_p is None else req.top_p, "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
         "tools": [dict(t, type="function") for t in (req.tools or [])],
         "truncation": req.truncation or "disabled", "metadata": req.metadata or {}, "user": req.user,

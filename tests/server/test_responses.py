@@ -16,6 +16,7 @@ from dsv41.engine import EngineBusy
 from dsv41.server import create_app
 from dsv41.server.responses import ResponseStore, StoredResponse, input_messages
 from dsv41.server.run import ServerThread
+from tests.conftest import optional_import
 from tests.server.fake_engine import FakeAsyncEngine, FakeEngine
 
 NOISE = {"ignore_eos": True}  # random weights: a fixed length, whatever is sampled
@@ -205,7 +206,8 @@ def _status_of(exc_info) -> tuple[int, dict]:
     ({"input": "Hi", "reasoning": {"effort": "extreme"}}, 400, "reasoning.effort", None),
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, 400, "tools[0].type", None),
     ({"input": "Hi", "tool_choice": "auto"}, 400, "tool_choice", None),
-    ({"input": "Hi", "text": {"format": {"type": "json_object"}}}, 400, "text.format", None),
+    ({"input": "Hi", "text": {"format": {"type": "yaml"}}}, 400, "text.format", None),
+    ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text.format.schema", None),
     ({"input": "Hi", "background": True}, 400, "background", None),
     ({"input": "Hi", "temperature": -1}, 400, "temperature", None),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{bad"}]}, 400, "input", None),
@@ -503,3 +505,49 @@ def test_continued_prompt_splices_only_where_the_turn_renders_as_it_stood():
     assert prompt == full
     prompt, full, p1 = case("stop", generated + [eos], system=system, earlier_system=system)  # same instructions
     assert prompt[:len(p1) + 3] == p1 + generated + [eos] and prompt != full
+
+
+# ---------------------------------------------------------------------------------------------- constrained
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "size"],
+          "properties": {"name": {"type": "string", "maxLength": 4}, "size": {"enum": ["S", "M", "L"]}}}
+TOOL = {"type": "function", "name": "book", "parameters": {
+    "type": "object", "required": ["who", "seats"],
+    "properties": {"who": {"type": "string", "maxLength": 3},
+                   "seats": {"type": "array", "items": {"enum": ["A1", "B2"]}, "minItems": 1, "maxItems": 2}}}}
+
+
+@pytest.fixture(scope="module")
+def constrained_client():
+    """tiny with a 4,096-token context (a tools system prompt alone is over 1,000 byte tokens), llguidance
+    required."""
+    optional_import("llguidance")
+    from dsv41.engine import EngineConfig, build_engine
+
+    engine = build_engine("tiny", EngineConfig(kv_pool_tokens=16384, max_model_len=4096), seed=0)
+    with ServerThread(create_app(engine, max_waiting=16)) as srv:
+        yield openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def test_text_format_json_schema_is_enforced(constrained_client):
+    """Random weights write noise; with text.format json_schema every reply parses and validates."""
+    jsonschema = optional_import("jsonschema")
+    fmt = {"type": "json_schema", "name": "item", "schema": SCHEMA, "strict": True}
+    for seed in (1, 2):
+        r = constrained_client.responses.create(input="Reply in JSON.", text={"format": fmt}, temperature=1.0,
+                                                max_output_tokens=120, extra_body={"seed": seed})
+        assert r.status == "completed", r.output_text
+        jsonschema.validate(json.loads(r.output_text), SCHEMA)
+        assert r.text.format.type == "json_schema"
+
+
+def test_tool_choice_required_gives_a_valid_function_call(constrained_client):
+    jsonschema = optional_import("jsonschema")
+    for choice in ("required", {"type": "function", "name": "book"}):
+        r = constrained_client.responses.create(input="Book a seat.", tools=[TOOL], tool_choice=choice,
+                                                temperature=1.0, max_output_tokens=600, extra_body={"seed": 3})
+        calls = [item for item in r.output if item.type == "function_call"]
+        # "required": one call or more (parallel calls allowed by default); a named function: exactly one
+        assert calls and (choice == "required" or len(calls) == 1), r.output
+        for call in calls:
+            assert call.name == "book"
+            jsonschema.validate(json.loads(call.arguments), TOOL["parameters"])
