@@ -54,15 +54,22 @@ def engine_decode_rate(model, batch: int, prompt_len: int, new_tokens: int, **ov
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     for i, p in enumerate(random_prompts(batch, prompt_len, model.cfg.vocab_size)):
         engine.add_request(f"r{i}", p, params)
-    tokens, seconds = 0, 0.0
+    return timed_decode(engine)["tok_s"]
+
+
+def timed_decode(engine: LLMEngine) -> dict:
+    """Run the engine's requests to the end, timing only the steps in which every request decodes:
+    mean ms per step, tokens/s, and the number of such steps."""
+    tokens, seconds, steps = 0, 0.0, 0
     while engine.has_unfinished():
         decoding = all(not s.in_prefill for s in engine.running) and not engine.waiting
         t = time.perf_counter()
         outs = engine.step()
         if decoding:
             seconds += time.perf_counter() - t
+            steps += 1
             tokens += sum(len(o.new_token_ids) for o in outs)
-    return tokens / seconds
+    return {"step_ms": 1e3 * seconds / max(steps, 1), "tok_s": tokens / max(seconds, 1e-9), "steps": steps}
 
 
 # a schema that keeps random weights writing for the whole budget (a long string), so both runs time the
@@ -83,16 +90,7 @@ def decode_steps(model, batch: int, prompt_len: int, new_tokens: int, structured
     for i, p in enumerate(random_prompts(batch, prompt_len, model.cfg.vocab_size)):
         engine.add_request(f"r{i}", p, SamplingParams(temperature=1.0, seed=i, max_tokens=new_tokens,
                                                       ignore_eos=not structured, structured=spec))
-    tokens, seconds, steps = 0, 0.0, 0
-    while engine.has_unfinished():
-        decoding = all(not s.in_prefill for s in engine.running) and not engine.waiting
-        t = time.perf_counter()
-        outs = engine.step()
-        if decoding:
-            seconds += time.perf_counter() - t
-            steps += 1
-            tokens += sum(len(o.new_token_ids) for o in outs)
-    return {"step_ms": 1e3 * seconds / max(steps, 1), "tok_s": tokens / max(seconds, 1e-9), "steps": steps}
+    return timed_decode(engine)
 
 
 def mask_cost(vocab: int, batch: int, steps: int) -> float:

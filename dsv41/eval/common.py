@@ -26,8 +26,7 @@ import numpy as np
 
 # the filler of the passkey test (Mohtashami & Jaggi 2023) and RULER's "noise" haystack: text that carries
 # no information, so that only the needle can answer the question
-GRASS_FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
-                "There and back again.")
+from dsv41.data.retrieval_tasks import GRASS_FILLER  # noqa: E402  (the training mix's filler is the harness's)
 
 
 @dataclass

@@ -48,6 +48,7 @@ from typing import Optional, Protocol
 
 import numpy as np
 
+from dsv41.data.retrieval_tasks import ADJECTIVES, NIAH_PREFIX, NOUNS, PASSKEY_PREFIX, VARTRACK_PREFIX  # noqa: F401
 from dsv41.eval.common import (GRASS_FILLER, EvalConfig, EvalModel, fmt_length, held_out, index_topk, log,
                                markdown_table, parse_lengths, plot_heatmap, positive, prepare, resolve_lengths,
                                stream_slice, without_specials, write_outputs)
@@ -55,20 +56,7 @@ from dsv41.eval.common import (GRASS_FILLER, EvalConfig, EvalModel, fmt_length, 
 TASKS = ("passkey", "niah", "vartrack")
 DEFAULT_DIGITS = {"passkey": 5, "niah": 7, "vartrack": 5}
 
-PASSKEY_PREFIX = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-                  "I will quiz you about the important information there.\n")
-NIAH_PREFIX = ("Some special magic numbers are hidden within the following text. Make sure to memorize them. "
-               "I will quiz you about the numbers afterwards.\n")
-VARTRACK_PREFIX = "Memorize and track the chain of variable assignments hidden in the following text.\n"
-
-# niah keys are WORD-WORD pairs of these (900 distinct keys)
-ADJECTIVES = ("amber", "brave", "calm", "dusty", "eager", "fancy", "gentle", "hollow", "icy", "jolly", "kind",
-              "lively", "merry", "noisy", "odd", "proud", "quiet", "rapid", "silent", "tidy", "upbeat", "vivid",
-              "wise", "young", "zesty", "bitter", "clever", "damp", "faint", "golden")
-NOUNS = ("apple", "badger", "candle", "dragon", "engine", "falcon", "garden", "harbor", "island", "jacket",
-         "kettle", "lantern", "meadow", "needle", "orchard", "pepper", "quarry", "river", "saddle", "tunnel",
-         "violin", "wagon", "willow", "yacht", "zebra", "basket", "copper", "desert", "forest", "glacier")
-
+# niah keys are WORD-WORD pairs of ADJECTIVES x NOUNS (900 distinct keys)
 SENTENCE_END = (".", "!", "?", "\n")
 ANSWER_ROOM = 64  # tokens a prompt must leave free in the context for its answer (checked exactly later)
 
