@@ -6,7 +6,10 @@ Field names follow the OpenAI API and vLLM's `SamplingParams`, so server code ma
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:  # annotations only: the request types stay importable without loading torch
+    import torch
 
 
 @dataclass(frozen=True)
