@@ -16,7 +16,6 @@ boundary and release.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
 from typing import Optional
@@ -25,19 +24,21 @@ import torch
 
 from dsv41.config import ModelConfig
 from dsv41.engine.config import EngineConfig
-from dsv41.engine.handoff import KVHandoff, check_handoff, export_sequence, import_sequence, model_identity
-from dsv41.engine.kv_pool import BlockAllocator, PagedKVPool, PoolExhausted
-from dsv41.engine.prefix_cache import PrefixStats, Snapshot, SnapshotStore, chain_hashes, prefix_key
-from dsv41.engine.runner import Chunk, ModelRunner
-from dsv41.engine.sampling import TokenHistory, prompt_token_logprobs, sample, token_logprobs, verify_draft
-from dsv41.engine.sequence import DraftRings, Sequence, SequenceCache, StatePool, Status
+from dsv41.engine.handoff import KVHandoff, check_handoff
+from dsv41.engine.kv_pool import BlockAllocator, PagedKVPool
+from dsv41.engine.prefix_cache import PrefixStats, SnapshotStore
+from dsv41.engine.runner import ModelRunner
+from dsv41.engine.sampling import TokenHistory, prompt_token_logprobs, sample, token_logprobs
+from dsv41.engine.scheduler import Scheduling
+from dsv41.engine.sequence import Sequence, StatePool, Status
+from dsv41.engine.speculative import Speculation
 from dsv41.engine.types import RequestOutput, SamplingParams
 from dsv41.model.transformer import Transformer
 
 log = logging.getLogger("dsv41.engine")
 
 
-class LLMEngine:
+class LLMEngine(Scheduling, Speculation):
     def __init__(self, model: Transformer, tokenizer, config: Optional[EngineConfig] = None,
                  model_name: str = "dsv41", seed: int = 0):
         config = config or EngineConfig()
@@ -350,106 +351,6 @@ class LLMEngine:
             self._finish(seq)
         return out
 
-    # ------------------------------------------------------------------ DSpark speculative decoding
-    def _verified(self, seq: Sequence, chunk: Chunk, rows: torch.Tensor) -> RequestOutput:
-        """A decode step with speculation on: the chunk ran the last known token and the draft; rows
-        [n + 1, vocab] are the logits at the last known token and at each draft. Keeps the longest valid
-        prefix plus one token. Whatever the rejected positions (or those past a finish inside the draft)
-        wrote is undone (`SequenceCache.keep_positions`), so the state is that of plain decoding."""
-        draft, seq.draft_tokens = seq.draft_tokens, []
-        draft_logits, seq.draft_logits = seq.draft_logits, None
-        saved, seq.saved_state = seq.saved_state, None
-        n = len(draft)
-        try:
-            accepted, nxt = verify_draft(rows, draft, draft_logits, seq.params, seq.generator or self.generator,
-                                         self._history(seq))
-            emitted = 0
-            for i, token in enumerate(draft[:accepted] + [nxt]):
-                self._append_token(seq, token, rows[i])
-                emitted += 1
-                if seq.finish_reason is not None:
-                    break
-        except Exception as exc:  # noqa: BLE001 - this request's own failure (sampling, decoding, stop)
-            return self._fail(seq, exc)
-        # positions up to the last token's predecessor are final; a draft's rejected tail is undone
-        seq.num_computed = len(seq) - 1
-        if saved is not None:
-            seq.cache.keep_positions(saved, seq.num_computed)
-        if seq.suspect_until is not None and seq.num_computed >= seq.suspect_until:
-            seq.suspect_until = None
-        self._register_full_blocks(seq)
-        c = self.counters
-        if n:
-            c["spec_decode_steps_total"] += 1
-            c["spec_decode_draft_tokens_total"] += n
-            c["spec_decode_accepted_tokens_total"] += accepted
-            c["spec_decode_emitted_tokens_total"] += emitted
-            for i in range(n):
-                self.verified_at[i] += 1
-                self.accepted_at[i] += accepted > i
-        return self._emit(seq)
-
-    def _draft(self, work: list[tuple[Sequence, Chunk]]) -> None:
-        """After a forward: write the drafter rings' rows of the positions it computed and kept, then draft
-        the next block for every decoding sequence, all in one batched drafter pass."""
-        model = self.model
-        todo = []
-        for seq, chunk in work:
-            if seq.status != Status.RUNNING or seq.cache is None or chunk.main_hidden is None:
-                continue
-            first_pos, m = chunk.hidden_start, chunk.main_hidden.size(0)
-            last = min(first_pos + m, len(seq) - 1) - 1  # the last position both computed and kept
-            if last < first_pos:
-                continue
-            can_draft = not seq.in_prefill and not seq.needs_rebuild and last == len(seq) - 2
-            budget = min(self.num_draft, seq.params.max_tokens - len(seq.output_ids) - 1,
-                         self.max_model_len - len(seq) - 1)
-            can_draft = can_draft and budget > 0
-            write_from = max(first_pos, seq.rows_end if seq.rows_first is not None else first_pos)
-            write_to = last if can_draft else last + 1  # a draft writes the row at `last` itself
-            if write_from < write_to:
-                self.runner.draft_rows(chunk.main_hidden[write_from - first_pos:write_to - first_pos].unsqueeze(0),
-                                       write_from, seq.cache)
-                self._rows_written(seq, write_from, write_to)
-            if can_draft:
-                todo.append((seq, chunk.main_hidden[last - first_pos], last, budget))
-        if not todo:
-            return
-        seqs = [t[0] for t in todo]
-        pos = torch.tensor([t[2] for t in todo], dtype=torch.int64)
-        for seq, _, p, _ in todo:
-            self._rows_written(seq, p, p + 1)
-        rings = DraftRings(self.states, [s.cache.slot for s in seqs], [s.rows_first for s in seqs])
-        first = torch.tensor([s.all_ids[-1] for s in seqs], dtype=torch.int64, device=model.device)
-        hidden = torch.stack([t[1] for t in todo]).unsqueeze(1)  # [B, 1, F]
-
-        drafted: list[list[int]] = [[] for _ in seqs]
-
-        def choose(logits: torch.Tensor) -> torch.Tensor:
-            # each request draws with its own params, its logit processing seeing the drafts before this
-            # one (what plain decoding would have generated there), as verify_draft assumes
-            picks = []
-            for i, s in enumerate(seqs):
-                picks.append(sample(logits[i], s.params, s.generator or self.generator,
-                                    self._history(s, tuple(drafted[i]))))
-                drafted[i].append(picks[-1])
-            return torch.tensor(picks, dtype=torch.int64, device=logits.device)
-
-        result = self.runner.draft(first, hidden, pos, rings, choose)
-        likely = None
-        if self.config.speculative_min_confidence > 0:
-            likely = torch.sigmoid(result.confidence.float()).cumprod(-1) >= self.config.speculative_min_confidence
-        for i, (seq, _, _, budget) in enumerate(todo):
-            n = budget if likely is None else int(likely[i, :budget].sum())  # a running product: a prefix
-            seq.draft_tokens = result.tokens[i, 1:n + 1].tolist()
-            seq.draft_logits = result.logits[i, :n].float().cpu()
-
-    @staticmethod
-    def _rows_written(seq: Sequence, start: int, end: int) -> None:
-        if seq.rows_first is None or start > seq.rows_end:  # a gap: the readable rows start again here
-            seq.rows_first = start
-        seq.rows_end = max(seq.rows_end, end)
-
     # ------------------------------------------------------------------ failures
     MAX_FAILED_STEPS = 3  # a request in this many failed batches is failed even if it never failed alone
 
@@ -490,284 +391,6 @@ class LLMEngine:
         self._finish(seq)
         self.counters["requests_failed_total"] += 1
         return self._output(seq)
-
-    # ------------------------------------------------------------------ scheduling
-    def _schedule(self) -> list[tuple[Sequence, Chunk, str]]:
-        cfg = self.config
-        budget = cfg.max_num_batched_tokens
-        self._admit()
-        plan = []
-        # decodes first (one token each), then prefill work, each in arrival order
-        order = sorted(self.running, key=lambda s: (s.in_prefill or s.needs_rebuild, s.arrival))
-        suspects = [s for s in order if s.suspect_until is not None]
-        if suspects:  # after a failed batch: the oldest suspect runs alone until it catches up
-            order = [min(suspects, key=lambda s: s.arrival)]
-        for seq in order:
-            if seq.status != Status.RUNNING or seq.restored_logits is not None:
-                continue  # preempted earlier in this loop, or nothing to compute (a whole-prompt hit)
-            tokens = seq.all_ids
-            if seq.needs_rebuild:
-                start, end, kind = seq.rebuild_from, seq.num_computed, "rebuild"
-            elif seq.in_prefill:
-                start = seq.num_computed
-                end = min(seq.prefill_target, (start // cfg.prefill_chunk_size + 1) * cfg.prefill_chunk_size)
-                kind = "prefill"
-            else:
-                start, end, kind = seq.num_computed, len(tokens), "decode"
-                if seq.draft_tokens and end + len(seq.draft_tokens) - start > budget:
-                    seq.draft_tokens, seq.draft_logits = [], None  # no room this step: verify nothing
-                end += len(seq.draft_tokens)
-                tokens = tokens + seq.draft_tokens
-            if end - start > budget:
-                continue
-            if not self._reserve_blocks(seq, end, plan):
-                continue
-            budget = cfg.max_num_batched_tokens - sum(c.end - c.start for _, c, _ in plan) - (end - start)
-            lookback = self.model_config.engram_max_ngram_size - 1
-            every = kind == "prefill" and seq.needs_prompt_logprobs  # logits at every position (prompt logprobs)
-            chunk = Chunk(seq.cache, tokens[start:end], start, tokens[max(0, start - lookback):start],
-                          decoder_from=seq.rebuild_decoder_from if kind == "rebuild" else seq.decoder_from,
-                          want_logits=kind != "rebuild" and (end >= seq.prefill_target or every), end=end,
-                          decode=kind == "decode" and end - start == 1, verify=kind == "decode" and end - start > 1,
-                          n_logits=len(seq.draft_tokens) + 1 if kind == "decode" else end - start if every else 1)
-            if seq.images:
-                self._attach_images(seq, chunk, start - len(chunk.context), end)
-            plan.append((seq, chunk, kind))
-        return plan
-
-    def _attach_images(self, seq: Sequence, chunk: Chunk, first: int, end: int) -> None:
-        """The chunk's image rows (slices of each span's embeddings, computed once per request) and its
-        image-position flags over context + tokens. A chunk may hold any part of a span."""
-        chunk.image_mask = seq.image_positions(first, end)
-        for k, a, b in seq.image_spans(chunk.start, end):
-            span_start, image = seq.images[k]
-            if k not in seq.image_embeds:
-                seq.image_embeds[k] = self.runner.embed_image(image)  # [span_length, dim]
-            chunk.image_rows.append((a - chunk.start, seq.image_embeds[k][a - span_start:b - span_start]))
-
-    def _reserve_blocks(self, seq: Sequence, end: int, plan: list) -> bool:
-        """Make the sequence's block table cover positions < end, preempting newer requests if needed
-        (dropping their work from this step's plan)."""
-        needed = math.ceil(end / self.config.block_size) - len(seq.cache.blocks)
-        while needed > 0:
-            try:
-                seq.cache.append_block(self.allocator.allocate())
-                needed -= 1
-            except PoolExhausted:
-                victims = [s for s in self.running if s is not seq and s.arrival > seq.arrival]
-                victim = max(victims, key=lambda s: s.arrival) if victims else seq
-                self._preempt(victim)
-                plan[:] = [entry for entry in plan if entry[0] is not victim]
-                if victim is seq:
-                    return False
-        return True
-
-    def _preempt(self, seq: Sequence, count: bool = True) -> None:
-        self.running.remove(seq)
-        self._release(seq)
-        seq.status = Status.WAITING
-        seq.preemptions += 1
-        self.counters["preemptions_total"] += count
-        # keep arrival order among the waiting: a preempted request goes back before later arrivals
-        index = next((i for i, s in enumerate(self.waiting) if s.arrival > seq.arrival), len(self.waiting))
-        self.waiting.insert(index, seq)
-
-    def _admit(self) -> None:
-        cfg = self.config
-        while self.waiting and len(self.running) < cfg.max_num_seqs:
-            seq = self.waiting[0]
-            if not self._start(seq):
-                break
-            self.waiting.popleft()
-            seq.status = Status.RUNNING
-            if seq.queue_time_s is None:
-                seq.queue_time_s = time.monotonic() - seq.arrival_time
-            self.running.append(seq)
-
-    def _start(self, seq: Sequence) -> bool:
-        """Set up a sequence's cache for (re)prefill of all its tokens, reusing what the prefix cache
-        holds. Returns False (changing nothing) when the pool cannot take it yet."""
-        mcfg, bs = self.model_config, self.config.block_size
-        if seq.handoff is not None:
-            return self._start_from_handoff(seq)
-        tokens = seq.key_ids  # what the prefix cache hashes (image spans keyed by their pixels)
-        n = len(tokens)
-        seq.draft_tokens, seq.draft_logits, seq.saved_state = [], None, None  # a new cache: no draft, no rows
-        seq.spans, seq.routing = [], []  # record_routing: recomputed from position 0 (no prefix cache then)
-        seq.rows_first, seq.rows_end = None, 0
-        hashes = chain_hashes(tokens, bs, [])
-        w = mcfg.window_size
-        bounded = self.config.prefill_mode == "bounded"
-        if seq.decoder_start is None:  # fixed at first admission, so a recompute takes the same path
-            # prompt logprobs need the logits of every prompt position: the decoder runs over all of them
-            full = not bounded or seq.params.prompt_logprobs is not None
-            seq.decoder_start = 0 if full else max(0, len(seq.prompt_ids) - w)
-        start = seq.decoder_start
-        exact = self.config.exact_prefix_reuse
-        # prompt logprobs still to compute: every prompt position runs here, nothing is read from the cache
-        lookup = self.config.enable_prefix_caching and not seq.needs_prompt_logprobs
-        matched: list[int] = []
-        if lookup:
-            for h in hashes[:(n if exact else n - 1) // bs]:
-                block = self.allocator.lookup(h)
-                if block is None:
-                    break
-                matched.append(block)
-        snap = None
-        if lookup:
-            if exact:
-                # resume only where a miss computes the same: the windows kept, and the decoder either
-                # not yet started there (its windows begin at `start` in both paths) or started at `start`
-                # (a snapshot of the whole prompt serves when it kept the logits of its last position)
-                snap = self.snapshots.find(
-                    tokens, bs, hashes, len(matched), n, exact_blocks=False,
-                    accept=lambda s: s.window_valid and (s.length <= start or s.decoder_start == start)
-                    and (s.length < n or s.logits is not None))
-                matched = matched[:snap.length // bs] if snap is not None else []
-            else:
-                snap = self.snapshots.find(tokens, bs, hashes, len(matched), n - 1)
-        revived = sum(1 for b in matched if self.allocator.refcount[b] == 0)
-        to_allocate = math.ceil(n / bs) - len(matched)
-        if self.allocator.num_available() - revived < to_allocate + len(self.running):
-            if self.running or self.allocator.num_available() - revived < to_allocate:
-                return False
-        if lookup:
-            self.stats.queried_tokens += n
-        for b in matched:
-            self.allocator.acquire_cached(b)
-        cache = SequenceCache(mcfg, self.pool, self.states, self.states.acquire())
-        cache.set_blocks(list(matched))
-        seq.cache = cache
-        seq.block_hashes = hashes[:len(matched)]
-        length = len(matched) * bs
-        window_from = 0
-        if snap is not None:
-            length = snap.length
-            if length % bs:
-                cache.append_block(self.allocator.allocate())
-                for layer, packed in snap.tail.items():
-                    entries = torch.arange(len(matched) * bs // self.pool.sources[layer].ratio,
-                                           length // self.pool.sources[layer].ratio)
-                    self.pool.import_entries(layer, cache.table, entries, packed)
-            if snap.window_valid:
-                cache.import_state(snap.state)
-                window_from = None
-            else:
-                for k, (a, b) in snap.state["group"].items():
-                    cache.group[k][0].copy_(a)
-                    cache.group[k][1].copy_(b)
-            self.stats.snapshot_hits += 1
-            if snap.length == n:  # nothing left to compute: the first token comes from the kept logits
-                seq.restored_logits = snap.logits
-        self.stats.hit_tokens += length
-        seq.num_cached_tokens = length
-        seq.num_computed = length
-        seq.prefill_target = n
-        seq.needs_rebuild = False
-        seq.decoder_from = max(length, start) if bounded else 0
-        decoder_needs_history = not bounded or start < length
-        if window_from is not None:  # no ring state: rebuild it from the cached global KV if needed
-            window_from = max(0, length - w)
-            cache.first = [window_from] * mcfg.n_layers
-            if length > 0:
-                seq.needs_rebuild = True
-                seq.rebuild_from = window_from
-                seq.rebuild_decoder_from = window_from if decoder_needs_history else length
-                self.stats.window_rebuilds += 1
-        if not decoder_needs_history:
-            for layer in range(self.boundary, mcfg.n_layers):
-                cache.first[layer] = seq.decoder_from
-        if seq.preemptions == 0:
-            self.counters["prompt_tokens_total"] += n
-        return True
-
-    # ------------------------------------------------------------------ disaggregation (engine/handoff.py)
-    def identity(self) -> dict:
-        """The model's identity, which a hand-off must carry to be imported here (computed once)."""
-        if self._identity is None:
-            self._identity = model_identity(self.model)
-        return self._identity
-
-    def _start_from_handoff(self, seq: Sequence) -> bool:
-        """Admit a request from its KV hand-off: blocks for the prompt, the state written, the first token
-        sampled from the handed-off logits by the next step. False (nothing changed) when there is no room."""
-        blocks = math.ceil(len(seq.prompt_ids) / self.config.block_size)
-        if self.allocator.num_available() < blocks + len(self.running):
-            if self.running or self.allocator.num_available() < blocks:
-                return False
-        cache = SequenceCache(self.model_config, self.pool, self.states, self.states.acquire())
-        for _ in range(blocks):
-            cache.append_block(self.allocator.allocate())
-        import_sequence(self, seq, seq.handoff, cache)
-        seq.handoff = None  # consumed: a recompute after preemption prefills here, from the same decoder start
-        self._register_full_blocks(seq)
-        self.counters["handoffs_imported_total"] += 1
-        return True
-
-    def _export_handoff(self, seq: Sequence, logits: torch.Tensor, chunk: Optional[Chunk]) -> RequestOutput:
-        """A prefill-only request computed its prompt: keep its snapshot, write the drafter rings of the last
-        chunk (what the draft after the first token would have written), export, finish and release."""
-        try:
-            self._save_snapshot(seq, logits)
-            if self.speculative and chunk is not None and chunk.main_hidden is not None:
-                first_pos = chunk.hidden_start
-                start = max(first_pos, seq.rows_end if seq.rows_first is not None else first_pos)
-                if start < seq.num_computed:
-                    self.runner.draft_rows(chunk.main_hidden[start - first_pos:seq.num_computed - first_pos]
-                                           .unsqueeze(0), start, seq.cache)
-                    self._rows_written(seq, start, seq.num_computed)
-            handoff = export_sequence(self, seq, logits)
-        except Exception as exc:  # noqa: BLE001 - this request's own failure
-            return self._fail(seq, exc)
-        seq.finish_reason = "handoff"
-        seq.status = Status.FINISHED
-        self.running.remove(seq)
-        self._release(seq)
-        self._finish(seq)
-        out = self._output(seq)
-        out.handoff = handoff
-        self.counters["handoffs_exported_total"] += 1
-        return out
-
-    # ------------------------------------------------------------------ bookkeeping
-    def _register_full_blocks(self, seq: Sequence) -> None:
-        if not self.config.enable_prefix_caching:
-            return
-        full = seq.num_computed // self.config.block_size
-        if full > len(seq.block_hashes):
-            seq.block_hashes = chain_hashes(seq.key_ids[:full * self.config.block_size], self.config.block_size,
-                                            seq.block_hashes)
-            for i in range(full):
-                self.allocator.register(seq.cache.blocks[i], seq.block_hashes[i])
-
-    def _save_snapshot(self, seq: Sequence, logits: Optional[torch.Tensor] = None) -> None:
-        """Keep the partial tail block, partial groups and window rings at a message boundary, and at the
-        end of a prompt the logits of its last position (a repeat of the prompt then computes nothing)."""
-        if not self.config.enable_prefix_caching or seq.cache is None:
-            return
-        bs, length = self.config.block_size, seq.num_computed
-        if length == 0:
-            return
-        tokens = seq.key_ids[:length]
-        hashes = chain_hashes(tokens, bs, seq.block_hashes[:length // bs])
-        tail = {}
-        for layer, lay in self.pool.sources.items():
-            first = (length // bs) * bs // lay.ratio
-            entries = torch.arange(first, length // lay.ratio)
-            if entries.numel():
-                tail[layer] = self.pool.export_entries(layer, seq.cache.table, entries)
-        snap = Snapshot(length, tail, seq.cache.export_state(), time.monotonic(), decoder_start=seq.decoder_start,
-                        logits=None if logits is None else logits.clone())
-        self.snapshots.put(prefix_key(tokens, length, bs, hashes), snap)
-
-    def _release(self, seq: Sequence) -> None:
-        if seq.cache is not None:
-            for block in seq.cache.blocks:
-                self.allocator.release(block)
-            self.states.release(seq.cache.slot)
-            seq.cache = None
-        seq.num_computed = 0
-        seq.block_hashes = []
 
     def _finish(self, seq: Sequence) -> None:
         seq.status = Status.FINISHED
@@ -835,18 +458,6 @@ class LLMEngine:
                 "prefix_cache_queried_tokens": q, "prefix_cache_hit_tokens": h, "prefix_cache_hit_rate": h / q if q else 0.0,
                 "prefix_cache_snapshot_hits": self.stats.snapshot_hits, "window_rebuilds": self.stats.window_rebuilds,
                 "generation_tokens_per_s": rate, **self.counters, **self._spec_metrics()}
-
-    def _spec_metrics(self) -> dict:
-        """DSpark acceptance: the fraction of drafted tokens kept, tokens emitted per verify step, and the
-        acceptance rate at each draft position (verified there with every earlier draft kept)."""
-        if not self.speculative:
-            return {}
-        c = self.counters
-        out = {"spec_decode_acceptance_rate": c["spec_decode_accepted_tokens_total"] / max(c["spec_decode_draft_tokens_total"], 1),
-               "spec_decode_mean_emitted_per_step": c["spec_decode_emitted_tokens_total"] / max(c["spec_decode_steps_total"], 1)}
-        for i, (a, v) in enumerate(zip(self.accepted_at, self.verified_at)):
-            out[f"spec_decode_acceptance_rate_position_{i}"] = a / max(v, 1)
-        return out
 
     def resident_kv_bytes(self) -> dict:
         """Measured bytes of the live sequences' state: global KV entries actually stored (by kv source,
