@@ -642,9 +642,22 @@ def build_parser() -> argparse.ArgumentParser:
         _add_eval_args(p, name)
         p.set_defaults(func=cmd_eval, eval_name=name)
 
+    p_tok = sub.add_parser("export-tokenizer", help="write the tokenizer files transformers.AutoTokenizer loads "
+                                                    "(tokenizer.json, tokenizer_config.json with the chat template) "
+                                                    "into a checkpoint folder written before")
+    p_tok.add_argument("folder")
+    p_tok.add_argument("--vocab-size", type=int, default=None, help="default: the folder's config.json")
+    p_tok.set_defaults(func=cmd_export_tokenizer)
+
     sub.add_parser("data", help="build a training data folder (tokenizer + token shards) from public-domain text "
                                 "it downloads, or from this Python's standard library offline (dsv41 data --help)")
     return parser
+
+
+def cmd_export_tokenizer(args) -> int:
+    from dsv41.tokenizer_files import export_command
+
+    return export_command(args.folder, args.vocab_size)
 
 
 def cmd_train(args) -> int:
