@@ -14,7 +14,7 @@ import pytest
 
 from dsv41.chat.encoding import encode_prompt, prompt_parts
 from dsv41.tokenizer import BYTE_KIND_KEY, ByteTokenizer, HFTokenizer, deepseek_tokenizer, load_tokenizer
-from dsv41.tokenizer_files import export_tokenizer, write_model_tokenizer_files, write_tokenizer_files
+from dsv41.tokenizer_files import write_model_tokenizer_files, write_tokenizer_files
 from tests.chat.test_hf_template import CONVERSATIONS, OPTIONS, _ours
 from tests.conftest import optional_import
 
