@@ -134,6 +134,11 @@ def test_save_checkpoint_writes_byte_tokenizer_files_that_dsv41_still_serves_nat
         encode_prompt(served, prompt_parts(messages))
     with pytest.raises(ValueError, match="byte tokenizer of 1024 ids"):
         load_tokenizer(str(folder), 2048)  # the files are for another vocabulary
+    # a run that starts from this checkpoint (rl, train-drafter) passes its tokenizer.json on: still bytes
+    again = tmp_path / "again"
+    save_checkpoint(str(again), tiny_model, tiny_model.cfg, str(folder / "tokenizer.json"))
+    assert isinstance(load_tokenizer(str(again), tiny_model.cfg.vocab_size), ByteTokenizer)
+    assert json.loads((again / "tokenizer_config.json").read_text()) == config
 
 
 def test_export_tokenizer_adds_the_files_to_an_older_folder(tmp_path, tiny_model, capsys):
