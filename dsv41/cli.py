@@ -645,8 +645,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_tok = sub.add_parser("export-tokenizer", help="write the tokenizer files transformers.AutoTokenizer loads "
                                                     "(tokenizer.json, tokenizer_config.json with the chat template) "
                                                     "into a checkpoint folder written before")
-    p_tok.add_argument("folder")
-    p_tok.add_argument("--vocab-size", type=int, default=None, help="default: the folder's config.json")
+    p_tok.add_argument("folder", help="the checkpoint folder to write the files into (its tokenizer.json, if it "
+                                      "has one, is kept)")
+    p_tok.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                       help="the model's vocabulary size, which picks the byte or DeepSeek tokenizer for a folder "
+                            "without tokenizer.json (default: read from the folder's config.json)")
     p_tok.set_defaults(func=cmd_export_tokenizer)
 
     sub.add_parser("data", help="build a training data folder (tokenizer + token shards) from public-domain text "

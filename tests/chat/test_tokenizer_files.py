@@ -93,10 +93,10 @@ def test_autotokenizer_encodes_and_decodes_as_dsv41(kind):
         assert hf.decode(with_specials) == ours.decode(with_specials)
 
 
-def test_byte_vocabulary_decodes_every_id_as_dsv41(kind):
-    name, hf, ours, _ = kind
-    if not name.startswith("byte"):
-        pytest.skip("the byte tokenizer's unused ids")
+@pytest.mark.parametrize("vocab", [1024, 260])
+def test_byte_vocabulary_decodes_every_id_as_dsv41(vocab, tmp_path):
+    write_model_tokenizer_files(str(tmp_path), vocab)
+    hf, ours = transformers.AutoTokenizer.from_pretrained(str(tmp_path)), ByteTokenizer(vocab)
     # every id outside the bytes (BOS/EOS/PAD, markers, unused ids decoding to nothing), then every ASCII byte
     ids = [i for i in range(ours.vocab_size) if not 3 <= i < 259] + list(range(3, 3 + 128))
     assert hf.decode(ids) == ours.decode(ids)
