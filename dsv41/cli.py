@@ -9,7 +9,8 @@
   [--expert-parallel-size D]` over D engine ranks (`dsv41.distributed`); with `--disaggregation-mode
   prefill|decode` a worker behind `dsv41 router --prefill URL... --decode URL...` (`dsv41.server.router`);
 - `dsv41 train`, `train-drafter`, `rl ...`, `eval ...`: the training-side commands (dsv41/cli_training.py);
-- `dsv41 data`: a training data folder (`dsv41.data.build`, which has its own parser).
+- `dsv41 data`: a training data folder (`dsv41.data.build`, which has its own parser);
+- `dsv41 export-tokenizer FOLDER`: the files `transformers.AutoTokenizer` loads, into a checkpoint folder.
 Options generated from dataclass fields, the engine's options and the typed parsers are in dsv41/cli_options.py.
 
 generate, chat and serve all run on `dsv41.engine` (`build_engine`), whose `EngineConfig` fields are
@@ -484,9 +485,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_training_commands(sub)
 
+    p_tok = sub.add_parser("export-tokenizer", help="write the tokenizer files transformers.AutoTokenizer loads "
+                                                    "(tokenizer.json, tokenizer_config.json with the chat template) "
+                                                    "into a checkpoint folder written before")
+    p_tok.add_argument("folder", help="the checkpoint folder to write the files into (its tokenizer.json, if it "
+                                      "has one, is kept)")
+    p_tok.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                       help="the model's vocabulary size, which picks the byte or DeepSeek tokenizer for a folder "
+                            "without tokenizer.json (default: read from the folder's config.json)")
+    p_tok.set_defaults(func=cmd_export_tokenizer)
+
     sub.add_parser("data", help="build a training data folder (tokenizer + token shards) from public-domain text "
                                 "it downloads, or from this Python's standard library offline (dsv41 data --help)")
     return parser
+
+
+def cmd_export_tokenizer(args) -> int:
+    from dsv41.tokenizer_files import export_command
+
+    return export_command(args.folder, args.vocab_size)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -59,6 +59,9 @@ CHAT_TOKENS = (USER_TOKEN, ASSISTANT_TOKEN, SYSTEM_TOKEN, LATEST_REMINDER_TOKEN,
 DEEPSEEK_VOCAB_SIZE = 129280
 DEEPSEEK_SYSTEM_ID = 128799  # unconfirmed (spec §12c.4)
 DEEPSEEK_IMAGE_ID = 129264
+# the tokenizer_config.json key that marks a folder's tokenizer.json as the byte tokenizer's export
+# (dsv41.tokenizer_files): {"kind": "byte", "vocab_size": N}
+BYTE_KIND_KEY = "dsv41_tokenizer"
 
 
 @runtime_checkable
@@ -336,12 +339,36 @@ def deepseek_tokenizer(v41_names: bool = True) -> HFTokenizer:
     return tok
 
 
+def _exported_byte_vocab(model_dir: str) -> Optional[int]:
+    """The vocabulary size recorded by a byte-tokenizer export in `model_dir/tokenizer_config.json`, or
+    None when the folder holds no such export."""
+    path = os.path.join(model_dir, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    mark = config.get(BYTE_KIND_KEY) if isinstance(config, dict) else None
+    if not isinstance(mark, dict) or mark.get("kind") != "byte":
+        return None
+    vocab = mark.get("vocab_size")
+    if isinstance(vocab, bool) or not isinstance(vocab, int):
+        raise ValueError(f"{path}: {BYTE_KIND_KEY}.vocab_size must be an int, got {vocab!r}")
+    return vocab
+
+
 def load_tokenizer(model_dir: Optional[str], vocab_size: int) -> TokenizerLike:
-    """The tokenizer for a model: `model_dir/tokenizer.json` (with its `tokenizer_config.json`) if the
-    folder has one; else the DeepSeek tokenizer when `vocab_size` is 129,280; else `ByteTokenizer`.
-    A folder tokenizer with more ids than the model's vocabulary is rejected."""
+    """The tokenizer for a model: `ByteTokenizer` when the folder's `tokenizer_config.json` marks its files
+    as the byte tokenizer's export (`BYTE_KIND_KEY`); `model_dir/tokenizer.json` (with its
+    `tokenizer_config.json`) if the folder has one; else the DeepSeek tokenizer when `vocab_size` is
+    129,280; else `ByteTokenizer`. A folder tokenizer with more ids than the model's vocabulary is rejected."""
     if model_dir is not None:
         path = os.path.join(model_dir, "tokenizer.json")
+        byte_vocab = _exported_byte_vocab(model_dir)
+        if byte_vocab is not None:  # the byte tokenizer's files, written for AutoTokenizer: serve it natively
+            if byte_vocab != vocab_size:
+                raise ValueError(f"{path} is the byte tokenizer of {byte_vocab} ids but the model's vocab_size is "
+                                 f"{vocab_size}")
+            return ByteTokenizer(vocab_size)
         if os.path.isfile(path):
             tok = HFTokenizer.from_file(path)
             if tok.vocab_size > vocab_size:

@@ -227,3 +227,25 @@ def test_engram_map_deepseek_has_the_published_size(ds_pair):
     ids = [tok.token_to_id(s) for s in ("Hello", "hello", "ĠHello")]
     assert None not in ids and len({int(table[i]) for i in ids}) == 1
     assert table[0] != table[1] != table[2]
+
+
+# --- the byte tokenizer as files (dsv41.tokenizer_files; AutoTokenizer in tests/chat/test_tokenizer_files.py)
+
+
+def test_byte_tokenizer_files_encode_as_bytetokenizer_and_are_served_natively(tmp_path):
+    """Without the hf extra: the written tokenizer.json, read by `tokenizers` alone, has ByteTokenizer's
+    ids; dsv41 keeps serving the folder with ByteTokenizer, and refuses it for another vocabulary."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from dsv41.tokenizer_files import write_model_tokenizer_files
+
+    write_model_tokenizer_files(str(tmp_path), 1024)
+    backend = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    ours = ByteTokenizer(1024)
+    for text in (PROMPT, "  tabs\t\tand 😀 emoji  ", "<0x41><unused_300>", ""):
+        ids = ours.encode(text, add_bos=False)
+        assert backend.encode(text, add_special_tokens=False).ids == ids
+        assert backend.decode(ids, skip_special_tokens=False) == ours.decode(ids)
+    assert backend.get_vocab_size(with_added_tokens=True) == 1024
+    assert isinstance(load_tokenizer(str(tmp_path), 1024), ByteTokenizer)
+    with pytest.raises(ValueError, match="byte tokenizer of 1024 ids"):
+        load_tokenizer(str(tmp_path), 8192)

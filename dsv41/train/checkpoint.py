@@ -162,6 +162,10 @@ def save_checkpoint(folder: str, model: Transformer, cfg: ModelConfig, tokenizer
     if tokenizer_file:
         shutil.copy(tokenizer_file, os.path.join(tmp, "tokenizer.json"))
         _write_tokenizer_config(tmp, tokenizer_file)
+    else:  # the byte or DeepSeek tokenizer it is served with, as files, so AutoTokenizer loads every checkpoint
+        from dsv41.tokenizer_files import write_model_tokenizer_files
+
+        write_model_tokenizer_files(tmp, cfg.vocab_size)
     if run_info is not None:
         with open(os.path.join(tmp, RUN_FILE), "w") as f:
             json.dump(run_info, f, indent=2)

@@ -1,14 +1,13 @@
 """The warm-start set for RL with reasoning effort, and `dsv41 rl sft` through the trainer."""
 
 import json
-import os
 
 import pytest
 import torch
 
 from dsv41.cli import main
 from dsv41.rl.sft import IGNORE, EffortTaskText
-from dsv41.tokenizer import ByteTokenizer
+from dsv41.tokenizer import ByteTokenizer, load_tokenizer
 from dsv41.weights import load_model
 
 
@@ -45,7 +44,9 @@ def test_rl_sft_trains_and_writes_a_byte_level_checkpoint(tmp_path, capsys):
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert rows[-1]["step"] == 2 and "val_accuracy_direct" in rows[-1] and rows[-1]["loss"] > 0
     model = load_model(str(out / "checkpoint"))
-    assert model.cfg.vocab_size == 512 and not os.path.exists(out / "checkpoint" / "tokenizer.json")
+    assert model.cfg.vocab_size == 512
+    # its tokenizer files (for AutoTokenizer) are the byte tokenizer's, which dsv41 serves it with
+    assert isinstance(load_tokenizer(str(out / "checkpoint"), 512), ByteTokenizer)
 
 
 def test_the_echo_task_answers_the_effort_and_the_slope_ties_styles_to_it():

@@ -220,19 +220,16 @@ def test_missing_llguidance_is_a_clear_400(monkeypatch):
 
 
 @pytest.mark.slow
-def test_small_preset_choice_and_required_tool():
+def test_small_preset_choice_and_required_tool(served_small):
     """`dsv41 serve small` (8,192-id byte vocabulary): a choice and an enforced tool call."""
     optional_import("llguidance")
-    from dsv41.engine import EngineConfig, build_engine
-
-    engine = build_engine("small", EngineConfig(kv_pool_tokens=16384, max_model_len=4096), seed=0)
-    with ServerThread(create_app(engine, max_waiting=8)) as srv:
-        client = _client(srv)
-        r = client.completions.create(model=engine.model_name, prompt="Pick:", max_tokens=8, n=2, seed=1,
-                                      extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
-        assert all(c.text in ("yes", "no") for c in r.choices)
-        tool = [t for t in TOOLS if t["function"]["name"] == "get_weather"]
-        r = client.chat.completions.create(model=engine.model_name, messages=USER, tools=tool, max_tokens=600,
-                                           tool_choice="required", parallel_tool_calls=False, seed=3)
-        (call,) = r.choices[0].message.tool_calls
-        _valid(json.loads(call.function.arguments), tool[0]["function"]["parameters"])
+    srv, engine, _ = served_small
+    client = _client(srv)
+    r = client.completions.create(model=engine.model_name, prompt="Pick:", max_tokens=8, n=2, seed=1,
+                                  extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert all(c.text in ("yes", "no") for c in r.choices)
+    tool = [t for t in TOOLS if t["function"]["name"] == "get_weather"]
+    r = client.chat.completions.create(model=engine.model_name, messages=USER, tools=tool, max_tokens=600,
+                                       tool_choice="required", parallel_tool_calls=False, seed=3)
+    (call,) = r.choices[0].message.tool_calls
+    _valid(json.loads(call.function.arguments), tool[0]["function"]["parameters"])
