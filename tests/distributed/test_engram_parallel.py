@@ -132,3 +132,57 @@ def test_row_ranges_cover_every_row_once():
     for rows, world in [(384006168, 8), (660, 2), (864, 3), (5, 5)]:
         ranges = [row_range(rows, r, world) for r in range(world)]
         assert [(r.start, r.stop) for r in ranges] == _split(rows, world)
+
+
+def test_a_rank_reads_exactly_its_rows_from_the_checkpoint(tmp_path, monkeypatch):
+    """From a checkpoint folder a rank reads its rows of each table (weight and scale, `get_slice`) and
+    everything else whole: bytes read = the file minus the other rank's rows, and the rows are the file's."""
+    from safetensors.torch import save_file
+
+    import dsv41.weights
+    from dsv41.distributed.engram_parallel import engram_tables
+    from dsv41.distributed.sharded_load import load_shard
+
+    whole = _model()
+    save_file({n: p.detach().contiguous() for n, p in whole.named_parameters()}, str(tmp_path / "model.safetensors"))
+    whole.cfg.to_json(str(tmp_path / "config.json"))
+    cfg = whole.cfg
+    opened = dsv41.weights._open
+    file_bytes = sum(p.numel() * p.element_size() for p in whole.parameters())
+    row_bytes = cfg.engram_head_dim + cfg.engram_head_dim // 32
+    for rank in range(2):
+        sliced: dict = {}
+
+        class Spy:  # records which tensors are read by rows
+            def __init__(self, handle):
+                self.handle = handle
+
+            def keys(self):
+                return self.handle.keys()
+
+            def get_tensor(self, key):
+                return self.handle.get_tensor(key)
+
+            def get_slice(self, key):
+                handle = self.handle
+
+                class Part:
+                    def __getitem__(self, rows):
+                        sliced[key] = (rows.start, rows.stop)
+                        return handle.get_slice(key)[rows]
+
+                return Part()
+
+        monkeypatch.setattr(dsv41.weights, "_open", lambda f: Spy(opened(f)))
+        model = load_shard(str(tmp_path), engram_rank=rank, engram_world=2)
+        share = [_split(rows, 2)[rank] for rows in cfg.engram_num_embeddings]
+        want = {f"layers.{layer}.engram.embed.{leaf}": rows
+                for layer, rows in zip(cfg.engram_layer_ids, share) for leaf in ("weight", "scale")}
+        assert sliced == want
+        others = sum(n - (b - a) for n, (a, b) in zip(cfg.engram_num_embeddings, share)) * row_bytes
+        assert model.load_report.bytes_read == file_bytes - others
+        for name, table in engram_tables(model).items():
+            ref = dict(whole.named_parameters())
+            a, b = table.rows.start, table.rows.stop
+            assert torch.equal(table.weight.view(torch.uint8), ref[name + ".weight"][a:b].view(torch.uint8))
+            assert torch.equal(table.scale.view(torch.uint8), ref[name + ".scale"][a:b].view(torch.uint8))
