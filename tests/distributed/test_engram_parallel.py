@@ -186,3 +186,16 @@ def test_a_rank_reads_exactly_its_rows_from_the_checkpoint(tmp_path, monkeypatch
             a, b = table.rows.start, table.rows.stop
             assert torch.equal(table.weight.view(torch.uint8), ref[name + ".weight"][a:b].view(torch.uint8))
             assert torch.equal(table.scale.view(torch.uint8), ref[name + ".scale"][a:b].view(torch.uint8))
+
+
+def test_engram_options_auto_shards_with_expert_parallelism_and_bad_ones_are_named():
+    from dsv41.distributed.config import ParallelConfig
+
+    assert ParallelConfig(data_parallel_size=2, expert_parallel_size=2).engram_sharded
+    assert not ParallelConfig(data_parallel_size=2).engram_sharded  # no rounds to ride: kept whole
+    assert ParallelConfig(data_parallel_size=2, engram_sharding="sharded").engram_sharded
+    assert not ParallelConfig(data_parallel_size=2, expert_parallel_size=2, engram_sharding="replicated").engram_sharded
+    with pytest.raises(ValueError, match="more than one rank"):
+        ParallelConfig(engram_memory="host").validate()
+    with pytest.raises(ValueError, match="--engram-sharding must be one of"):
+        ParallelConfig(data_parallel_size=2, engram_sharding="rows").validate()
