@@ -199,3 +199,18 @@ def test_engram_options_auto_shards_with_expert_parallelism_and_bad_ones_are_nam
         ParallelConfig(engram_memory="host").validate()
     with pytest.raises(ValueError, match="--engram-sharding must be one of"):
         ParallelConfig(data_parallel_size=2, engram_sharding="rows").validate()
+
+
+def test_whole_tables_in_host_memory_give_one_device_logits():
+    """--engram-memory host without sharding (no rounds): the tables leave the parameters, the logits stay."""
+    from dsv41.distributed.engram_parallel import engram_tables, install_engram
+
+    whole, model = _model(), _model()
+    params = sum(p.numel() for p in model.parameters())
+    tables = install_engram(model, None, "host")
+    assert all(t.host is not None and len(t.rows) == t.n_rows for t in tables)
+    table_params = sum(p.numel() for t in engram_tables(whole).values() for p in t.parameters())
+    assert sum(p.numel() for p in model.parameters()) == params - table_params
+    ids = _prompt(0, whole.cfg.vocab_size)
+    got, want = _run(model, ids), _run(whole, ids)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
