@@ -82,9 +82,11 @@ def build_rank_engine(model: str, engine_config: Optional[EngineConfig], seed: i
                       group: Optional[dist.ProcessGroup] = None) -> LLMEngine:
     """This rank's engine: the model built as `build_engine` builds it (every rank draws the same random
     weights from `seed`), its experts sharded over its expert-parallel group when expert parallelism is on
-    and its attention heads over its tensor-parallel group (`layout_groups`); from a checkpoint folder a rank
-    then reads only its own experts' and heads' slices (`load_shard`). `group`: the expert-parallel group
-    when T = 1 (default: the world)."""
+    and its attention heads over its tensor-parallel group (`layout_groups`), its Engram table rows over the
+    expert-parallel group (or the world without expert parallelism) when `parallel.engram_sharded`, in host
+    memory with `engram_memory="host"` (dsv41.distributed.engram_parallel); from a checkpoint folder a rank
+    then reads only its own experts', heads' and Engram rows' slices (`load_shard`). `group`: the
+    expert-parallel group when T = 1 (default: the world)."""
     import functools
     import os
 
