@@ -65,9 +65,10 @@ def _stream(base: str, model: str, prompt: list[int], max_tokens: int) -> dict:
     return {"ttft": first - start, "itl": (end - first) / max(tokens - 1, 1), "tokens": tokens, "end": end}
 
 
-def run_layout(preset: str, ranks: int, n_requests: int, max_tokens: int, prompt_len: int, tp: int = 1) -> dict:
+def run_layout(preset: str, ranks: int, n_requests: int, max_tokens: int, prompt_len: int, tp: int = 1,
+               engram: str = "auto") -> dict:
     """`ranks` data- and expert-parallel engines (1: one device), or with tp > 1 one engine whose attention
-    heads are split over `tp` tensor-parallel ranks."""
+    heads are split over `tp` tensor-parallel ranks; `engram`: --engram-sharding."""
     port = _free_port()
     cmd = [sys.executable, "-m", "dsv41.cli", "serve", preset, "--port", str(port), "--threads", "1",
            "--fused-kernels", "off", "--log-level", "warning"]
@@ -75,6 +76,8 @@ def run_layout(preset: str, ranks: int, n_requests: int, max_tokens: int, prompt
         cmd += ["--data-parallel-size", str(ranks), "--expert-parallel-size", str(ranks)]
     if tp > 1:
         cmd += ["--tensor-parallel-size", str(tp)]
+    if engram != "auto":
+        cmd += ["--engram-sharding", engram]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -102,7 +105,7 @@ def run_layout(preset: str, ranks: int, n_requests: int, max_tokens: int, prompt
         # steps_total counts each rank's steps: the group ran steps / ranks collective steps (its ranks all
         # step together), each taking wall / that
         collective_steps = steps / ranks
-        return {"ranks": ranks * tp, "layout": f"TP={tp}" if tp > 1 else f"DP={ranks}", "requests": n_requests, "tokens": tokens, "wall_s": wall,
+        return {"ranks": ranks * tp, "layout": (f"TP={tp}" if tp > 1 else f"DP={ranks}") + ("r" if engram == "replicated" else ""), "requests": n_requests, "tokens": tokens, "wall_s": wall,
                 "tokens_per_s": tokens / wall, "ttft_mean_s": statistics.mean(r["ttft"] for r in results),
                 "itl_mean_s": statistics.mean(itl), "itl_max_s": max(itl),
                 "engine_steps": steps, "wall_per_collective_step_s": wall / max(collective_steps, 1)}
@@ -255,7 +258,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--ranks", default="1,2", help=(
         "layouts to measure, comma-separated: N (N data- and expert-parallel ranks) or tpN (one engine, its "
-        "attention heads split over N tensor-parallel ranks)"))
+        "attention heads split over N tensor-parallel ranks); Nr: N ranks with the Engram tables whole on every "
+        "rank (--engram-sharding replicated; N alone shards their rows)"))
     parser.add_argument("--out", help="also write the results as JSON here")
     parser.add_argument("--disaggregation", action="store_true",
                         help="colocated vs prefill/decode disaggregated serving, and the KV hand-off's size and time")
@@ -267,7 +271,8 @@ def main() -> None:
         sys.path.insert(0, env_path)
         return main_disaggregation(args)
     rows = [run_layout(args.preset, 1, args.requests, args.max_tokens, args.prompt_len, tp=int(r[2:]))
-            if r.startswith("tp") else run_layout(args.preset, int(r), args.requests, args.max_tokens, args.prompt_len)
+            if r.startswith("tp") else run_layout(args.preset, int(r.rstrip("r")), args.requests, args.max_tokens,
+                                                  args.prompt_len, engram="replicated" if r.endswith("r") else "auto")
             for r in args.ranks.split(",")]
     print(f"{'layout':>6} {'ranks':>5} {'tokens/s':>9} {'TTFT s':>8} {'ITL ms':>8} {'ITL max':>8} {'steps':>6} {'s/step':>7}")
     for r in rows:

@@ -85,7 +85,10 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
         "does); it must be 1 or D. --tensor-parallel-size T splits each engine's attention heads over T ranks "
         "(D x T processes).")
     for f in dataclasses.fields(ParallelConfig):
-        if "help" in f.metadata:
+        if "choices" in f.metadata:
+            group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, choices=f.metadata["choices"],
+                               default=f.default, help=f"{f.metadata['help']} (default: {f.default})")
+        elif "help" in f.metadata:
             group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=positive_int, default=f.default,
                                metavar="N", help=f"{f.metadata['help']} (default: {f.default})")
 
@@ -95,7 +98,8 @@ def _parallel_config(args):
 
     config = ParallelConfig(data_parallel_size=args.data_parallel_size,
                             expert_parallel_size=args.expert_parallel_size,
-                            tensor_parallel_size=args.tensor_parallel_size)
+                            tensor_parallel_size=args.tensor_parallel_size,
+                            engram_sharding=args.engram_sharding, engram_memory=args.engram_memory)
     config.validate()
     return config
 

@@ -21,6 +21,15 @@ class ParallelConfig:
         "ranks per engine (one process each): every attention layer's query heads and output groups are split "
         "over them, the rest replicated (dsv41.distributed.tensor_parallel); must divide the model's output "
         "groups; results stay bit-identical to one device. D x T processes in all")})
+    engram_sharding: str = field(default="auto", metadata={"choices": ("auto", "sharded", "replicated"), "help": (
+        "sharded: every rank holds only its share of each Engram table's rows and asks the owners for the others "
+        "(exact: rows are moved, never summed; dsv41.distributed.engram_parallel); replicated: every rank holds "
+        "the whole tables; auto: sharded when expert parallelism is on (its ranks already meet in the MoE "
+        "all-to-all rounds, and the release's ~196 GB of tables cannot be held whole next to 1/8 of its "
+        "experts), else replicated (no collective is added to a layout that has none)")})
+    engram_memory: str = field(default="device", metadata={"choices": ("device", "host"), "help": (
+        "where a rank keeps its Engram rows: device memory, or host (CPU) memory with each lookup read there "
+        "(what fits the release on 8 x 80 GB; on a CPU-only machine both are the same memory)")})
     heartbeat_s: float = 30.0  # an idle front still runs an empty round this often (see the module doc)
 
     @property
@@ -32,7 +41,20 @@ class ParallelConfig:
         """Processes in all: data-parallel engines x tensor-parallel ranks each."""
         return self.data_parallel_size * self.tensor_parallel_size
 
+    @property
+    def engram_sharded(self) -> bool:
+        """Whether each rank holds only its share of the Engram tables' rows."""
+        return self.engram_sharding == "sharded" or (self.engram_sharding == "auto" and self.expert_parallel)
+
     def validate(self) -> None:
+        for name in ("engram_sharding", "engram_memory"):
+            choices = self.__dataclass_fields__[name].metadata["choices"]
+            if getattr(self, name) not in choices:
+                raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(choices)}, "
+                                 f"got {getattr(self, name)!r}")
+        if self.world_size == 1 and (self.engram_sharding == "sharded" or self.engram_memory == "host"):
+            raise ValueError("--engram-sharding sharded and --engram-memory host are built for serves over more "
+                             "than one rank (--data-parallel-size or --tensor-parallel-size > 1)")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.data_parallel_size < 1:

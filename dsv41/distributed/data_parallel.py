@@ -82,12 +82,15 @@ def build_rank_engine(model: str, engine_config: Optional[EngineConfig], seed: i
                       group: Optional[dist.ProcessGroup] = None) -> LLMEngine:
     """This rank's engine: the model built as `build_engine` builds it (every rank draws the same random
     weights from `seed`), its experts sharded over its expert-parallel group when expert parallelism is on
-    and its attention heads over its tensor-parallel group (`layout_groups`); from a checkpoint folder a rank
-    then reads only its own experts' and heads' slices (`load_shard`). `group`: the expert-parallel group
-    when T = 1 (default: the world)."""
+    and its attention heads over its tensor-parallel group (`layout_groups`), its Engram table rows over the
+    expert-parallel group (or the world without expert parallelism) when `parallel.engram_sharded`, in host
+    memory with `engram_memory="host"` (dsv41.distributed.engram_parallel); from a checkpoint folder a rank
+    then reads only its own experts', heads' and Engram rows' slices (`load_shard`). `group`: the
+    expert-parallel group when T = 1 (default: the world)."""
     import functools
     import os
 
+    from dsv41.distributed.engram_parallel import engram_tables, install_engram
     from dsv41.distributed.sharded_load import load_shard
     from dsv41.distributed.tensor_parallel import TensorParallel, install_gather, shard_attention_heads
     from dsv41.engine.build import build_model
@@ -97,15 +100,22 @@ def build_rank_engine(model: str, engine_config: Optional[EngineConfig], seed: i
         ep_group = group
     tp = TensorParallel(tp_group) if parallel.tensor_parallel_size > 1 else None
     ep = (dist.get_rank(ep_group), dist.get_world_size(ep_group)) if parallel.expert_parallel else (0, 1)
+    # Engram rows are sharded over the group of the MoE rounds (they share them), else over the whole world
+    engram_group = ep_group if parallel.expert_parallel else (group if tp is None else None)
+    engram = (dist.get_rank(engram_group), dist.get_world_size(engram_group)) if parallel.engram_sharded else (0, 1)
     load = None
-    sharded = (parallel.expert_parallel or tp is not None) and os.path.isdir(model)
-    if sharded:  # read only this rank's experts and heads from the files
+    sharded = (parallel.expert_parallel or tp is not None or engram[1] > 1) and os.path.isdir(model)
+    if sharded:  # read only this rank's experts, heads and Engram rows from the files
         load = functools.partial(load_shard, expert_rank=ep[0], expert_world=ep[1],
-                                 tp_rank=tp.rank if tp else 0, tp_world=tp.world if tp else 1)
+                                 tp_rank=tp.rank if tp else 0, tp_world=tp.world if tp else 1,
+                                 engram_rank=engram[0], engram_world=engram[1])
     net, tokenizer, name = build_model(model, seed, load=load)
     net.eval()
     if parallel.expert_parallel:
         shard_experts(net, ep_group)
+    if engram_tables(net) and (engram[1] > 1 or parallel.engram_memory == "host"):
+        rounds = (dispatcher_of(net) or ExpertParallel(engram_group)) if engram[1] > 1 else None
+        install_engram(net, rounds, parallel.engram_memory)
     if tp is not None:
         if sharded:
             install_gather(net, tp)  # the loader kept only this rank's slices
@@ -126,7 +136,6 @@ class RankEngine:
         self.group = group
         self.rank = dist.get_rank(group)
         self.experts: Optional[ExpertParallel] = dispatcher_of(engine.model)
-        self.served_rounds = 0  # MoE rounds this rank computed for others after its own work (end_step)
 
     def _numerics(self):
         """The numerics the runner's forwards use: end_step computes other ranks' rows and must give the
@@ -162,9 +171,11 @@ class RankEngine:
                     outputs = []
             if self.experts is not None:
                 with self._numerics(), torch.inference_mode():
-                    self.served_rounds += self.experts.end_step()
+                    self.experts.end_step()
         metrics = engine.metrics()
-        metrics["dp_served_moe_rounds_total"] = self.served_rounds
+        served = self.experts.served if self.experts is not None else {}
+        metrics["dp_served_moe_rounds_total"] = served.get("moe", 0)
+        metrics["dp_served_engram_rounds_total"] = served.get("engram", 0)
         return {"outputs": outputs, "rejected": rejected, "failed": failed, "unfinished": engine.has_unfinished(),
                 "metrics": metrics}
 

@@ -1,7 +1,8 @@
-"""Sharded weight loading for expert and tensor parallelism (issue 32): each rank reads only its own routed
-experts' tensors and its own attention heads' rows from the safetensors files (plus everything every rank
-keeps: the rest of attention, router, shared expert, Engram, head), and the other ranks' experts and head
-slices are never allocated, let alone read (a head slice is read with `safe_open(...).get_slice`).
+"""Sharded weight loading for expert, tensor and Engram parallelism (issue 32): each rank reads only its own
+routed experts' tensors, its own attention heads' rows and its own rows of the Engram tables from the
+safetensors files (plus everything every rank keeps: the rest of attention, router, shared expert, head),
+and the other ranks' experts and slices are never allocated, let alone read (a slice is read with
+`safe_open(...).get_slice`).
 
 The model is built on the meta device (no storage), the other ranks' experts are replaced by placeholders
 (`drop_experts`), the rest is given real CPU storage (`to_empty`), and `dsv41.weights.load_weights` fills it
@@ -18,6 +19,7 @@ import re
 import torch
 
 from dsv41.config import ModelConfig
+from dsv41.distributed.engram_parallel import engram_row_slice, split_engram
 from dsv41.distributed.expert_parallel import drop_experts
 from dsv41.distributed.tensor_parallel import parameter_slice, slice_attention_heads
 from dsv41.model.engram import NgramHasher
@@ -35,10 +37,11 @@ def load_expert_shard(path: str | os.PathLike, rank: int, world: int) -> Transfo
 
 
 def load_shard(path: str | os.PathLike, expert_rank: int = 0, expert_world: int = 1, tp_rank: int = 0,
-               tp_world: int = 1) -> Transformer:
-    """The model of `path` holding only expert-parallel rank `expert_rank`'s routed experts and
-    tensor-parallel rank `tp_rank`'s query heads and output groups (`head_slices`); install the dispatcher
-    (`shard_experts`) and the gather (`install_gather`) afterwards."""
+               tp_world: int = 1, engram_rank: int = 0, engram_world: int = 1) -> Transformer:
+    """The model of `path` holding only expert-parallel rank `expert_rank`'s routed experts,
+    tensor-parallel rank `tp_rank`'s query heads and output groups (`head_slices`) and Engram rank
+    `engram_rank`'s rows of every Engram table (`engram_parallel.row_range`); install the dispatcher
+    (`shard_experts`), the gather (`install_gather`) and the Engram rounds (`install_engram`) afterwards."""
     rank, world = expert_rank, expert_world
     path = os.fspath(path)
     if not os.path.isdir(path):
@@ -49,6 +52,8 @@ def load_shard(path: str | os.PathLike, expert_rank: int = 0, expert_world: int 
     others = set(drop_experts(model, rank, world))
     if tp_world > 1:
         slice_attention_heads(model, tp_rank, tp_world)  # on meta: only the slices get storage
+    if engram_world > 1:
+        split_engram(model, engram_rank, engram_world)
     model.to_empty(device="cpu")
     if model.engram_hash is not None:  # computed from the config at construction: build it for real
         model.engram_hash = NgramHasher(cfg, model.engram_layout)
@@ -58,8 +63,9 @@ def load_shard(path: str | os.PathLike, expert_rank: int = 0, expert_world: int 
         return match is not None and match.group(1) in others
 
     def rows(name: str):
-        return parameter_slice(cfg, name, tp_rank, tp_world)
+        part = parameter_slice(cfg, name, tp_rank, tp_world)
+        return part if part is not None else engram_row_slice(cfg, name, engram_rank, engram_world)
 
-    report = load_weights(model, path, elsewhere, rows if tp_world > 1 else None)
+    report = load_weights(model, path, elsewhere, rows if tp_world > 1 or engram_world > 1 else None)
     model.load_report = report
     return model.eval()

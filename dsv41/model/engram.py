@@ -140,7 +140,14 @@ class EngramTable(nn.Module):
         """ids [...] -> bf16 [..., dim] (or the table's own dtype once made trainable)."""
         if self.scale is None:  # trainable: F.embedding's backward is deterministic on CPU with many
             return F.embedding(ids, self.weight)  # threads, unlike indexing's (issue 11)
-        values = self.weight[ids].float().unflatten(-1, (-1, self.block)) * self.scale[ids].float().unsqueeze(-1)
+        return self.read(self.weight, self.scale, ids, self.block)
+
+    @staticmethod
+    def read(weight: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, block: int) -> torch.Tensor:
+        """Rows `ids` [...] of FP8 `weight` [rows, dim] with UE8M0 `scale` [rows, dim / block], dequantised ->
+        bf16 [..., dim]. Element by element, so a row's bits do not depend on which other rows are read with
+        it (the sharded tables of dsv41.distributed.engram_parallel rely on it)."""
+        values = weight[ids].float().unflatten(-1, (-1, block)) * scale[ids].float().unsqueeze(-1)
         return values.flatten(-2).to(torch.bfloat16)
 
     def make_trainable(self, dtype: torch.dtype = torch.float32) -> None:
