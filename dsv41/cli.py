@@ -382,14 +382,11 @@ def cmd_serve(args) -> int:
     if parallel.world_size > 1:
         from dsv41.server.run import serve_data_parallel
 
-        if args.disaggregation_mode:
-            raise ValueError("--disaggregation-mode with more than one rank (data or tensor parallel) is not built "
-                             "yet: run each "
-                             "worker with one rank (several prefill/decode workers behind one router)")
         serve_data_parallel(args.model, parallel, host=args.host, port=args.port, engine_config=engine_config,
                             seed=args.seed, max_waiting=args.max_waiting, served_model_name=args.served_model_name,
                             log_level=args.log_level, api_key=args.api_key or None,
-                            max_request_bytes=args.max_request_bytes, threads=args.threads)
+                            max_request_bytes=args.max_request_bytes, threads=args.threads,
+                            disaggregation_mode=args.disaggregation_mode)
         return 0
     _set_threads(args)
     serve(args.model, host=args.host, port=args.port, engine_config=engine_config, seed=args.seed,

@@ -46,6 +46,7 @@ from dsv41.distributed.config import ParallelConfig
 from dsv41.distributed.expert_parallel import ExpertParallel, dispatcher_of, shard_experts
 from dsv41.engine.async_engine import AsyncEngine
 from dsv41.engine.config import EngineConfig
+from dsv41.engine.handoff import KVHandoff
 from dsv41.engine.llm_engine import LLMEngine
 
 log = logging.getLogger("dsv41.distributed")
@@ -142,8 +143,8 @@ class RankEngine:
                 # as AsyncEngine.generate queues it: ("add", id, prompt, params, images[, hand-off arguments])
                 _, request_id, prompt, params, images, *handoff = command
                 try:
-                    engine.add_request(request_id, prompt, params, images, **(handoff[0] if handoff else {}))
-                except ValueError as exc:
+                    engine.add_request(request_id, prompt, params, images, **_handoff_kwargs(handoff))
+                except ValueError as exc:  # a HandoffError too: nothing imported
                     rejected.append((request_id, str(exc)))
             elif command[0] == "abort":
                 engine.abort_request(command[1])
@@ -163,6 +164,9 @@ class RankEngine:
             if self.experts is not None:
                 with self._numerics(), torch.inference_mode():
                     self.served_rounds += self.experts.end_step()
+        for out in outputs:  # a prefill worker's hand-off goes to the front in its checksummed wire format
+            if out.handoff is not None:
+                out.handoff = out.handoff.to_bytes()
         metrics = engine.metrics()
         metrics["dp_served_moe_rounds_total"] = self.served_rounds
         return {"outputs": outputs, "rejected": rejected, "failed": failed, "unfinished": engine.has_unfinished(),
@@ -179,6 +183,24 @@ class RankEngine:
             if message["stop"]:
                 return
             dist.gather_object(self.round(message), None, dst=0, group=self.group)
+
+
+def _handoff_kwargs(extra: list) -> dict:
+    """An add command's disaggregation arguments (AsyncEngine.generate's), with a hand-off that travelled as
+    bytes (`_wire`) parsed again: every checksum is verified on the rank that imports it."""
+    kwargs = dict(extra[0]) if extra else {}
+    if isinstance(kwargs.get("handoff"), (bytes, bytearray)):
+        kwargs["handoff"] = KVHandoff.from_bytes(kwargs["handoff"])
+    return kwargs
+
+
+def _wire(command: tuple) -> tuple:
+    """An add command as it crosses the process group: a KV hand-off as its checksummed bytes (the format the
+    router moves; torch's pickling of the parsed tensors is not a stable format across builds, and the bytes
+    let the receiving rank verify what it imports)."""
+    if command[0] == "add" and len(command) > 5 and isinstance(command[5].get("handoff"), KVHandoff):
+        return (*command[:5], dict(command[5], handoff=command[5]["handoff"].to_bytes()))
+    return command
 
 
 # metrics that are ratios or rates of the summed counters: recomputed after summing, not summed
@@ -234,10 +256,14 @@ class DataParallelFront(AsyncEngine):
         self._metrics = combine_metrics([self._metrics])  # rank 0's until the first round reports every rank's
         self._stopped = False
 
-    async def generate(self, request_id, prompt_token_ids, params, images=None):
+    async def generate(self, request_id, prompt_token_ids, params, images=None, **disaggregation):
+        """As `AsyncEngine.generate`; `disaggregation` (a prefill or decode worker's hand-off export or import,
+        dsv41.engine.handoff) travels with the add command to the rank that `_place` picks: that rank's
+        engine computes the prompt and exports its hand-off, or imports one into its own pool (on every TP
+        rank of that engine)."""
         if self._failure is not None:
             raise RuntimeError(f"the data-parallel engine group has failed: {self._failure}")
-        async for out in super().generate(request_id, prompt_token_ids, params, images):
+        async for out in super().generate(request_id, prompt_token_ids, params, images, **disaggregation):
             yield out
 
     def metrics(self) -> dict:
@@ -301,7 +327,7 @@ class DataParallelFront(AsyncEngine):
         adds = 0
         for command in commands:
             if command[0] == "add":
-                per_rank[self._place(command[1])].append(command)
+                per_rank[self._place(command[1])].append(_wire(command))
                 adds += 1
             elif command[0] == "abort" and command[1] in self._owner:
                 per_rank[self._owner[command[1]]].append(command)
@@ -325,6 +351,8 @@ class DataParallelFront(AsyncEngine):
                 self._done(request_id)
                 self._deliver(request_id, RuntimeError(message))
             for out in reply["outputs"]:
+                if isinstance(out.handoff, bytes):  # exported by that rank (RankEngine.round)
+                    out.handoff = KVHandoff.from_bytes(out.handoff)
                 if out.finished:
                     self._done(out.request_id)
                 self._deliver(out.request_id, out)

@@ -52,15 +52,27 @@ class HandoffError(ValueError):
     imported: no token is produced from such state."""
 
 
+# the backbone attention tensors a tensor-parallel rank holds only its rows of
+# (dsv41.distributed.tensor_parallel.parameter_slice): left out of the fingerprint, so that prefill and
+# decode workers of different layouts (one device, TP=2, DP x EP) have the same identity
+_HEAD_SPLIT = (".attn.wq_b.", ".attn.attn_sink", ".attn.wo_a.")
+
+
+def _layout_dependent(name: str) -> bool:
+    if ".experts." in name:  # expert parallelism: each rank its own experts
+        return True
+    return name.startswith("layers.") and ".indexer." not in name and any(k in name for k in _HEAD_SPLIT)
+
+
 def model_identity(model) -> dict:
     """What must match between the two sides: the model config (sha256 of its fields) and a fingerprint of
-    the weights (sha256 over the first 64 values of every non-expert parameter, cheap at any size and the
-    same on every expert-parallel rank)."""
+    the weights (sha256 over the first 64 values of every parameter that every parallel layout holds whole:
+    cheap at any size, and the same on every expert- or tensor-parallel rank as on one device)."""
     cfg = dataclasses.asdict(model.cfg)
     config_hash = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
-        if ".experts." in name:
+        if _layout_dependent(name):
             continue
         h.update(name.encode())
         h.update(p.detach().reshape(-1)[:64].float().cpu().numpy().tobytes())

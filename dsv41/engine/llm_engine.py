@@ -80,7 +80,9 @@ class LLMEngine(Scheduling, Speculation):
         self.stats = PrefixStats()
         self.counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_finished_total": 0,
                          "preemptions_total": 0, "steps_total": 0, "failed_steps_total": 0,
-                         "requests_failed_total": 0, "handoffs_exported_total": 0, "handoffs_imported_total": 0}
+                         "requests_failed_total": 0, "handoffs_exported_total": 0, "handoffs_imported_total": 0,
+                         # prompt tokens that arrived computed in a KV hand-off (also in prompt_tokens_total)
+                         "handoff_imported_tokens_total": 0}
         if self.speculative:
             self.counters.update({"spec_decode_steps_total": 0, "spec_decode_draft_tokens_total": 0,
                                   "spec_decode_accepted_tokens_total": 0, "spec_decode_emitted_tokens_total": 0})

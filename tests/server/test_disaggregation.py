@@ -210,12 +210,14 @@ def test_killed_decode_worker_fails_fast_and_the_rest_serve(workers):
 
 def test_cli_refusals_are_one_line(capsys):
     """`dsv41 router` without a worker of each role or with a URL that is not http(s), and a disaggregated
-    worker with several data-parallel ranks (not built), each end with one clear line and exit code 2."""
+    worker with an invalid parallel layout, each end with one clear line and exit code 2 (multi-rank workers
+    themselves: tests/distributed/test_disaggregation_parallel.py)."""
     from dsv41.cli import main
 
     assert main(["router", "--prefill", "127.0.0.1:8001", "--decode", "http://127.0.0.1:8002"]) == 2
     assert "must start with http://" in capsys.readouterr().err
     with pytest.raises(ValueError, match="at least one --prefill and one --decode"):
         RouterConfig([], ["http://127.0.0.1:8002"]).validate()
-    assert main(["serve", "tiny", "--disaggregation-mode", "decode", "--data-parallel-size", "2"]) == 2
-    assert "not built yet" in capsys.readouterr().err
+    assert main(["serve", "tiny", "--disaggregation-mode", "decode", "--data-parallel-size", "2",
+                 "--expert-parallel-size", "3"]) == 2
+    assert "--expert-parallel-size" in capsys.readouterr().err
