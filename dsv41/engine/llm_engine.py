@@ -117,7 +117,7 @@ class LLMEngine(Scheduling, Speculation):
         if export_handoff and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported with prefill/decode disaggregation")
         if handoff is not None:
-            check_handoff(self, handoff, prompt_token_ids)  # HandoffError (a ValueError) names the problem
+            check_handoff(self, handoff, prompt_token_ids, images)  # HandoffError (a ValueError) names the problem
         seq = Sequence(request_id, prompt_token_ids, params, self._arrivals, images)
         seq.handoff, seq.export_handoff = handoff, export_handoff
         if params.structured is not None:
@@ -217,6 +217,7 @@ class LLMEngine(Scheduling, Speculation):
                 continue
             try:
                 outputs.append(self._sampled(seq, "restored", logits))
+                self.counters["generation_tokens_total"] += 1  # generated without a forward of its own
             except Exception as exc:  # noqa: BLE001 - this request's own failure
                 outputs.append(self._fail(seq, exc))
         if not plan:

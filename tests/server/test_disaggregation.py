@@ -221,3 +221,45 @@ def test_cli_refusals_are_one_line(capsys):
     assert main(["serve", "tiny", "--disaggregation-mode", "decode", "--data-parallel-size", "2",
                  "--expert-parallel-size", "3"]) == 2
     assert "--expert-parallel-size" in capsys.readouterr().err
+
+
+def test_images_through_the_router():
+    """A chat with an image (the golden FP8 vision checkpoint, as tests/vision/test_vision_server.py): the
+    prefill worker encodes the image and computes the prompt; the hand-off carries the resulting state and the
+    image's pixel digest; the router's answer (text and logprobs) equals the decode worker's colocated one. A
+    hand-off made for one image is refused for a request with another image of the same size (the same token
+    ids: only the digest tells them apart), so no token comes from the wrong picture."""
+    from PIL import Image
+
+    from tests.vision.test_vision_server import VISION, data_url, messages
+
+    def engine():
+        return build_engine(VISION, EngineConfig(kv_pool_tokens=4096, fused_kernels="off"), seed=0)
+
+    picture = Image.new("RGB", (100, 84), (200, 40, 10))
+    picture.paste((10, 10, 250), (20, 20, 60, 60))
+    other = Image.new("RGB", (100, 84), (20, 140, 10))
+    decode_engine = engine()
+    with ServerThread(create_app(engine(), disaggregation_mode="prefill")) as prefill, \
+            ServerThread(create_app(decode_engine, disaggregation_mode="decode")) as decode, \
+            _router([prefill.base_url], [decode.base_url]) as router:
+        kw = dict(model=decode_engine.model_name, messages=messages(data_url(picture)), max_tokens=8, temperature=0,
+                  logprobs=True, extra_body={"ignore_eos": True})
+        want = _client(decode).chat.completions.create(**kw)
+        got = _client(router).chat.completions.create(**kw)
+        assert got.choices[0].message.content == want.choices[0].message.content
+        assert [t.logprob for t in got.choices[0].logprobs.content] == \
+            [t.logprob for t in want.choices[0].logprobs.content]
+        assert got.usage.prompt_tokens == want.usage.prompt_tokens
+        assert httpx.get(router.base_url + "/stats").json()["handoffs"] == 1
+        # the other image's answer differs, so the check below guards something real
+        other_kw = dict(kw, messages=messages(data_url(other)))
+        assert _client(decode).chat.completions.create(**other_kw).choices[0].logprobs.content[0].logprob != \
+            want.choices[0].logprobs.content[0].logprob
+        body = {"model": decode_engine.model_name, "messages": messages(data_url(picture)), "max_tokens": 2}
+        data = httpx.post(prefill.base_url + "/internal/prefill/v1/chat/completions", json=body, timeout=120).content
+        hid = httpx.post(decode.base_url + "/internal/handoff", content=data, timeout=60).json()["handoff_id"]
+        r = httpx.post(decode.base_url + "/v1/chat/completions", headers={"X-DSV41-Handoff": hid}, timeout=60,
+                       json=dict(body, messages=messages(data_url(other))))
+        assert r.status_code == 422 and r.json()["error"]["code"] == "handoff_mismatch"
+        assert "other images" in r.json()["error"]["message"]
