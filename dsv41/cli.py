@@ -403,7 +403,8 @@ def cmd_router(args) -> int:
     from dsv41.server.router import RouterConfig, create_router
     from dsv41.server.run import bind, uvicorn_config
 
-    config = RouterConfig(prefill=args.prefill, decode=args.decode, timeout_s=args.timeout)
+    config = RouterConfig(prefill=args.prefill, decode=args.decode, timeout_s=args.timeout,
+                          cache_aware=args.policy == "cache_aware")
     app = create_router(config)
     sock = bind(args.host, args.port)
     print(f"dsv41: router on http://{args.host}:{sock.getsockname()[1]}/v1 over {len(args.prefill)} prefill and "
@@ -564,6 +565,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="longest wait in seconds for a worker's next bytes (default: 600)")
     p_router.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                           help="router log verbosity (default: info)")
+    p_router.add_argument("--policy", default="cache_aware", choices=["cache_aware", "round_robin"],
+                          help="choice of prefill worker: the one that was sent the longest start of this prompt "
+                               "(its prefix cache holds it; else the least busy), or round robin "
+                               "(default: cache_aware)")
     p_router.set_defaults(func=cmd_router)
 
     p_train = sub.add_parser("train", help="pre-train from scratch (V4.1 recipe; torchrun for FSDP2)")

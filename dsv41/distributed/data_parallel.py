@@ -42,6 +42,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from dsv41.distributed.affinity import AffinityConfig, PrefixAffinity
 from dsv41.distributed.config import ParallelConfig
 from dsv41.distributed.expert_parallel import ExpertParallel, dispatcher_of, shard_experts
 from dsv41.engine.async_engine import AsyncEngine
@@ -250,6 +251,10 @@ class DataParallelFront(AsyncEngine):
         self.max_running = self.world * rank.engine.config.max_num_seqs
         self._owner: dict[str, int] = {}  # request id -> the rank serving it
         self._outstanding = [0] * self.world
+        # a conversation's next turn to the rank that holds its earlier turns (dsv41.distributed.affinity); in
+        # blocks of 16 tokens, finer than the pool's blocks: the prefix cache's snapshots also serve a prompt
+        # whose shared start ends inside a block
+        self.affinity = PrefixAffinity(AffinityConfig(chunk=16))
         self._assigned = [0] * self.world
         self._busy = False  # some rank had work at the end of the last round
         self._failure: Optional[BaseException] = None
@@ -270,11 +275,21 @@ class DataParallelFront(AsyncEngine):
         m = super().metrics()
         for r in range(self.world):
             m[f"dp_rank{r}_requests_assigned_total"] = self._assigned[r]
+        m["dp_prefix_placements_total"] = self.affinity.cache_choices  # placed by a rank's record of the prompt
         return m
 
-    def _place(self, request_id: str) -> int:
-        """Least outstanding requests; ties to the lowest rank."""
-        rank = min(range(self.world), key=lambda r: (self._outstanding[r], r))
+    def _place(self, command: tuple) -> int:
+        """The rank whose prefix cache most likely holds the start of this prompt (`PrefixAffinity` over its
+        16-token blocks: the rank that was sent the longest start of it, unless it is busier than the
+        others by `balance_abs`), else the one with the fewest outstanding requests; ties to the lowest rank. A
+        request that arrives with a KV hand-off reads no prefix cache: fewest outstanding only."""
+        request_id, prompt = command[1], command[2]
+        extra = command[5] if len(command) > 5 else {}
+        load = dict(enumerate(self._outstanding))
+        if extra.get("handoff") is not None:
+            rank = min(range(self.world), key=lambda r: (self._outstanding[r], r))
+        else:
+            rank = self.affinity.choose(list(range(self.world)), self.affinity.keys(prompt), load)
         self._owner[request_id] = rank
         self._outstanding[rank] += 1
         self._assigned[rank] += 1
@@ -327,7 +342,7 @@ class DataParallelFront(AsyncEngine):
         adds = 0
         for command in commands:
             if command[0] == "add":
-                per_rank[self._place(command[1])].append(_wire(command))
+                per_rank[self._place(command)].append(_wire(command))
                 adds += 1
             elif command[0] == "abort" and command[1] in self._owner:
                 per_rank[self._owner[command[1]]].append(command)

@@ -263,3 +263,38 @@ def test_images_through_the_router():
                        json=dict(body, messages=messages(data_url(other))))
         assert r.status_code == 422 and r.json()["error"]["code"] == "handoff_mismatch"
         assert "other images" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "round_robin"])
+def test_a_conversation_stays_on_its_prefill_worker(workers, policy):
+    """Two prefill workers: with the cache-aware policy a conversation's next turn goes to the prefill worker
+    that computed its first turn and reuses its prefix cache there (usage cached_tokens); another conversation
+    goes to the idle worker. Round robin (the comparison) sends the second turn to the other worker, which
+    computes it all again."""
+    _, decode, engine = workers
+    with ServerThread(create_app(_engine(), disaggregation_mode="prefill")) as p0, \
+            ServerThread(create_app(_engine(), disaggregation_mode="prefill")) as p1, \
+            _router([p0.base_url, p1.base_url], [decode.base_url], cache_aware=policy == "cache_aware") as router:
+        client = _client(router)
+        turn1 = [{"role": "system", "content": "You answer briefly. " * 4}, {"role": "user", "content": PROMPT}]
+        kw = dict(model=engine.model_name, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        first = client.chat.completions.create(messages=turn1, **kw)
+        turn2 = turn1 + [{"role": "assistant", "content": first.choices[0].message.content},
+                         {"role": "user", "content": "And then? Say more about the hand-off."}]
+        second = client.chat.completions.create(messages=turn2, **kw)
+        exported = [httpx.get(p.base_url + "/internal/disaggregation").json()["handoffs_exported"] for p in (p0, p1)]
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        if policy == "round_robin":
+            assert exported == [1, 1] and cached == 0
+            return
+        assert exported == [2, 0]
+        assert cached >= first.usage.prompt_tokens // 2, (cached, first.usage.prompt_tokens)
+        # the same answer as a cold prefill of the whole conversation (the decode worker's colocated route)
+        want = _client(decode).chat.completions.create(messages=turn2, **kw)
+        assert second.choices[0].message.content == want.choices[0].message.content
+        other = client.chat.completions.create(messages=[{"role": "user", "content": "A different chat. " * 8}], **kw)
+        assert other.usage.prompt_tokens_details.cached_tokens == 0
+        exported = [httpx.get(p.base_url + "/internal/disaggregation").json()["handoffs_exported"] for p in (p0, p1)]
+        assert exported == [2, 1]
+        stats = httpx.get(router.base_url + "/stats").json()
+        assert stats["prefill_cache_choices"] == 1 and stats["prefill_balance_choices"] == 2
