@@ -123,9 +123,11 @@ def build_rank_engine(model: str, engine_config: Optional[EngineConfig], seed: i
 class RankEngine:
     """One rank's part of a round (every rank, rank 0 included, runs `round`)."""
 
-    def __init__(self, engine: LLMEngine, group: Optional[dist.ProcessGroup] = None):
+    def __init__(self, engine: LLMEngine, group: Optional[dist.ProcessGroup] = None, sends_handoffs: bool = True):
         self.engine = engine
         self.group = group
+        # the front keeps each engine's first TP rank's outputs: the other TP ranks send no hand-off bytes
+        self.sends_handoffs = sends_handoffs
         self.rank = dist.get_rank(group)
         self.experts: Optional[ExpertParallel] = dispatcher_of(engine.model)
         self.served_rounds = 0  # MoE rounds this rank computed for others after its own work (end_step)
@@ -167,7 +169,7 @@ class RankEngine:
                     self.served_rounds += self.experts.end_step()
         for out in outputs:  # a prefill worker's hand-off goes to the front in its checksummed wire format
             if out.handoff is not None:
-                out.handoff = out.handoff.to_bytes()
+                out.handoff = out.handoff.to_bytes() if self.sends_handoffs else None
         metrics = engine.metrics()
         metrics["dp_served_moe_rounds_total"] = self.served_rounds
         return {"outputs": outputs, "rejected": rejected, "failed": failed, "unfinished": engine.has_unfinished(),
@@ -414,6 +416,6 @@ def worker_main(rank: int, world: int, init_method: str, model: str, engine_conf
     try:
         engine = build_rank_engine(model, engine_config, seed, parallel)
         dist.barrier()  # ready: rank 0 starts serving once every rank has built its engine
-        RankEngine(engine).serve_forever()
+        RankEngine(engine, sends_handoffs=rank % parallel.tensor_parallel_size == 0).serve_forever()
     finally:
         dist.destroy_process_group()
