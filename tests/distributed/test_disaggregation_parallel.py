@@ -7,8 +7,8 @@ the decode front places them on (both ranks import some), and the decode side's 
 imported prompts.
 
 Default tier: a single-device prefill worker (in this process) in front of a DP=2 x EP=2 decode worker (two
-processes). Slow tier: prefill TP=2 -> decode DP=2 x EP=2 (four processes), and prefill DP=2 x EP=2 ->
-decode TP=2 (four processes)."""
+processes). Slow tier: prefill TP=2 -> decode DP=2 x EP=2 (four processes), prefill DP=2 x EP=2 -> decode
+TP=2 (four processes), and chats with images to a DP=2 x EP=2 decode worker."""
 
 from concurrent.futures import ThreadPoolExecutor
 
@@ -115,3 +115,39 @@ def test_data_parallel_prefill_to_tensor_parallel_decode(colocated):
         assert _metric(prefill, "dp_rank1_requests_assigned_total") >= 2  # both prefill ranks exported some
         assert _metric(prefill, "handoffs_exported_total") == len(NAMES)
         _check_decode_counters(decode, NAMES)
+
+
+@pytest.mark.slow  # two server processes loading the golden vision checkpoint
+def test_images_to_a_data_parallel_decode_worker(one_thread):
+    """Chats with images (the golden FP8 vision checkpoint) prefilled on one device and decoded on two
+    data-parallel ranks with the experts split over them (each reading its own experts from the folder): the
+    hand-offs, with their image digests, cross the decode worker's process group to the rank that serves
+    them, and the answers equal colocated single-device serving's."""
+    from PIL import Image
+
+    from tests.vision.test_vision_server import VISION, data_url, messages
+
+    def vision_engine():
+        return build_engine(VISION, EngineConfig(**ENGINE_ARGS), seed=0)
+
+    pictures = [Image.new("RGB", (100, 84), (200, 40, 10)), Image.new("RGB", (64, 96), (20, 140, 210))]
+    bodies = [dict(messages=messages(data_url(p)), max_tokens=6, temperature=0, logprobs=True,
+                   extra_body={"ignore_eos": True}) for p in pictures]
+
+    def answers(base: str, model: str) -> list:
+        client = _client(base)
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            outs = list(pool.map(lambda b: client.chat.completions.create(model=model, **b), bodies))
+        return [(o.choices[0].message.content, [t.logprob for t in o.choices[0].logprobs.content]) for o in outs]
+
+    engine = vision_engine()
+    with ServerThread(create_app(engine)) as colocated:
+        want = answers(colocated.base_url, engine.model_name)
+    assert want[0] != want[1]
+    with ServerThread(create_app(vision_engine(), disaggregation_mode="prefill")) as prefill, \
+            serve_layout(("--data-parallel-size", "2", "--expert-parallel-size", "2", "--disaggregation-mode",
+                          "decode"), model=VISION) as (_, decode), \
+            ServerThread(create_router(RouterConfig([prefill.base_url], [decode], timeout_s=300))) as router:
+        assert answers(router.base_url, engine.model_name) == want
+        assert _metric(decode, "handoffs_imported_total") == 2
+        assert _metric(decode, "dp_rank0_requests_assigned_total") == _metric(decode, "dp_rank1_requests_assigned_total") == 1
