@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 
 @dataclass
