@@ -212,7 +212,11 @@ def test_next_turn_goes_to_the_rank_holding_its_prefix(server):
     try:
         second = client.completions.create(prompt=first + _prompt(9, 30), **kw)
     finally:
-        busy.close()
+        busy.close()  # aborted on rank 0 (the tests after this one want idle ranks)
+    deadline = time.monotonic() + 60
+    while _metric(base, "num_requests_running") > 0:
+        assert time.monotonic() < deadline, "the closed stream was not aborted"
+        time.sleep(0.2)
     assert [_metric(base, f"dp_rank{r}_requests_assigned_total") - a for r, a in zip((0, 1), assigned)] == [3, 0]
     assert _metric(base, "dp_prefix_placements_total") == placed + 1
     # served from rank 0's cache: the first prompt's snapshot (48 tokens, inside the pool's first 64-token block)
