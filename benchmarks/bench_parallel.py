@@ -3,6 +3,11 @@ expert-parallel ranks, through the HTTP front, in one run.
 
     python benchmarks/bench_parallel.py [--preset tiny] [--requests 8] [--max-tokens 32] [--out FILE.json]
     python benchmarks/bench_parallel.py --disaggregation [--prompt-len 256] [--handoff-lens 64,256,1024]
+    python benchmarks/bench_parallel.py --scale-out [--requests 8] [--max-tokens 16] [--prompt-len 64]
+
+`--scale-out` runs, in one run: colocated serving on 1, 2 and 4 ranks (DP x EP) and disaggregated serving
+with single-rank workers (1+1) and multi-rank workers of different layouts (prefill on one device or TP=2,
+decode on DP=2 x EP=2), and the hand-off's bytes per token and times against the analytic KV size.
 
 `--disaggregation` (issue 32, second part) measures instead, in one run: colocated serving (one `dsv41
 serve`) against disaggregated serving (`dsv41 router` + one prefill and one decode worker, each a process
@@ -186,6 +191,93 @@ def run_disaggregation(preset: str, n_requests: int, max_tokens: int, prompt_len
     return rows
 
 
+# --scale-out: every layout of one run, as (name, ranks in all, [serve layout] or (prefill layout, decode layout))
+SCALE_OUT = [
+    ("colocated 1", 1, []),
+    ("colocated DP2xEP2", 2, ["--data-parallel-size", "2", "--expert-parallel-size", "2"]),
+    ("colocated DP4xEP4", 4, ["--data-parallel-size", "4", "--expert-parallel-size", "4"]),
+    ("disagg 1+1", 2, ([], [])),
+    ("disagg 1+DP2xEP2", 3, ([], ["--data-parallel-size", "2", "--expert-parallel-size", "2"])),
+    ("disagg TP2+DP2xEP2", 4, (["--tensor-parallel-size", "2"], ["--data-parallel-size", "2", "--expert-parallel-size", "2"])),
+]
+
+
+def _start(cmd: list[str], base: str, what: str, procs: list) -> None:
+    procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    _wait_up(base, procs[-1], what)
+
+
+def run_scale_out(preset: str, n_requests: int, max_tokens: int, prompt_len: int, only=None) -> list[dict]:
+    """Colocated serving on 1, 2 and 4 data+expert-parallel ranks, and disaggregated serving (router + a prefill
+    and a decode worker) with single-rank workers and with multi-rank ones of different layouts, on the same
+    batch, one layout after the other (each process `--threads 1`)."""
+    serve = [sys.executable, "-m", "dsv41.cli", "serve", preset, "--threads", "1", "--fused-kernels", "off",
+             "--log-level", "warning"]
+    rows = []
+    for name, ranks, layout in SCALE_OUT:
+        if only and name not in only:
+            continue
+        procs: list = []
+        ports = [_free_port() for _ in range(3)]
+        url = [f"http://127.0.0.1:{p}" for p in ports]
+        try:
+            if isinstance(layout, list):
+                _start(serve + layout + ["--port", str(ports[0])], url[0], name, procs)
+            else:
+                for port, base, mode, args in zip(ports[1:], url[1:], ("prefill", "decode"), layout):
+                    _start(serve + args + ["--port", str(port), "--disaggregation-mode", mode], base, name, procs)
+                _start([sys.executable, "-m", "dsv41.cli", "router", "--port", str(ports[0]), "--log-level", "warning",
+                        "--prefill", url[1], "--decode", url[2]], url[0], "the router", procs)
+            row = {"layout": name, "ranks": ranks, **_batch(url[0], n_requests, max_tokens, prompt_len)}
+            if not isinstance(layout, list):
+                stats = requests.get(url[0] + "/stats", timeout=10).json()
+                n = max(stats["handoffs"], 1)
+                row.update(router=stats, prefill_s_per_request=stats["prefill_s"] / n,
+                           deliver_s_per_request=stats["deliver_s"] / n,
+                           handoff_bytes_per_request=stats["handoff_bytes"] / n)
+            rows.append(row)
+            print(f"{name:>20} {ranks:>5} {row['tokens_per_s']:>9.1f} {row['ttft_mean_s']:>8.2f} "
+                  f"{1e3 * row['itl_mean_s']:>8.1f}", flush=True)
+        finally:
+            for proc in procs:
+                proc.send_signal(2)
+            for proc in procs:
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    return rows
+
+
+def main_scale_out(args) -> None:
+    handoff = measure_handoff(args.preset, [int(x) for x in args.handoff_lens.split(",")])
+    print(f"{'prompt':>7} {'bytes':>9} {'KV B/tok':>9} {'analytic':>9} {'fixed B':>8} {'ser ms':>7} {'parse ms':>8} "
+          f"{'import ms':>9}")
+    for r in handoff:
+        print(f"{r['prompt_tokens']:>7} {r['handoff_bytes']:>9} {r['kv_bytes_per_token']:>9.1f} "
+              f"{r['analytic_kv_bytes_per_token']:>9.1f} {r['fixed_bytes']:>8} {1e3 * r['serialize_s']:>7.2f} "
+              f"{1e3 * r['parse_verify_s']:>8.2f} {1e3 * r['import_s']:>9.2f}")
+    print(f"{'layout':>20} {'ranks':>5} {'tokens/s':>9} {'TTFT s':>8} {'ITL ms':>8}")
+    rows = run_scale_out(args.preset, args.requests, args.max_tokens, args.prompt_len,
+                         args.layouts.split(";") if args.layouts else None)
+    base = rows[0]
+    for r in rows:
+        r["tokens_per_s_vs_first"] = r["tokens_per_s"] / base["tokens_per_s"]
+        r["ttft_vs_first"] = r["ttft_mean_s"] / base["ttft_mean_s"]
+        r["itl_vs_first"] = r["itl_mean_s"] / base["itl_mean_s"]
+        extra = ""
+        if "handoff_bytes_per_request" in r:
+            extra = (f"; hand-off {r['handoff_bytes_per_request']:.0f} B/request, prefill {r['prefill_s_per_request']:.2f} s, "
+                     f"delivered in {1e3 * r['deliver_s_per_request']:.1f} ms")
+        print(f"{r['layout']} vs {base['layout']}: tokens/s {r['tokens_per_s_vs_first']:.2f}x, TTFT "
+              f"{r['ttft_vs_first']:.2f}x, ITL {r['itl_vs_first']:.2f}x{extra}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"preset": args.preset, "cpu_count": os.cpu_count(), "load_avg": os.getloadavg(),
+                       "requests": args.requests, "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
+                       "handoff": handoff, "layouts": rows}, f, indent=2)
+
+
 def measure_handoff(preset: str, lengths: list[int]) -> list[dict]:
     """The hand-off of one prompt per length, in process: sizes against the analytic KV, and timings."""
     import torch
@@ -264,12 +356,16 @@ def main() -> None:
     parser.add_argument("--disaggregation", action="store_true",
                         help="colocated vs prefill/decode disaggregated serving, and the KV hand-off's size and time")
     parser.add_argument("--handoff-lens", default="64,256,1024", help="prompt lengths of the hand-off measurement")
+    parser.add_argument("--scale-out", action="store_true", help=(
+        "one run over colocated 1, 2 and 4 data+expert-parallel ranks and disaggregated 1+1, 1+DP2xEP2 and "
+        "TP2+DP2xEP2 workers behind the router, plus the hand-off's size and time"))
+    parser.add_argument("--layouts", help="with --scale-out: only these layouts (names separated by ';')")
     args = parser.parse_args()
     env_path = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [env_path, os.environ.get("PYTHONPATH")]))
-    if args.disaggregation:
+    if args.disaggregation or args.scale_out:
         sys.path.insert(0, env_path)
-        return main_disaggregation(args)
+        return main_scale_out(args) if args.scale_out else main_disaggregation(args)
     rows = [run_layout(args.preset, 1, args.requests, args.max_tokens, args.prompt_len, tp=int(r[2:]))
             if r.startswith("tp") else run_layout(args.preset, int(r.rstrip("r")), args.requests, args.max_tokens,
                                                   args.prompt_len, engram="replicated" if r.endswith("r") else "auto")

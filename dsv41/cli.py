@@ -305,14 +305,11 @@ def cmd_serve(args) -> int:
     if parallel.world_size > 1:
         from dsv41.server.run import serve_data_parallel
 
-        if args.disaggregation_mode:
-            raise ValueError("--disaggregation-mode with more than one rank (data or tensor parallel) is not built "
-                             "yet: run each "
-                             "worker with one rank (several prefill/decode workers behind one router)")
         serve_data_parallel(args.model, parallel, host=args.host, port=args.port, engine_config=engine_config,
                             seed=args.seed, max_waiting=args.max_waiting, served_model_name=args.served_model_name,
                             log_level=args.log_level, api_key=args.api_key or None,
-                            max_request_bytes=args.max_request_bytes, threads=args.threads)
+                            max_request_bytes=args.max_request_bytes, threads=args.threads,
+                            disaggregation_mode=args.disaggregation_mode)
         return 0
     set_threads(args)
     serve(args.model, host=args.host, port=args.port, engine_config=engine_config, seed=args.seed,
@@ -329,7 +326,8 @@ def cmd_router(args) -> int:
     from dsv41.server.router import RouterConfig, create_router
     from dsv41.server.run import bind, uvicorn_config
 
-    config = RouterConfig(prefill=args.prefill, decode=args.decode, timeout_s=args.timeout)
+    config = RouterConfig(prefill=args.prefill, decode=args.decode, timeout_s=args.timeout,
+                          cache_aware=args.policy == "cache_aware")
     app = create_router(config)
     sock = bind(args.host, args.port)
     print(f"dsv41: router on http://{args.host}:{sock.getsockname()[1]}/v1 over {len(args.prefill)} prefill and "
@@ -485,6 +483,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="longest wait in seconds for a worker's next bytes (default: 600)")
     p_router.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                           help="router log verbosity (default: info)")
+    p_router.add_argument("--policy", default="cache_aware", choices=["cache_aware", "round_robin"],
+                          help="choice of prefill worker: the one that was sent the longest start of this prompt "
+                               "(its prefix cache holds it; else the least busy), or round robin "
+                               "(default: cache_aware)")
     p_router.set_defaults(func=cmd_router)
 
     add_training_commands(sub)

@@ -42,10 +42,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from dsv41.distributed.affinity import AffinityConfig, PrefixAffinity
 from dsv41.distributed.config import ParallelConfig
 from dsv41.distributed.expert_parallel import ExpertParallel, dispatcher_of, shard_experts
 from dsv41.engine.async_engine import AsyncEngine
 from dsv41.engine.config import EngineConfig
+from dsv41.engine.handoff import KVHandoff
 from dsv41.engine.llm_engine import LLMEngine
 
 log = logging.getLogger("dsv41.distributed")
@@ -131,9 +133,11 @@ def build_rank_engine(model: str, engine_config: Optional[EngineConfig], seed: i
 class RankEngine:
     """One rank's part of a round (every rank, rank 0 included, runs `round`)."""
 
-    def __init__(self, engine: LLMEngine, group: Optional[dist.ProcessGroup] = None):
+    def __init__(self, engine: LLMEngine, group: Optional[dist.ProcessGroup] = None, sends_handoffs: bool = True):
         self.engine = engine
         self.group = group
+        # the front keeps each engine's first TP rank's outputs: the other TP ranks send no hand-off bytes
+        self.sends_handoffs = sends_handoffs
         self.rank = dist.get_rank(group)
         self.experts: Optional[ExpertParallel] = dispatcher_of(engine.model)
 
@@ -151,8 +155,8 @@ class RankEngine:
                 # as AsyncEngine.generate queues it: ("add", id, prompt, params, images[, hand-off arguments])
                 _, request_id, prompt, params, images, *handoff = command
                 try:
-                    engine.add_request(request_id, prompt, params, images, **(handoff[0] if handoff else {}))
-                except ValueError as exc:
+                    engine.add_request(request_id, prompt, params, images, **_handoff_kwargs(handoff))
+                except ValueError as exc:  # a HandoffError too: nothing imported
                     rejected.append((request_id, str(exc)))
             elif command[0] == "abort":
                 engine.abort_request(command[1])
@@ -172,6 +176,9 @@ class RankEngine:
             if self.experts is not None:
                 with self._numerics(), torch.inference_mode():
                     self.experts.end_step()
+        for out in outputs:  # a prefill worker's hand-off goes to the front in its checksummed wire format
+            if out.handoff is not None:
+                out.handoff = out.handoff.to_bytes() if self.sends_handoffs else None
         metrics = engine.metrics()
         served = self.experts.served if self.experts is not None else {}
         metrics["dp_served_moe_rounds_total"] = served.get("moe", 0)
@@ -190,6 +197,24 @@ class RankEngine:
             if message["stop"]:
                 return
             dist.gather_object(self.round(message), None, dst=0, group=self.group)
+
+
+def _handoff_kwargs(extra: list) -> dict:
+    """An add command's disaggregation arguments (AsyncEngine.generate's), with a hand-off that travelled as
+    bytes (`_wire`) parsed again: every checksum is verified on the rank that imports it."""
+    kwargs = dict(extra[0]) if extra else {}
+    if isinstance(kwargs.get("handoff"), (bytes, bytearray)):
+        kwargs["handoff"] = KVHandoff.from_bytes(kwargs["handoff"])
+    return kwargs
+
+
+def _wire(command: tuple) -> tuple:
+    """An add command as it crosses the process group: a KV hand-off as its checksummed bytes (the format the
+    router moves; torch's pickling of the parsed tensors is not a stable format across builds, and the bytes
+    let the receiving rank verify what it imports)."""
+    if command[0] == "add" and len(command) > 5 and isinstance(command[5].get("handoff"), KVHandoff):
+        return (*command[:5], dict(command[5], handoff=command[5]["handoff"].to_bytes()))
+    return command
 
 
 # metrics that are ratios or rates of the summed counters: recomputed after summing, not summed
@@ -239,27 +264,45 @@ class DataParallelFront(AsyncEngine):
         self.max_running = self.world * rank.engine.config.max_num_seqs
         self._owner: dict[str, int] = {}  # request id -> the rank serving it
         self._outstanding = [0] * self.world
+        # a conversation's next turn to the rank that holds its earlier turns (dsv41.distributed.affinity); in
+        # blocks of 16 tokens, finer than the pool's blocks: the prefix cache's snapshots also serve a prompt
+        # whose shared start ends inside a block
+        self.affinity = PrefixAffinity(AffinityConfig(chunk=16))
         self._assigned = [0] * self.world
         self._busy = False  # some rank had work at the end of the last round
         self._failure: Optional[BaseException] = None
         self._metrics = combine_metrics([self._metrics])  # rank 0's until the first round reports every rank's
         self._stopped = False
 
-    async def generate(self, request_id, prompt_token_ids, params, images=None):
+    async def generate(self, request_id, prompt_token_ids, params, images=None, **disaggregation):
+        """As `AsyncEngine.generate`; `disaggregation` (a prefill or decode worker's hand-off export or import,
+        dsv41.engine.handoff) travels with the add command to the rank that `_place` picks: that rank's
+        engine computes the prompt and exports its hand-off, or imports one into its own pool (on every TP
+        rank of that engine)."""
         if self._failure is not None:
             raise RuntimeError(f"the data-parallel engine group has failed: {self._failure}")
-        async for out in super().generate(request_id, prompt_token_ids, params, images):
+        async for out in super().generate(request_id, prompt_token_ids, params, images, **disaggregation):
             yield out
 
     def metrics(self) -> dict:
         m = super().metrics()
         for r in range(self.world):
             m[f"dp_rank{r}_requests_assigned_total"] = self._assigned[r]
+        m["dp_prefix_placements_total"] = self.affinity.cache_choices  # placed by a rank's record of the prompt
         return m
 
-    def _place(self, request_id: str) -> int:
-        """Least outstanding requests; ties to the lowest rank."""
-        rank = min(range(self.world), key=lambda r: (self._outstanding[r], r))
+    def _place(self, command: tuple) -> int:
+        """The rank whose prefix cache most likely holds the start of this prompt (`PrefixAffinity` over its
+        16-token blocks: the rank that was sent the longest start of it, unless it is busier than the
+        others by `balance_abs`), else the one with the fewest outstanding requests; ties to the lowest rank. A
+        request that arrives with a KV hand-off reads no prefix cache: fewest outstanding only."""
+        request_id, prompt = command[1], command[2]
+        extra = command[5] if len(command) > 5 else {}
+        load = dict(enumerate(self._outstanding))
+        if extra.get("handoff") is not None:
+            rank = min(range(self.world), key=lambda r: (self._outstanding[r], r))
+        else:
+            rank = self.affinity.choose(list(range(self.world)), self.affinity.keys(prompt), load)
         self._owner[request_id] = rank
         self._outstanding[rank] += 1
         self._assigned[rank] += 1
@@ -312,7 +355,7 @@ class DataParallelFront(AsyncEngine):
         adds = 0
         for command in commands:
             if command[0] == "add":
-                per_rank[self._place(command[1])].append(command)
+                per_rank[self._place(command)].append(_wire(command))
                 adds += 1
             elif command[0] == "abort" and command[1] in self._owner:
                 per_rank[self._owner[command[1]]].append(command)
@@ -336,6 +379,8 @@ class DataParallelFront(AsyncEngine):
                 self._done(request_id)
                 self._deliver(request_id, RuntimeError(message))
             for out in reply["outputs"]:
+                if isinstance(out.handoff, bytes):  # exported by that rank (RankEngine.round)
+                    out.handoff = KVHandoff.from_bytes(out.handoff)
                 if out.finished:
                     self._done(out.request_id)
                 self._deliver(out.request_id, out)
@@ -382,6 +427,6 @@ def worker_main(rank: int, world: int, init_method: str, model: str, engine_conf
     try:
         engine = build_rank_engine(model, engine_config, seed, parallel)
         dist.barrier()  # ready: rank 0 starts serving once every rank has built its engine
-        RankEngine(engine).serve_forever()
+        RankEngine(engine, sends_handoffs=rank % parallel.tensor_parallel_size == 0).serve_forever()
     finally:
         dist.destroy_process_group()

@@ -52,15 +52,27 @@ class HandoffError(ValueError):
     imported: no token is produced from such state."""
 
 
+# the backbone attention tensors a tensor-parallel rank holds only its rows of
+# (dsv41.distributed.tensor_parallel.parameter_slice): left out of the fingerprint, so that prefill and
+# decode workers of different layouts (one device, TP=2, DP x EP) have the same identity
+_HEAD_SPLIT = (".attn.wq_b.", ".attn.attn_sink", ".attn.wo_a.")
+
+
+def _layout_dependent(name: str) -> bool:
+    if ".experts." in name:  # expert parallelism: each rank its own experts
+        return True
+    return name.startswith("layers.") and ".indexer." not in name and any(k in name for k in _HEAD_SPLIT)
+
+
 def model_identity(model) -> dict:
     """What must match between the two sides: the model config (sha256 of its fields) and a fingerprint of
-    the weights (sha256 over the first 64 values of every non-expert parameter, cheap at any size and the
-    same on every expert-parallel rank)."""
+    the weights (sha256 over the first 64 values of every parameter that every parallel layout holds whole:
+    cheap at any size, and the same on every expert- or tensor-parallel rank as on one device)."""
     cfg = dataclasses.asdict(model.cfg)
     config_hash = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
-        if ".experts." in name:
+        if _layout_dependent(name):
             continue
         h.update(name.encode())
         h.update(p.detach().reshape(-1)[:64].float().cpu().numpy().tobytes())
@@ -193,6 +205,7 @@ def export_sequence(engine, seq, logits: torch.Tensor) -> KVHandoff:
             "first": list(state["first"]), "decoder_start": seq.decoder_start, "decoder_from": seq.decoder_from,
             "num_cached_tokens": seq.num_cached_tokens, "rows_first": seq.rows_first, "rows_end": seq.rows_end,
             "drafter_rings": int(engine.speculative), "prefix_sha256": prefix_identity(seq.prompt_ids),
+            "images": image_identity(seq.images),
             "block_size": engine.config.block_size, "request_id": seq.request_id}
     return KVHandoff(meta, tensors)
 
@@ -206,14 +219,26 @@ def expected_blocks(engine) -> set[str]:
     return names
 
 
-def check_handoff(engine, handoff: KVHandoff, prompt_ids: list[int]) -> None:
+def image_identity(images) -> list:
+    """[start, pixel digest] of each image of a prompt, in position order: an image span's positions all
+    carry image_token_id, so the token ids alone do not say which pixels the prefilled state saw."""
+    return [[start, image.digest] for start, image in sorted(images or [], key=lambda item: item[0])]
+
+
+def check_handoff(engine, handoff: KVHandoff, prompt_ids: list[int], images=None) -> None:
     """Everything that can be checked before the engine has room for the request: same model, same
-    prompt, every block present with the shape this engine stores."""
+    prompt (token ids, and the pixels of its images), every block present with the shape this engine
+    stores."""
     handoff.check_identity(engine.identity())
     if list(prompt_ids) != handoff.prompt_ids:
         raise HandoffError(f"the hand-off is for another prompt ({len(handoff.prompt_ids)} tokens, "
                            f"prefix {handoff.meta.get('prefix_sha256', '')[:12]}...) than this request "
                            f"({len(prompt_ids)} tokens)")
+    theirs, ours = handoff.meta.get("images", []), image_identity(images)
+    if theirs != ours:
+        raise HandoffError(f"the hand-off was prefilled with other images ({len(theirs)} image(s), pixel digests "
+                           f"{[d[:12] for _, d in theirs]}) than this request has ({len(ours)}, "
+                           f"{[d[:12] for _, d in ours]}): the same token ids, other pixels")
     if prefix_identity(handoff.prompt_ids) != handoff.meta.get("prefix_sha256"):
         raise HandoffError("the hand-off's token ids do not match its prefix identity")
     missing = sorted(expected_blocks(engine) - set(handoff.tensors))

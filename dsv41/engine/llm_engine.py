@@ -80,7 +80,9 @@ class LLMEngine(Scheduling, Speculation):
         self.stats = PrefixStats()
         self.counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_finished_total": 0,
                          "preemptions_total": 0, "steps_total": 0, "failed_steps_total": 0,
-                         "requests_failed_total": 0, "handoffs_exported_total": 0, "handoffs_imported_total": 0}
+                         "requests_failed_total": 0, "handoffs_exported_total": 0, "handoffs_imported_total": 0,
+                         # prompt tokens that arrived computed in a KV hand-off (also in prompt_tokens_total)
+                         "handoff_imported_tokens_total": 0}
         if self.speculative:
             self.counters.update({"spec_decode_steps_total": 0, "spec_decode_draft_tokens_total": 0,
                                   "spec_decode_accepted_tokens_total": 0, "spec_decode_emitted_tokens_total": 0})
@@ -115,7 +117,7 @@ class LLMEngine(Scheduling, Speculation):
         if export_handoff and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported with prefill/decode disaggregation")
         if handoff is not None:
-            check_handoff(self, handoff, prompt_token_ids)  # HandoffError (a ValueError) names the problem
+            check_handoff(self, handoff, prompt_token_ids, images)  # HandoffError (a ValueError) names the problem
         seq = Sequence(request_id, prompt_token_ids, params, self._arrivals, images)
         seq.handoff, seq.export_handoff = handoff, export_handoff
         if params.structured is not None:
@@ -215,6 +217,7 @@ class LLMEngine(Scheduling, Speculation):
                 continue
             try:
                 outputs.append(self._sampled(seq, "restored", logits))
+                self.counters["generation_tokens_total"] += 1  # generated without a forward of its own
             except Exception as exc:  # noqa: BLE001 - this request's own failure
                 outputs.append(self._fail(seq, exc))
         if not plan:

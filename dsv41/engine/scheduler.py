@@ -242,6 +242,10 @@ class Scheduling:
         seq.handoff = None  # consumed: a recompute after preemption prefills here, from the same decoder start
         self._register_full_blocks(seq)
         self.counters["handoffs_imported_total"] += 1
+        # an imported prompt is admitted as a prefilled one is (usage and vLLM's prompt_tokens count it);
+        # how many of those tokens someone else computed is the hand-off counter
+        self.counters["prompt_tokens_total"] += len(seq.prompt_ids)
+        self.counters["handoff_imported_tokens_total"] += len(seq.prompt_ids)
         return True
 
     def _export_handoff(self, seq: Sequence, logits: torch.Tensor, chunk: Optional[Chunk]) -> RequestOutput:

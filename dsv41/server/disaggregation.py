@@ -124,7 +124,8 @@ class Disaggregation:
             raise APIError(422, "this worker is not a decode worker: it takes no KV hand-off", code="handoff_missing")
         handoff = self.store.take(key)
         try:
-            check_handoff(state.engine, handoff, prompt_ids)  # reads only fixed engine settings: thread-safe
+            # reads only fixed engine settings: thread-safe
+            check_handoff(state.engine, handoff, prompt_ids, images)
         except HandoffError as exc:
             raise APIError(422, f"KV hand-off refused: {exc}", code="handoff_mismatch") from None
         self.imported += 1

@@ -38,6 +38,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from dsv41.distributed.affinity import AffinityConfig, PrefixAffinity
 from dsv41.server.disaggregation import HANDOFF_HEADER, HANDOFF_MEDIA_TYPE
 from dsv41.server.protocol import error_body
 
@@ -53,6 +54,9 @@ class RouterConfig:
     connect_timeout_s: float = 5.0
     retry_down_s: float = 5.0  # a worker that failed is skipped this long, then tried again
     handoff_retries: int = 1  # re-prefills after a rejected hand-off
+    # prefix-cache-aware choice of prefill worker (dsv41.distributed.affinity); False: round robin
+    cache_aware: bool = True
+    affinity: AffinityConfig = field(default_factory=lambda: AffinityConfig(chunk=64))
 
     def validate(self) -> None:
         if not self.prefill or not self.decode:
@@ -156,25 +160,32 @@ class RouterStats:
 
 
 class WorkerPool:
-    """Round robin over one role's workers, skipping those marked down (until `retry_down_s` passes)."""
+    """One role's workers, skipping those marked down (until `retry_down_s` passes): round robin, or with
+    `affinity` the worker whose record matches the longest start of the prompt (`pick(keys=)`), else the one
+    with the fewest requests in flight (`load`, kept by the caller)."""
 
-    def __init__(self, urls: list[str], retry_down_s: float):
+    def __init__(self, urls: list[str], retry_down_s: float, affinity: Optional[PrefixAffinity] = None):
         self.urls = [u.rstrip("/") for u in urls]
         self.down_until = {u: 0.0 for u in self.urls}
         self.retry_down_s = retry_down_s
+        self.affinity = affinity
+        self.load = {u: 0 for u in self.urls}
         self._next = 0
 
-    def pick(self, exclude: set) -> Optional[str]:
+    def pick(self, exclude: set, keys: Optional[list] = None) -> Optional[str]:
         now = time.monotonic()
-        for k in range(len(self.urls)):
-            url = self.urls[(self._next + k) % len(self.urls)]
-            if url not in exclude and self.down_until[url] <= now:
-                self._next = (self._next + k + 1) % len(self.urls)
-                return url
-        return None
+        live = [self.urls[(self._next + k) % len(self.urls)] for k in range(len(self.urls))]
+        live = [u for u in live if u not in exclude and self.down_until[u] <= now]
+        if not live:
+            return None
+        url = live[0] if self.affinity is None or keys is None else self.affinity.choose(live, keys, self.load)
+        self._next = (self.urls.index(url) + 1) % len(self.urls)
+        return url
 
     def mark_down(self, url: str) -> None:
         self.down_until[url] = time.monotonic() + self.retry_down_s
+        if self.affinity is not None:
+            self.affinity.forget(url)  # a restarted worker comes back with an empty cache
 
     def mark_up(self, url: str) -> None:
         self.down_until[url] = 0.0
@@ -182,7 +193,11 @@ class WorkerPool:
 
 def create_router(config: RouterConfig, transport: Optional[HandoffTransport] = None) -> FastAPI:
     config.validate()
-    prefill, decode = WorkerPool(config.prefill, config.retry_down_s), WorkerPool(config.decode, config.retry_down_s)
+    # the prefill worker is where a prompt's prefix cache pays (it computes prompts); the decode side starts
+    # every request from its hand-off and reads no prefix cache, so decode stays round robin
+    affinity = PrefixAffinity(config.affinity) if config.cache_aware else None
+    prefill = WorkerPool(config.prefill, config.retry_down_s, affinity)
+    decode = WorkerPool(config.decode, config.retry_down_s)
     stats = RouterStats()
     timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
     client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=256))
@@ -205,15 +220,17 @@ def create_router(config: RouterConfig, transport: Optional[HandoffTransport] = 
         except (ValueError, AttributeError):
             streamed = False  # the prefill worker answers the 400
         stats.requests += 1
+        keys = affinity.keys(prompt_text(body)) if affinity is not None else None
         tried_prefill: set = set()
         tried_decode: set = set()
         rejections, handoff = 0, None
         while True:
             if handoff is None:
-                worker = prefill.pick(tried_prefill)
+                worker = prefill.pick(tried_prefill, keys)
                 if worker is None:
                     return _error(503, "no prefill worker is reachable", "no_worker")
                 t0 = time.perf_counter()
+                prefill.load[worker] += 1
                 try:
                     handoff = await transport.prefill(worker, path, body, headers)
                 except Answered as a:
@@ -224,6 +241,8 @@ def create_router(config: RouterConfig, transport: Optional[HandoffTransport] = 
                     prefill.mark_down(worker)
                     tried_prefill.add(worker)
                     continue
+                finally:
+                    prefill.load[worker] -= 1
                 stats.prefill_s += time.perf_counter() - t0
             target = decode.pick(tried_decode)
             if target is None:
@@ -309,9 +328,31 @@ def create_router(config: RouterConfig, transport: Optional[HandoffTransport] = 
 
     @app.get("/stats")
     async def get_stats():
-        return dict(vars(stats))
+        out = dict(vars(stats))
+        if affinity is not None:
+            out.update(prefill_cache_choices=affinity.cache_choices, prefill_balance_choices=affinity.balance_choices)
+        return out
 
     return app
+
+
+def prompt_text(body: bytes) -> str:
+    """What the prefix-aware choice hashes: the request's prompt as the client sent it. For a chat, the tools
+    and then each message's canonical JSON, so a conversation's next turn (the same messages plus new ones)
+    starts with the previous turn's text; for a completion, the prompt (text, or token ids written out)."""
+    try:
+        req = json.loads(body)
+    except ValueError:
+        return ""
+    if not isinstance(req, dict):
+        return ""
+    if isinstance(req.get("messages"), list):
+        head = json.dumps(req["tools"], sort_keys=True) if req.get("tools") else ""
+        return head + "".join(json.dumps(m, sort_keys=True) for m in req["messages"])
+    prompt = req.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    return json.dumps(prompt)[1:]  # a token-id list: "1, 2, 3, ..." (no closing bracket before the end)
 
 
 async def _open(client: httpx.AsyncClient, url: str, body: bytes, headers: dict) -> httpx.Response:

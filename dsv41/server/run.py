@@ -164,9 +164,12 @@ def _free_port() -> int:
 def serve_data_parallel(model: str, parallel, *, host: str = "127.0.0.1", port: int = 8000, engine_config=None,
                         seed: int = 0, max_waiting: int = 64, served_model_name: Optional[str] = None,
                         log_level: str = "info", api_key: Optional[str] = None,
-                        max_request_bytes: Optional[int] = None, threads: Optional[int] = None) -> None:
+                        max_request_bytes: Optional[int] = None, threads: Optional[int] = None,
+                        disaggregation_mode: Optional[str] = None) -> None:
     """`dsv41 serve --data-parallel-size D [--expert-parallel-size D]`: D engine ranks in lockstep
-    (dsv41.distributed.data_parallel) behind one HTTP front on rank 0. Started alone, this process is rank 0
+    (dsv41.distributed.data_parallel) behind one HTTP front on rank 0. With `disaggregation_mode` the front
+    is a prefill or decode worker (dsv41.server.disaggregation): a hand-off is exported by, or imported
+    into, the rank the front places the request on. Started alone, this process is rank 0
     and spawns ranks 1..D-1 (torch.multiprocessing, spawn); under torchrun (RANK and WORLD_SIZE set) every
     process runs this and rank 0 serves HTTP. Ctrl-C stops the front, which stops the other ranks; spawned
     ranks still alive 10 s later are terminated, so none is left behind."""
@@ -221,12 +224,14 @@ def serve_data_parallel(model: str, parallel, *, host: str = "127.0.0.1", port: 
         _while_ranks_live(dist.barrier, children, "building its engine")
         front = DataParallelFront(RankEngine(engine), parallel, max_waiting=max_waiting)
         app = create_app(engine, front, served_model_name=served_model_name, max_waiting=max_waiting,
-                         api_key=api_key, max_request_bytes=max_request_bytes)
+                         api_key=api_key, max_request_bytes=max_request_bytes,
+                         disaggregation_mode=disaggregation_mode)
         front.start()
         dp = parallel.data_parallel_size
         layout = (f"{dp} data-parallel ranks" + (f", experts split {dp} ways" if parallel.expert_parallel else "")
                   + (f", attention heads split {parallel.tensor_parallel_size} ways in each"
                      if parallel.tensor_parallel_size > 1 else ""))
+        layout += f", as a {disaggregation_mode} worker" if disaggregation_mode else ""
         print(f"dsv41: serving {app.state.server.model_name} on {layout} (max_model_len {engine.max_model_len}) "
               f"on http://{host}:{sock.getsockname()[1]}/v1" + (" (API key required)" if api_key else ""),
               flush=True)

@@ -71,7 +71,14 @@ def test_disaggregated_equals_colocated(model, prefill_mode, lengths):
         got = decode(d_engine, prompt, data, GREEDY, f"d{k}")
         assert got.token_ids == ref.token_ids
         assert got.finish_reason == ref.finish_reason == "length"
-    assert d_engine.counters["handoffs_imported_total"] == len(batch) and d_engine.counters["prompt_tokens_total"] == 0
+    # both sides count every prompt as admitted (usage.prompt_tokens does too); the decode side also counts
+    # the tokens it imported, none of which it prefilled, and it sampled every generated token
+    tokens = sum(len(p) for p in batch)
+    assert d_engine.counters["handoffs_imported_total"] == len(batch)
+    assert d_engine.counters["prompt_tokens_total"] == d_engine.counters["handoff_imported_tokens_total"] == tokens
+    assert p_engine.counters["prompt_tokens_total"] == tokens and p_engine.counters["handoff_imported_tokens_total"] == 0
+    assert d_engine.counters["generation_tokens_total"] == len(batch) * GREEDY.max_tokens
+    assert p_engine.counters["generation_tokens_total"] == 0
 
 
 def test_seeded_sampling_and_logprobs_match(model):

@@ -210,12 +210,91 @@ def test_killed_decode_worker_fails_fast_and_the_rest_serve(workers):
 
 def test_cli_refusals_are_one_line(capsys):
     """`dsv41 router` without a worker of each role or with a URL that is not http(s), and a disaggregated
-    worker with several data-parallel ranks (not built), each end with one clear line and exit code 2."""
+    worker with an invalid parallel layout, each end with one clear line and exit code 2 (multi-rank workers
+    themselves: tests/distributed/test_disaggregation_parallel.py)."""
     from dsv41.cli import main
 
     assert main(["router", "--prefill", "127.0.0.1:8001", "--decode", "http://127.0.0.1:8002"]) == 2
     assert "must start with http://" in capsys.readouterr().err
     with pytest.raises(ValueError, match="at least one --prefill and one --decode"):
         RouterConfig([], ["http://127.0.0.1:8002"]).validate()
-    assert main(["serve", "tiny", "--disaggregation-mode", "decode", "--data-parallel-size", "2"]) == 2
-    assert "not built yet" in capsys.readouterr().err
+    assert main(["serve", "tiny", "--disaggregation-mode", "decode", "--data-parallel-size", "2",
+                 "--expert-parallel-size", "3"]) == 2
+    assert "--expert-parallel-size" in capsys.readouterr().err
+
+
+def test_images_through_the_router():
+    """A chat with an image (the golden FP8 vision checkpoint, as tests/vision/test_vision_server.py): the
+    prefill worker encodes the image and computes the prompt; the hand-off carries the resulting state and the
+    image's pixel digest; the router's answer (text and logprobs) equals the decode worker's colocated one. A
+    hand-off made for one image is refused for a request with another image of the same size (the same token
+    ids: only the digest tells them apart), so no token comes from the wrong picture."""
+    from PIL import Image
+
+    from tests.vision.test_vision_server import VISION, data_url, messages
+
+    def engine():
+        return build_engine(VISION, EngineConfig(kv_pool_tokens=4096, fused_kernels="off"), seed=0)
+
+    picture = Image.new("RGB", (100, 84), (200, 40, 10))
+    picture.paste((10, 10, 250), (20, 20, 60, 60))
+    other = Image.new("RGB", (100, 84), (20, 140, 10))
+    decode_engine = engine()
+    with ServerThread(create_app(engine(), disaggregation_mode="prefill")) as prefill, \
+            ServerThread(create_app(decode_engine, disaggregation_mode="decode")) as decode, \
+            _router([prefill.base_url], [decode.base_url]) as router:
+        kw = dict(model=decode_engine.model_name, messages=messages(data_url(picture)), max_tokens=8, temperature=0,
+                  logprobs=True, extra_body={"ignore_eos": True})
+        want = _client(decode).chat.completions.create(**kw)
+        got = _client(router).chat.completions.create(**kw)
+        assert got.choices[0].message.content == want.choices[0].message.content
+        assert [t.logprob for t in got.choices[0].logprobs.content] == \
+            [t.logprob for t in want.choices[0].logprobs.content]
+        assert got.usage.prompt_tokens == want.usage.prompt_tokens
+        assert httpx.get(router.base_url + "/stats").json()["handoffs"] == 1
+        # the other image's answer differs, so the check below guards something real
+        other_kw = dict(kw, messages=messages(data_url(other)))
+        assert _client(decode).chat.completions.create(**other_kw).choices[0].logprobs.content[0].logprob != \
+            want.choices[0].logprobs.content[0].logprob
+        body = {"model": decode_engine.model_name, "messages": messages(data_url(picture)), "max_tokens": 2}
+        data = httpx.post(prefill.base_url + "/internal/prefill/v1/chat/completions", json=body, timeout=120).content
+        hid = httpx.post(decode.base_url + "/internal/handoff", content=data, timeout=60).json()["handoff_id"]
+        r = httpx.post(decode.base_url + "/v1/chat/completions", headers={"X-DSV41-Handoff": hid}, timeout=60,
+                       json=dict(body, messages=messages(data_url(other))))
+        assert r.status_code == 422 and r.json()["error"]["code"] == "handoff_mismatch"
+        assert "other images" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "round_robin"])
+def test_a_conversation_stays_on_its_prefill_worker(workers, policy):
+    """Two prefill workers: with the cache-aware policy a conversation's next turn goes to the prefill worker
+    that computed its first turn and reuses its prefix cache there (usage cached_tokens); another conversation
+    goes to the idle worker. Round robin (the comparison) sends the second turn to the other worker, which
+    computes it all again."""
+    _, decode, engine = workers
+    with ServerThread(create_app(_engine(), disaggregation_mode="prefill")) as p0, \
+            ServerThread(create_app(_engine(), disaggregation_mode="prefill")) as p1, \
+            _router([p0.base_url, p1.base_url], [decode.base_url], cache_aware=policy == "cache_aware") as router:
+        client = _client(router)
+        turn1 = [{"role": "system", "content": "You answer briefly. " * 4}, {"role": "user", "content": PROMPT}]
+        kw = dict(model=engine.model_name, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        first = client.chat.completions.create(messages=turn1, **kw)
+        turn2 = turn1 + [{"role": "assistant", "content": first.choices[0].message.content},
+                         {"role": "user", "content": "And then? Say more about the hand-off."}]
+        second = client.chat.completions.create(messages=turn2, **kw)
+        exported = [httpx.get(p.base_url + "/internal/disaggregation").json()["handoffs_exported"] for p in (p0, p1)]
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        if policy == "round_robin":
+            assert exported == [1, 1] and cached == 0
+            return
+        assert exported == [2, 0]
+        assert cached >= first.usage.prompt_tokens // 2, (cached, first.usage.prompt_tokens)
+        # the same answer as a cold prefill of the whole conversation (the decode worker's colocated route)
+        want = _client(decode).chat.completions.create(messages=turn2, **kw)
+        assert second.choices[0].message.content == want.choices[0].message.content
+        other = client.chat.completions.create(messages=[{"role": "user", "content": "A different chat. " * 8}], **kw)
+        assert other.usage.prompt_tokens_details.cached_tokens == 0
+        exported = [httpx.get(p.base_url + "/internal/disaggregation").json()["handoffs_exported"] for p in (p0, p1)]
+        assert exported == [2, 1]
+        stats = httpx.get(router.base_url + "/stats").json()
+        assert stats["prefill_cache_choices"] == 1 and stats["prefill_balance_choices"] == 2
