@@ -181,14 +181,19 @@ def run_disaggregation(preset: str, n_requests: int, max_tokens: int, prompt_len
                 row["handoff_bytes_per_request"] = stats["handoff_bytes"] / max(stats["handoffs"], 1)
             rows.append(row)
         finally:
-            for proc in procs:
-                proc.send_signal(2)
-            for proc in procs:
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            _stop(procs)
     return rows
+
+
+def _stop(procs) -> None:
+    """Ctrl-C to every server process, then wait for each (killed after 60 s)."""
+    for proc in procs:
+        proc.send_signal(2)
+    for proc in procs:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 # --scale-out: every layout of one run, as (name, ranks in all, [serve layout] or (prefill layout, decode layout))
@@ -239,24 +244,27 @@ def run_scale_out(preset: str, n_requests: int, max_tokens: int, prompt_len: int
             print(f"{name:>20} {ranks:>5} {row['tokens_per_s']:>9.1f} {row['ttft_mean_s']:>8.2f} "
                   f"{1e3 * row['itl_mean_s']:>8.1f}", flush=True)
         finally:
-            for proc in procs:
-                proc.send_signal(2)
-            for proc in procs:
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            _stop(procs)
     return rows
 
 
-def main_scale_out(args) -> None:
+def handoff_table(args, with_prefill: bool) -> list[dict]:
+    """Measure the hand-off at --handoff-lens prompt lengths and print its table (bytes, KV bytes per token
+    against the analytic size, fixed bytes, [prefill,] serialise / parse+verify / import times)."""
     handoff = measure_handoff(args.preset, [int(x) for x in args.handoff_lens.split(",")])
-    print(f"{'prompt':>7} {'bytes':>9} {'KV B/tok':>9} {'analytic':>9} {'fixed B':>8} {'ser ms':>7} {'parse ms':>8} "
-          f"{'import ms':>9}")
+    prefill_head = f" {'prefill s':>9}" if with_prefill else ""
+    print(f"{'prompt':>7} {'bytes':>9} {'KV B/tok':>9} {'analytic':>9} {'fixed B':>8}{prefill_head} {'ser ms':>7} "
+          f"{'parse ms':>8} {'import ms':>9}")
     for r in handoff:
+        prefill = f" {r['prefill_s']:>9.2f}" if with_prefill else ""
         print(f"{r['prompt_tokens']:>7} {r['handoff_bytes']:>9} {r['kv_bytes_per_token']:>9.1f} "
-              f"{r['analytic_kv_bytes_per_token']:>9.1f} {r['fixed_bytes']:>8} {1e3 * r['serialize_s']:>7.2f} "
+              f"{r['analytic_kv_bytes_per_token']:>9.1f} {r['fixed_bytes']:>8}{prefill} {1e3 * r['serialize_s']:>7.2f} "
               f"{1e3 * r['parse_verify_s']:>8.2f} {1e3 * r['import_s']:>9.2f}")
+    return handoff
+
+
+def main_scale_out(args) -> None:
+    handoff = handoff_table(args, with_prefill=False)
     print(f"{'layout':>20} {'ranks':>5} {'tokens/s':>9} {'TTFT s':>8} {'ITL ms':>8}")
     rows = run_scale_out(args.preset, args.requests, args.max_tokens, args.prompt_len,
                          args.layouts.split(";") if args.layouts else None)
@@ -320,13 +328,7 @@ def measure_handoff(preset: str, lengths: list[int]) -> list[dict]:
 
 
 def main_disaggregation(args) -> None:
-    handoff = measure_handoff(args.preset, [int(x) for x in args.handoff_lens.split(",")])
-    print(f"{'prompt':>7} {'bytes':>9} {'KV B/tok':>9} {'analytic':>9} {'fixed B':>8} {'prefill s':>9} "
-          f"{'ser ms':>7} {'parse ms':>8} {'import ms':>9}")
-    for r in handoff:
-        print(f"{r['prompt_tokens']:>7} {r['handoff_bytes']:>9} {r['kv_bytes_per_token']:>9.1f} "
-              f"{r['analytic_kv_bytes_per_token']:>9.1f} {r['fixed_bytes']:>8} {r['prefill_s']:>9.2f} "
-              f"{1e3 * r['serialize_s']:>7.2f} {1e3 * r['parse_verify_s']:>8.2f} {1e3 * r['import_s']:>9.2f}")
+    handoff = handoff_table(args, with_prefill=True)
     rows = run_disaggregation(args.preset, args.requests, args.max_tokens, args.prompt_len)
     print(f"{'layout':>14} {'tokens/s':>9} {'TTFT s':>8} {'ITL ms':>8}")
     for r in rows:

@@ -39,19 +39,6 @@ PROMPTS = {"alone": _prompt(1, 40), "a": _prompt(2, 40), "b": _prompt(3, 9), "c"
            "d": _prompt(5, 23), "e": _prompt(6, 12)}
 
 
-@pytest.fixture(scope="module")
-def reference():
-    """name -> (text, tokens' logprobs) from the single-device engine, each prompt run on its own."""
-    threads = torch.get_num_threads()
-    # one thread, as each served rank uses: with the server's processes on the same cores, more threads
-    # oversubscribe them (measured here: 105 s instead of 5 s on a loaded 2-core machine)
-    torch.set_num_threads(1)
-    try:
-        return _reference()
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _reference() -> dict:
     engine = build_engine("tiny", EngineConfig(**ENGINE_ARGS), seed=0)
     out = {}

@@ -5,7 +5,6 @@ share the MoE rounds), without expert parallelism (Engram-only rounds over the w
 host memory. The rows a rank holds are its share, counted against an independent split."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch.multiprocessing as mp
 from dsv41.config import preset
 from dsv41.model.init import init_random_weights
 from dsv41.model.transformer import Transformer
+from tests.distributed.test_expert_parallel import _free_port
 
 PROMPTS = {0: 12, 1: 5, 2: 9, 3: 3}  # tokens per rank: uneven, so the lookups' splits are uneven too
 
@@ -74,12 +74,6 @@ def _rank(rank: int, world: int, port: int, mode: str, out_dir: str) -> None:
                     "in_params": in_params, "served": served}, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _split(rows: int, world: int) -> list[tuple[int, int]]:

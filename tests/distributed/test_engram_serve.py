@@ -5,22 +5,11 @@ so tests/distributed/test_data_parallel.py runs that layout; here: sharded witho
 host memory, and four data+expert-parallel ranks, slow tier.)"""
 
 import pytest
-import torch
 
-from tests.distributed.test_data_parallel import _metric, _reference, serve_layout
+from tests.distributed.test_data_parallel import _metric, serve_layout
 from tests.distributed.test_tensor_parallel_serve import _check_concurrent
 
 openai = pytest.importorskip("openai")
-
-
-@pytest.fixture(scope="module")
-def reference():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each served rank uses (see test_data_parallel)
-    try:
-        return _reference()
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_engram_sharded_in_host_memory_without_expert_parallelism(reference):

@@ -19,21 +19,10 @@ from tests.distributed.test_data_parallel import (
     _complete,
     _free_port,
     _metric,
-    _reference,
     serve_layout,
 )
 
 openai = pytest.importorskip("openai")
-
-
-@pytest.fixture(scope="module")
-def reference():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each served rank uses (see test_data_parallel)
-    try:
-        return _reference()
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _env() -> dict:
