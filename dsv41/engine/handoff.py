@@ -61,13 +61,15 @@ _HEAD_SPLIT = (".attn.wq_b.", ".attn.attn_sink", ".attn.wo_a.")
 def _layout_dependent(name: str) -> bool:
     if ".experts." in name:  # expert parallelism: each rank its own experts
         return True
+    if ".engram.embed." in name:  # Engram sharding: each rank its own table rows (or none, in host memory)
+        return True
     return name.startswith("layers.") and ".indexer." not in name and any(k in name for k in _HEAD_SPLIT)
 
 
 def model_identity(model) -> dict:
     """What must match between the two sides: the model config (sha256 of its fields) and a fingerprint of
     the weights (sha256 over the first 64 values of every parameter that every parallel layout holds whole:
-    cheap at any size, and the same on every expert- or tensor-parallel rank as on one device)."""
+    cheap at any size, and the same on every expert-, tensor- or Engram-sharded rank as on one device)."""
     cfg = dataclasses.asdict(model.cfg)
     config_hash = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()
     h = hashlib.sha256()

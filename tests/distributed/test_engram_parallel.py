@@ -208,3 +208,24 @@ def test_whole_tables_in_host_memory_give_one_device_logits():
     ids = _prompt(0, whole.cfg.vocab_size)
     got, want = _run(model, ids), _run(whole, ids)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_the_handoff_identity_does_not_depend_on_where_the_engram_rows_live():
+    """A disaggregated pair may place Engram differently on its two sides (one device against sharded decode
+    ranks): the hand-off's model identity must be the same for every placement of the same weights, and
+    still tell other weights apart."""
+    from dsv41.distributed.engram_parallel import install_engram, split_engram
+    from dsv41.engine.handoff import model_identity
+
+    want = model_identity(_model())
+    for rank in range(2):
+        model = _model()
+        split_engram(model, rank, 2)
+        assert model_identity(model) == want, f"rank {rank} of 2"
+    host = _model()
+    install_engram(host, None, "host")
+    assert model_identity(host) == want
+    other = _model()
+    with torch.no_grad():
+        next(p for n, p in other.named_parameters() if ".engram." in n and ".embed." not in n).add_(1)
+    assert model_identity(other) != want
