@@ -65,6 +65,8 @@ NOUNS = ("apple", "badger", "candle", "dragon", "engine", "falcon", "garden", "h
          "kettle", "lantern", "meadow", "needle", "orchard", "pepper", "quarry", "river", "saddle", "tunnel",
          "violin", "wagon", "willow", "yacht", "zebra", "basket", "copper", "desert", "forest", "glacier")
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+MQAR_PAIR_CAPS = (16, 12, 8, 6, 4)  # an mqar sample's most pairs, tried in turn until it fits the length
+MQAR_MIN_PAIRS = MQAR_PAIR_CAPS[-1]
 
 
 def split_of(text: str) -> str:
@@ -104,8 +106,9 @@ class TaskSpec:
     tail: list[Segment]
 
 
-def task_spec(task: str, rng: random.Random, split: str) -> TaskSpec:
-    """The text of one sample of `task` whose values, keys and names all belong to `split`."""
+def task_spec(task: str, rng: random.Random, split: str, max_pairs: int = 16) -> TaskSpec:
+    """The text of one sample of `task` whose values, keys and names all belong to `split` (mqar: 4 to
+    `max_pairs` key-value pairs)."""
     if task == "passkey":
         key = _draw(rng, split, _number(rng.choice((3, 4, 5, 5, 5, 6, 7))))
         return TaskSpec(PASSKEY_PREFIX, [f" The pass key is {key}. Remember it. {key} is the pass key."], False,
@@ -137,7 +140,7 @@ def task_spec(task: str, rng: random.Random, split: str) -> TaskSpec:
         return TaskSpec(VARTRACK_PREFIX, needles, True, [Segment(question, False),
                                                          Segment(" " + ", ".join(names) + ".", True)])
     if task == "mqar":
-        n = rng.randint(4, 16)
+        n = rng.randint(4, max(4, max_pairs))
         keys: list[str] = []
         values = []
         for _ in range(n):
@@ -213,16 +216,29 @@ class RetrievalTasks:
     def min_length(self, task: str) -> int:
         """A length the samples of `task` fit: the longest of 64 fixed draws with this tokenizer plus 16
         filler tokens (a rarer, longer draw falls back to passkey in `sample`)."""
-        if task not in self._min:
-            need = max(self._fixed(task_spec(task, random.Random(f"dsv41-min:{i}"), self.split))
-                       for i in range(64))
+        if task not in self._min:  # (mqar at its fewest pairs: `render` fits the pairs to the length)
+            need = max(self._fixed(task_spec(task, random.Random(f"dsv41-min:{i}"), self.split,
+                                             max_pairs=MQAR_MIN_PAIRS)) for i in range(64))
             self._min[task] = need + 16
         return self._min[task]
 
     def render(self, task: str, length: int, rng: random.Random) -> Sample:
         """One sample of exactly `length` tokens: BOS, instruction, filler with the needles, the question,
-        the answers and EOS. Raises ValueError when the sample's fixed text does not fit."""
-        spec = task_spec(task, rng, self.split)
+        the answers and EOS. Raises ValueError when the sample's fixed text does not fit. An mqar sample
+        that does not fit is redrawn with fewer pairs (16, 12, 8, 6, 4 at most), so short lengths get
+        short lists rather than none (a draw that fitted before draws the same)."""
+        if task == "mqar":
+            state = rng.getstate()
+            for cap in MQAR_PAIR_CAPS:
+                rng.setstate(state)
+                try:
+                    return self._render(task_spec(task, rng, self.split, max_pairs=cap), task, length, rng)
+                except ValueError:
+                    if cap == MQAR_PAIR_CAPS[-1]:
+                        raise
+        return self._render(task_spec(task, rng, self.split), task, length, rng)
+
+    def _render(self, spec: TaskSpec, task: str, length: int, rng: random.Random) -> Sample:
         prefix = [self.tokenizer.bos_id] + self._enc(spec.prefix)
         needles = [self._enc(n) for n in spec.needles]
         tail = [(self._enc(s.text), s.trained) for s in spec.tail]

@@ -133,3 +133,13 @@ def test_the_issues_default_tiny_run_keeps_every_layer_balanced(tmp_path):
     tail = rows[-20:]
     assert max(worst_per_layer(tail, "load_ratio")) <= 1.5
     assert max(worst_per_layer(tail, "load_ratio_natural")) <= 1.5
+
+
+def test_newton_schulz_precision_follows_the_device():
+    """--ns-dtype's default: fp32 on CPU (bf16 matmuls without AVX512-bf16 are ~17x slower there), bf16
+    on CUDA; a given value wins, and the resolved value is what the run saves (so resumes compare it)."""
+    assert TrainConfig(preset="tiny", device="cpu").resolved().ns_dtype == "fp32"
+    assert TrainConfig(preset="tiny", device="cuda").resolved().ns_dtype == "bf16"
+    assert TrainConfig(preset="tiny", device="cpu", ns_dtype="bf16").resolved().ns_dtype == "bf16"
+    auto = TrainConfig(preset="tiny").resolved().ns_dtype
+    assert auto == ("bf16" if torch.cuda.is_available() else "fp32")

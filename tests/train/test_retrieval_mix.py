@@ -167,3 +167,36 @@ def test_the_trainer_takes_the_mix_and_logs_answer_accuracy(tiny_corpus, tmp_pat
     assert "val_loss_text" in last and any(f"val_loss_{t}" in last for t in TASKS)  # text and answers apart
     saved = json.load(open(tmp_path / "run" / "checkpoint" / "config.json"))
     assert not any(saved["compress_ratios"])  # --swa-only: the checkpoint has no compressed layer
+
+
+def test_mqar_fits_its_pairs_to_the_length(tok):
+    """An mqar sample too long for the length is redrawn with fewer pairs (so short curriculum lengths
+    still train associative recall), and a draw that fitted at 16 pairs is unchanged."""
+    solo = RetrievalTasks(tok, "train", weights={"mqar": 1.0})
+    pairs = lambda s: sum(1 for _ in re.finditer(r" [A-Z]{4} is [0-9]+\.", tok.decode(s.ids)))  # noqa: E731
+    short = [solo.sample(solo.min_length("mqar"), i) for i in range(20)]
+    assert all(s.task == "mqar" for s in short)
+    assert all(pairs(s) - len(s.answers) <= 4 for s in short)  # at most 4 pairs in the list (+ queries)
+    long_len = 800
+    for i in range(10):
+        got = solo.sample(long_len, i)
+        rng = random.Random(f"dsv41-retrieval:train:0:{i}:0")
+        rng.choices(["mqar"], weights=[1.0])  # the task draw sample() makes first
+        spec = rt.task_spec("mqar", rng, "train")  # the old draw: 4-16 pairs, no fitting
+        assert got.answers == [seg.text.strip(" .") for seg in spec.tail if seg.trained]
+
+
+def test_the_mix_weights_flag(tiny_corpus, tmp_path):
+    from dsv41.train.config import TrainConfig, parse_mix_weights
+    from dsv41.train.trainer import Trainer
+
+    assert parse_mix_weights("mqar=0.6, passkey=0.4") == {"mqar": 0.6, "passkey": 0.4}
+    for bad in ("copy=1", "mqar", "mqar=x", "mqar=-1", "mqar=0", "mqar=1,mqar=2"):
+        with pytest.raises(ValueError, match="mix_weights"):
+            TrainConfig(mix="retrieval", mix_weights=bad).validate()
+    cfg = TrainConfig(preset="recall", data=tiny_corpus, mix="retrieval", mix_weights="passkey=1",
+                      seq_len=400, out=str(tmp_path / "run"), threads=1)
+    trainer = Trainer(cfg)
+    tasks = {t for i in range(30) for t in getattr(trainer.train_set.batch(i, 2, 400), "tasks", [])}
+    assert tasks == {"passkey"}  # training draws only the weighted task
+    assert trainer.val_set.tasks.weights == rt.DEFAULT_WEIGHTS  # held-out batches keep the default mix
