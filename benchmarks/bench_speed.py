@@ -274,20 +274,49 @@ def prefill_curve(args, path: str) -> dict:
             "decode_step_s": steps, "peak_rss_gb": peak_rss_gb(), "resident_kv_bytes": kv["global_kv_bytes"]}
 
 
+def fit_token_cost(points: list[dict], skip_below: int) -> tuple[float, float]:
+    """Least-squares fit of the seconds per prompt token as a + b * position, over the chunks that end past
+    `skip_below` (never the first chunk: it carries the process's first-call costs).
+
+    Each chunk is divided by its own token count and placed at its midpoint, so a short last chunk weighs
+    as what it is rather than as a cheap full chunk. Both coefficients are held non-negative: a token
+    cannot cost less than nothing, and a later token attends to at least as many keys as an earlier one,
+    so a negative slope is timing noise (a two-chunk prompt can give one); the constrained fit is the
+    usual two-variable non-negative least squares (try the free fit, else each single-variable one).
+    """
+    rows, prev = [], 0
+    for p in points:
+        tokens = p["position"] - prev
+        if tokens > 0 and prev > 0 and p["position"] > skip_below:
+            rows.append((prev + tokens / 2, p["chunk_s"] / tokens))
+        prev = p["position"]
+    if not rows:
+        raise ValueError("the curve has no chunk past the first to fit; record a longer prompt")
+    xs = torch.tensor([r[0] for r in rows], dtype=torch.float64)
+    ys = torch.tensor([r[1] for r in rows], dtype=torch.float64)
+    if len(rows) >= 2 and float(xs.max() - xs.min()) > 0:
+        design = torch.stack([torch.ones_like(xs), xs], 1)
+        a, b = torch.linalg.lstsq(design, ys.unsqueeze(1)).solution.squeeze(1).tolist()
+        if a >= 0 and b >= 0:
+            return a, b
+    # the constrained optimum lies on a boundary: slope 0 (the mean) or intercept 0 (through the origin)
+    flat = (float(ys.mean()), 0.0)
+    through_origin = (0.0, max(0.0, float((xs * ys).sum() / (xs * xs).sum())))
+
+    def sse(ab):
+        return float(((ab[0] + ab[1] * xs - ys) ** 2).sum())
+
+    return min(flat, through_origin, key=sse)
+
+
 def extrapolate_curve(result: dict, target: int) -> dict:
-    """Fit chunk time = a + b * position (least squares over the chunks past 8K tokens, or past a quarter of a shorter prompt,
-    never the first chunk: it carries the process's first-call costs) and sum it over the chunks of a
-    `target`-token prompt; decode step extrapolated linearly in the context from the curve's context (its
-    growth is the Full layers' key scan)."""
-    first = result["points"][0]["position"]
-    pts = [p for p in result["points"] if p["position"] > max(first, min(8192, result["prompt"] // 4))]
-    xs = torch.tensor([float(p["position"]) for p in pts], dtype=torch.float64)
-    ys = torch.tensor([p["chunk_s"] for p in pts], dtype=torch.float64)
-    design = torch.stack([torch.ones_like(xs), xs], 1)
-    a, b = torch.linalg.lstsq(design, ys.unsqueeze(1)).solution.squeeze(1).tolist()
+    """Fit the seconds per token as a + b * position (`fit_token_cost`, over the chunks past 8K tokens or
+    past a quarter of a shorter prompt) and sum it over the 1,024-token chunks of a `target`-token prompt;
+    the decode step is reported as measured at the curve's context (its growth is the Full layers' scan)."""
+    a, b = fit_token_cost(result["points"], min(8192, result["prompt"] // 4))
     chunk = 1024
-    total = sum(a + b * min(p + chunk, target) for p in range(0, target, chunk))
-    out = {"fit_chunk_s": [a, b], "target": target, "prefill_s": total,
+    total = sum(min(chunk, target - p) * (a + b * (p + min(chunk, target - p) / 2)) for p in range(0, target, chunk))
+    out = {"fit_token_s": [a, b], "target": target, "prefill_s": total,
            "measured_prefill_s": result.get("prefill_s"), "measured_prompt": result["prompt"]}
     steps = result.get("decode_step_s")
     if steps:
@@ -305,15 +334,17 @@ def plot_curve(result: dict, fit: dict, path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     x = [p["position"] for p in pts]
     axes[0].plot(x, [p["chunk_s"] for p in pts], ".", ms=3, label="measured chunk time")
-    a, b = fit["fit_chunk_s"]
+    a, b = fit["fit_token_s"]
     xs = [0, fit["target"]]
-    axes[0].plot(xs, [a + b * v for v in xs], "--", label=f"fit {a:.2f} s + {b * 1e6:.2f} us x position")
+    axes[0].plot(xs, [1024 * (a + b * v) for v in xs], "--",
+                 label=f"fit 1,024 x ({a * 1e3:.2f} ms + {b * 1e9:.2f} ns x position)")
     axes[0].set(xlabel="position (tokens)", ylabel="s per 1,024-token chunk", title="prefill chunk time")
     axes[0].legend()
     axes[1].plot(x, [p["elapsed_s"] / 60 for p in pts], label="elapsed (measured)")
     target = fit["target"]
     ext = list(range(0, target + 1, 8192))
-    axes[1].plot(ext, [sum(a + b * min(p + 1024, t) for p in range(0, t, 1024)) / 60 for t in ext], "--",
+    axes[1].plot(ext, [sum(min(1024, t - p) * (a + b * (p + min(1024, t - p) / 2)) for p in range(0, t, 1024)) / 60
+                       for t in ext], "--",
                  label=f"fit: {fit['prefill_s'] / 60:.0f} min at {target:,}")
     ax2 = axes[1].twinx()
     ax2.plot(x, [p["rss_gb"] for p in pts], "k:", label="peak RSS GB")

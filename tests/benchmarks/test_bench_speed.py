@@ -45,3 +45,53 @@ def test_bench_speed_prefill_curve(tmp_path):
     fit = json.loads((tmp_path / "prefill_curve_tiny_3000.json").read_text())["extrapolation"]
     assert fit["target"] == 1 << 20 and fit["prefill_s"] > result["prefill_s"]
     assert (tmp_path / "prefill_curve_tiny_3000.png").stat().st_size > 10_000
+
+
+def _load_bench_speed():
+    import importlib.util
+
+    if os.path.dirname(SCRIPT) not in sys.path:  # the script imports its sibling bench_serve
+        sys.path.insert(0, os.path.dirname(SCRIPT))
+    spec = importlib.util.spec_from_file_location("bench_speed_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _curve(prompt: int, cost, chunk: int = 1024) -> dict:
+    """A recorded curve whose chunk times come from `cost(first, last)` (seconds for tokens first..last-1)."""
+    points, prev = [], 0
+    while prev < prompt:
+        pos = min(prev + chunk, prompt)
+        points.append({"position": pos, "chunk_s": cost(prev, pos)})
+        prev = pos
+    return {"prompt": prompt, "points": points, "prefill_s": sum(p["chunk_s"] for p in points)}
+
+
+def test_extrapolation_recovers_a_linear_cost_including_a_short_last_chunk():
+    bench = _load_bench_speed()
+    a, b = 1e-3, 2e-8  # seconds per token at position x: a + b * x, summed exactly over each chunk
+
+    def exact(first, last):
+        return a * (last - first) + b * (last * (last - 1) - first * (first - 1)) / 2
+
+    fit = bench.extrapolate_curve(_curve(40_000, exact), 1 << 20)
+    fa, fb = fit["fit_token_s"]
+    assert abs(fa - a) < 1e-6 * a * 10 and abs(fb - b) < 1e-3 * b
+    assert abs(fit["prefill_s"] - exact(0, 1 << 20)) < 1e-6 * exact(0, 1 << 20)
+
+
+def test_extrapolation_never_goes_negative_on_a_noisy_short_curve():
+    # CI's failure: a 3,000-token prompt leaves two chunks to fit, the second a short one; timed as cheap
+    # full chunks they gave a negative slope and a negative 1M-token prefill
+    bench = _load_bench_speed()
+    result = {"prompt": 3000, "prefill_s": 2.42,
+              "points": [{"position": 1024, "chunk_s": 1.3}, {"position": 2048, "chunk_s": 0.70},
+                         {"position": 3000, "chunk_s": 0.42}]}
+    fit = bench.extrapolate_curve(result, 1 << 20)
+    assert min(fit["fit_token_s"]) >= 0
+    assert fit["prefill_s"] > result["prefill_s"]
+    # a curve that falls with position is held flat, not extrapolated downwards
+    falling = _curve(50_000, lambda first, last: (last - first) * (2e-3 - 1e-8 * first))
+    fa, fb = bench.extrapolate_curve(falling, 1 << 20)["fit_token_s"]
+    assert fb == 0 and fa > 0

@@ -81,10 +81,10 @@ def serve_layout(layout: tuple, model: str = "tiny", torchrun: int = 0):
             if proc.poll() is not None:
                 raise RuntimeError(f"the server exited: {proc.stdout.read()}")
             try:
-                if requests.get(base + "/health", timeout=2).status_code == 200:
+                if requests.get(base + "/health", timeout=5).status_code == 200:
                     break
-            except requests.ConnectionError:
-                pass
+            except (requests.ConnectionError, requests.Timeout):
+                pass  # not listening yet, or listening but still busy loading (a slow probe under load is no failure)
             if time.monotonic() > deadline:
                 raise RuntimeError("the server did not come up")
             time.sleep(0.5)
