@@ -194,11 +194,12 @@ def test_float_conventions_stay_valid(tmp_path):
 
 def test_the_recall_preset_routes_far_facts_through_the_compressed_cache():
     """Issue 33's preset (README "Long context"): a window-only layer, then a ratio-1 Full layer that is
-    its own kv and index source, an 8-token window and top-8 selection, so beyond 8 tokens a fact
-    reaches a query only through the indexer's choice."""
+    its own kv and index source, a 32-token window (wide enough for a NIAH question's key to reach the
+    answer position through the first layer) and top-8 selection, so beyond 32 tokens a fact reaches a
+    query only through the indexer's choice."""
     from dsv41.config import recall
 
     cfg = preset("recall")
     assert cfg == recall()
-    assert cfg.n_layers == 2 and cfg.compress_ratios == (0, 1) and cfg.window_size == 8 and cfg.index_topk == 8
+    assert cfg.n_layers == 2 and cfg.compress_ratios == (0, 1) and cfg.window_size == 32 and cfg.index_topk == 8
     assert cfg.kv_source_layers == (1,) and cfg.index_source_layers == (1,) and cfg.candidate_source_layer == -1

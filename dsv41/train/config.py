@@ -91,7 +91,7 @@ class TrainConfig:
         "attend to every visible compressed entry instead of the indexer's selection (the dense variant)")})
     swa_only: bool = field(default=False, metadata={"help": (
         "baseline: every layer sliding-window only (compress ratio 0, no indexer, no compressed cache), so a "
-        "query sees only its --window tokens; the checkpoint serves as such")})
+        "query sees only the preset's window_size tokens; the checkpoint serves as such")})
     replay_prob: float = field(default=0.0, metadata={"metavar": "P", "help": (
         "probability per step of simulating the engine's bounded-replay prefill for the decoder layers")})
     kl_weight: float = field(default=1.0, metadata={"metavar": "W", "help": (
