@@ -209,6 +209,7 @@ class Trainer:
             if self.replicas:
                 self.replicas.after_load(self.optimizer)
             self.step = state["step"]
+            self.tokens_seen = state.get("tokens_seen")  # absent in older states: estimated at the first step
             self.resumed = True
             self._log(f"resumed from {state_dir} at step {self.step}")
             self._sync_checkpoint()
@@ -496,7 +497,8 @@ class Trainer:
             os.makedirs(cfg.out, exist_ok=True)
             # no metrics history: metrics.jsonl is the record, and the state must not grow with every save.
             # world_size: batch_size is per process, so a resume compares global batches.
-            extra = {"config": dict(cfg.__dict__), "world_size": self.world}
+            # tokens_seen: with --mix the batch length varies, so a resume cannot rebuild the count from the step
+            extra = {"config": dict(cfg.__dict__), "world_size": self.world, "tokens_seen": self.tokens_seen}
             save_train_state(os.path.join(cfg.out, "train_state"), self.model, self.optimizer, self.step, extra,
                              payload)
         # after the state: a kill between the two leaves checkpoint/ behind, which a resume rewrites

@@ -200,3 +200,29 @@ def test_the_mix_weights_flag(tiny_corpus, tmp_path):
     tasks = {t for i in range(30) for t in getattr(trainer.train_set.batch(i, 2, 400), "tasks", [])}
     assert tasks == {"passkey"}  # training draws only the weighted task
     assert trainer.val_set.tasks.weights == rt.DEFAULT_WEIGHTS  # held-out batches keep the default mix
+
+
+def test_a_resumed_mix_run_counts_the_tokens_of_the_uninterrupted_one(tiny_corpus, tmp_path):
+    """The mix draws each batch's length, so the token count cannot be rebuilt from the step on resume
+    (it was: a resumed run reported 134K fewer tokens than its twin); it is saved with the state."""
+    from dsv41.train.config import TrainConfig
+    from dsv41.train.trainer import Trainer
+
+    def cfg(out):
+        return TrainConfig(preset="recall", data=tiny_corpus, mix="retrieval", seq_len=256, batch_size=2, steps=4,
+                           warmup=1, save_every=2, eval_every=100, curriculum_steps=4, out=str(out), threads=1)
+
+    full = Trainer(cfg(tmp_path / "full")).run()
+    interrupted = Trainer(cfg(tmp_path / "resumed"))
+    for _ in range(3):  # one step past the save at step 2, then "killed"
+        interrupted.history.append(interrupted.train_step())
+        if interrupted.step % 2 == 0:
+            interrupted.save()
+    counts = [0] + [r["tokens"] for r in interrupted.history]
+    batch_tokens = {b - a for a, b in zip(counts, counts[1:])}
+    del interrupted
+    resumed = Trainer(cfg(tmp_path / "resumed"))
+    assert resumed.step == 2
+    last = resumed.run()
+    assert len(batch_tokens) > 1  # the batches really differ in size
+    assert last["tokens"] == full["tokens"]
