@@ -203,3 +203,13 @@ def test_the_recall_preset_routes_far_facts_through_the_compressed_cache():
     assert cfg == recall()
     assert cfg.n_layers == 2 and cfg.compress_ratios == (0, 1) and cfg.window_size == 32 and cfg.index_topk == 8
     assert cfg.kv_source_layers == (1,) and cfg.index_source_layers == (1,) and cfg.candidate_source_layer == -1
+
+
+def test_the_recall3_preset_adds_a_window_layer_before_the_lookup():
+    """`recall3`: two sliding-window layers, then the ratio-1 Full layer that is the only compressed
+    one, with recall's width, window and top-8 unchanged, so the two presets differ by the layer alone."""
+    cfg = preset("recall3")
+    base = preset("recall")
+    assert cfg.n_layers == 3 and cfg.compress_ratios == (0, 0, 1)
+    assert cfg.kv_source_layers == (2,) and cfg.index_source_layers == (2,)
+    assert cfg.replace(n_layers=2, compress_ratios=(0, 1), kv_source_layers=(1,), index_source_layers=(1,)) == base
