@@ -8,12 +8,13 @@ last prefill position, `decode_logits` [N, B, V], optional `hidden.*`/`debug.*` 
 
 Tolerance (from the sets' README, "Recommended tolerance"):
 - exact: every logit within atol 1e-5 -- required of every set under reference numerics (the default:
-  the reference's summation orders, including its bf16 GEMM order, on any CPU; see
-  `Transformer.set_reference_numerics`), and with `--fast` of sets whose noise study shows bf16 GEMM
-  accumulation order does not matter (`meta.json` noise `bf16_matmul_fp64_accumulate` all zero);
+  canonical float64 numerics, the same bits on any CPU; see `Transformer.set_reference_numerics`), and
+  with `--fast` of sets whose noise study shows the CPU's native linear/einsum kernels leave the logits
+  unchanged (`meta.json` noise `blas_linear_einsum` all zero);
 - accumulation-order: prefill max |dlogit| <= 0.25, decode rms(dlogit)/rms(logit) <= 0.15 and argmax
-  agreement >= 0.85 -- allowed with `--fast` for sets where a different bf16 accumulation order is
-  legitimate (the README's words for an implementation that accumulates differently).
+  agreement >= 0.85 -- what `--fast` (the machine's own kernels) is judged by otherwise: a statistical
+  check on a few dozen logits of a random tiny model, which ulp-level changes amplified by top-k and
+  routing can miss.
 Prints per-step errors, the first prefill capture that differs, and ends with PASS or FAIL and the
 tolerance; exits 0 only on PASS (the verdict is on the logits; the captures only localize a difference).
 
@@ -209,10 +210,11 @@ def final_cache_difference(expected: dict, cache, batch: int) -> tuple[CaptureDi
 
 
 def exact_required(folder: str) -> bool:
-    """True when the set's noise study shows bf16 GEMM accumulation order leaves its logits unchanged."""
+    """True when the set's noise study shows that running its linear layers and einsums through the CPU's
+    native kernels (what --fast does) leaves its logits unchanged (`blas_linear_einsum` all zero)."""
     try:
         with open(os.path.join(folder, "meta.json")) as fh:
-            noise = json.load(fh)["noise"]["bf16_matmul_fp64_accumulate"]
+            noise = json.load(fh)["noise"]["blas_linear_einsum"]
         return all(v["max_abs"] == 0 for v in noise.values())
     except (OSError, KeyError, ValueError, TypeError):
         return True  # without a noise study, demand exactness
@@ -405,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dsv41.golden", description=__doc__.split("\n")[0])
     parser.add_argument("folder", help="a golden folder (config.json, model/inputs/expected.safetensors, meta.json)")
     parser.add_argument("--fast", action="store_true",
-                        help="use the fast fp32 summation order instead of the reference's (not bit-exact)")
+                        help="run the machine's fast kernels instead of canonical numerics (not bit-exact)")
     parser.add_argument("--trace", action="store_true",
                         help="also capture every decode step and report the first (step, capture) that differs "
                              "from the set's per-step captures, and compare the final caches (slower)")

@@ -27,6 +27,7 @@ from torch import nn
 from dsv41 import ops
 from dsv41.config import ModelConfig
 from dsv41.model.layers import Linear, RMSNorm
+from dsv41.ops import canonical
 from dsv41.ops.qat import rounded
 from dsv41.ops.quant import FP4_BLOCK, KV_FP4_BLOCK
 
@@ -49,6 +50,7 @@ class Compressor(nn.Module):
         self.wkv = Linear(cfg.dim, cfg.head_dim, fmt)
         if self.ratio > 1:
             self.wgate = Linear(cfg.dim, cfg.head_dim, fmt)
+        self.reference_numerics = False  # canonical pooling softmax and sum (dsv41.ops.canonical)
 
     def forward(self, x: torch.Tensor, start_pos: int, cache) -> Optional[torch.Tensor]:
         """x [B, S, dim] bf16 -> latents [B, G, head_dim] bf16 for the G groups completed, or None."""
@@ -75,7 +77,10 @@ class Compressor(nn.Module):
             return None
         kv = kv[:, :used].unflatten(1, (n_groups, ratio))
         score = score[:, :used].unflatten(1, (n_groups, ratio))
-        pooled = (kv * score.softmax(dim=2)).sum(dim=2)
+        if self.reference_numerics:  # the softmax in float64, the fp32 products summed in float64
+            pooled = canonical.sum(kv * canonical.softmax(score, dim=2), dim=2)
+        else:
+            pooled = (kv * score.softmax(dim=2)).sum(dim=2)
         return self.norm(pooled.to(x.dtype))
 
 
@@ -110,6 +115,7 @@ class Indexer(nn.Module):
         # measure what FP4 storage costs (dsv41.eval.cost); the engine's packed pool stores E2M1, so it
         # needs True
         self.fp4_keys = True
+        self.reference_numerics = False  # canonical scores and RoPE (dsv41.ops.canonical)
         self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, cfg.dtype)
         self.weights_proj = Linear(cfg.dim, self.n_heads, "bf16")
         if self.owns_keys:
@@ -123,7 +129,7 @@ class Indexer(nn.Module):
     def make_keys(self, latent: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """Pre-RoPE latents [B, G, head_dim] -> index keys [B, G, index_head_dim], RoPE'd and MXFP4-rounded
         (bf16 when `fp4_keys` is off)."""
-        k = ops.apply_rope(self.k_norm(self.wk(latent)), freqs, self.rope_dim)
+        k = ops.apply_rope(self.k_norm(self.wk(latent)), freqs, self.rope_dim, reference=self.reference_numerics)
         return ops.fp4_qdq(k, FP4_BLOCK, "ue8m0") if self.fp4_keys else k
 
     @torch.no_grad()
@@ -133,13 +139,13 @@ class Indexer(nn.Module):
         in `cache` (those visible to the last query); visible [S, 1] complete groups per query. Returns
         int32 [B, S, min(topk, n_keys)] row ids + offset, ascending, -1 for unusable picks."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = ops.fp4_qdq(ops.apply_rope(q, freqs, self.rope_dim), FP4_BLOCK, "ue8m0")
+        q = ops.fp4_qdq(ops.apply_rope(q, freqs, self.rope_dim, reference=self.reference_numerics), FP4_BLOCK, "ue8m0")
         weights = self.weights_proj(x) * self.weight_scale
         k = min(self.topk, n_keys)
         if self.canonical_ties and self.streaming:
             return self._select_streaming(q, weights, cache, source, n_keys, visible, offset, k, shared)
         index_k = cache.read_index_keys(source, x.size(0), n_keys)
-        scores = ops.mask_invisible(ops.index_scores(q, index_k, weights), visible)  # [B, S, T] bf16
+        scores = ops.mask_invisible(ops.index_scores(q, index_k, weights, self.reference_numerics), visible)  # [B, S, T]
         if self.is_candidate_source:
             shared["candidates"] = ops.candidate_pool(scores, visible, self.candidate_blocks, self.candidate_block_size,
                                                       self.canonical_ties)
@@ -238,6 +244,7 @@ class Attention(nn.Module):
         # keeps the latents in bf16, only to measure what FP4 storage costs (dsv41.eval.cost); the engine's
         # packed pool stores E2M1, so it needs True
         self.fp4_kv = True
+        self.reference_numerics = False  # canonical sparse attention and RoPE (dsv41.ops.canonical)
 
     # ------------------------------------------------------------------ window
     def _window(self, kv: torch.Tensor, start_pos: int, cache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,7 +317,7 @@ class Attention(nn.Module):
         freqs = self.rope.at(group_pos, x.device)
         keys = self.indexer.make_keys(latent, freqs) if self.indexer is not None else None
         # straight-through under autograd (the RL learner's replay), the plain rounding otherwise
-        latent = ops.apply_rope(latent, freqs, self.rope_dim)
+        latent = ops.apply_rope(latent, freqs, self.rope_dim, reference=self.reference_numerics)
         if self.fp4_kv:
             latent = rounded(latent, ops.fp4_qdq, KV_FP4_BLOCK, "e4m3")
         cache.write_compressed(self.layer_id, x.size(0), first, latent, keys)
@@ -318,9 +325,11 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Token-wise projections. x [..., S, dim] -> (qr [..., S, q_lora], q [..., S, H, head_dim] RoPE'd,
         kv [..., S, head_dim] RoPE'd and FP8-rounded, the window-KV storage format)."""
+        ref = self.reference_numerics
         qr = self.q_norm(self.wq_a(x))
-        q = ops.apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), freqs, self.rope_dim)
-        kv = ops.apply_rope(self.kv_norm(self.wkv(x)), freqs, self.rope_dim)
+        q = ops.apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), freqs, self.rope_dim,
+                           reference=ref)
+        kv = ops.apply_rope(self.kv_norm(self.wkv(x)), freqs, self.rope_dim, reference=ref)
         return qr, q, rounded(kv, ops.fp8_qdq)
 
     def attend(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, start_pos: int,
@@ -335,7 +344,7 @@ class Attention(nn.Module):
             ids = torch.cat([ids, comp_ids], dim=-1)
             if shared.get("lone_widths") and comp_ids.size(-1):
                 return self._attend_at_lone_widths(q, rows, ids, start_pos, window)
-        return ops.sparse_attn(q, rows, self.attn_sink, ids, self.softmax_scale)
+        return ops.sparse_attn(q, rows, self.attn_sink, ids, self.softmax_scale, self.reference_numerics)
 
     def _attend_at_lone_widths(self, q: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, start_pos: int,
                                window: int) -> torch.Tensor:
@@ -348,17 +357,17 @@ class Attention(nn.Module):
         pos = torch.arange(start_pos, start_pos + s)
         width = ((pos + 1) // self.ratio).clamp(max=k)  # [S]
         if bool((width == k).all()):
-            return ops.sparse_attn(q, rows, self.attn_sink, ids, self.softmax_scale)
+            return ops.sparse_attn(q, rows, self.attn_sink, ids, self.softmax_scale, self.reference_numerics)
         out = q.new_empty(q.shape)
         for w in width.unique().tolist():
             group = (width == w).nonzero().flatten().to(q.device)
             out[:, group] = ops.sparse_attn(q[:, group], rows, self.attn_sink, ids[:, group, :window + w],
-                                            self.softmax_scale)
+                                            self.softmax_scale, self.reference_numerics)
         return out
 
     def output(self, o: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """Inverse RoPE and the grouped output LoRA: [..., S, H, head_dim] -> [..., S, dim]."""
-        o = ops.apply_rope(o, freqs, self.rope_dim, inverse=True)
+        o = ops.apply_rope(o, freqs, self.rope_dim, inverse=True, reference=self.reference_numerics)
         o = o.unflatten(-2, (self.n_groups, -1)).flatten(-2)  # [..., S, G, H/G * head_dim]
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
         o = ops.grouped_linear(o, wo_a, self.wo_a.row_chunk, self.wo_a.reference_numerics)

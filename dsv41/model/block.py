@@ -20,7 +20,7 @@ from dsv41.model.attention import Attention, _trace
 from dsv41.model.engram import Engram
 from dsv41.model.layers import RMSNorm
 from dsv41.model.moe import MoE
-from dsv41.ops.lanes import reference_step
+from dsv41.ops import canonical
 
 
 class Block(nn.Module):
@@ -42,9 +42,8 @@ class Block(nn.Module):
         self.hc_ffn_base = nn.Parameter(torch.zeros(n_mix, **f32))
         self.hc_attn_scale = nn.Parameter(torch.ones(3, **f32))
         self.hc_ffn_scale = nn.Parameter(torch.ones(3, **f32))
-        # the reference's fixed summation order for the RMS statistic (fp64, left to right) and the fp32 mix
-        # projection (one FMA chain), and its sigmoid tail rule: bit-exact on every CPU, slow (see
-        # set_reference_numerics)
+        # canonical numerics (dsv41.ops.canonical) for the RMS statistic, the mix projection, Sinkhorn and the
+        # hc collapse/expand sums: bit-exact on every CPU, slow (see Transformer.set_reference_numerics)
         self.reference_numerics = False
         self.row_chunk = 0  # > 0: batch-invariant mix projection (see ops.invariant_matmul)
 
@@ -52,23 +51,29 @@ class Block(nn.Module):
         """h [B, S, hc, dim] -> (pre [B,S,hc], post [B,S,hc], comb [B,S,hc,hc]), one RMS statistic per token.
         calls: the tokens' separate calls when several sequences' chunks share this one (dsv41.ops.lanes)."""
         flat = h.flatten(2).float()
-        rstd = torch.rsqrt(ops.mean_of_squares(flat, self.reference_numerics, keepdim=True) + self.eps)
-        if self.reference_numerics:
-            mixes = ops.linear_fp32_sequential(flat, fn) * rstd
+        ref = self.reference_numerics
+        rstd = ops.reductions.rsqrt(ops.mean_of_squares(flat, ref, keepdim=True) + self.eps, ref)
+        if ref:
+            mixes = canonical.linear(flat, fn) * rstd
         else:
             mixes = ops.invariant_matmul(flat, fn, self.row_chunk) * rstd
-        return ops.hc_split_sinkhorn(mixes, scale, base, self.hc, self.sinkhorn_iters, self.hc_eps, calls,
-                                     reference_step(self.reference_numerics))
+        return ops.hc_split_sinkhorn(mixes, scale, base, self.hc, self.sinkhorn_iters, self.hc_eps, calls, ref)
 
     @staticmethod
-    def hc_pre(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-        """Collapse the copies: [B,S,hc,dim] x [B,S,hc] -> [B,S,dim] in h's dtype."""
-        return torch.sum(pre.unsqueeze(-1) * h.float(), dim=2).to(h.dtype)
+    def hc_pre(h: torch.Tensor, pre: torch.Tensor, reference: bool = False) -> torch.Tensor:
+        """Collapse the copies: [B,S,hc,dim] x [B,S,hc] -> [B,S,dim] in h's dtype (fp32 products, their sum
+        in float64 under reference numerics)."""
+        terms = pre.unsqueeze(-1) * h.float()
+        if reference:
+            return canonical.sum(terms, dim=2, dtype=h.dtype)
+        return torch.sum(terms, dim=2).to(h.dtype)
 
     @staticmethod
-    def hc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    def hc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                reference: bool = False) -> torch.Tensor:
         """copy_j = post_j * out + sum_i comb[i, j] * residual_i; [B,S,dim] -> [B,S,hc,dim]."""
-        mixed = torch.sum(comb.unsqueeze(-1) * residual.unsqueeze(-2), dim=2)
+        terms = comb.unsqueeze(-1) * residual.unsqueeze(-2)
+        mixed = canonical.sum(terms, dim=2) if reference else torch.sum(terms, dim=2)
         return (post.unsqueeze(-1) * out.unsqueeze(-2) + mixed).type_as(out)
 
     def forward(self, h: torch.Tensor, start_pos: int, pre_mix: torch.Tensor, cache, shared: dict,
@@ -96,15 +101,16 @@ class Block(nn.Module):
                                                        calls)
         x = attend(self.attn_input(h, pre_mix))
         _trace(shared, f"hidden.layers.{self.layer_id}.attn_out", x)
-        h = self.hc_post(x, residual, attn_post, attn_comb)
+        ref = self.reference_numerics
+        h = self.hc_post(x, residual, attn_post, attn_comb, ref)
 
         residual = h
         ffn_pre, ffn_post, ffn_comb = self.hc_mixes(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, calls)
-        x = self.ffn(self.ffn_norm(self.hc_pre(h, attn_pre)), image_mask, shared.get("moe_aux"), calls)
+        x = self.ffn(self.ffn_norm(self.hc_pre(h, attn_pre, ref)), image_mask, shared.get("moe_aux"), calls)
         _trace(shared, f"hidden.layers.{self.layer_id}.ffn_out", x)
-        h = self.hc_post(x, residual, ffn_post, ffn_comb)
+        h = self.hc_post(x, residual, ffn_post, ffn_comb, ref)
         return h, ffn_pre
 
     def attn_input(self, h: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
         """The normed attention input: the copies collapsed with the previous block's pre mix."""
-        return self.attn_norm(self.hc_pre(h, pre_mix))
+        return self.attn_norm(self.hc_pre(h, pre_mix, self.reference_numerics))

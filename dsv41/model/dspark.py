@@ -70,7 +70,8 @@ class DSparkStage(Block):
     def main_kv(self, main_x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """main_x [B, S, dim] -> this stage's ring rows [B, S, head_dim]: kv_norm(wkv(.)), RoPE, FP8 rounding."""
         attn = self.attn
-        return ops.fp8_qdq(ops.apply_rope(attn.kv_norm(attn.wkv(main_x)), freqs, attn.rope_dim))
+        return ops.fp8_qdq(ops.apply_rope(attn.kv_norm(attn.wkv(main_x)), freqs, attn.rope_dim,
+                                          reference=attn.reference_numerics))
 
     def draft_attention(self, x: torch.Tensor, ring: torch.Tensor, ring_ids: torch.Tensor,
                         freqs: torch.Tensor) -> torch.Tensor:
@@ -88,7 +89,8 @@ class DSparkStage(Block):
             order = torch.sort((ids < 0).int(), dim=1, stable=True).indices
             ids = ids.gather(1, order)
         ids = ids.int().unsqueeze(1).expand(b, k, -1)
-        return attn.output(ops.sparse_attn(q, rows, attn.attn_sink, ids, attn.softmax_scale), freqs)
+        return attn.output(ops.sparse_attn(q, rows, attn.attn_sink, ids, attn.softmax_scale, attn.reference_numerics),
+                           freqs)
 
 
 def ring_slots(pos: torch.Tensor, first: torch.Tensor, window: int) -> torch.Tensor:
@@ -116,9 +118,11 @@ class Draft:
     confidence: torch.Tensor  # [B, k] fp32 logits of acceptance
 
 
-def main_hidden(h: torch.Tensor) -> torch.Tensor:
+def main_hidden(h: torch.Tensor, reference: bool = False) -> torch.Tensor:
     """The drafter's view of a target layer: the stream entering the block [B, S, hc, dim] bf16 averaged
-    over the copies (one bf16 rounding) -> [B, S, dim]."""
+    over the copies (one bf16 rounding) -> [B, S, dim]. reference: the mean in float64."""
+    if reference:
+        return ops.canonical.mean(h, dim=2, dtype=h.dtype)
     return h.mean(dim=2)
 
 
@@ -195,7 +199,8 @@ def draft(model, first: torch.Tensor, hidden: torch.Tensor, pos: int, cache, tra
             trace[f"spec.stages.{stage.stage}.out"] = h.clone()
             trace[f"spec.stages.{stage.stage}.pre_mix_out"] = pre_mix.clone()
     last = stages[-1]
-    xh = Block.hc_pre(h, pre_mix)  # [B, k, dim] bf16, before the norm
+    ref = last.reference_numerics
+    xh = Block.hc_pre(h, pre_mix, ref)  # [B, k, dim] bf16, before the norm
     _trace(shared, "spec.collapsed", xh)
     normed = last.norm(xh)
     _trace(shared, "spec.final_norm", normed)
@@ -204,8 +209,8 @@ def draft(model, first: torch.Tensor, hidden: torch.Tensor, pos: int, cache, tra
     biases, logits, embeds = [], [], []
     for i in range(k):
         e = last.markov_head.embed(tokens[-1])  # [B, rank] bf16
-        if last.reference_numerics:  # reference numerics: the reference BLAS's order (see ops.linear_fp32_lanes)
-            bias = ops.linear_fp32_lanes(e.float(), last.markov_head.head.weight)
+        if ref:
+            bias = ops.canonical.linear(e.float(), last.markov_head.head.weight)
         else:
             bias = ops.invariant_matmul(e.float(), last.markov_head.head.weight, model.row_chunk)  # [B, V] fp32
         row = base[:, i] + bias
@@ -214,8 +219,11 @@ def draft(model, first: torch.Tensor, hidden: torch.Tensor, pos: int, cache, tra
         biases.append(bias)
         logits.append(row)
     embed = torch.stack(embeds, dim=1)  # [B, k, rank]
-    confidence = ops.invariant_matmul(torch.cat([xh, embed], dim=-1).float(), last.confidence_head.proj.weight,
-                                      model.row_chunk)[..., 0]
+    features = torch.cat([xh, embed], dim=-1).float()
+    if ref:
+        confidence = ops.canonical.linear(features, last.confidence_head.proj.weight)[..., 0]
+    else:
+        confidence = ops.invariant_matmul(features, last.confidence_head.proj.weight, model.row_chunk)[..., 0]
     _trace(shared, "spec.markov_embed", embed)
     result = Draft(torch.stack(tokens, dim=1), torch.stack(logits, dim=1), base, torch.stack(biases, dim=1), confidence)
     if trace is not None:

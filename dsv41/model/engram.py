@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv41 import ops
-from dsv41.ops.lanes import per_call, reference_step
+from dsv41.ops import canonical
+from dsv41.ops.lanes import per_call
 from dsv41.config import ModelConfig
 from dsv41.model.layers import Linear
 
@@ -167,9 +168,8 @@ class Engram(nn.Module):
         self.wkv = Linear(cfg.n_hash_columns * cfg.engram_head_dim, cfg.dim * (cfg.hc_mult + 1), cfg.dtype)
         self.q_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.dim, dtype=torch.bfloat16))
         self.k_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.dim, dtype=torch.bfloat16))
-        # the two rstd statistics and the gate dot product summed in the reference's fixed order (fp64, left
-        # to right; dsv41.ops.reductions), the gate's sigmoid split like the reference's kernel (ops.lanes):
-        # the same bits on every CPU, slower (see set_reference_numerics)
+        # canonical numerics (dsv41.ops.canonical) for the two rstd statistics, the gate's dot product and its
+        # sigmoid: the same bits on every CPU, slower (see Transformer.set_reference_numerics)
         self.reference_numerics = False
 
     def forward(self, h: torch.Tensor, hash_ids: torch.Tensor, token_mask: Optional[torch.Tensor] = None,
@@ -183,12 +183,13 @@ class Engram(nn.Module):
         weight = self.q_weight.float() * self.k_weight.float()  # only their product matters
         hf = h.float()
         # each (token, copy) normalised over dim separately, not jointly over the copies
-        pinned = self.reference_numerics
-        rstd = (torch.rsqrt(ops.mean_of_squares(hf, pinned) + self.eps)
-                * torch.rsqrt(ops.mean_of_squares(key, pinned) + self.eps))
-        dot = ops.sum_fp32_terms(hf * weight * key, pinned) * rstd * self.dim ** -0.5
+        ref = self.reference_numerics
+        rsqrt = ops.reductions.rsqrt
+        rstd = (rsqrt(ops.mean_of_squares(hf, ref) + self.eps, ref) * rsqrt(ops.mean_of_squares(key, ref) + self.eps, ref))
+        dot = ops.sum_fp32_terms(hf * weight * key, ref) * rstd * self.dim ** -0.5
+        signed_sqrt = torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot)
         # as if each call of `calls` tokens ran alone (dsv41.ops.lanes: the engine's batch invariance)
-        gate = per_call("sigmoid", torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot), calls, reference_step(pinned))
+        gate = canonical.sigmoid(signed_sqrt) if ref else per_call("sigmoid", signed_sqrt, calls)
         if token_mask is not None:
             gate = gate.masked_fill(~token_mask.unsqueeze(-1), 0)
         return (hf + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(h.dtype)

@@ -40,7 +40,7 @@ class Linear(nn.Module):
         else:
             self.register_parameter("scale", None)
         self.row_chunk = 0  # > 0: batch-invariant GEMMs in fixed row chunks (see ops.invariant_matmul)
-        self.reference_numerics = False  # bf16 GEMMs in the reference's order (ops.linear_bf16_pairwise)
+        self.reference_numerics = False  # canonical numerics (dsv41.ops.canonical): golden parity
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight, self.scale, row_chunk=self.row_chunk, reference=self.reference_numerics)
@@ -52,8 +52,8 @@ class Linear(nn.Module):
 class RMSNorm(nn.Module):
     """x * rsqrt(mean(x^2) + eps) * weight, statistics in fp32, result in x's dtype.
 
-    reference_numerics: the mean of squares in the reference's fixed order (fp64, left to right; see
-    dsv41.ops.reductions), the same bits on every CPU; off, the vectorised fp32 mean."""
+    reference_numerics: canonical numerics (dsv41.ops.canonical): the mean of squares and rsqrt in float64,
+    each rounded once to fp32, the same bits on every CPU; off, the vectorised fp32 kernels."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
@@ -63,5 +63,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        xf = xf * torch.rsqrt(ops.mean_of_squares(xf, self.reference_numerics, keepdim=True) + self.eps)
+        ref = self.reference_numerics
+        xf = xf * ops.reductions.rsqrt(ops.mean_of_squares(xf, ref, keepdim=True) + self.eps, ref)
         return (self.weight * xf).to(x.dtype)

@@ -12,7 +12,7 @@ from torch import nn
 from dsv41 import ops
 from dsv41.config import ModelConfig
 from dsv41.model.layers import Linear
-from dsv41.ops.lanes import reference_step
+from dsv41.ops import canonical
 
 
 class RoutingRecord:
@@ -78,13 +78,16 @@ class Gate(nn.Module):
             self.register_parameter("bias_vl", None)
         self.row_chunk = 0  # > 0: batch-invariant logits (see ops.invariant_matmul)
         self.canonical_ties = True  # exact score ties go to the lowest expert id; False: torch.topk's
-        self.reference_numerics = False  # the score function split like the reference's kernel (ops.lanes)
+        self.reference_numerics = False  # canonical numerics (dsv41.ops.canonical): golden parity
 
     def scores(self, x: torch.Tensor, calls=None) -> torch.Tensor:
         """x [T, dim] -> fp32 affinities [T, E] (before the selection bias). calls: the tokens' separate
         calls when several sequences' chunks share this one (`ops.lanes.per_call`)."""
-        logits = ops.invariant_matmul(x.float(), self.weight.float(), self.row_chunk) / self.temperature
-        return ops.router_scores(logits, self.score_func, calls, reference_step(self.reference_numerics))
+        if self.reference_numerics:
+            logits = canonical.linear(x.float(), self.weight.float()) / self.temperature
+        else:
+            logits = ops.invariant_matmul(x.float(), self.weight.float(), self.row_chunk) / self.temperature
+        return ops.router_scores(logits, self.score_func, calls, self.reference_numerics)
 
     def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None,
                 aux: Optional[RoutingRecord] = None, calls=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,15 +101,15 @@ class Gate(nn.Module):
         replay = None if aux is None else aux.replayed(x.size(0), self.topk, scores.size(-1), x.device)
         if replay is not None:  # R3: the recorded picks, weighted by the current scores
             indices = replay
-            weights = ops.moe.route_weights(scores, indices, self.normalize, self.route_scale)
+            weights = ops.moe.route_weights(scores, indices, self.normalize, self.route_scale, self.reference_numerics)
         else:
             weights, indices = ops.route(scores, bias, self.topk, self.normalize, self.route_scale,
-                                         self.canonical_ties)
+                                         self.canonical_ties, self.reference_numerics)
         if aux is not None and aux.capacity_factor > 0 and replay is None:
             aux.natural.append(indices)
             capacity = math.ceil(aux.capacity_factor * x.size(0) * self.topk / scores.size(-1))
             indices = ops.moe.capacity_topk(scores + bias, self.topk, capacity, self.canonical_ties)
-            weights = ops.moe.route_weights(scores, indices, self.normalize, self.route_scale)
+            weights = ops.moe.route_weights(scores, indices, self.normalize, self.route_scale, self.reference_numerics)
         if aux is not None:
             aux.append((scores, indices, x))
         return weights, indices
@@ -121,9 +124,10 @@ class Expert(nn.Module):
         self.w2 = Linear(inter_dim, dim, fmt)
         self.w3 = Linear(dim, inter_dim, fmt)
         self.swiglu_limit = swiglu_limit
+        self.reference_numerics = False  # canonical SiLU (dsv41.ops.canonical); the Linears hold their own flag
 
     def forward(self, x: torch.Tensor, route_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-        h = ops.clamped_swiglu(self.w1(x), self.w3(x), self.swiglu_limit)  # fp32
+        h = ops.clamped_swiglu(self.w1(x), self.w3(x), self.swiglu_limit, self.reference_numerics)  # fp32
         if route_weight is not None:
             h = route_weight * h
         return self.w2(h.to(x.dtype))

@@ -83,21 +83,12 @@ class Transformer(nn.Module):
         return ModelCache.create(self.cfg, batch_size, max_seq_len, self.device)
 
     def set_reference_numerics(self, enabled: bool = True) -> None:
-        """Reproduce the reference's numerics where they decide discrete outcomes, the same bits on any CPU
-        (the golden sets' README, "Numerics of these expected values"):
-        - every mean of squares (RMSNorm, the hc RMS statistic, Engram's two rstd) and Engram's gate dot
-          product summed left to right in fp64 and rounded once (dsv41.ops.reductions);
-        - the hc mix projection as one sequential fp32 FMA chain (ops.linear_fp32_sequential);
-        - bf16 GEMMs in the reference machine's dot-product order (ops.linear_bf16_pairwise), the vision
-          tower's bf16 linears accumulated in fp64 (ops.reductions.linear_fp64_accumulate);
-        - sigmoid/softplus split into vector body and scalar tail like the reference machine's kernels
-          (ops.lanes.REFERENCE_VECTOR_STEP);
-        - `torch.topk`'s own tie-breaking in the indexer, candidate pool and MoE gate (off: ties go to the
-          lowest position / expert id, whatever the layout).
-
-        With it every golden set matches to 1e-5 on every logit (measured: 0); without it the results
-        differ by legitimate accumulation-order noise. It loops over K in Python, so keep it for checks.
-        """
+        """Reference numerics, for golden parity: canonical numerics (dsv41.ops.canonical) in every op whose
+        result could depend on the machine (GEMMs, einsums, sums and means, softmax, Sinkhorn, exp, sigmoid,
+        softplus, SiLU, GELU, rsqrt, the RoPE rotation), each computed in float64 and rounded once at the
+        reference's rounding points; and `torch.topk`'s own tie-breaking in the indexer, candidate pool and
+        MoE gate (off: ties go to the lowest position / expert id, whatever the layout). The same bits on
+        every CPU by construction; several times slower than the fast kernels, so keep it for checks."""
         self._set_numerics(reference_numerics=enabled, canonical_ties=not enabled)
 
     def _modules_with_numerics(self) -> list:
@@ -188,6 +179,8 @@ class Transformer(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final hidden [..., dim] bf16 -> fp32 logits [..., vocab]."""
+        if self.norm.reference_numerics:
+            return ops.canonical.linear(x.float(), self.head.weight)
         return ops.invariant_matmul(x.float(), self.head.weight, self.row_chunk)
 
     def set_engram_token_map(self, token_map: torch.Tensor) -> None:
@@ -304,13 +297,13 @@ class Transformer(nn.Module):
                 h = layer.engram(h, hash_ids[:, :, column], text_mask)
                 _trace(shared, f"hidden.layers.{i}.engram_out", h)
             if i in targets:  # the stream entering the block (after its Engram), in layer order
-                hidden.append(dspark.main_hidden(h))
+                hidden.append(dspark.main_hidden(h, layer.reference_numerics))
             h, pre_mix = layer(h, start_pos, pre_mix, cache, shared, image_mask)
             _trace(shared, f"hidden.layers.{i}.out", h)
             _trace(shared, f"hidden.layers.{i}.pre_mix_out", pre_mix)
         if targets:
             drafter_inputs["main_hidden"] = torch.cat(hidden, dim=-1)
-        x = self.norm(Block.hc_pre(h, pre_mix))
+        x = self.norm(Block.hc_pre(h, pre_mix, self.norm.reference_numerics))
         if last_only:
             x = x[:, -1:]
         _trace(shared, "hidden.final_norm_last", x[:, -1])

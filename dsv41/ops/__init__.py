@@ -4,15 +4,13 @@ Faster implementations (Triton, fused CUDA) can replace these functions one by o
 the documented shapes and numerics.
 """
 
+from dsv41.ops import canonical
 from dsv41.ops.engram_hash import ngram_hash
 from dsv41.ops.gemm import (
                              dequant_weight,
                              grouped_linear,
                              invariant_matmul,
                              linear,
-                             linear_bf16_pairwise,
-                             linear_fp32_lanes,
-                             linear_fp32_sequential,
 )
 from dsv41.ops.indexer import (
                              block_maxima,
@@ -42,7 +40,7 @@ from dsv41.ops.sinkhorn import hc_split_sinkhorn
 from dsv41.ops.sparse_attn import sparse_attn
 
 __all__ = [
-    "ngram_hash", "dequant_weight", "grouped_linear", "invariant_matmul", "linear", "linear_bf16_pairwise", "linear_fp32_sequential", "linear_fp32_lanes", "candidate_pool", "index_scores", "mask_invisible",
+    "canonical", "ngram_hash", "dequant_weight", "grouped_linear", "invariant_matmul", "linear", "candidate_pool", "index_scores", "mask_invisible",
     "block_maxima", "blocks_to_mask", "candidate_entries", "index_scores_gathered", "index_scores_mm", "merge_topk",
     "select_topk", "topk_canonical", "candidate_blocks", "clamped_swiglu", "route", "router_scores", "fp4_qdq", "fp4_quant", "fp8_qdq",
     "fp8_quant", "mean_of_squares", "sum_fp32_terms", "RotaryTable", "apply_rope", "hc_split_sinkhorn", "sparse_attn",

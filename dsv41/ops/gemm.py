@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from dsv41.ops import canonical
 from dsv41.ops.quant import FP8_BLOCK, dequant_fp4_weight, dequant_fp8_weight, fp8_dequant, fp8_quant
 
 PACKED_FP4_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
@@ -44,84 +45,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] 
     x: [..., K]. weight: [N, K] bf16/fp32 (plain `F.linear` in that dtype; x must match), or [N, K]
     float8_e4m3fn with `scale` [ceil(N/32), ceil(K/32)], or packed FP4 [N, K/2] with `scale` [N, K/32].
     Quantized paths return `out_dtype` (bf16 like the reference kernels). row_chunk > 0: batch-invariant
-    GEMMs (`invariant_matmul`). reference: bf16 GEMMs in the reference's order (`linear_bf16_pairwise`).
+    GEMMs (`invariant_matmul`). reference: canonical numerics (`ops.canonical`): one float64 dot product
+    per output, rounded to fp32 (and then to bf16 for bf16 and quantized weights).
     """
     if is_fp8(weight) or is_fp4(weight):
         if scale is None:
             raise ValueError("a quantized weight needs its block scale")
         xq, xs = fp8_quant(x, FP8_BLOCK)
         x_deq = fp8_dequant(xq, xs, FP8_BLOCK)
+        if reference:
+            return canonical.linear(x_deq, dequant_weight(weight, scale), dtype=out_dtype)
         return invariant_matmul(x_deq, dequant_weight(weight, scale), row_chunk).to(out_dtype)
-    if reference and x.dtype == weight.dtype == torch.bfloat16:
-        return linear_bf16_pairwise(x, weight)
+    if reference:
+        return canonical.linear(x, weight)
     return invariant_matmul(x, weight, row_chunk)
-
-
-def linear_bf16_pairwise(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """y = x @ W^T for bf16 x [..., K] and weight [N, K] -> bf16 [..., N], in the order of the reference's
-    bf16 GEMM (oneDNN on an AVX512-BF16 CPU, whose dot-product instruction VDPBF16PS takes the terms two
-    at a time, the odd one first): one fp32 accumulator per output gets the products of k = 1, 0, 3, 2,
-    5, 4, ... in that order, each add rounded to fp32 (a bf16 x bf16 product is exact in fp32), then one
-    rounding to bf16. Other CPUs' bf16 GEMMs (AVX2 fallbacks, AMX tiles) sum in other orders and land one
-    bf16 ulp away on a few outputs, which the tiny golden models amplify; this gives the reference's bits
-    on any CPU (the golden sets' K fit one accumulation chain; subnormal flushing is not modelled). Slow:
-    a Python loop over K, for checks only."""
-    xf, wf = x.float(), weight.float()
-    k = xf.size(-1)
-    acc = torch.zeros(*x.shape[:-1], weight.size(0), dtype=torch.float32, device=x.device)
-    for i in range(0, k, 2):
-        for j in (i + 1, i) if i + 1 < k else (i,):
-            acc = acc + xf[..., j, None] * wf[:, j]
-    return acc.to(torch.bfloat16)
-
-
-def linear_fp32_sequential(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """y = x @ W^T in fp32 with each output computed as one left-to-right fused multiply-add chain over K.
-
-    x [..., K] fp32, weight [N, K] fp32 -> [..., N] fp32. This is the summation order of a GEMM
-    micro-kernel that keeps one accumulator per output (the order the reference outputs were produced
-    with); BLAS libraries on other CPUs split K differently and land 1 ulp away. Each step is an exactly
-    rounded fp32 FMA (`fma_fp32`). Slow: use it for bit-exact checks only.
-    """
-    xd, wd = x.double(), weight.double()
-    acc = torch.zeros(*x.shape[:-1], weight.size(0), dtype=torch.float32, device=x.device)
-    for k in range(x.size(-1)):
-        acc = fma_fp32(acc, xd[..., k:k + 1] * wd[:, k])
-    return acc
-
-
-def linear_fp32_lanes(x: torch.Tensor, weight: torch.Tensor, lanes: int = 4) -> torch.Tensor:
-    """y = x @ W^T in fp32 with `lanes` interleaved partial sums per output (term k goes to partial k % lanes,
-    each summed left to right), then combined by halves ((p0 + p2) + (p1 + p3) for 4): a vectorised dot
-    product's order. The DSpark golden's Markov-head bias ([B, rank] x [rank, V]) was computed in this
-    order by the reference's BLAS (measured: bit-exact on every value; the sequential and this machine's
-    BLAS orders differ in the last bit on 16% of them). x [..., K], weight [N, K] -> [..., N]."""
-    k = x.size(-1)
-    pad = -k % lanes
-    xs = torch.nn.functional.pad(x, (0, pad)).unflatten(-1, (-1, lanes))  # [..., K/lanes, lanes]
-    ws = torch.nn.functional.pad(weight, (0, pad)).unflatten(-1, (-1, lanes))  # [N, K/lanes, lanes]
-    partial = torch.zeros(*x.shape[:-1], weight.size(0), lanes, dtype=torch.float32, device=x.device)
-    for i in range(xs.size(-2)):  # products of bf16-valued inputs are exact in fp32; each add rounds once
-        partial = partial + xs[..., i, None, :] * ws[:, i]
-    while partial.size(-1) > 1:
-        half = partial.size(-1) // 2
-        partial = partial[..., :half] + partial[..., half:]
-    return partial[..., 0]
-
-
-def fma_fp32(acc: torch.Tensor, product: torch.Tensor) -> torch.Tensor:
-    """round_fp32(acc + product) with ONE rounding: acc fp32, product fp64 holding an exact fp32 x fp32
-    product (48 significant bits). Adding in fp64 and then rounding to fp32 rounds twice, which is wrong
-    whenever the fp64 rounding lands exactly on an fp32 halfway point; so the fp64 sum is rounded to odd
-    instead (TwoSum gives its exact error; an inexact sum with an even last bit moves one ulp towards the
-    error), after which the fp32 rounding is the correctly rounded result (53 >= 24 + 2 bits)."""
-    a = acc.double()
-    s = a + product
-    bb = s - a
-    err = (a - (s - bb)) + (product - bb)  # exact: a + product = s + err
-    even = (s.view(torch.int64) & 1) == 0
-    s = torch.where((err != 0) & even, torch.nextafter(s, s + err), s)
-    return s.float()
 
 
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -210,9 +147,9 @@ def narrow_rows_agree(k: int, n: int, dtype: torch.dtype, x_dtype: torch.dtype, 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, row_chunk: int = 0, reference: bool = False) -> torch.Tensor:
     """Block-diagonal projection: x [..., G, D] with weight [G, R, D] -> [..., G, R] (group g uses W_g).
-    reference: bf16 groups in the reference's GEMM order (`linear_bf16_pairwise`)."""
-    if reference and x.dtype == weight.dtype == torch.bfloat16:
-        return torch.stack([linear_bf16_pairwise(x[..., g, :], weight[g]) for g in range(weight.size(0))], dim=-2)
+    reference: canonical numerics (one float64 einsum, rounded once to x's dtype)."""
+    if reference:
+        return canonical.einsum("...gd,grd->...gr", x, weight, dtype=x.dtype)
     if not row_chunk:
         return torch.einsum("...gd,grd->...gr", x, weight)
     return torch.stack([invariant_matmul(x[..., g, :], weight[g], row_chunk) for g in range(weight.size(0))], dim=-2)

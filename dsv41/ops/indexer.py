@@ -19,11 +19,16 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from dsv41.ops import fused
+from dsv41.ops import canonical, fused
 
 
-def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """q [B, S, H, D] (fp4-rounded, bf16); k [B, T, D] bf16; weights [B, S, H] bf16 -> scores [B, S, T] bf16."""
+def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, reference: bool = False) -> torch.Tensor:
+    """q [B, S, H, D] (fp4-rounded, bf16); k [B, T, D] bf16; weights [B, S, H] bf16 -> scores [B, S, T] bf16.
+    reference: canonical numerics (the dot products, and the sum over heads of the bf16 terms, in float64,
+    each rounded once to bf16)."""
+    if reference:
+        per_head = canonical.einsum("bshd,btd->bsht", q, k, dtype=torch.bfloat16)
+        return canonical.sum(per_head.relu() * weights.unsqueeze(-1), dim=2, dtype=torch.bfloat16)
     per_head = torch.einsum("bshd,btd->bsht", q, k)
     return (per_head.relu() * weights.unsqueeze(-1)).sum(dim=2)
 

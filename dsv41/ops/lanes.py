@@ -17,11 +17,9 @@ each function is measured once per machine (`vector_step`), not assumed from the
 Calls above ATen's parallel grain (32,768 elements), whose threads add tails of their own, are not
 emulated; no call of the CPU presets is that large.
 
-The tail rule itself is the CPU's: ATen's loop takes two SIMD vectors per iteration, 16 elements on an
-AVX2 CPU and 32 on an AVX-512 one, so the same call splits differently on the two. The golden sets were
-made on an AVX-512 machine; under reference numerics (`reference_step`) the split is emulated at
-REFERENCE_VECTOR_STEP on every CPU, the vector values still coming from this CPU's vector kernel (the same
-Sleef algorithm at every width).
+The tail rule is this CPU's (ATen's loop takes two SIMD vectors per iteration: 16 elements on an AVX2 CPU,
+32 on an AVX-512 one): this is batch invariance on one machine, not the same bits on every machine. Those
+come from the reference mode's canonical numerics (dsv41.ops.canonical), which needs none of this.
 """
 
 from __future__ import annotations
@@ -33,38 +31,25 @@ import torch
 import torch.nn.functional as F
 
 FUNCTIONS = {"sigmoid": torch.sigmoid, "softplus": F.softplus, "silu": F.silu}
-# elements per vector iteration on the machine the golden sets were made on (AVX-512: two 16-lane vectors)
-REFERENCE_VECTOR_STEP = 32
 PIECE = 1 << 14  # elements per vector call: below ATen's parallel grain, so no thread split adds a tail
 
 
-def reference_step(reference: bool) -> Optional[int]:
-    """The vector step `per_call` emulates: the golden machine's under reference numerics, else this CPU's."""
-    return REFERENCE_VECTOR_STEP if reference else None
-
-
-def per_call(name: str, x: torch.Tensor, calls: Optional[Sequence[int]] = None,
-             step: Optional[int] = None) -> torch.Tensor:
+def per_call(name: str, x: torch.Tensor, calls: Optional[Sequence[int]] = None) -> torch.Tensor:
     """FUNCTIONS[name](x) as if the tokens of x [..., C] had gone through it in separate calls of
-    `calls` tokens each (sum(calls) = the number of tokens; None: one call) on a CPU whose kernel takes
-    `step` elements per vector iteration (None: this CPU's; then one call is the plain function).
+    `calls` tokens each (sum(calls) = the number of tokens; None or one call: the plain function).
     Differentiable through the function."""
     fn = FUNCTIONS[name]
-    if step is None and (calls is None or len(calls) <= 1):
+    if calls is None or len(calls) <= 1:
         return fn(x)
-    here = vector_step(name, x.dtype, x.device.type)
-    if here is None or x.numel() == 0:  # the kernel's tail rule was not recognised: nothing better than the
+    step = vector_step(name, x.dtype, x.device.type)
+    if step is None or x.numel() == 0:  # the kernel's tail rule was not recognised: nothing better than the
         return fn(x)  # plain call
-    if step is None or here == 1:  # here == 1: vector and scalar agree, any split gives the same bits
-        step = here
-    if calls is None:
-        calls = (x.numel(),)  # one call; its "tokens" are single elements
     flat = x.reshape(-1)
     tokens = sum(calls)
     if tokens <= 0 or flat.numel() % tokens:
         raise ValueError(f"calls cover {tokens} tokens; the tensor has {flat.numel()} elements")
     width = flat.numel() // tokens
-    out = _vector_body(fn, flat, here)  # every element through the vector kernel, whatever `step` is
+    out = _vector_body(fn, flat, step)  # every element through the vector kernel
     tails, start = [], 0
     for count in calls:
         n = count * width

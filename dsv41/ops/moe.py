@@ -6,40 +6,47 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsv41.ops import canonical
 from dsv41.ops.indexer import topk_canonical
 from dsv41.ops.lanes import per_call
 
 
-def router_scores(logits: torch.Tensor, score_func: str, calls=None, step=None) -> torch.Tensor:
+def router_scores(logits: torch.Tensor, score_func: str, calls=None, reference: bool = False) -> torch.Tensor:
     """fp32 router logits [T, E] -> affinity scores [T, E] (sqrt(softplus) for V4.1). calls: the tokens'
-    separate calls (`ops.lanes.per_call`; the engine's chunks), None for one call; step: the vector step
-    to emulate (`ops.lanes.reference_step`), None for this CPU's."""
+    separate calls (`ops.lanes.per_call`; the engine's chunks), None for one call; reference: canonical
+    numerics (the function in float64, rounded once to fp32; the sqrt is fp32, exact)."""
+    if reference:
+        fn = {"softmax": canonical.softmax, "sigmoid": canonical.sigmoid}.get(score_func)
+        return fn(logits) if fn is not None else canonical.softplus(logits).sqrt()
     if score_func == "softmax":
         return logits.softmax(dim=-1)
     if score_func == "sigmoid":
-        return per_call("sigmoid", logits, calls, step)
-    return per_call("softplus", logits, calls, step).sqrt()
+        return per_call("sigmoid", logits, calls)
+    return per_call("softplus", logits, calls).sqrt()
 
 
 def route(scores: torch.Tensor, bias: torch.Tensor, k: int, normalize: bool,
-          route_scale: float, canonical: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+          route_scale: float, canonical_ties: bool = True, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick k experts per token by scores + bias; weight them by the unbiased scores.
 
     scores [T, E] fp32, bias [E] or [T, E] fp32. Returns (weights [T, k] fp32, indices [T, k] int64).
-    canonical: exact ties go to the lowest expert id (`topk_canonical`); False keeps `torch.topk`'s choice
-    (the reference's).
+    canonical_ties: exact ties go to the lowest expert id (`topk_canonical`); False keeps `torch.topk`'s
+    choice (the reference's). reference: canonical numerics for the weights' sum (`route_weights`).
     """
     biased = scores + bias
-    indices = topk_canonical(biased, k) if canonical else biased.topk(k, dim=-1)[1]
-    return route_weights(scores, indices, normalize, route_scale), indices
+    indices = topk_canonical(biased, k) if canonical_ties else biased.topk(k, dim=-1)[1]
+    return route_weights(scores, indices, normalize, route_scale, reference), indices
 
 
-def route_weights(scores: torch.Tensor, indices: torch.Tensor, normalize: bool, route_scale: float) -> torch.Tensor:
+def route_weights(scores: torch.Tensor, indices: torch.Tensor, normalize: bool, route_scale: float,
+                  reference: bool = False) -> torch.Tensor:
     """The weights of picked experts: their unbiased scores [T, E] at indices [T, k], normalised over the
-    picks when `normalize` (and k > 1), times `route_scale` -> fp32 [T, k]."""
+    picks when `normalize` (and k > 1), times `route_scale` -> fp32 [T, k]. reference: the picks' sum in
+    float64, rounded once."""
     weights = scores.gather(1, indices)
     if normalize and indices.size(-1) > 1:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        total = canonical.sum(weights, -1, keepdim=True) if reference else weights.sum(dim=-1, keepdim=True)
+        weights = weights / (total + 1e-20)
     return weights * route_scale
 
 
@@ -78,13 +85,14 @@ def capacity_topk(biased: torch.Tensor, k: int, capacity: int, canonical: bool =
         masked[token[drop], expert[drop]] = float("-inf")
 
 
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32; limit <= 0 disables the clamps."""
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, reference: bool = False) -> torch.Tensor:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32; limit <= 0 disables the clamps.
+    reference: the SiLU in float64, rounded once to fp32."""
     gate, up = gate.float(), up.float()
     if limit > 0:
         up = up.clamp(-limit, limit)
         gate = gate.clamp(max=limit)
-    return F.silu(gate) * up
+    return (canonical.silu(gate) if reference else F.silu(gate)) * up
 
 
 def expert_load(indices: torch.Tensor, n_experts: int, mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -4,6 +4,11 @@ Ratio-0 layers use plain RoPE at `rope_theta`; layers with compress ratio > 0 us
 `compress_rope_theta` for everything in the layer (q, window KV, compressed latents, indexer q/k and the
 inverse rotation of the output). Pairs are adjacent channels (real, imag) of the last `rope_head_dim`
 channels. No YaRN attention-scale factor is applied.
+
+The tables are the canonical ones in every numerics mode (built once, so this costs nothing per step):
+the pow of the frequency ladder and the cos/sin of each angle in float64, rounded once to fp32; the YaRN
+blend and the position products in fp32. So the tables are the same on every CPU whatever its math
+library. Under reference numerics the rotation itself is canonical too (`apply_rope(reference=True)`).
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ def rope_frequencies(dim: int, base: float, original_seq_len: int = 0, factor: f
     """Per-pair angular frequencies, fp32 [dim/2]. With original_seq_len > 0 applies YaRN: pairs whose
     wavelength fits the training context keep their frequency, long ones are divided by `factor`, and
     the band between beta_fast and beta_slow rotations is blended with a linear ramp."""
-    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
+    exponent = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim
+    freqs = 1.0 / torch.pow(torch.tensor(base, dtype=torch.float64), exponent.double()).float()  # [dim/2]
     if original_seq_len > 0:
         def pair_index_for(rotations: float) -> float:
             # the pair whose wavelength makes `rotations` turns over the original context
@@ -53,7 +59,8 @@ class RotaryTable:
             # a normal tensor even when grown under inference_mode (the table outlives that context)
             with torch.inference_mode(False):
                 angles = torch.outer(torch.arange(n, device="cpu"), self.freqs)  # [n, dim/2] fp32
-                self.table = torch.polar(torch.ones_like(angles), angles)
+                angles = angles.double()  # cos and sin in float64, rounded once (canonical)
+                self.table = torch.complex(angles.cos().float(), angles.sin().float())
         rows = self.table[start:end]
         return rows if device is None else rows.to(device)
 
@@ -65,20 +72,30 @@ class RotaryTable:
         return rows if device is None else rows.to(device)
 
 
-def apply_rope(x: torch.Tensor, freqs: torch.Tensor, rope_dim: int, inverse: bool = False) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor, rope_dim: int, inverse: bool = False,
+               reference: bool = False) -> torch.Tensor:
     """Rotate the last `rope_dim` channels of x; returns a new tensor of x's dtype.
 
     x: [B, S, D] or [B, S, H, D]; freqs: complex64 [S, rope_dim/2], or [B, S, rope_dim/2] when each row has
     its own positions (the engine's batched DSpark drafts). `inverse` applies the conjugate rotation (used
-    to take the query's rotation back off the attention output).
+    to take the query's rotation back off the attention output). reference: canonical numerics, each pair
+    (a, b) rotated by (c, s) as a*c - b*s, a*s + b*c in float64, rounded to fp32 and then x's dtype.
     """
-    rot = torch.view_as_complex(x[..., -rope_dim:].float().unflatten(-1, (-1, 2)))
     if inverse:
         freqs = freqs.conj()
     rows = freqs.size(0) if freqs.ndim == 3 else 1
+    pairs = rope_dim // 2
     if x.ndim == 3:
-        freqs = freqs.view(rows, x.size(1), rot.size(-1))
+        freqs = freqs.view(rows, x.size(1), pairs)
     else:
-        freqs = freqs.view(rows, x.size(1), 1, rot.size(-1))
+        freqs = freqs.view(rows, x.size(1), 1, pairs)
+    if reference:
+        ab = x[..., -rope_dim:].double().unflatten(-1, (-1, 2))  # [..., pairs, 2]
+        a, b = ab[..., 0], ab[..., 1]
+        freqs = freqs.resolve_conj()
+        c, s = freqs.real.double(), freqs.imag.double()
+        rotated = torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(-2).float().to(x.dtype)
+        return torch.cat([x[..., :-rope_dim], rotated], dim=-1)
+    rot = torch.view_as_complex(x[..., -rope_dim:].float().unflatten(-1, (-1, 2)))
     rotated = torch.view_as_real(rot * freqs).flatten(-2).to(x.dtype)
     return torch.cat([x[..., :-rope_dim], rotated], dim=-1)

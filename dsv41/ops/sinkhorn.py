@@ -19,23 +19,30 @@ import functools
 
 import torch
 
-from dsv41.ops import fused
+from dsv41.ops import canonical, fused
 from dsv41.ops.lanes import per_call
 
 
 def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
-                      iters: int, eps: float, calls=None, step=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      iters: int, eps: float, calls=None, reference: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mixes [..., (2 + hc) * hc] fp32; scale [3]; base [(2 + hc) * hc]; calls: the tokens' separate calls
-    when several sequences' chunks share this one (`ops.lanes.per_call`), None for one call; step: the
-    sigmoid's vector step to emulate (`ops.lanes.reference_step`), None for this CPU's.
+    when several sequences' chunks share this one (`ops.lanes.per_call`), None for one call; reference:
+    canonical numerics (sigmoid, exp and every row/column sum in float64, each rounded once).
 
     Returns pre [..., hc], post [..., hc], comb [..., hc, hc] (comb[i, j]: weight of residual copy i
     in output copy j).
     """
     m, scale, base = mixes.float(), scale.float(), base.float()
+    if reference:
+        pre = canonical.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
+        post = 2 * canonical.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+        logits = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
+        comb = canonical.exp(logits - logits.amax(dim=-1, keepdim=True))
+        return pre, post, sinkhorn_normalize(comb, iters, eps, reference=True)
     # as if each call ran alone (dsv41.ops.lanes): the sigmoid's scalar tail depends on the call's size
-    pre = per_call("sigmoid", m[..., :hc] * scale[0] + base[:hc], calls, step) + eps
-    post = 2 * per_call("sigmoid", m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc], calls, step)
+    pre = per_call("sigmoid", m[..., :hc] * scale[0] + base[:hc], calls) + eps
+    post = 2 * per_call("sigmoid", m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc], calls)
     logits = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
     comb = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
     if (fused.enabled() and not (torch.is_grad_enabled() and comb.requires_grad)
@@ -45,13 +52,17 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
     return pre, post, sinkhorn_normalize(comb, iters, eps)
 
 
-def sinkhorn_normalize(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """The reference: comb [..., hc, hc] positive (exp of centred logits) -> the normalised mixing."""
-    comb = comb / comb.sum(dim=-1, keepdim=True) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+def sinkhorn_normalize(comb: torch.Tensor, iters: int, eps: float, reference: bool = False) -> torch.Tensor:
+    """The eager form: comb [..., hc, hc] positive (exp of centred logits) -> the normalised mixing.
+    reference: every row and column sum in float64, rounded once (the divisions stay fp32)."""
+    def total(x: torch.Tensor, dim: int) -> torch.Tensor:
+        return canonical.sum(x, dim, keepdim=True) if reference else x.sum(dim=dim, keepdim=True)
+
+    comb = comb / total(comb, -1) + eps
+    comb = comb / (total(comb, -2) + eps)
     for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        comb = comb / (total(comb, -1) + eps)
+        comb = comb / (total(comb, -2) + eps)
     return comb
 
 

@@ -14,15 +14,20 @@ from __future__ import annotations
 
 import torch
 
+from dsv41.ops import canonical
+
 BLOCK = 64  # indices per online-softmax step, as in the reference kernel
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, indices: torch.Tensor,
-                softmax_scale: float) -> torch.Tensor:
+                softmax_scale: float, reference: bool = False) -> torch.Tensor:
     """q [B, M, H, D] bf16; kv [B, N, D] bf16; attn_sink [H] fp32; indices [B, M, K] int (-1 = unused).
 
     Returns bf16 [B, M, H, D]: sum_k softmax_k(scale * q.kv[idx_k]) * kv[idx_k], sink in the denominator.
+    reference: canonical numerics (`sparse_attn_canonical`).
     """
+    if reference:
+        return sparse_attn_canonical(q, kv, attn_sink, indices, softmax_scale)
     b, m, h, d = q.shape
     scale = torch.tensor(softmax_scale, dtype=torch.float32, device=q.device)
     qf, kvf = q.float(), kv.float()
@@ -56,6 +61,35 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, indi
             out = out * rescale.unsqueeze(-1) + pv
         running_max = new_max
     denom = denom + torch.exp(attn_sink.float() - running_max)
+    return (out / denom.unsqueeze(-1)).to(torch.bfloat16)
+
+
+def sparse_attn_canonical(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, indices: torch.Tensor,
+                          softmax_scale: float) -> torch.Tensor:
+    """`sparse_attn` under canonical numerics (dsv41.ops.canonical): the same online softmax over blocks of
+    64 indices and the same roundings (bf16 probabilities for P.V, fp32 running state), with the dot
+    products q.k and P.V, every exp and each block's denominator sum in float64, each rounded once to fp32.
+    Same shapes as `sparse_attn`."""
+    b, m, h, d = q.shape
+    scale = torch.tensor(softmax_scale, dtype=torch.float32, device=q.device)
+    out = torch.zeros(b, m, h, d, dtype=torch.float32, device=q.device)
+    denom = torch.zeros(b, m, h, dtype=torch.float32, device=q.device)
+    running_max = torch.full((b, m, h), -1e30, dtype=torch.float32, device=q.device)
+    batch = torch.arange(b, device=q.device).view(b, 1, 1)
+    for start in range(0, indices.size(-1), BLOCK):
+        idx = indices[:, :, start:start + BLOCK].long()  # [B, M, k]
+        valid = idx != -1
+        rows = kv.float()[batch, idx.clamp_min(0)] * valid.unsqueeze(-1)  # [B, M, k, D], empty slots zeroed
+        logits = canonical.einsum("bmhd,bmkd->bmhk", q, rows)
+        logits = logits.masked_fill(~valid.unsqueeze(2), -torch.inf) * scale
+        new_max = torch.maximum(running_max, logits.amax(dim=-1))
+        rescale = canonical.exp(running_max - new_max)
+        probs = canonical.exp(logits - new_max.unsqueeze(-1))  # [B, M, H, k] fp32
+        pv = canonical.einsum("bmhk,bmkd->bmhd", probs.to(torch.bfloat16), rows)
+        denom = denom * rescale + canonical.sum(probs, -1)
+        out = out * rescale.unsqueeze(-1) + pv
+        running_max = new_max
+    denom = denom + canonical.exp(attn_sink.float() - running_max)
     return (out / denom.unsqueeze(-1)).to(torch.bfloat16)
 
 

@@ -11,25 +11,28 @@ ceil(vit_h/3) x ceil(vit_w/3) backbone tokens.
 
 Numerics follow the reference: bf16 `nn.Linear` layers (with bias except the MLP), RMSNorm with fp32
 weights and eps 1e-6 (not the backbone's norm_eps), `F.scaled_dot_product_attention` on 3-D bf16
-tensors (on CPU that is torch's math kernel; see VisionAttention). A hand-written fp32
-softmax(QK^T)V differs from that kernel by bf16 ulps on larger grids, which the backbone amplifies, so
-the library call is kept deliberately.
+tensors. Under reference numerics (`reference_numerics` on each module) every machine-dependent op is
+canonical (dsv41.ops.canonical): the linears with their bias, SiLU, GELU, the RMS statistics and the whole
+attention softmax(q k^T / sqrt(d)) v in float64, rounded once. The 2D RoPE tables are canonical always.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv41.ops.reductions import linear_fp64_accumulate, mean_of_squares
+from dsv41.ops import canonical
+from dsv41.ops.reductions import mean_of_squares, rsqrt
 
 VISION_NORM_EPS = 1e-6
 
 
 class VisionRMSNorm(nn.Module):
     """x * rsqrt(mean(x^2) + eps) * weight with an fp32 weight; statistics in fp32, result in x's dtype.
-    reference_numerics: the mean of squares in the reference's fixed order (dsv41.ops.reductions)."""
+    reference_numerics: the mean of squares and rsqrt in float64, each rounded once (dsv41.ops.canonical)."""
 
     def __init__(self, dim: int):
         super().__init__()
@@ -38,16 +41,14 @@ class VisionRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        xf = xf * torch.rsqrt(mean_of_squares(xf, self.reference_numerics, keepdim=True) + VISION_NORM_EPS)
+        ref = self.reference_numerics
+        xf = xf * rsqrt(mean_of_squares(xf, ref, keepdim=True) + VISION_NORM_EPS, ref)
         return (self.weight * xf).to(x.dtype)
 
 
 class VisionLinear(nn.Linear):
-    """nn.Linear (same parameters and names); with reference_numerics, x W^T + b accumulated in fp64 and rounded
-    once to x's dtype (`dsv41.ops.reductions.linear_fp64_accumulate`). A bf16 GEMM's fp32 accumulation
-    order depends on the CPU's kernel: on an AVX2-only CPU it lands one bf16 ulp away from an AVX512-BF16
-    one on a few outputs where the bias nearly cancels the product (the golden's README measures the fp64
-    form bit-identical to the reference there)."""
+    """nn.Linear (same parameters and names); with reference_numerics, x W^T + b in float64 (the bias added
+    before the one rounding) rounded to fp32 and then x's dtype (`dsv41.ops.canonical.linear`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -55,7 +56,7 @@ class VisionLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.reference_numerics:
-            return linear_fp64_accumulate(x, self.weight, self.bias)
+            return canonical.linear(x, self.weight, self.bias)
         return super().forward(x)
 
 
@@ -64,7 +65,9 @@ def rope_2d_angles(vit_h: int, vit_w: int, head_dim: int, theta: float, device=N
     rd = head_dim / 2, angle[j] = row * theta^(-2j/rd) for j < rd/2 and col * theta^(-2(j - rd/2)/rd)
     for the rest, so each axis gets a full frequency ladder over half of the rotary pairs."""
     rd = head_dim // 2
-    inv = theta ** (-torch.arange(0, rd, 2, dtype=torch.float32, device=device) / rd)  # [rd/2]
+    exponent = -torch.arange(0, rd, 2, dtype=torch.float32, device=device) / rd
+    # the pow in float64, rounded once (canonical in every mode: a table, built once per image)
+    inv = torch.pow(torch.tensor(theta, dtype=torch.float64, device=device), exponent.double()).float()  # [rd/2]
     rows = torch.arange(vit_h, dtype=torch.float32, device=device).repeat_interleave(vit_w)  # [n]
     cols = torch.arange(vit_w, dtype=torch.float32, device=device).repeat(vit_h)  # [n]
     return torch.cat([rows[:, None] * inv, cols[:, None] * inv], dim=-1)  # [n, rd]
@@ -72,11 +75,12 @@ def rope_2d_angles(vit_h: int, vit_w: int, head_dim: int, theta: float, device=N
 
 def apply_rope_half(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE: x [..., n, head_dim] pairs dimension j with j + head_dim/2 (not the backbone's
-    interleaved pairs); angles [n, head_dim/2]. Computed in fp32, returned in x's dtype."""
+    interleaved pairs); angles [n, head_dim/2]. The cos/sin tables in float64, rounded once to fp32 (the
+    same on every CPU); the rotation in fp32, returned in x's dtype."""
     half = x.size(-1) // 2
     xf = x.float()
     x1, x2 = xf[..., :half], xf[..., half:]
-    cos, sin = angles.cos(), angles.sin()
+    cos, sin = angles.double().cos().float(), angles.double().sin().float()
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
@@ -88,6 +92,7 @@ class VisionAttention(nn.Module):
         self.n_heads, self.head_dim = n_heads, dim // n_heads
         self.wqkv = VisionLinear(dim, 3 * dim, bias=True, dtype=torch.bfloat16)
         self.wo = VisionLinear(dim, dim, bias=True, dtype=torch.bfloat16)
+        self.reference_numerics = False  # the attention in float64 (dsv41.ops.canonical)
 
     def forward(self, x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
         """x [n, dim] bf16 (one image's patches) -> [n, dim]."""
@@ -97,7 +102,12 @@ class VisionAttention(nn.Module):
         # 3-D [heads, n, hd] inputs, as the reference passes them: torch's CPU dispatcher then takes the math
         # kernel (one fp32 softmax per row, one bf16 rounding). A 4-D call picks the blocked flash kernel,
         # whose online softmax rounds differently (60% of the golden's vit_out elements move by an ulp).
-        out = F.scaled_dot_product_attention(q, k, v)  # [heads, n, hd]
+        if self.reference_numerics:  # scores, softmax and P.V in float64, one rounding
+            scores = torch.matmul(q.double(), k.double().transpose(-1, -2)) * (1.0 / math.sqrt(self.head_dim))
+            probs = canonical.softmax(scores, dim=-1, dtype=torch.float64)
+            out = canonical.round_to(torch.matmul(probs, v.double()), q.dtype)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v)  # [heads, n, hd]
         return self.wo(out.transpose(0, 1).reshape(n, -1))
 
 
@@ -108,10 +118,12 @@ class VisionMLP(nn.Module):
         super().__init__()
         self.w1 = VisionLinear(dim, 2 * inter_dim, bias=False, dtype=torch.bfloat16)
         self.w2 = VisionLinear(inter_dim, dim, bias=False, dtype=torch.bfloat16)
+        self.reference_numerics = False  # the SiLU in float64 (dsv41.ops.canonical)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w1(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        act = canonical.silu(gate, gate.dtype) if self.reference_numerics else F.silu(gate)
+        return self.w2(act * up)
 
 
 class VisionBlock(nn.Module):
@@ -167,6 +179,7 @@ class Aligner(nn.Module):
         self.downsample = downsample
         self.w1 = VisionLinear(vision_dim * downsample * downsample, dim, bias=True, dtype=torch.bfloat16)
         self.w2 = VisionLinear(dim, dim, bias=True, dtype=torch.bfloat16)
+        self.reference_numerics = False  # the GELU in float64 (dsv41.ops.canonical)
 
     def forward(self, features: torch.Tensor, vit_h: int, vit_w: int) -> torch.Tensor:
         """features [vit_h * vit_w, C] -> [ceil(vit_h/r) * ceil(vit_w/r), dim], cells in row-major order."""
@@ -174,4 +187,6 @@ class Aligner(nn.Module):
         grid = features.view(vit_h, vit_w, -1).permute(2, 0, 1)  # [C, vit_h, vit_w]
         grid = F.pad(grid, (0, -vit_w % r, 0, -vit_h % r))  # zero-pad right and bottom to multiples of r
         cells = F.unfold(grid.unsqueeze(0), kernel_size=r, stride=r)[0].transpose(0, 1)  # [cells, C*r*r] (c, dy, dx)
-        return self.w2(F.gelu(self.w1(cells)))
+        hidden = self.w1(cells)
+        act = canonical.gelu(hidden, hidden.dtype) if self.reference_numerics else F.gelu(hidden)
+        return self.w2(act)

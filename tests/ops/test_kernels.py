@@ -82,11 +82,6 @@ def test_rope_inverse_undoes_rotation():
     assert torch.allclose(y, x, atol=1e-5) and torch.equal(y[..., :16], x[..., :16])
 
 
-def test_sequential_linear_matches_float64():
-    x, w = torch.randn(3, 50), torch.randn(4, 50)
-    assert torch.allclose(ops.linear_fp32_sequential(x, w).double(), x.double() @ w.double().T, atol=1e-4)
-
-
 def test_invariant_matmul_rows_do_not_depend_on_the_batch():
     from dsv41.ops.gemm import invariant_matmul
 
