@@ -371,6 +371,24 @@ def main(argv=None) -> int:
     return 0
 
 
+def machine() -> dict:
+    """The CPU these figures come from: model name, the flags that pick kernels, torch's capability."""
+    name, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and name == "unknown":
+                    name = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return {"cpu": name, "flags": [f for f in wanted if f in flags], "cores": os.cpu_count(),
+            "torch_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__}
+
+
 def write_results(results: dict, out: str, stem: str, plot_fn) -> str:
     """out/stem.json with the results and out/stem.png drawn by plot_fn(results, path)."""
     os.makedirs(out, exist_ok=True)

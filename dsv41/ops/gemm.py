@@ -68,10 +68,11 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch
     token's result can change with how many other tokens share the call. With every GEMM at exactly
     `chunk` rows a token's result no longer depends on its batch (batch invariance). chunk 0: one call.
 
-    The chunks go to one batched GEMM (each batch entry is the same chunk-row GEMM, verified equal to
-    separate calls in tests/ops) except for large bf16 weights, where this CPU's batched bf16 GEMM is slow
-    and separate calls are faster. There, whole runs of `WIDE_ROWS` rows go to one call when a probe on
-    this machine showed that call gives every row the bits of the `chunk`-row calls (`wide_rows_agree`;
+    fp32 chunks go to one batched GEMM (MKL; each batch entry is the same chunk-row GEMM, verified equal to
+    separate calls in tests/ops). bf16 chunks go to separate calls: oneDNN plans a batched bf16 GEMM from
+    the batch count too (on AMX its K blocking follows a cache model of the whole problem), so an entry's
+    bits could change with the number of chunks. Whole runs of `WIDE_ROWS` rows go to one call when a probe
+    on this machine showed that call gives every row the bits of the `chunk`-row calls (`wide_rows_agree`;
     then runs of 64): a prefill chunk of 1,024 tokens is then 4 calls, not 64, with the same result.
     """
     if not chunk:
@@ -87,7 +88,7 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch
         return F.linear(F.pad(flat, (0, 0, 0, chunk - n)), weight)[:n].reshape(*lead, weight.size(0))
     if n % chunk:
         flat = torch.cat([flat, flat.new_zeros(chunk - n % chunk, k)])
-    if x.dtype == torch.float32 or weight.numel() <= 1 << 16:
+    if x.dtype == torch.float32:
         parts = flat.view(-1, chunk, k)
         out = torch.bmm(parts, weight.t().expand(parts.size(0), k, weight.size(0))).flatten(0, 1)
     else:
@@ -106,19 +107,41 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch
 WIDE_ROWS = (256, 64)  # row counts tried before `chunk`, widest first
 
 
+PROBE_TRIALS = 6  # order-revealing probe inputs per shape (each with its cancelling pair elsewhere)
+
+
+def order_revealing(rows: int, k: int, n: int, trial: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 x [rows, k], w [n, k] holding bf16 values whose GEMM shows its summation order in every
+    output, even after a bf16 rounding: products x[:, a] w[:, a] = 2^24 w and x[:, b] w[:, b] = -2^24 w cancel
+    exactly, so the exact result is the sum of the O(1) terms (|y| ~ 8), while every term an fp32
+    accumulator adds while it holds the 2^24-sized partial loses its low bits (an fp32 ulp there is ~1). Two
+    orders that group the terms differently around a and b give results whole units apart. On plain random
+    inputs the output's bf16 rounding hides an fp32 order change on all but ~0.1% of values. The pair (a, b)
+    differs per trial (trial 0: the first and last columns)."""
+    g = torch.Generator().manual_seed(trial)
+    x = torch.randn(rows, k, generator=g).bfloat16().float()
+    w = torch.randn(n, k, generator=g).bfloat16().float()
+    if k >= 2:
+        a, b = (0, k - 1) if trial == 0 else sorted(torch.randperm(k, generator=g)[:2].tolist())
+        x[:, a] = x[:, b] = 2.0 ** 24
+        w[:, b] = -w[:, a]
+    return x, w
+
+
 @functools.cache
 def wide_rows_agree(k: int, n: int, dtype: torch.dtype, chunk: int, wide: int, threads: int, device: str) -> bool:
     """Does one `wide`-row GEMM [wide, k] x [k, n] give every row the same bits as `chunk`-row GEMMs?
 
     GEMM libraries choose a kernel, and with it the summation order, from the shapes (and thread count),
-    never from the values, so one comparison on random data settles it for these shapes; the answer is
-    memoised per shape, dtype, thread count and device (a pure function of the machine and library).
-    On this CPU (oneDNN, bf16) most shapes agree; some (K = 768 at 33-128 rows) do not.
+    never from the values, so comparisons on inputs that reveal the order (`order_revealing`) settle it for
+    these shapes; the answer is memoised per shape, dtype, thread count and device (a pure function of the
+    machine and library).
     """
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(wide, k, generator=g).to(dtype=dtype, device=device)
-    w = torch.randn(n, k, generator=g).to(dtype=dtype, device=device)
-    return torch.equal(F.linear(x, w), torch.cat([F.linear(part, w) for part in x.split(chunk)]))
+    for trial in range(PROBE_TRIALS):
+        x, w = (t.to(dtype=dtype, device=device) for t in order_revealing(wide, k, n, trial))
+        if not torch.equal(F.linear(x, w), torch.cat([F.linear(part, w) for part in x.split(chunk)])):
+            return False
+    return True
 
 
 @functools.cache
@@ -131,17 +154,20 @@ def narrow_rows_agree(k: int, n: int, dtype: torch.dtype, x_dtype: torch.dtype, 
     summation order does not depend on the row count (this probe says so), the padding is pure waste:
     on a CPU whose bf16 GEMM is a per-row dot product (AVX2 without AVX512-BF16), a 1-row decode pays for
     16 rows. Like `wide_rows_agree`, the answer is a function of the shapes, dtypes, thread count and
-    library, never of the values, so one comparison on random data (twice, with different companions in
-    the padded call) settles it; memoised per process.
+    library, never of the values, so comparisons on order-revealing inputs (`order_revealing`; with
+    different companions in the padded call) settle it; memoised per process. (Plain random inputs did not:
+    their bf16 outputs hid the order of oneDNN's 16-row kernel against ATen's 1-row one, and one sequence's
+    log-probs changed with its batch.)
     """
     g = torch.Generator().manual_seed(rows)
-    w = torch.randn(n, k, generator=g).to(dtype=dtype, device=device)
-    x = torch.randn(rows, k, generator=g).to(dtype=x_dtype, device=device)
-    alone = F.linear(x, w)
-    for companions in (torch.zeros(chunk - rows, k), torch.randn(chunk - rows, k, generator=g) * 1e3):
-        padded = torch.cat([x, companions.to(dtype=x_dtype, device=device)])
-        if not torch.equal(F.linear(padded, w)[:rows], alone):
-            return False
+    for trial in range(PROBE_TRIALS):
+        x, w = order_revealing(rows, k, n, trial)
+        x, w = x.to(dtype=x_dtype, device=device), w.to(dtype=dtype, device=device)
+        alone = F.linear(x, w)
+        for companions in (torch.zeros(chunk - rows, k), torch.randn(chunk - rows, k, generator=g) * 1e3):
+            padded = torch.cat([x, companions.to(dtype=x_dtype, device=device)])
+            if not torch.equal(F.linear(padded, w)[:rows], alone):
+                return False
     return True
 
 

@@ -24,7 +24,7 @@ def rope_frequencies(dim: int, base: float, original_seq_len: int = 0, factor: f
     wavelength fits the training context keep their frequency, long ones are divided by `factor`, and
     the band between beta_fast and beta_slow rotations is blended with a linear ramp."""
     exponent = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim
-    freqs = 1.0 / torch.pow(torch.tensor(base, dtype=torch.float64), exponent.double()).float()  # [dim/2]
+    freqs = 1.0 / torch.pow(torch.tensor(base, dtype=torch.float64, device="cpu"), exponent.double()).float()  # [dim/2]
     if original_seq_len > 0:
         def pair_index_for(rotations: float) -> float:
             # the pair whose wavelength makes `rotations` turns over the original context

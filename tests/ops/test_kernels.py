@@ -101,7 +101,7 @@ def test_invariant_matmul_rows_do_not_depend_on_the_batch():
 def test_invariant_matmul_wide_calls_keep_rows_batch_invariant(k, n):
     """Runs of 256 / 64 rows go to one call only where the machine's probe says it equals the 16-row calls;
     either way each row's bits are those of a lone 16-row call, whatever the batch (up to 600 rows)."""
-    from dsv41.ops.gemm import WIDE_ROWS, invariant_matmul, wide_rows_agree
+    from dsv41.ops.gemm import WIDE_ROWS, invariant_matmul, order_revealing, wide_rows_agree
 
     g = torch.Generator().manual_seed(1)
     w = torch.randn(n, k, generator=g).bfloat16()
@@ -110,10 +110,11 @@ def test_invariant_matmul_wide_calls_keep_rows_batch_invariant(k, n):
     for m in (600, 333, 256, 255, 100, 64, 17):
         assert torch.equal(invariant_matmul(x[:m], w, 16), alone[:m]), m
     assert torch.equal(invariant_matmul(x[37:400], w, 16), alone[37:400])
-    for wide in WIDE_ROWS:  # the probe's verdict holds on other data than its own
-        same = torch.equal(torch.nn.functional.linear(x[:wide], w),
-                           torch.cat([torch.nn.functional.linear(p, w) for p in x[:wide].split(16)]))
-        assert wide_rows_agree(k, n, torch.bfloat16, 16, wide, torch.get_num_threads(), "cpu") == same, wide
+    for wide in WIDE_ROWS:  # where the probe says "agree", the calls agree on other data than its own
+        if wide_rows_agree(k, n, torch.bfloat16, 16, wide, torch.get_num_threads(), "cpu"):
+            for a, b in ((x[:wide], w), tuple(t.bfloat16() for t in order_revealing(wide, k, n, trial=100))):
+                assert torch.equal(torch.nn.functional.linear(a, b),
+                                   torch.cat([torch.nn.functional.linear(p, b) for p in a.split(16)])), wide
 
 
 def test_wide_rows_probe_can_say_no(monkeypatch):
@@ -160,6 +161,43 @@ def test_narrow_rows_probe_can_say_no(monkeypatch):
         gemm.narrow_rows_agree.cache_clear()
     monkeypatch.setattr(gemm.F, "linear", real)
     assert torch.equal(gemm.invariant_matmul(x, w, 16), padded)  # the real kernel: the same bits either way
+
+
+def _sum_in_order(x, w, lanes: int):
+    """x [M, K] @ w [N, K]^T in fp32 with `lanes` interleaved partial sums (1: one left-to-right chain),
+    halved pairwise at the end, rounded to bf16: a stand-in for a GEMM kernel's summation order."""
+    xf, wf = x.float(), w.float()
+    partial = torch.zeros(xf.size(0), wf.size(0), lanes)
+    k = xf.size(1)
+    for i in range(0, k, lanes):
+        span = min(lanes, k - i)
+        partial[..., :span] = partial[..., :span] + xf[:, None, i:i + span] * wf[None, :, i:i + span]
+    while partial.size(-1) > 1:
+        half = partial.size(-1) // 2
+        partial = partial[..., :half] + partial[..., half:]
+    return partial[..., 0].bfloat16()
+
+
+@pytest.mark.parametrize("lanes", [4, 16])
+def test_narrow_rows_probe_sees_an_order_change_that_bf16_rounding_hides(monkeypatch, lanes):
+    """The failure the probe must catch is subtle: a narrow call summing in another fp32 order (ATen's
+    1-row kernel against oneDNN's 16-row one) lands on the same bf16 value for almost every output of
+    random inputs, so a probe on random inputs said "agree" and a sequence's log-probs changed with its
+    batch. On `order_revealing` inputs the probe refuses such a library."""
+    from dsv41.ops import gemm
+
+    def library(x, w):  # narrow calls: one chain; 16-row calls: `lanes` partial sums
+        return _sum_in_order(x, w, 1 if x.size(0) < 16 else lanes)
+
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(16, 64, generator=g).bfloat16(), torch.randn(64, 64, generator=g).bfloat16()
+    assert torch.equal(library(x[:2], w), library(x, w)[:2])  # plain random inputs: the order is invisible
+    monkeypatch.setattr(gemm.F, "linear", library)
+    assert not gemm.narrow_rows_agree.__wrapped__(64, 64, torch.bfloat16, torch.bfloat16, 16, 2, 1, "cpu")
+    assert not gemm.wide_rows_agree.__wrapped__(64, 64, torch.bfloat16, 8, 16, 1, "cpu")
+    # and a library that keeps one order at every row count is accepted
+    monkeypatch.setattr(gemm.F, "linear", lambda x, w: _sum_in_order(x, w, lanes))
+    assert gemm.narrow_rows_agree.__wrapped__(64, 64, torch.bfloat16, torch.bfloat16, 16, 2, 1, "cpu")
 
 
 def _fp4_operands(rows: int, cols: int, d: int = 128, seed: int = 0):
