@@ -2,9 +2,9 @@
 
 Quantized weights take a quantized activation: before every FP8 or FP4 GEMM the activation is rounded
 through FP8 E4M3 with a UE8M0 scale per 32 channels, as the reference kernels do. The product is then
-computed as dequantize + one fp32 matmul; the golden sets confirm this reproduces the reference's
-block-scaled accumulation bit-for-bit after the bf16 rounding of the output (a block product of FP8 x
-FP8 or FP4 x FP8 is exact in fp32, and the scales are powers of two).
+computed as dequantize (exact: codes times power-of-two scales) + one matmul: an fp32 GEMM on the fast
+path, one float64 dot product rounded to fp32 and then bf16 under reference numerics (the golden sets'
+rule, dsv41.ops.canonical).
 """
 
 from __future__ import annotations

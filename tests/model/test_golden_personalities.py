@@ -1,8 +1,8 @@
-"""Golden parity does not depend on the CPU: every public set passes bit for bit under four personalities
-of this machine (slow tier; the default tier runs the plain one in tests/model/test_golden.py).
+"""Golden parity does not depend on the CPU: every public set passes bit for bit under the personalities
+the sets were made under (slow tier; the default tier runs the plain one, tests/model/test_golden.py).
 
-Each personality is a subprocess with its own environment, as the sets were made: the default; one thread;
-ATen held to AVX2 kernels with MKL and oneDNN held to AVX2; ATen's scalar (`default`) kernels. Canonical
+Each personality is a subprocess with its own environment: one thread; ATen held to AVX2 kernels with MKL
+and oneDNN held to AVX2; ATen's scalar (`default`) kernels. Canonical
 numerics make the kernel choice irrelevant, so each must PASS with every logit and capture identical. A
 first check in each subprocess shows the personality took effect (torch's capability, its thread count)."""
 
@@ -18,7 +18,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # name -> (environment, the CPU capability torch must report or None for any, threads or None for any)
 PERSONALITIES = {
-    "default": ({}, None, None),
     "one-thread": ({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}, None, 1),
     "avx2": ({"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
              "AVX2", None),
