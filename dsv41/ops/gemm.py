@@ -68,12 +68,13 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch
     token's result can change with how many other tokens share the call. With every GEMM at exactly
     `chunk` rows a token's result no longer depends on its batch (batch invariance). chunk 0: one call.
 
-    fp32 chunks go to one batched GEMM (MKL; each batch entry is the same chunk-row GEMM, verified equal to
-    separate calls in tests/ops). bf16 chunks go to separate calls: oneDNN plans a batched bf16 GEMM from
-    the batch count too (on AMX its K blocking follows a cache model of the whole problem), so an entry's
-    bits could change with the number of chunks. Whole runs of `WIDE_ROWS` rows go to one call when a probe
-    on this machine showed that call gives every row the bits of the `chunk`-row calls (`wide_rows_agree`;
-    then runs of 64): a prefill chunk of 1,024 tokens is then 4 calls, not 64, with the same result.
+    Every GEMM here is a plain 2-D call, never a batched one: libraries plan a batched GEMM from the batch
+    count too (oneDNN's bf16 kernels on AMX pick their K blocking from a cache model of the whole problem,
+    and MKL's batched GEMM is an entry point of its own), so an entry's bits could change with the number
+    of chunks. Whole
+    runs of `WIDE_ROWS` rows go to one call when a probe on this machine showed that call gives every row
+    the bits of the `chunk`-row calls (`wide_rows_agree`; then runs of 64): a prefill chunk of 1,024
+    tokens is then 4 calls, not 64, with the same result.
     """
     if not chunk:
         return F.linear(x, weight)
@@ -88,19 +89,15 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch
         return F.linear(F.pad(flat, (0, 0, 0, chunk - n)), weight)[:n].reshape(*lead, weight.size(0))
     if n % chunk:
         flat = torch.cat([flat, flat.new_zeros(chunk - n % chunk, k)])
-    if x.dtype == torch.float32:
-        parts = flat.view(-1, chunk, k)
-        out = torch.bmm(parts, weight.t().expand(parts.size(0), k, weight.size(0))).flatten(0, 1)
-    else:
-        parts, done, rows = [], 0, flat.size(0)
-        for wide in (*WIDE_ROWS, chunk):  # greedy: the widest calls that agree first, `chunk` rows last
-            if wide != chunk and (rows - done < wide or not wide_rows_agree(
-                    k, weight.size(0), weight.dtype, chunk, wide, torch.get_num_threads(), weight.device.type)):
-                continue
-            bulk = (rows - done) // wide * wide
-            parts += [F.linear(part, weight) for part in flat[done:done + bulk].split(wide)]
-            done += bulk
-        out = torch.cat(parts)
+    parts, done, rows = [], 0, flat.size(0)
+    for wide in (*WIDE_ROWS, chunk):  # greedy: the widest calls that agree first, `chunk` rows last
+        if wide != chunk and (rows - done < wide or not wide_rows_agree(
+                k, weight.size(0), weight.dtype, chunk, wide, torch.get_num_threads(), weight.device.type)):
+            continue
+        bulk = (rows - done) // wide * wide
+        parts += [F.linear(part, weight) for part in flat[done:done + bulk].split(wide)]
+        done += bulk
+    out = torch.cat(parts)
     return out[:n].reshape(*lead, weight.size(0))
 
 
