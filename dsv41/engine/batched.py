@@ -122,13 +122,15 @@ def decode_attend(attn, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: 
     states.window_scale[slots, layer, at] = scale.to(torch.float8_e8m0fnu).view(torch.uint8)
 
     if not attn.ratio:
-        return ops.paged_sparse_attn(q, rows, ids, None, batch.tables, None, attn.attn_sink, attn.softmax_scale)
+        return ops.paged_sparse_attn(q, rows, ids, None, batch.tables, None, attn.attn_sink, attn.softmax_scale,
+                                     heads_per_call=attn.heads_per_call)
     picked, selected = _compressed(attn, x, qr, batch, states, pool)
     # a lone decode lists min(index_topk, visible entries) selected slots, and the attention's block sums
     # depend on that width; so rows are attended in groups of equal width, each at its own width (most
     # rows, past index_topk entries, share the full one)
     return ops.paged_sparse_attn(q, rows, ids, pool.pages(attn.kv_source), batch.tables, picked, attn.attn_sink,
-                                 attn.softmax_scale, batch.lone_widths(attn.ratio, picked.size(-1)), selected)
+                                 attn.softmax_scale, batch.lone_widths(attn.ratio, picked.size(-1)), selected,
+                                 attn.heads_per_call)
 
 
 def _compressed(attn, x, qr, batch: DecodeBatch, states: StatePool, pool: PagedKVPool):

@@ -245,6 +245,15 @@ class Attention(nn.Module):
         # packed pool stores E2M1, so it needs True
         self.fp4_kv = True
         self.reference_numerics = False  # canonical sparse attention and RoPE (dsv41.ops.canonical)
+        # > 0 (the engine's batch-invariant numerics): the attention's head products in GEMMs of one output
+        # group's heads each, so tensor parallelism (whole groups per rank) gives one device's bits
+        self.row_chunk = 0
+        self.heads_per_group = cfg.n_heads // cfg.o_groups
+
+    @property
+    def heads_per_call(self) -> int:
+        """Heads per attention GEMM (`ops.sparse_attn`): one output group's under batch-invariant numerics."""
+        return self.heads_per_group if self.row_chunk else 0
 
     # ------------------------------------------------------------------ window
     def _window(self, kv: torch.Tensor, start_pos: int, cache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -344,7 +353,8 @@ class Attention(nn.Module):
             ids = torch.cat([ids, comp_ids], dim=-1)
             if shared.get("lone_widths") and comp_ids.size(-1):
                 return self._attend_at_lone_widths(q, rows, ids, start_pos, window)
-        return ops.sparse_attn(q, rows, self.attn_sink, ids, self.softmax_scale, self.reference_numerics)
+        return ops.sparse_attn(q, rows, self.attn_sink, ids, self.softmax_scale, self.reference_numerics,
+                               self.heads_per_call)
 
     def _attend_at_lone_widths(self, q: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, start_pos: int,
                                window: int) -> torch.Tensor:
@@ -357,12 +367,13 @@ class Attention(nn.Module):
         pos = torch.arange(start_pos, start_pos + s)
         width = ((pos + 1) // self.ratio).clamp(max=k)  # [S]
         if bool((width == k).all()):
-            return ops.sparse_attn(q, rows, self.attn_sink, ids, self.softmax_scale, self.reference_numerics)
+            return ops.sparse_attn(q, rows, self.attn_sink, ids, self.softmax_scale, self.reference_numerics,
+                                   self.heads_per_call)
         out = q.new_empty(q.shape)
         for w in width.unique().tolist():
             group = (width == w).nonzero().flatten().to(q.device)
             out[:, group] = ops.sparse_attn(q[:, group], rows, self.attn_sink, ids[:, group, :window + w],
-                                            self.softmax_scale, self.reference_numerics)
+                                            self.softmax_scale, self.reference_numerics, self.heads_per_call)
         return out
 
     def output(self, o: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:

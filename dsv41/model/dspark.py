@@ -89,7 +89,8 @@ class DSparkStage(Block):
             order = torch.sort((ids < 0).int(), dim=1, stable=True).indices
             ids = ids.gather(1, order)
         ids = ids.int().unsqueeze(1).expand(b, k, -1)
-        return attn.output(ops.sparse_attn(q, rows, attn.attn_sink, ids, attn.softmax_scale, attn.reference_numerics),
+        return attn.output(ops.sparse_attn(q, rows, attn.attn_sink, ids, attn.softmax_scale, attn.reference_numerics,
+                                           attn.heads_per_call),
                            freqs)
 
 

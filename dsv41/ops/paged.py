@@ -108,7 +108,7 @@ def paged_index_scores(q: torch.Tensor, weights: torch.Tensor, pages: PagedCache
 def paged_sparse_attn(q: torch.Tensor, window: torch.Tensor, window_ids: torch.Tensor, pages: Optional[PagedCache],
                       tables: torch.Tensor, picked: Optional[torch.Tensor], attn_sink: torch.Tensor,
                       softmax_scale: float, widths: Optional[list] = None,
-                      selected: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      selected: Optional[torch.Tensor] = None, heads_per_call: int = 0) -> torch.Tensor:
     """One decode query per sequence over its window rows and its selected compressed entries.
 
     q [B, 1, H, D] bf16; window [B, W+1, D] bf16 (the ring as it was, then the new token); window_ids
@@ -117,10 +117,11 @@ def paged_sparse_attn(q: torch.Tensor, window: torch.Tensor, window_ids: torch.T
     None when every row lists all k picks, else (width, rows) groups (a lone decode lists
     min(k, visible entries), and the online softmax's block sums depend on that width). selected: the
     picked entries' KV [B, k, D] already gathered (Reuse layers attend exactly their source's selection).
-    Returns bf16 [B, 1, H, D] (`ops.sparse_attn` over cat(window, entries)).
+    heads_per_call: as for `ops.sparse_attn`. Returns bf16 [B, 1, H, D] (`ops.sparse_attn` over
+    cat(window, entries)).
     """
     if pages is None:
-        return sparse_attn(q, window, attn_sink, window_ids.int(), softmax_scale)
+        return sparse_attn(q, window, attn_sink, window_ids.int(), softmax_scale, heads_per_call=heads_per_call)
     if selected is None:
         selected = gather_picked(pages, tables, picked)
     offset = window.size(1)
@@ -128,11 +129,12 @@ def paged_sparse_attn(q: torch.Tensor, window: torch.Tensor, window_ids: torch.T
     comp_ids = torch.where(picked >= 0, offset + torch.arange(picked.size(-1), device=picked.device), -1)
     ids = torch.cat([window_ids, comp_ids], dim=-1).int()
     if not widths:
-        return sparse_attn(q, rows, attn_sink, ids, softmax_scale)
+        return sparse_attn(q, rows, attn_sink, ids, softmax_scale, heads_per_call=heads_per_call)
     w = window_ids.size(-1)
     out = q.new_empty(q.shape)
     for k, group in widths:
-        out[group] = sparse_attn(q[group], rows[group], attn_sink, ids[group, :, :w + k], softmax_scale)
+        out[group] = sparse_attn(q[group], rows[group], attn_sink, ids[group, :, :w + k], softmax_scale,
+                                 heads_per_call=heads_per_call)
     return out
 
 

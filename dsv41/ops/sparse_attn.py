@@ -20,11 +20,14 @@ BLOCK = 64  # indices per online-softmax step, as in the reference kernel
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, indices: torch.Tensor,
-                softmax_scale: float, reference: bool = False) -> torch.Tensor:
+                softmax_scale: float, reference: bool = False, heads_per_call: int = 0) -> torch.Tensor:
     """q [B, M, H, D] bf16; kv [B, N, D] bf16; attn_sink [H] fp32; indices [B, M, K] int (-1 = unused).
 
     Returns bf16 [B, M, H, D]: sum_k softmax_k(scale * q.kv[idx_k]) * kv[idx_k], sink in the denominator.
-    reference: canonical numerics (`sparse_attn_canonical`).
+    reference: canonical numerics (`sparse_attn_canonical`). heads_per_call > 0: the q.k and P.V products
+    in GEMMs of that many heads each (a divisor of H), so a head's bits do not depend on how many heads
+    share the call: an fp32 GEMM's summation order follows its shape (MKL on AVX-512 sums a 6-head and a
+    3-head [H, D] x [D, k] product differently), and tensor parallelism splits the heads by output group.
     """
     if reference:
         return sparse_attn_canonical(q, kv, attn_sink, indices, softmax_scale)
@@ -44,7 +47,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, indi
         valid = idx != -1
         rows = kvf[batch, idx.clamp_min(0)]  # [B, M, k, D], empty slots zeroed
         rows = rows.mul_(valid.unsqueeze(-1)) if inplace else rows * valid.unsqueeze(-1)
-        logits = torch.einsum("bmhd,bmkd->bmhk", qf, rows)
+        logits = _per_heads("bmhd,bmkd->bmhk", qf, rows, heads_per_call)
         if inplace:
             logits = logits.masked_fill_(~valid.unsqueeze(2), -torch.inf).mul_(scale)
         else:
@@ -52,7 +55,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, indi
         new_max = torch.maximum(running_max, logits.amax(dim=-1))
         rescale = torch.exp(running_max - new_max)
         probs = logits.sub_(new_max.unsqueeze(-1)).exp_() if inplace else (logits - new_max.unsqueeze(-1)).exp()
-        pv = torch.einsum("bmhk,bmkd->bmhd", probs.to(torch.bfloat16).float(), rows)
+        pv = _per_heads("bmhk,bmkd->bmhd", probs.to(torch.bfloat16).float(), rows, heads_per_call)
         if inplace:
             denom = denom.mul_(rescale).add_(probs.sum(dim=-1))
             out = out.mul_(rescale.unsqueeze(-1)).add_(pv)
@@ -62,6 +65,13 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, indi
         running_max = new_max
     denom = denom + torch.exp(attn_sink.float() - running_max)
     return (out / denom.unsqueeze(-1)).to(torch.bfloat16)
+
+
+def _per_heads(equation: str, per_head: torch.Tensor, rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """einsum(equation, per_head [B, M, H, ...], rows) in calls of `heads` heads (0: one call)."""
+    if not heads or heads >= per_head.size(2):
+        return torch.einsum(equation, per_head, rows)
+    return torch.cat([torch.einsum(equation, part, rows) for part in per_head.split(heads, dim=2)], dim=2)
 
 
 def sparse_attn_canonical(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, indices: torch.Tensor,
