@@ -18,8 +18,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-
 from bench_serve import machine, table, write_results
+
 from dsv41.config import preset
 from dsv41.model.init import init_random_weights
 from dsv41.model.transformer import Transformer
@@ -42,7 +42,7 @@ def op_rows(name: str, tokens: int, repeats: int) -> list[dict]:
     cfg = preset(name)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, cfg.dim, generator=g).bfloat16()
-    w = (torch.randn(cfg.q_lora_rank, cfg.dim, generator=g) * cfg.dim ** -0.5).bfloat16()
+    w = (torch.randn(cfg.q_lora_rank, cfg.dim, generator=g) * cfg.dim**-0.5).bfloat16()
     flat = torch.randn(tokens, cfg.hc_mult * cfg.dim, generator=g)
     hc_fn = torch.randn((2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult * cfg.dim, generator=g) * 0.01
     gate = torch.randn(tokens, cfg.moe_inter_dim, generator=g)
@@ -80,8 +80,12 @@ def model_rows(name: str, prompt_len: int, decode_steps: int) -> list[dict]:
         # each figure its own best of three: a tuple's min would take the decode time of the run with the
         # best prefill, and one run hit by another process's burst then decides the decode column
         runs = [run() for _ in range(3)]
-        return {"preset": name, "variant": label, "prefill_ms": min(r[0] for r in runs),
-                "decode_step_ms": min(r[1] for r in runs)}
+        return {
+            "preset": name,
+            "variant": label,
+            "prefill_ms": min(r[0] for r in runs),
+            "decode_step_ms": min(r[1] for r in runs),
+        }
 
     rows = [variant("fast (engine, trainer)", False), variant("reference (canonical float64)", True)]
     model.set_reference_numerics(False)
@@ -129,23 +133,39 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     presets = [p for p in args.presets.split(",") if p]
     host = machine()
-    print(f"CPU: {host['cpu']} ({', '.join(host['flags'])}; torch {host['torch_capability']}), "
-          f"{args.threads} threads")
+    print(f"CPU: {host['cpu']} ({', '.join(host['flags'])}; torch {host['torch_capability']}), {args.threads} threads")
     prefill_tokens = 64 if args.quick else 1024
     repeats = 5 if args.quick else 20
     ops = [row for name in presets for tokens in (1, prefill_tokens) for row in op_rows(name, tokens, repeats)]
-    print(table("ops: fast kernel vs canonical float64, best of N, ms",
-                ["preset", "op", "rows", "fast ms", "reference ms", "reference / fast"],
-                [[r["preset"], r["op"], r["tokens"], r["fast_ms"], r["reference_ms"], r["ratio"]] for r in ops]))
+    print(
+        table(
+            "ops: fast kernel vs canonical float64, best of N, ms",
+            ["preset", "op", "rows", "fast ms", "reference ms", "reference / fast"],
+            [[r["preset"], r["op"], r["tokens"], r["fast_ms"], r["reference_ms"], r["ratio"]] for r in ops],
+        )
+    )
     prompt_len, steps = (32, 2) if args.quick else (256, 8)
     model = [row for name in presets for row in model_rows(name, prompt_len, steps)]
     print()
-    print(table(f"model: prefill {prompt_len} tokens, then {steps} decode steps (batch 1), best of 3",
-                ["preset", "numerics", "prefill ms", "x fast", "decode step ms", "x fast"],
-                [[r["preset"], r["variant"], r["prefill_ms"], r["prefill_ratio"], r["decode_step_ms"],
-                  r["decode_ratio"]] for r in model]))
-    results = {"presets": presets, "threads": args.threads, "machine": host, "ops": ops, "model": model,
-               "prompt_len": prompt_len, "decode_steps": steps}
+    print(
+        table(
+            f"model: prefill {prompt_len} tokens, then {steps} decode steps (batch 1), best of 3",
+            ["preset", "numerics", "prefill ms", "x fast", "decode step ms", "x fast"],
+            [
+                [r["preset"], r["variant"], r["prefill_ms"], r["prefill_ratio"], r["decode_step_ms"], r["decode_ratio"]]
+                for r in model
+            ],
+        )
+    )
+    results = {
+        "presets": presets,
+        "threads": args.threads,
+        "machine": host,
+        "ops": ops,
+        "model": model,
+        "prompt_len": prompt_len,
+        "decode_steps": steps,
+    }
     write_results(results, args.out, "numerics", plot)
     return 0
 

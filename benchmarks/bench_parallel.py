@@ -56,9 +56,20 @@ def _stream(base: str, model: str, prompt: list[int], max_tokens: int) -> dict:
     start = time.perf_counter()
     first = end = None
     tokens = 0
-    with requests.post(base + "/v1/completions", stream=True, timeout=600, json={
-            "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "logprobs": 0}) as reply:
+    with requests.post(
+        base + "/v1/completions",
+        stream=True,
+        timeout=600,
+        json={
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+            "logprobs": 0,
+        },
+    ) as reply:
         reply.raise_for_status()
         for line in reply.iter_lines():
             if line.startswith(b"data: ") and line != b"data: [DONE]":
@@ -70,13 +81,27 @@ def _stream(base: str, model: str, prompt: list[int], max_tokens: int) -> dict:
     return {"ttft": first - start, "itl": (end - first) / max(tokens - 1, 1), "tokens": tokens, "end": end}
 
 
-def run_layout(preset: str, ranks: int, n_requests: int, max_tokens: int, prompt_len: int, tp: int = 1,
-               engram: str = "auto") -> dict:
+def run_layout(
+    preset: str, ranks: int, n_requests: int, max_tokens: int, prompt_len: int, tp: int = 1, engram: str = "auto"
+) -> dict:
     """`ranks` data- and expert-parallel engines (1: one device), or with tp > 1 one engine whose attention
     heads are split over `tp` tensor-parallel ranks; `engram`: --engram-sharding."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "dsv41.cli", "serve", preset, "--port", str(port), "--threads", "1",
-           "--fused-kernels", "off", "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dsv41.cli",
+        "serve",
+        preset,
+        "--port",
+        str(port),
+        "--threads",
+        "1",
+        "--fused-kernels",
+        "off",
+        "--log-level",
+        "warning",
+    ]
     if ranks > 1:
         cmd += ["--data-parallel-size", str(ranks), "--expert-parallel-size", str(ranks)]
     if tp > 1:
@@ -110,10 +135,19 @@ def run_layout(preset: str, ranks: int, n_requests: int, max_tokens: int, prompt
         # steps_total counts each rank's steps: the group ran steps / ranks collective steps (its ranks all
         # step together), each taking wall / that
         collective_steps = steps / ranks
-        return {"ranks": ranks * tp, "layout": (f"TP={tp}" if tp > 1 else f"DP={ranks}") + ("r" if engram == "replicated" else ""), "requests": n_requests, "tokens": tokens, "wall_s": wall,
-                "tokens_per_s": tokens / wall, "ttft_mean_s": statistics.mean(r["ttft"] for r in results),
-                "itl_mean_s": statistics.mean(itl), "itl_max_s": max(itl),
-                "engine_steps": steps, "wall_per_collective_step_s": wall / max(collective_steps, 1)}
+        return {
+            "ranks": ranks * tp,
+            "layout": (f"TP={tp}" if tp > 1 else f"DP={ranks}") + ("r" if engram == "replicated" else ""),
+            "requests": n_requests,
+            "tokens": tokens,
+            "wall_s": wall,
+            "tokens_per_s": tokens / wall,
+            "ttft_mean_s": statistics.mean(r["ttft"] for r in results),
+            "itl_mean_s": statistics.mean(itl),
+            "itl_max_s": max(itl),
+            "engine_steps": steps,
+            "wall_per_collective_step_s": wall / max(collective_steps, 1),
+        }
     finally:
         proc.send_signal(2)  # Ctrl-C: the server stops its ranks
         try:
@@ -144,33 +178,73 @@ def _batch(base: str, n_requests: int, max_tokens: int, prompt_len: int) -> dict
         results = list(pool.map(lambda p: _stream(base, model, p, max_tokens), prompts))
     wall = max(r["end"] for r in results) - start
     tokens = sum(r["tokens"] for r in results)
-    return {"requests": n_requests, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "ttft_mean_s": statistics.mean(r["ttft"] for r in results),
-            "itl_mean_s": statistics.mean(r["itl"] for r in results)}
+    return {
+        "requests": n_requests,
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "ttft_mean_s": statistics.mean(r["ttft"] for r in results),
+        "itl_mean_s": statistics.mean(r["itl"] for r in results),
+    }
 
 
 def run_disaggregation(preset: str, n_requests: int, max_tokens: int, prompt_len: int) -> list[dict]:
     """Colocated (one server) vs disaggregated (router + prefill worker + decode worker) on one batch."""
-    serve = [sys.executable, "-m", "dsv41.cli", "serve", preset, "--threads", "1", "--fused-kernels", "off",
-             "--log-level", "warning"]
+    serve = [
+        sys.executable,
+        "-m",
+        "dsv41.cli",
+        "serve",
+        preset,
+        "--threads",
+        "1",
+        "--fused-kernels",
+        "off",
+        "--log-level",
+        "warning",
+    ]
     rows = []
     for layout in ("colocated", "disaggregated"):
         procs, ports = [], [_free_port() for _ in range(3)]
         try:
             if layout == "colocated":
-                procs.append(subprocess.Popen(serve + ["--port", str(ports[0])], stdout=subprocess.DEVNULL,
-                                              stderr=subprocess.DEVNULL))
+                procs.append(
+                    subprocess.Popen(
+                        serve + ["--port", str(ports[0])], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                    )
+                )
                 _wait_up(f"http://127.0.0.1:{ports[0]}", procs[0], "the server")
             else:
                 for port, mode in zip(ports[1:], ("prefill", "decode")):
-                    procs.append(subprocess.Popen(serve + ["--port", str(port), "--disaggregation-mode", mode],
-                                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                    procs.append(
+                        subprocess.Popen(
+                            serve + ["--port", str(port), "--disaggregation-mode", mode],
+                            stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL,
+                        )
+                    )
                 for port, proc in zip(ports[1:], procs):
                     _wait_up(f"http://127.0.0.1:{port}", proc, "a worker")
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "dsv41.cli", "router", "--port", str(ports[0]), "--log-level", "warning",
-                     "--prefill", f"http://127.0.0.1:{ports[1]}", "--decode", f"http://127.0.0.1:{ports[2]}"],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "dsv41.cli",
+                            "router",
+                            "--port",
+                            str(ports[0]),
+                            "--log-level",
+                            "warning",
+                            "--prefill",
+                            f"http://127.0.0.1:{ports[1]}",
+                            "--decode",
+                            f"http://127.0.0.1:{ports[2]}",
+                        ],
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
+                )
                 _wait_up(f"http://127.0.0.1:{ports[0]}", procs[-1], "the router")
             row = {"layout": layout, **_batch(f"http://127.0.0.1:{ports[0]}", n_requests, max_tokens, prompt_len)}
             if layout == "disaggregated":
@@ -203,7 +277,11 @@ SCALE_OUT = [
     ("colocated DP4xEP4", 4, ["--data-parallel-size", "4", "--expert-parallel-size", "4"]),
     ("disagg 1+1", 2, ([], [])),
     ("disagg 1+DP2xEP2", 3, ([], ["--data-parallel-size", "2", "--expert-parallel-size", "2"])),
-    ("disagg TP2+DP2xEP2", 4, (["--tensor-parallel-size", "2"], ["--data-parallel-size", "2", "--expert-parallel-size", "2"])),
+    (
+        "disagg TP2+DP2xEP2",
+        4,
+        (["--tensor-parallel-size", "2"], ["--data-parallel-size", "2", "--expert-parallel-size", "2"]),
+    ),
 ]
 
 
@@ -216,8 +294,19 @@ def run_scale_out(preset: str, n_requests: int, max_tokens: int, prompt_len: int
     """Colocated serving on 1, 2 and 4 data+expert-parallel ranks, and disaggregated serving (router + a prefill
     and a decode worker) with single-rank workers and with multi-rank ones of different layouts, on the same
     batch, one layout after the other (each process `--threads 1`)."""
-    serve = [sys.executable, "-m", "dsv41.cli", "serve", preset, "--threads", "1", "--fused-kernels", "off",
-             "--log-level", "warning"]
+    serve = [
+        sys.executable,
+        "-m",
+        "dsv41.cli",
+        "serve",
+        preset,
+        "--threads",
+        "1",
+        "--fused-kernels",
+        "off",
+        "--log-level",
+        "warning",
+    ]
     rows = []
     for name, ranks, layout in SCALE_OUT:
         if only and name not in only:
@@ -231,18 +320,41 @@ def run_scale_out(preset: str, n_requests: int, max_tokens: int, prompt_len: int
             else:
                 for port, base, mode, args in zip(ports[1:], url[1:], ("prefill", "decode"), layout):
                     _start(serve + args + ["--port", str(port), "--disaggregation-mode", mode], base, name, procs)
-                _start([sys.executable, "-m", "dsv41.cli", "router", "--port", str(ports[0]), "--log-level", "warning",
-                        "--prefill", url[1], "--decode", url[2]], url[0], "the router", procs)
+                _start(
+                    [
+                        sys.executable,
+                        "-m",
+                        "dsv41.cli",
+                        "router",
+                        "--port",
+                        str(ports[0]),
+                        "--log-level",
+                        "warning",
+                        "--prefill",
+                        url[1],
+                        "--decode",
+                        url[2],
+                    ],
+                    url[0],
+                    "the router",
+                    procs,
+                )
             row = {"layout": name, "ranks": ranks, **_batch(url[0], n_requests, max_tokens, prompt_len)}
             if not isinstance(layout, list):
                 stats = requests.get(url[0] + "/stats", timeout=10).json()
                 n = max(stats["handoffs"], 1)
-                row.update(router=stats, prefill_s_per_request=stats["prefill_s"] / n,
-                           deliver_s_per_request=stats["deliver_s"] / n,
-                           handoff_bytes_per_request=stats["handoff_bytes"] / n)
+                row.update(
+                    router=stats,
+                    prefill_s_per_request=stats["prefill_s"] / n,
+                    deliver_s_per_request=stats["deliver_s"] / n,
+                    handoff_bytes_per_request=stats["handoff_bytes"] / n,
+                )
             rows.append(row)
-            print(f"{name:>20} {ranks:>5} {row['tokens_per_s']:>9.1f} {row['ttft_mean_s']:>8.2f} "
-                  f"{1e3 * row['itl_mean_s']:>8.1f}", flush=True)
+            print(
+                f"{name:>20} {ranks:>5} {row['tokens_per_s']:>9.1f} {row['ttft_mean_s']:>8.2f} "
+                f"{1e3 * row['itl_mean_s']:>8.1f}",
+                flush=True,
+            )
         finally:
             _stop(procs)
     return rows
@@ -253,21 +365,26 @@ def handoff_table(args, with_prefill: bool) -> list[dict]:
     against the analytic size, fixed bytes, [prefill,] serialise / parse+verify / import times)."""
     handoff = measure_handoff(args.preset, [int(x) for x in args.handoff_lens.split(",")])
     prefill_head = f" {'prefill s':>9}" if with_prefill else ""
-    print(f"{'prompt':>7} {'bytes':>9} {'KV B/tok':>9} {'analytic':>9} {'fixed B':>8}{prefill_head} {'ser ms':>7} "
-          f"{'parse ms':>8} {'import ms':>9}")
+    print(
+        f"{'prompt':>7} {'bytes':>9} {'KV B/tok':>9} {'analytic':>9} {'fixed B':>8}{prefill_head} {'ser ms':>7} "
+        f"{'parse ms':>8} {'import ms':>9}"
+    )
     for r in handoff:
         prefill = f" {r['prefill_s']:>9.2f}" if with_prefill else ""
-        print(f"{r['prompt_tokens']:>7} {r['handoff_bytes']:>9} {r['kv_bytes_per_token']:>9.1f} "
-              f"{r['analytic_kv_bytes_per_token']:>9.1f} {r['fixed_bytes']:>8}{prefill} {1e3 * r['serialize_s']:>7.2f} "
-              f"{1e3 * r['parse_verify_s']:>8.2f} {1e3 * r['import_s']:>9.2f}")
+        print(
+            f"{r['prompt_tokens']:>7} {r['handoff_bytes']:>9} {r['kv_bytes_per_token']:>9.1f} "
+            f"{r['analytic_kv_bytes_per_token']:>9.1f} {r['fixed_bytes']:>8}{prefill} {1e3 * r['serialize_s']:>7.2f} "
+            f"{1e3 * r['parse_verify_s']:>8.2f} {1e3 * r['import_s']:>9.2f}"
+        )
     return handoff
 
 
 def main_scale_out(args) -> None:
     handoff = handoff_table(args, with_prefill=False)
     print(f"{'layout':>20} {'ranks':>5} {'tokens/s':>9} {'TTFT s':>8} {'ITL ms':>8}")
-    rows = run_scale_out(args.preset, args.requests, args.max_tokens, args.prompt_len,
-                         args.layouts.split(";") if args.layouts else None)
+    rows = run_scale_out(
+        args.preset, args.requests, args.max_tokens, args.prompt_len, args.layouts.split(";") if args.layouts else None
+    )
     base = rows[0]
     for r in rows:
         r["tokens_per_s_vs_first"] = r["tokens_per_s"] / base["tokens_per_s"]
@@ -275,15 +392,30 @@ def main_scale_out(args) -> None:
         r["itl_vs_first"] = r["itl_mean_s"] / base["itl_mean_s"]
         extra = ""
         if "handoff_bytes_per_request" in r:
-            extra = (f"; hand-off {r['handoff_bytes_per_request']:.0f} B/request, prefill {r['prefill_s_per_request']:.2f} s, "
-                     f"delivered in {1e3 * r['deliver_s_per_request']:.1f} ms")
-        print(f"{r['layout']} vs {base['layout']}: tokens/s {r['tokens_per_s_vs_first']:.2f}x, TTFT "
-              f"{r['ttft_vs_first']:.2f}x, ITL {r['itl_vs_first']:.2f}x{extra}")
+            extra = (
+                f"; hand-off {r['handoff_bytes_per_request']:.0f} B/request, prefill {r['prefill_s_per_request']:.2f} s, "
+                f"delivered in {1e3 * r['deliver_s_per_request']:.1f} ms"
+            )
+        print(
+            f"{r['layout']} vs {base['layout']}: tokens/s {r['tokens_per_s_vs_first']:.2f}x, TTFT "
+            f"{r['ttft_vs_first']:.2f}x, ITL {r['itl_vs_first']:.2f}x{extra}"
+        )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"preset": args.preset, "cpu_count": os.cpu_count(), "load_avg": os.getloadavg(),
-                       "requests": args.requests, "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
-                       "handoff": handoff, "layouts": rows}, f, indent=2)
+            json.dump(
+                {
+                    "preset": args.preset,
+                    "cpu_count": os.cpu_count(),
+                    "load_avg": os.getloadavg(),
+                    "requests": args.requests,
+                    "max_tokens": args.max_tokens,
+                    "prompt_len": args.prompt_len,
+                    "handoff": handoff,
+                    "layouts": rows,
+                },
+                f,
+                indent=2,
+            )
 
 
 def measure_handoff(preset: str, lengths: list[int]) -> list[dict]:
@@ -318,12 +450,24 @@ def measure_handoff(preset: str, lengths: list[int]) -> list[dict]:
             d_engine.step()
         t4 = time.perf_counter()
         kv = handoff.kv_bytes()
-        rows.append({"prompt_tokens": n, "handoff_bytes": len(data), "kv_bytes": kv,
-                     "kv_bytes_per_token": kv / n, "analytic_kv_bytes_per_token": analytic,
-                     "fixed_bytes": len(data) - kv, "analytic_fixed_state_bytes": fixed["window_fp8"]
-                     + fixed["compressor_partial_groups"], "logits_bytes": cfg.vocab_size * 4,
-                     "prefill_s": t1 - t0, "serialize_s": t2 - t1, "parse_verify_s": t3 - t2, "import_s": t4 - t3,
-                     "serialize_gb_per_s": len(data) / (t2 - t1) / 1e9, "threads": torch.get_num_threads()})
+        rows.append(
+            {
+                "prompt_tokens": n,
+                "handoff_bytes": len(data),
+                "kv_bytes": kv,
+                "kv_bytes_per_token": kv / n,
+                "analytic_kv_bytes_per_token": analytic,
+                "fixed_bytes": len(data) - kv,
+                "analytic_fixed_state_bytes": fixed["window_fp8"] + fixed["compressor_partial_groups"],
+                "logits_bytes": cfg.vocab_size * 4,
+                "prefill_s": t1 - t0,
+                "serialize_s": t2 - t1,
+                "parse_verify_s": t3 - t2,
+                "import_s": t4 - t3,
+                "serialize_gb_per_s": len(data) / (t2 - t1) / 1e9,
+                "threads": torch.get_num_threads(),
+            }
+        )
     return rows
 
 
@@ -334,14 +478,25 @@ def main_disaggregation(args) -> None:
     for r in rows:
         print(f"{r['layout']:>14} {r['tokens_per_s']:>9.1f} {r['ttft_mean_s']:>8.2f} {1e3 * r['itl_mean_s']:>8.1f}")
     co, dis = rows
-    print(f"disaggregated / colocated: tokens/s {dis['tokens_per_s'] / co['tokens_per_s']:.2f}x, "
-          f"TTFT {dis['ttft_mean_s'] / co['ttft_mean_s']:.2f}x, ITL {dis['itl_mean_s'] / co['itl_mean_s']:.2f}x; "
-          f"hand-off {dis['handoff_bytes_per_request']:.0f} B/request, delivered in "
-          f"{1e3 * dis['deliver_s_per_request']:.1f} ms")
+    print(
+        f"disaggregated / colocated: tokens/s {dis['tokens_per_s'] / co['tokens_per_s']:.2f}x, "
+        f"TTFT {dis['ttft_mean_s'] / co['ttft_mean_s']:.2f}x, ITL {dis['itl_mean_s'] / co['itl_mean_s']:.2f}x; "
+        f"hand-off {dis['handoff_bytes_per_request']:.0f} B/request, delivered in "
+        f"{1e3 * dis['deliver_s_per_request']:.1f} ms"
+    )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"preset": args.preset, "cpu_count": os.cpu_count(), "load_avg": os.getloadavg(),
-                       "handoff": handoff, "layouts": rows}, f, indent=2)
+            json.dump(
+                {
+                    "preset": args.preset,
+                    "cpu_count": os.cpu_count(),
+                    "load_avg": os.getloadavg(),
+                    "handoff": handoff,
+                    "layouts": rows,
+                },
+                f,
+                indent=2,
+            )
 
 
 def main() -> None:
@@ -350,17 +505,30 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--ranks", default="1,2", help=(
-        "layouts to measure, comma-separated: N (N data- and expert-parallel ranks) or tpN (one engine, its "
-        "attention heads split over N tensor-parallel ranks); Nr: N ranks with the Engram tables whole on every "
-        "rank (--engram-sharding replicated; N alone shards their rows)"))
+    parser.add_argument(
+        "--ranks",
+        default="1,2",
+        help=(
+            "layouts to measure, comma-separated: N (N data- and expert-parallel ranks) or tpN (one engine, its "
+            "attention heads split over N tensor-parallel ranks); Nr: N ranks with the Engram tables whole on every "
+            "rank (--engram-sharding replicated; N alone shards their rows)"
+        ),
+    )
     parser.add_argument("--out", help="also write the results as JSON here")
-    parser.add_argument("--disaggregation", action="store_true",
-                        help="colocated vs prefill/decode disaggregated serving, and the KV hand-off's size and time")
+    parser.add_argument(
+        "--disaggregation",
+        action="store_true",
+        help="colocated vs prefill/decode disaggregated serving, and the KV hand-off's size and time",
+    )
     parser.add_argument("--handoff-lens", default="64,256,1024", help="prompt lengths of the hand-off measurement")
-    parser.add_argument("--scale-out", action="store_true", help=(
-        "one run over colocated 1, 2 and 4 data+expert-parallel ranks and disaggregated 1+1, 1+DP2xEP2 and "
-        "TP2+DP2xEP2 workers behind the router, plus the hand-off's size and time"))
+    parser.add_argument(
+        "--scale-out",
+        action="store_true",
+        help=(
+            "one run over colocated 1, 2 and 4 data+expert-parallel ranks and disaggregated 1+1, 1+DP2xEP2 and "
+            "TP2+DP2xEP2 workers behind the router, plus the hand-off's size and time"
+        ),
+    )
     parser.add_argument("--layouts", help="with --scale-out: only these layouts (names separated by ';')")
     args = parser.parse_args()
     env_path = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -368,21 +536,39 @@ def main() -> None:
     if args.disaggregation or args.scale_out:
         sys.path.insert(0, env_path)
         return main_scale_out(args) if args.scale_out else main_disaggregation(args)
-    rows = [run_layout(args.preset, 1, args.requests, args.max_tokens, args.prompt_len, tp=int(r[2:]))
-            if r.startswith("tp") else run_layout(args.preset, int(r.rstrip("r")), args.requests, args.max_tokens,
-                                                  args.prompt_len, engram="replicated" if r.endswith("r") else "auto")
-            for r in args.ranks.split(",")]
-    print(f"{'layout':>6} {'ranks':>5} {'tokens/s':>9} {'TTFT s':>8} {'ITL ms':>8} {'ITL max':>8} {'steps':>6} {'s/step':>7}")
+    rows = [
+        run_layout(args.preset, 1, args.requests, args.max_tokens, args.prompt_len, tp=int(r[2:]))
+        if r.startswith("tp")
+        else run_layout(
+            args.preset,
+            int(r.rstrip("r")),
+            args.requests,
+            args.max_tokens,
+            args.prompt_len,
+            engram="replicated" if r.endswith("r") else "auto",
+        )
+        for r in args.ranks.split(",")
+    ]
+    print(
+        f"{'layout':>6} {'ranks':>5} {'tokens/s':>9} {'TTFT s':>8} {'ITL ms':>8} {'ITL max':>8} {'steps':>6} {'s/step':>7}"
+    )
     for r in rows:
-        print(f"{r['layout']:>6} {r['ranks']:>5} {r['tokens_per_s']:>9.1f} {r['ttft_mean_s']:>8.2f} {1e3 * r['itl_mean_s']:>8.1f} "
-              f"{1e3 * r['itl_max_s']:>8.1f} {r['engine_steps']:>6.0f} {r['wall_per_collective_step_s']:>7.3f}")
+        print(
+            f"{r['layout']:>6} {r['ranks']:>5} {r['tokens_per_s']:>9.1f} {r['ttft_mean_s']:>8.2f} {1e3 * r['itl_mean_s']:>8.1f} "
+            f"{1e3 * r['itl_max_s']:>8.1f} {r['engine_steps']:>6.0f} {r['wall_per_collective_step_s']:>7.3f}"
+        )
     if len(rows) > 1:
         for r in rows[1:]:
-            print(f"tokens/s ratio {r['layout']} vs {rows[0]['layout']}: {r['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x")
+            print(
+                f"tokens/s ratio {r['layout']} vs {rows[0]['layout']}: {r['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x"
+            )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"preset": args.preset, "cpu_count": os.cpu_count(), "load_avg": os.getloadavg(),
-                       "layouts": rows}, f, indent=2)
+            json.dump(
+                {"preset": args.preset, "cpu_count": os.cpu_count(), "load_avg": os.getloadavg(), "layouts": rows},
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

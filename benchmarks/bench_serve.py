@@ -42,8 +42,14 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
 
 
 def make_engine(model, **overrides) -> LLMEngine:
-    settings = dict(block_size=64, kv_pool_tokens=1 << 18, max_num_seqs=64, max_num_batched_tokens=2048,
-                    prefill_chunk_size=1024, enable_prefix_caching=False)
+    settings = dict(
+        block_size=64,
+        kv_pool_tokens=1 << 18,
+        max_num_seqs=64,
+        max_num_batched_tokens=2048,
+        prefill_chunk_size=1024,
+        enable_prefix_caching=False,
+    )
     settings.update(overrides)
     return LLMEngine(model, ByteTokenizer(model.cfg.vocab_size), EngineConfig(**settings))
 
@@ -74,8 +80,12 @@ def timed_decode(engine: LLMEngine) -> dict:
 
 # a schema that keeps random weights writing for the whole budget (a long string), so both runs time the
 # same number of steps
-JSON_BENCH_SCHEMA = {"type": "object", "required": ["notes"], "additionalProperties": False,
-                     "properties": {"notes": {"type": "string", "minLength": 4096}}}
+JSON_BENCH_SCHEMA = {
+    "type": "object",
+    "required": ["notes"],
+    "additionalProperties": False,
+    "properties": {"notes": {"type": "string", "minLength": 4096}},
+}
 
 
 def decode_steps(model, batch: int, prompt_len: int, new_tokens: int, structured: bool) -> dict:
@@ -88,8 +98,11 @@ def decode_steps(model, batch: int, prompt_len: int, new_tokens: int, structured
 
         spec = GrammarSpec(engine.grammar_compiler.json_schema(JSON_BENCH_SCHEMA))
     for i, p in enumerate(random_prompts(batch, prompt_len, model.cfg.vocab_size)):
-        engine.add_request(f"r{i}", p, SamplingParams(temperature=1.0, seed=i, max_tokens=new_tokens,
-                                                      ignore_eos=not structured, structured=spec))
+        engine.add_request(
+            f"r{i}",
+            p,
+            SamplingParams(temperature=1.0, seed=i, max_tokens=new_tokens, ignore_eos=not structured, structured=spec),
+        )
     return timed_decode(engine)
 
 
@@ -142,8 +155,12 @@ def replay_gap(model, prompt: list[int]) -> dict:
     full = make_engine(model, prefill_mode="full").prompt_logits(prompt)
     bounded = make_engine(model, prefill_mode="bounded").prompt_logits(prompt)
     diff = bounded - full
-    return {"max_abs": float(diff.abs().max()), "rms": float(diff.pow(2).mean().sqrt()),
-            "logit_rms": float(full.pow(2).mean().sqrt()), "argmax_agrees": bool(full.argmax() == bounded.argmax())}
+    return {
+        "max_abs": float(diff.abs().max()),
+        "rms": float(diff.pow(2).mean().sqrt()),
+        "logit_rms": float(full.pow(2).mean().sqrt()),
+        "argmax_agrees": bool(full.argmax() == bounded.argmax()),
+    }
 
 
 def multi_turn(model, turns: int, first_len: int, user_len: int, reply_len: int, **overrides) -> dict:
@@ -166,9 +183,15 @@ def multi_turn(model, turns: int, first_len: int, user_len: int, reply_len: int,
                 done, reply = o.finished, o.token_ids
         ttfts.append(first - start)
     m = engine.metrics()
-    return {"seconds": time.perf_counter() - t, "ttft_s": ttfts, "hit_rate": m["prefix_cache_hit_rate"],
-            "hit_tokens": m["prefix_cache_hit_tokens"], "queried_tokens": m["prefix_cache_queried_tokens"],
-            "snapshot_hits": m["prefix_cache_snapshot_hits"], "window_rebuilds": m["window_rebuilds"]}
+    return {
+        "seconds": time.perf_counter() - t,
+        "ttft_s": ttfts,
+        "hit_rate": m["prefix_cache_hit_rate"],
+        "hit_tokens": m["prefix_cache_hit_tokens"],
+        "queried_tokens": m["prefix_cache_queried_tokens"],
+        "snapshot_hits": m["prefix_cache_snapshot_hits"],
+        "window_rebuilds": m["window_rebuilds"],
+    }
 
 
 def baseline_ttft(model, prompt: list[int]) -> float:
@@ -183,8 +206,12 @@ def synthetic_sequence(engine: LLMEngine, context: int, seed: int = 0) -> Sequen
     """A running sequence whose cache holds `context` positions of grid-valued random state."""
     cfg, pool = engine.model_config, engine.pool
     g = torch.Generator().manual_seed(seed)
-    seq = Sequence(f"ctx{context}", [5] * context, SamplingParams(temperature=0, max_tokens=1 << 30, ignore_eos=True),
-                   engine._arrivals)
+    seq = Sequence(
+        f"ctx{context}",
+        [5] * context,
+        SamplingParams(temperature=0, max_tokens=1 << 30, ignore_eos=True),
+        engine._arrivals,
+    )
     engine._arrivals += 1
     cache = SequenceCache(cfg, pool, engine.states, engine.states.acquire())
     cache.set_blocks([engine.allocator.allocate() for _ in range(-(-(context + 64) // pool.block_size))])
@@ -197,7 +224,9 @@ def synthetic_sequence(engine: LLMEngine, context: int, seed: int = 0) -> Sequen
             pool.write(layer, cache.table, first, kv, keys)
     for layer in range(cfg.n_layers):
         slots = torch.arange(cfg.window_size)
-        cache.window_write(layer, 1, slots, fp8_qdq(torch.randn(1, cfg.window_size, cfg.head_dim, generator=g).bfloat16()))
+        cache.window_write(
+            layer, 1, slots, fp8_qdq(torch.randn(1, cfg.window_size, cfg.head_dim, generator=g).bfloat16())
+        )
     seq.cache, seq.num_computed, seq.prefill_target = cache, context, context
     seq.output_ids = [7]
     seq.status = Status.RUNNING
@@ -223,8 +252,12 @@ def baseline_step_time(model, context: int, steps: int) -> float:
     g = torch.Generator().manual_seed(0)
     for layer in cfg.kv_source_layers:  # same synthetic state in the reference's bf16 containers
         n = context // cfg.compress_ratios[layer]
-        cache.compressed_kv[layer][0, :n] = fp4_qdq(torch.randn(n, cfg.head_dim, generator=g).bfloat16(), KV_FP4_BLOCK, "e4m3")
-        cache.index_k[layer][0, :n] = fp4_qdq(torch.randn(n, cfg.index_head_dim, generator=g).bfloat16(), FP4_BLOCK, "ue8m0")
+        cache.compressed_kv[layer][0, :n] = fp4_qdq(
+            torch.randn(n, cfg.head_dim, generator=g).bfloat16(), KV_FP4_BLOCK, "e4m3"
+        )
+        cache.index_k[layer][0, :n] = fp4_qdq(
+            torch.randn(n, cfg.index_head_dim, generator=g).bfloat16(), FP4_BLOCK, "ue8m0"
+        )
     with torch.inference_mode():
         token = torch.tensor([[7]])
         model(token, context, cache)
@@ -241,13 +274,18 @@ def kv_bytes(model, context: int) -> dict:
     measured = engine.resident_kv_bytes()
     cfg = model.cfg
     baseline = model.new_cache(1, context)
-    container = sum(t.numel() * t.element_size() for d in (baseline.compressed_kv, baseline.index_k) for t in d.values())
-    return {"context": context, "engine_measured_bytes_per_token": measured["global_kv_bytes_per_token"],
-            "engine_allocated_bytes_per_token": measured["allocated_block_bytes"] / context,
-            "analytic_bytes_per_token": global_kv_bytes_per_token(cfg)["total"],
-            "baseline_bf16_bytes_per_token": container / context,
-            "engine_fixed_state_bytes": measured["fixed_state_bytes"],
-            "baseline_window_bytes": sum(t.numel() * t.element_size() for t in baseline.window_kv)}
+    container = sum(
+        t.numel() * t.element_size() for d in (baseline.compressed_kv, baseline.index_k) for t in d.values()
+    )
+    return {
+        "context": context,
+        "engine_measured_bytes_per_token": measured["global_kv_bytes_per_token"],
+        "engine_allocated_bytes_per_token": measured["allocated_block_bytes"] / context,
+        "analytic_bytes_per_token": global_kv_bytes_per_token(cfg)["total"],
+        "baseline_bf16_bytes_per_token": container / context,
+        "engine_fixed_state_bytes": measured["fixed_state_bytes"],
+        "baseline_window_bytes": sum(t.numel() * t.element_size() for t in baseline.window_kv),
+    }
 
 
 def table(title: str, header: list[str], rows: list[list]) -> str:
@@ -284,24 +322,63 @@ def main(argv=None) -> int:
         eng_fast = engine_decode_rate(model, b, prompt_len, new_tokens, batch_invariant=False)
         base = baseline_decode_rate(model, b, prompt_len, new_tokens)
         rows.append([b, eng, eng_fast, base, eng / base, eng_fast / base])
-    results["decode"] = [dict(zip(["batch", "engine_tok_s", "engine_not_batch_invariant_tok_s", "baseline_tok_s",
-                                   "ratio", "ratio_not_batch_invariant"], r)) for r in rows]
-    print(table(f"\n[decode] {args.preset}, prompt {prompt_len}, {new_tokens} new tokens each",
-                ["batch", "engine tok/s", "engine (no batch inv.) tok/s", "baseline tok/s", "engine/baseline",
-                 "no-inv./baseline"], rows))
+    results["decode"] = [
+        dict(
+            zip(
+                [
+                    "batch",
+                    "engine_tok_s",
+                    "engine_not_batch_invariant_tok_s",
+                    "baseline_tok_s",
+                    "ratio",
+                    "ratio_not_batch_invariant",
+                ],
+                r,
+            )
+        )
+        for r in rows
+    ]
+    print(
+        table(
+            f"\n[decode] {args.preset}, prompt {prompt_len}, {new_tokens} new tokens each",
+            [
+                "batch",
+                "engine tok/s",
+                "engine (no batch inv.) tok/s",
+                "baseline tok/s",
+                "engine/baseline",
+                "no-inv./baseline",
+            ],
+            rows,
+        )
+    )
 
     try:  # structured outputs (optional extra): the JSON-schema mask's cost per decode step
         rows = []
         for b in batches:
             free = decode_steps(model, b, prompt_len, new_tokens, structured=False)
             con = decode_steps(model, b, prompt_len, new_tokens, structured=True)
-            rows.append([b, free["step_ms"], con["step_ms"], con["step_ms"] / free["step_ms"],
-                         mask_cost(cfg.vocab_size, b, new_tokens)])
-        results["structured_decode"] = [dict(zip(["batch", "free_step_ms", "json_schema_step_ms", "ratio",
-                                                  "mask_only_ms_per_step"], r)) for r in rows]
-        print(table(f"\n[structured outputs] {args.preset}: decode step with a JSON-schema mask vs unconstrained "
-                    f"(temperature 1)", ["batch", "free ms/step", "JSON schema ms/step", "ratio",
-                                         "mask alone ms/step"], rows))
+            rows.append(
+                [
+                    b,
+                    free["step_ms"],
+                    con["step_ms"],
+                    con["step_ms"] / free["step_ms"],
+                    mask_cost(cfg.vocab_size, b, new_tokens),
+                ]
+            )
+        results["structured_decode"] = [
+            dict(zip(["batch", "free_step_ms", "json_schema_step_ms", "ratio", "mask_only_ms_per_step"], r))
+            for r in rows
+        ]
+        print(
+            table(
+                f"\n[structured outputs] {args.preset}: decode step with a JSON-schema mask vs unconstrained "
+                f"(temperature 1)",
+                ["batch", "free ms/step", "JSON schema ms/step", "ratio", "mask alone ms/step"],
+                rows,
+            )
+        )
     except ImportError as exc:  # GrammarUnavailable is a ValueError; a missing llguidance ends here too
         print(f"\n[structured outputs] skipped: {exc}")
     except ValueError as exc:
@@ -311,42 +388,91 @@ def main(argv=None) -> int:
     rows = []
     for n in prefill_lens:
         (prompt,) = random_prompts(1, n, cfg.vocab_size, seed=1)
-        bounded, full, base = engine_ttft(model, prompt, "bounded"), engine_ttft(model, prompt, "full"), baseline_ttft(model, prompt)
+        bounded, full, base = (
+            engine_ttft(model, prompt, "bounded"),
+            engine_ttft(model, prompt, "full"),
+            baseline_ttft(model, prompt),
+        )
         rows.append([n, bounded, full, base, n / bounded, n / full, n / base, full / bounded])
-    keys = ["prompt", "ttft_bounded_s", "ttft_full_s", "ttft_baseline_s", "prefill_bounded_tok_s",
-            "prefill_full_tok_s", "prefill_baseline_tok_s", "bounded_speedup_vs_full"]
+    keys = [
+        "prompt",
+        "ttft_bounded_s",
+        "ttft_full_s",
+        "ttft_baseline_s",
+        "prefill_bounded_tok_s",
+        "prefill_full_tok_s",
+        "prefill_baseline_tok_s",
+        "bounded_speedup_vs_full",
+    ]
     results["prefill"] = [dict(zip(keys, r)) for r in rows]
-    print(table(f"\n[prefill / time to first token] {args.preset}",
-                ["prompt", "TTFT bounded s", "TTFT full s", "TTFT baseline s", "bounded tok/s", "full tok/s",
-                 "baseline tok/s", "full/bounded"], rows))
+    print(
+        table(
+            f"\n[prefill / time to first token] {args.preset}",
+            [
+                "prompt",
+                "TTFT bounded s",
+                "TTFT full s",
+                "TTFT baseline s",
+                "bounded tok/s",
+                "full tok/s",
+                "baseline tok/s",
+                "full/bounded",
+            ],
+            rows,
+        )
+    )
     gaps = []
     for n in prefill_lens:
         (prompt,) = random_prompts(1, n, cfg.vocab_size, seed=1)
         gaps.append({"prompt": n, **replay_gap(model, prompt)})
     results["bounded_replay_gap"] = gaps
-    print(table(f"\n[bounded replay vs full prefill, last-position logits] {args.preset} (random weights)",
-                ["prompt", "max |diff|", "rms diff", "rms logit", "same argmax"],
-                [[g["prompt"], g["max_abs"], g["rms"], g["logit_rms"], g["argmax_agrees"]] for g in gaps]))
+    print(
+        table(
+            f"\n[bounded replay vs full prefill, last-position logits] {args.preset} (random weights)",
+            ["prompt", "max |diff|", "rms diff", "rms logit", "same argmax"],
+            [[g["prompt"], g["max_abs"], g["rms"], g["logit_rms"], g["argmax_agrees"]] for g in gaps],
+        )
+    )
 
     turns, first_len, user_len, reply_len = (3, 200, 20, 8) if quick else (6, 1500, 60, 24)
-    variants = {"prefix cache (exact reuse)": {},
-                "prefix cache, approximate reuse": {"exact_prefix_reuse": False},
-                "approximate reuse, rings expired": {"exact_prefix_reuse": False, "window_ttl_s": 0.0},
-                "no prefix cache": {"enable_prefix_caching": False}}
+    variants = {
+        "prefix cache (exact reuse)": {},
+        "prefix cache, approximate reuse": {"exact_prefix_reuse": False},
+        "approximate reuse, rings expired": {"exact_prefix_reuse": False, "window_ttl_s": 0.0},
+        "no prefix cache": {"enable_prefix_caching": False},
+    }
     rows, conv = [], {}
     for name, overrides in variants.items():
         r = multi_turn(model, turns, first_len, user_len, reply_len, **{"enable_prefix_caching": True, **overrides})
         conv[name] = r
     base_s = conv["no prefix cache"]["seconds"]
     for name, r in conv.items():
-        rows.append([name, r["seconds"], base_s / r["seconds"], sum(r["ttft_s"][1:]) / max(turns - 1, 1),
-                     r["hit_rate"], r["snapshot_hits"], r["window_rebuilds"]])
-    results["multi_turn"] = {"turns": turns, "first_prompt": first_len, "user_tokens": user_len,
-                             "reply_tokens": reply_len, "variants": conv}
-    print(table(f"\n[multi-turn conversation] {args.preset}: {turns} turns, first prompt {first_len}, "
-                f"+{user_len} user tokens and {reply_len}-token replies per turn",
-                ["variant", "total s", "speedup", "mean TTFT turns 2+ s", "hit rate", "snapshot hits",
-                 "window rebuilds"], rows))
+        rows.append(
+            [
+                name,
+                r["seconds"],
+                base_s / r["seconds"],
+                sum(r["ttft_s"][1:]) / max(turns - 1, 1),
+                r["hit_rate"],
+                r["snapshot_hits"],
+                r["window_rebuilds"],
+            ]
+        )
+    results["multi_turn"] = {
+        "turns": turns,
+        "first_prompt": first_len,
+        "user_tokens": user_len,
+        "reply_tokens": reply_len,
+        "variants": conv,
+    }
+    print(
+        table(
+            f"\n[multi-turn conversation] {args.preset}: {turns} turns, first prompt {first_len}, "
+            f"+{user_len} user tokens and {reply_len}-token replies per turn",
+            ["variant", "total s", "speedup", "mean TTFT turns 2+ s", "hit rate", "snapshot hits", "window rebuilds"],
+            rows,
+        )
+    )
 
     contexts = [1024, 4096] if quick else [1024, 16384, 65536]
     steps = 3 if quick else 5
@@ -357,15 +483,27 @@ def main(argv=None) -> int:
     first = rows[0]
     for r in rows:
         r += [r[1] / first[1], r[2] / first[2]]
-    results["long_context_decode"] = [dict(zip(["context", "engine_step_ms", "baseline_step_ms",
-                                                "engine_vs_first", "baseline_vs_first"], r)) for r in rows]
-    print(table(f"\n[decode step time vs context] {args.preset}, batch 1",
-                ["context", "engine ms", "baseline ms", f"engine / {contexts[0]}", f"baseline / {contexts[0]}"], rows))
+    results["long_context_decode"] = [
+        dict(zip(["context", "engine_step_ms", "baseline_step_ms", "engine_vs_first", "baseline_vs_first"], r))
+        for r in rows
+    ]
+    print(
+        table(
+            f"\n[decode step time vs context] {args.preset}, batch 1",
+            ["context", "engine ms", "baseline ms", f"engine / {contexts[0]}", f"baseline / {contexts[0]}"],
+            rows,
+        )
+    )
 
     sizes = kv_bytes(model, contexts[-1])
     results["kv_bytes"] = sizes
-    print(table(f"\n[resident KV] {args.preset}, context {contexts[-1]}", ["quantity", "value"],
-                [[k, float(v)] for k, v in sizes.items() if k != "context"]))
+    print(
+        table(
+            f"\n[resident KV] {args.preset}, context {contexts[-1]}",
+            ["quantity", "value"],
+            [[k, float(v)] for k, v in sizes.items() if k != "context"],
+        )
+    )
 
     write_results(results, args.out, f"serve_{args.preset}", plot)
     return 0
@@ -385,8 +523,13 @@ def machine() -> dict:
     except OSError:
         pass
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    return {"cpu": name, "flags": [f for f in wanted if f in flags], "cores": os.cpu_count(),
-            "torch_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__}
+    return {
+        "cpu": name,
+        "flags": [f for f in wanted if f in flags],
+        "cores": os.cpu_count(),
+        "torch_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+    }
 
 
 def write_results(results: dict, out: str, stem: str, plot_fn) -> str:
@@ -416,8 +559,11 @@ def plot(results: dict, path: str) -> None:
     axes[0].legend()
     p = results["prefill"]
     x = range(len(p))
-    for off, key, label in ((-0.27, "prefill_bounded_tok_s", "bounded replay"), (0, "prefill_full_tok_s", "full"),
-                            (0.27, "prefill_baseline_tok_s", "baseline")):
+    for off, key, label in (
+        (-0.27, "prefill_bounded_tok_s", "bounded replay"),
+        (0, "prefill_full_tok_s", "full"),
+        (0.27, "prefill_baseline_tok_s", "baseline"),
+    ):
         axes[1].bar([i + off for i in x], [r[key] for r in p], 0.27, label=label)
     axes[1].set_xticks(list(x), [str(r["prompt"]) for r in p])
     axes[1].set(xlabel="prompt tokens", ylabel="prefill tokens/s", title="prefill")

@@ -55,10 +55,17 @@ def random_drafter_model(name: str, seed: int = 1):
 
     base = preset(name)
     n = base.n_layers
-    cfg = dataclasses.replace(base, n_mtp_layers=2, compress_ratios=base.compress_ratios + (0, 0),
-                              dspark_block_size=5, dspark_noise_token_id=base.vocab_size - 1,
-                              dspark_target_layer_ids=(n // 3, 2 * n // 3, n - 2), dspark_markov_rank=32,
-                              dspark_n_routed_experts=4, dspark_n_activated_experts=2)
+    cfg = dataclasses.replace(
+        base,
+        n_mtp_layers=2,
+        compress_ratios=base.compress_ratios + (0, 0),
+        dspark_block_size=5,
+        dspark_noise_token_id=base.vocab_size - 1,
+        dspark_target_layer_ids=(n // 3, 2 * n // 3, n - 2),
+        dspark_markov_rank=32,
+        dspark_n_routed_experts=4,
+        dspark_n_activated_experts=2,
+    )
     return init_random_weights(Transformer(cfg), seed=seed).eval()
 
 
@@ -73,16 +80,18 @@ def oracle_drafts(engine, truth: list[list[int]], acceptance: float, seed: int =
         for seq in engine.running:
             if seq.draft_tokens:
                 done = len(seq.output_ids)
-                want = truth[int(seq.request_id[1:])][done:done + len(seq.draft_tokens)]
-                tokens = want + seq.draft_tokens[len(want):]
-                seq.draft_tokens = [t if float(torch.rand((), generator=g)) < acceptance else (t + 1) % vocab
-                                    for t in tokens]
+                want = truth[int(seq.request_id[1:])][done : done + len(seq.draft_tokens)]
+                tokens = want + seq.draft_tokens[len(want) :]
+                seq.draft_tokens = [
+                    t if float(torch.rand((), generator=g)) < acceptance else (t + 1) % vocab for t in tokens
+                ]
 
     engine._draft = draft
 
 
-def run(model, prompts: list[list[int]], new_tokens: int, truth=None, acceptance: float = 1.0,
-        **engine_options) -> dict:
+def run(
+    model, prompts: list[list[int]], new_tokens: int, truth=None, acceptance: float = 1.0, **engine_options
+) -> dict:
     """model: a checkpoint folder, or a model object (then a byte tokenizer)."""
     config = EngineConfig(enable_prefix_caching=False, max_num_seqs=max(8, len(prompts)), **engine_options)
     if isinstance(model, str):
@@ -90,6 +99,7 @@ def run(model, prompts: list[list[int]], new_tokens: int, truth=None, acceptance
     else:
         from dsv41.engine import LLMEngine
         from dsv41.tokenizer import ByteTokenizer
+
         engine = LLMEngine(model, ByteTokenizer(model.cfg.vocab_size), config)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     engine.generate([prompts[0][:16]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
@@ -120,19 +130,28 @@ def run(model, prompts: list[list[int]], new_tokens: int, truth=None, acceptance
                 outputs[out.request_id] = out.token_ids
     t_end = time.perf_counter()
     decoded = sum(len(outputs[r]) for r in ids) - first_tokens
-    result = {"decode_tokens_per_s": decoded / (t_end - t_decode), "decode_s": t_end - t_decode,
-              "prefill_s": t_decode - t_start, "decode_steps": steps, "tokens": [outputs[r] for r in ids]}
+    result = {
+        "decode_tokens_per_s": decoded / (t_end - t_decode),
+        "decode_s": t_end - t_decode,
+        "prefill_s": t_decode - t_start,
+        "decode_steps": steps,
+        "tokens": [outputs[r] for r in ids],
+    }
     if engine.speculative:
         c = engine.counters
         passes = max(c["spec_decode_steps_total"], 1)
-        result.update({
-            "verify_passes": c["spec_decode_steps_total"], "drafted": c["spec_decode_draft_tokens_total"],
-            "accepted": c["spec_decode_accepted_tokens_total"],
-            "tokens_per_pass": c["spec_decode_emitted_tokens_total"] / passes,
-            "mean_accepted_length": c["spec_decode_accepted_tokens_total"] / passes,
-            # accepted up to and including position i, per verify pass that drafted position i
-            "acceptance_at": [a / max(v, 1) for a, v in zip(engine.accepted_at, engine.verified_at)],
-            "verified_at": list(engine.verified_at)})
+        result.update(
+            {
+                "verify_passes": c["spec_decode_steps_total"],
+                "drafted": c["spec_decode_draft_tokens_total"],
+                "accepted": c["spec_decode_accepted_tokens_total"],
+                "tokens_per_pass": c["spec_decode_emitted_tokens_total"] / passes,
+                "mean_accepted_length": c["spec_decode_accepted_tokens_total"] / passes,
+                # accepted up to and including position i, per verify pass that drafted position i
+                "acceptance_at": [a / max(v, 1) for a, v in zip(engine.accepted_at, engine.verified_at)],
+                "verified_at": list(engine.verified_at),
+            }
+        )
     return result
 
 
@@ -140,15 +159,26 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="a checkpoint folder with a DSpark drafter (dsv41 train-drafter)")
     ap.add_argument("--data", help="data folder whose validation split gives the prompts (with --model)")
-    ap.add_argument("--preset", help="instead of --model: this preset with random weights and a random "
-                    "drafter, random prompts; needs --oracle-acceptance")
-    ap.add_argument("--oracle-acceptance", type=float, default=None,
-                    help="drafts are the plain run's continuation, each position kept with this probability")
+    ap.add_argument(
+        "--preset",
+        help="instead of --model: this preset with random weights and a random "
+        "drafter, random prompts; needs --oracle-acceptance",
+    )
+    ap.add_argument(
+        "--oracle-acceptance",
+        type=float,
+        default=None,
+        help="drafts are the plain run's continuation, each position kept with this probability",
+    )
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--min-confidence", type=float, default=0.3,
-                    help="the confidence-limited variant's threshold on the predicted acceptance")
+    ap.add_argument(
+        "--min-confidence",
+        type=float,
+        default=0.3,
+        help="the confidence-limited variant's threshold on the predicted acceptance",
+    )
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--name", default=None, help="output name (default: the preset, else small)")
     ap.add_argument("--threads", type=int, default=2)
@@ -167,12 +197,19 @@ def main(argv=None) -> int:
     variants = {"plain": {}, "speculative": {"speculative": True}}
     if args.oracle_acceptance is None:  # the confidence head means something only for a trained drafter
         variants[f"speculative, confidence >= {args.min_confidence}"] = {
-            "speculative": True, "speculative_min_confidence": args.min_confidence}
+            "speculative": True,
+            "speculative_min_confidence": args.min_confidence,
+        }
     variants["speculative, batched verify"] = {"speculative": True, "batched_verify": "on"}
     variants["speculative, per-request verify"] = {"speculative": True, "batched_verify": "off"}
-    results = {"model": args.model or f"{args.preset} (random weights and drafter)", "prompt_len": args.prompt_len,
-               "new_tokens": args.new_tokens, "threads": args.threads, "oracle_acceptance": args.oracle_acceptance,
-               "batches": {}}
+    results = {
+        "model": args.model or f"{args.preset} (random weights and drafter)",
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "threads": args.threads,
+        "oracle_acceptance": args.oracle_acceptance,
+        "batches": {},
+    }
     rows, accept_rows = [], []
     for batch in args.batches:
         if args.data is not None:
@@ -193,18 +230,39 @@ def main(argv=None) -> int:
         for name, r in runs.items():
             r["identical_to_plain"] = r["tokens"] == base["tokens"]
             r["speedup"] = r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
-            rows.append([batch, name, r["decode_tokens_per_s"], r["speedup"], r.get("tokens_per_pass", 1.0),
-                         r.get("mean_accepted_length", 0.0), r["identical_to_plain"]])
+            rows.append(
+                [
+                    batch,
+                    name,
+                    r["decode_tokens_per_s"],
+                    r["speedup"],
+                    r.get("tokens_per_pass", 1.0),
+                    r.get("mean_accepted_length", 0.0),
+                    r["identical_to_plain"],
+                ]
+            )
             if "acceptance_at" in r:
                 accept_rows.append([batch, name] + [round(a, 3) for a in r["acceptance_at"]])
-        results["batches"][str(batch)] = {name: {k: v for k, v in r.items() if k != "tokens"} for name, r in runs.items()}
+        results["batches"][str(batch)] = {
+            name: {k: v for k, v in r.items() if k != "tokens"} for name, r in runs.items()
+        }
         results["batches"][str(batch)]["sample"] = runs["plain"]["tokens"][0][:32]
-    print(table("decode (greedy; prefill excluded)", ["batch", "variant", "tokens/s", "vs plain", "tokens/pass",
-                                                      "accepted/pass", "same tokens"], rows))
+    print(
+        table(
+            "decode (greedy; prefill excluded)",
+            ["batch", "variant", "tokens/s", "vs plain", "tokens/pass", "accepted/pass", "same tokens"],
+            rows,
+        )
+    )
     k = len(accept_rows[0]) - 2 if accept_rows else 0
     print()
-    print(table("acceptance per draft position (accepted through position i / verify passes drafting it)",
-                ["batch", "variant"] + [f"pos {i + 1}" for i in range(k)], accept_rows))
+    print(
+        table(
+            "acceptance per draft position (accepted through position i / verify passes drafting it)",
+            ["batch", "variant"] + [f"pos {i + 1}" for i in range(k)],
+            accept_rows,
+        )
+    )
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"speculative_{args.name}.json")
     with open(path, "w") as f:
@@ -216,6 +274,7 @@ def main(argv=None) -> int:
 
 def plot(results: dict, path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -224,8 +283,12 @@ def plot(results: dict, path: str) -> None:
     names = [n for n in results["batches"][batches[0]] if n != "sample"]
     width = 0.8 / len(names)
     for j, name in enumerate(names):
-        ax1.bar([i + j * width for i in range(len(batches))],
-                [results["batches"][b][name]["decode_tokens_per_s"] for b in batches], width, label=name)
+        ax1.bar(
+            [i + j * width for i in range(len(batches))],
+            [results["batches"][b][name]["decode_tokens_per_s"] for b in batches],
+            width,
+            label=name,
+        )
     ax1.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(batches))], [f"batch {b}" for b in batches])
     ax1.set_ylabel("decode tokens/s")
     ax1.legend(fontsize=8)

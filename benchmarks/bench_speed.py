@@ -34,8 +34,8 @@ import sys
 import time
 
 import torch
-
 from bench_serve import benchmark_args, make_engine, random_prompts, synthetic_sequence, table, write_results
+
 from dsv41.config import preset
 from dsv41.engine import SamplingParams
 from dsv41.model.init import init_random_weights
@@ -125,8 +125,9 @@ def padded_gemms():
 
 
 def engine_decode(model, batch: int, context: int, steps: int, **overrides) -> dict:
-    engine = make_engine(model, kv_pool_tokens=batch * (context + 256) + 4096, max_model_len=context + 4096,
-                         **overrides)
+    engine = make_engine(
+        model, kv_pool_tokens=batch * (context + 256) + 4096, max_model_len=context + 4096, **overrides
+    )
     for i in range(batch):
         synthetic_sequence(engine, context, seed=i)
     engine.step()  # warm-up
@@ -134,8 +135,11 @@ def engine_decode(model, batch: int, context: int, steps: int, **overrides) -> d
     for _ in range(steps):
         engine.step()
     seconds = time.perf_counter() - t
-    return {"tok_s": batch * steps / seconds, "step_ms": seconds / steps * 1e3,
-            "resident_kv_bytes": engine.resident_kv_bytes()["global_kv_bytes"]}
+    return {
+        "tok_s": batch * steps / seconds,
+        "step_ms": seconds / steps * 1e3,
+        "resident_kv_bytes": engine.resident_kv_bytes()["global_kv_bytes"],
+    }
 
 
 def plain_decode(model, batch: int, context: int, steps: int) -> dict:
@@ -147,10 +151,12 @@ def plain_decode(model, batch: int, context: int, steps: int) -> dict:
         g = torch.Generator().manual_seed(b)
         for layer in cfg.kv_source_layers:
             n = context // cfg.compress_ratios[layer]
-            cache.compressed_kv[layer][b, :n] = fp4_qdq(torch.randn(n, cfg.head_dim, generator=g).bfloat16(),
-                                                        KV_FP4_BLOCK, "e4m3")
-            cache.index_k[layer][b, :n] = fp4_qdq(torch.randn(n, cfg.index_head_dim, generator=g).bfloat16(),
-                                                  FP4_BLOCK, "ue8m0")
+            cache.compressed_kv[layer][b, :n] = fp4_qdq(
+                torch.randn(n, cfg.head_dim, generator=g).bfloat16(), KV_FP4_BLOCK, "e4m3"
+            )
+            cache.index_k[layer][b, :n] = fp4_qdq(
+                torch.randn(n, cfg.index_head_dim, generator=g).bfloat16(), FP4_BLOCK, "ue8m0"
+            )
         for layer in range(cfg.n_layers):
             cache.window_kv[layer][b] = fp8_qdq(torch.randn(cfg.window_size, cfg.head_dim, generator=g).bfloat16())
     container = sum(t.numel() * t.element_size() for d in (cache.compressed_kv, cache.index_k) for t in d.values())
@@ -161,8 +167,7 @@ def plain_decode(model, batch: int, context: int, steps: int) -> dict:
         for i in range(steps):
             token = model(token, context + 1 + i, cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
         seconds = time.perf_counter() - t
-    return {"tok_s": batch * steps / seconds, "step_ms": seconds / steps * 1e3,
-            "container_bytes": container}
+    return {"tok_s": batch * steps / seconds, "step_ms": seconds / steps * 1e3, "container_bytes": container}
 
 
 def hf_model(cfg):
@@ -173,13 +178,26 @@ def hf_model(cfg):
     except ImportError:
         return None
     hf_cfg = DeepseekV4Config(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, moe_intermediate_size=cfg.moe_inter_dim,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, head_dim=cfg.head_dim,
-        q_lora_rank=cfg.q_lora_rank, num_experts_per_tok=cfg.n_activated_experts, n_routed_experts=cfg.n_routed_experts,
-        n_shared_experts=cfg.n_shared_experts, o_groups=cfg.o_groups, o_lora_rank=cfg.o_lora_rank,
-        index_n_heads=cfg.index_n_heads, index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk,
-        sliding_window=cfg.window_size, partial_rotary_factor=cfg.rope_head_dim / cfg.head_dim,
-        num_nextn_predict_layers=0, max_position_embeddings=cfg.max_position_embeddings)
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.dim,
+        moe_intermediate_size=cfg.moe_inter_dim,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        head_dim=cfg.head_dim,
+        q_lora_rank=cfg.q_lora_rank,
+        num_experts_per_tok=cfg.n_activated_experts,
+        n_routed_experts=cfg.n_routed_experts,
+        n_shared_experts=cfg.n_shared_experts,
+        o_groups=cfg.o_groups,
+        o_lora_rank=cfg.o_lora_rank,
+        index_n_heads=cfg.index_n_heads,
+        index_head_dim=cfg.index_head_dim,
+        index_topk=cfg.index_topk,
+        sliding_window=cfg.window_size,
+        partial_rotary_factor=cfg.rope_head_dim / cfg.head_dim,
+        num_nextn_predict_layers=0,
+        max_position_embeddings=cfg.max_position_embeddings,
+    )
     torch.manual_seed(1)
     try:
         return DeepseekV4ForCausalLM(hf_cfg).to(torch.bfloat16).eval()
@@ -227,15 +245,30 @@ def prefill_point(preset_name: str, n: int, variant: str, threads: int) -> dict:
         t = time.perf_counter()
         with torch.inference_mode():
             for start in range(0, n, 1024):
-                model(ids[:, start:start + 1024], start, cache, last_only=True)
+                model(ids[:, start : start + 1024], start, cache, last_only=True)
         seconds = time.perf_counter() - t
-    return {"prompt": n, "variant": variant, "seconds": seconds, "tok_s": n / seconds,
-            "peak_rss_gb": peak_rss_gb(), "rss_before_gb": before}
+    return {
+        "prompt": n,
+        "variant": variant,
+        "seconds": seconds,
+        "tok_s": n / seconds,
+        "peak_rss_gb": peak_rss_gb(),
+        "rss_before_gb": before,
+    }
 
 
 def run_prefill_point(args, n: int, variant: str) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--preset", args.preset, "--threads", str(args.threads),
-           "--prefill-point", str(n), variant]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--preset",
+        args.preset,
+        "--threads",
+        str(args.threads),
+        "--prefill-point",
+        str(n),
+        variant,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -254,15 +287,27 @@ def prefill_curve(args, path: str) -> dict:
     while seq.in_prefill or not seq.output_ids:
         t = time.perf_counter()
         engine.step()
-        points.append({"position": seq.num_computed, "chunk_s": time.perf_counter() - t,
-                       "elapsed_s": time.perf_counter() - t0, "rss_gb": peak_rss_gb()})
+        points.append(
+            {
+                "position": seq.num_computed,
+                "chunk_s": time.perf_counter() - t,
+                "elapsed_s": time.perf_counter() - t0,
+                "rss_gb": peak_rss_gb(),
+            }
+        )
         if len(points) % 32 == 0:
             with open(path, "w") as f:
-                json.dump({"preset": args.preset, "threads": args.threads, "prompt": n, "partial": True,
-                           "points": points}, f, indent=1)
+                json.dump(
+                    {"preset": args.preset, "threads": args.threads, "prompt": n, "partial": True, "points": points},
+                    f,
+                    indent=1,
+                )
             p = points[-1]
-            print(f"  {p['position']:>9} tokens  {p['elapsed_s']:8.1f} s  chunk {p['chunk_s']:.2f} s  "
-                  f"peak RSS {p['rss_gb']:.2f} GB", flush=True)
+            print(
+                f"  {p['position']:>9} tokens  {p['elapsed_s']:8.1f} s  chunk {p['chunk_s']:.2f} s  "
+                f"peak RSS {p['rss_gb']:.2f} GB",
+                flush=True,
+            )
     prefill_s = time.perf_counter() - t0
     steps = []
     for _ in range(5):
@@ -270,8 +315,16 @@ def prefill_curve(args, path: str) -> dict:
         engine.step()
         steps.append(time.perf_counter() - t)
     kv = engine.resident_kv_bytes()
-    return {"preset": args.preset, "threads": args.threads, "prompt": n, "prefill_s": prefill_s, "points": points,
-            "decode_step_s": steps, "peak_rss_gb": peak_rss_gb(), "resident_kv_bytes": kv["global_kv_bytes"]}
+    return {
+        "preset": args.preset,
+        "threads": args.threads,
+        "prompt": n,
+        "prefill_s": prefill_s,
+        "points": points,
+        "decode_step_s": steps,
+        "peak_rss_gb": peak_rss_gb(),
+        "resident_kv_bytes": kv["global_kv_bytes"],
+    }
 
 
 def fit_token_cost(points: list[dict], skip_below: int) -> tuple[float, float]:
@@ -316,8 +369,13 @@ def extrapolate_curve(result: dict, target: int) -> dict:
     a, b = fit_token_cost(result["points"], min(8192, result["prompt"] // 4))
     chunk = 1024
     total = sum(min(chunk, target - p) * (a + b * (p + min(chunk, target - p) / 2)) for p in range(0, target, chunk))
-    out = {"fit_token_s": [a, b], "target": target, "prefill_s": total,
-           "measured_prefill_s": result.get("prefill_s"), "measured_prompt": result["prompt"]}
+    out = {
+        "fit_token_s": [a, b],
+        "target": target,
+        "prefill_s": total,
+        "measured_prefill_s": result.get("prefill_s"),
+        "measured_prompt": result["prompt"],
+    }
     steps = result.get("decode_step_s")
     if steps:
         out["decode_step_s_measured"] = min(steps)
@@ -336,16 +394,23 @@ def plot_curve(result: dict, fit: dict, path: str) -> None:
     axes[0].plot(x, [p["chunk_s"] for p in pts], ".", ms=3, label="measured chunk time")
     a, b = fit["fit_token_s"]
     xs = [0, fit["target"]]
-    axes[0].plot(xs, [1024 * (a + b * v) for v in xs], "--",
-                 label=f"fit 1,024 x ({a * 1e3:.2f} ms + {b * 1e9:.2f} ns x position)")
+    axes[0].plot(
+        xs,
+        [1024 * (a + b * v) for v in xs],
+        "--",
+        label=f"fit 1,024 x ({a * 1e3:.2f} ms + {b * 1e9:.2f} ns x position)",
+    )
     axes[0].set(xlabel="position (tokens)", ylabel="s per 1,024-token chunk", title="prefill chunk time")
     axes[0].legend()
     axes[1].plot(x, [p["elapsed_s"] / 60 for p in pts], label="elapsed (measured)")
     target = fit["target"]
     ext = list(range(0, target + 1, 8192))
-    axes[1].plot(ext, [sum(min(1024, t - p) * (a + b * (p + min(1024, t - p) / 2)) for p in range(0, t, 1024)) / 60
-                       for t in ext], "--",
-                 label=f"fit: {fit['prefill_s'] / 60:.0f} min at {target:,}")
+    axes[1].plot(
+        ext,
+        [sum(min(1024, t - p) * (a + b * (p + min(1024, t - p) / 2)) for p in range(0, t, 1024)) / 60 for t in ext],
+        "--",
+        label=f"fit: {fit['prefill_s'] / 60:.0f} min at {target:,}",
+    )
     ax2 = axes[1].twinx()
     ax2.plot(x, [p["rss_gb"] for p in pts], "k:", label="peak RSS GB")
     ax2.set_ylabel("peak RSS GB")
@@ -364,7 +429,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-point", nargs=2, metavar=("N", "VARIANT"), help=argparse.SUPPRESS)
     ap.add_argument("--plot-curve", metavar="JSON", help="fit, extrapolate to 1,048,576 tokens and plot a curve file")
     ap.add_argument("--batches", type=int, nargs="+", help="decode batch sizes (default 1 8 32; --quick 1 8)")
-    ap.add_argument("--contexts", type=int, nargs="+", help="decode contexts (default 512 4096 32768; --quick 512 2048)")
+    ap.add_argument(
+        "--contexts", type=int, nargs="+", help="decode contexts (default 512 4096 32768; --quick 512 2048)"
+    )
     ap.add_argument("--decode-only", action="store_true", help="only the decode grid (no step-vs-context, no prefill)")
     args = ap.parse_args(argv)
     if args.prefill_point:
@@ -386,8 +453,10 @@ def main(argv=None) -> int:
         result = prefill_curve(args, path)
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
-        print(f"prefill {result['prompt']} tokens: {result['prefill_s']:.0f} s, peak RSS {result['peak_rss_gb']:.2f} GB,"
-              f" decode step {min(result['decode_step_s']) * 1e3:.0f} ms; wrote {path}")
+        print(
+            f"prefill {result['prompt']} tokens: {result['prefill_s']:.0f} s, peak RSS {result['peak_rss_gb']:.2f} GB,"
+            f" decode step {min(result['decode_step_s']) * 1e3:.0f} ms; wrote {path}"
+        )
         return 0
 
     torch.set_num_threads(args.threads)
@@ -417,25 +486,82 @@ def main(argv=None) -> int:
             # transformers' prefill of the synthetic context is slow past ~8K tokens in all (minutes here)
             hf_cell = hf_decode(hf, b, ctx, steps) if hf is not None and b * ctx <= HF_MAX_PREFILL else None
             floor_ms = active_weight_bytes(model, b) / (bandwidth * 1e9) * 1e3
-            decode.append({"batch": b, "context": ctx, "engine_tok_s": eng["tok_s"],
-                           "engine_not_invariant_tok_s": fast["tok_s"], "engine_eager_kernels_tok_s": eager["tok_s"],
-                           "engine_padded_gemms_tok_s": padded["tok_s"],
-                           "transformers_v4_tok_s": hf_cell["tok_s"] if hf_cell else None,
-                           "plain_tok_s": plain["tok_s"], "engine_step_ms": eng["step_ms"],
-                           "floor_step_ms": floor_ms, "engine_vs_floor": eng["step_ms"] / floor_ms,
-                           "ratio": eng["tok_s"] / plain["tok_s"], "ratio_not_invariant": fast["tok_s"] / plain["tok_s"]})
-            rows.append([b, ctx, eng["tok_s"], fast["tok_s"], eager["tok_s"], padded["tok_s"], plain["tok_s"],
-                         hf_cell["tok_s"] if hf_cell else "-", eng["tok_s"] / plain["tok_s"],
-                         eng["tok_s"] / hf_cell["tok_s"] if hf_cell else "-", floor_ms, eng["step_ms"] / floor_ms])
-            print(table("", ["batch", "context", "engine", "engine no-inv", "engine eager", "engine padded", "plain",
-                             "hf v4", "engine/plain", "engine/hf", "floor ms", "step/floor"], [rows[-1]]).splitlines()[-1],
-                  flush=True)
+            decode.append(
+                {
+                    "batch": b,
+                    "context": ctx,
+                    "engine_tok_s": eng["tok_s"],
+                    "engine_not_invariant_tok_s": fast["tok_s"],
+                    "engine_eager_kernels_tok_s": eager["tok_s"],
+                    "engine_padded_gemms_tok_s": padded["tok_s"],
+                    "transformers_v4_tok_s": hf_cell["tok_s"] if hf_cell else None,
+                    "plain_tok_s": plain["tok_s"],
+                    "engine_step_ms": eng["step_ms"],
+                    "floor_step_ms": floor_ms,
+                    "engine_vs_floor": eng["step_ms"] / floor_ms,
+                    "ratio": eng["tok_s"] / plain["tok_s"],
+                    "ratio_not_invariant": fast["tok_s"] / plain["tok_s"],
+                }
+            )
+            rows.append(
+                [
+                    b,
+                    ctx,
+                    eng["tok_s"],
+                    fast["tok_s"],
+                    eager["tok_s"],
+                    padded["tok_s"],
+                    plain["tok_s"],
+                    hf_cell["tok_s"] if hf_cell else "-",
+                    eng["tok_s"] / plain["tok_s"],
+                    eng["tok_s"] / hf_cell["tok_s"] if hf_cell else "-",
+                    floor_ms,
+                    eng["step_ms"] / floor_ms,
+                ]
+            )
+            print(
+                table(
+                    "",
+                    [
+                        "batch",
+                        "context",
+                        "engine",
+                        "engine no-inv",
+                        "engine eager",
+                        "engine padded",
+                        "plain",
+                        "hf v4",
+                        "engine/plain",
+                        "engine/hf",
+                        "floor ms",
+                        "step/floor",
+                    ],
+                    [rows[-1]],
+                ).splitlines()[-1],
+                flush=True,
+            )
     results["decode"] = decode
-    print(table(f"\n[decode tok/s] {args.preset}, {steps} steps after a warm-up, synthetic context; floor: active "
-                f"weight bytes / {bandwidth:.1f} GB/s",
-                ["batch", "context", "engine tok/s", "engine (no batch inv.)", "engine (eager kernels)",
-                 "engine (padded GEMMs, round 2)", "plain loop tok/s", "transformers DeepSeek-V4 tok/s",
-                 "engine/plain", "engine/transformers", "floor ms/step", "engine step / floor"], rows))
+    print(
+        table(
+            f"\n[decode tok/s] {args.preset}, {steps} steps after a warm-up, synthetic context; floor: active "
+            f"weight bytes / {bandwidth:.1f} GB/s",
+            [
+                "batch",
+                "context",
+                "engine tok/s",
+                "engine (no batch inv.)",
+                "engine (eager kernels)",
+                "engine (padded GEMMs, round 2)",
+                "plain loop tok/s",
+                "transformers DeepSeek-V4 tok/s",
+                "engine/plain",
+                "engine/transformers",
+                "floor ms/step",
+                "engine step / floor",
+            ],
+            rows,
+        )
+    )
 
     if args.decode_only:
         write_results(results, args.out, f"speed_{args.preset}_decode", plot_decode)
@@ -444,18 +570,45 @@ def main(argv=None) -> int:
     rows, scaling = [], []
     for ctx in step_contexts:
         eng, plain = engine_decode(model, 1, ctx, steps), plain_decode(model, 1, ctx, steps)
-        scaling.append({"context": ctx, "engine_step_ms": eng["step_ms"], "plain_step_ms": plain["step_ms"],
-                        "engine_resident_kv_bytes": eng["resident_kv_bytes"],
-                        "plain_container_bytes": plain["container_bytes"]})
+        scaling.append(
+            {
+                "context": ctx,
+                "engine_step_ms": eng["step_ms"],
+                "plain_step_ms": plain["step_ms"],
+                "engine_resident_kv_bytes": eng["resident_kv_bytes"],
+                "plain_container_bytes": plain["container_bytes"],
+            }
+        )
     for r in scaling:
         r["engine_vs_first"] = r["engine_step_ms"] / scaling[0]["engine_step_ms"]
         r["plain_vs_first"] = r["plain_step_ms"] / scaling[0]["plain_step_ms"]
-        rows.append([r["context"], r["engine_step_ms"], r["plain_step_ms"], r["engine_vs_first"], r["plain_vs_first"],
-                     r["engine_resident_kv_bytes"] / 2 ** 20, r["plain_container_bytes"] / 2 ** 20])
+        rows.append(
+            [
+                r["context"],
+                r["engine_step_ms"],
+                r["plain_step_ms"],
+                r["engine_vs_first"],
+                r["plain_vs_first"],
+                r["engine_resident_kv_bytes"] / 2**20,
+                r["plain_container_bytes"] / 2**20,
+            ]
+        )
     results["decode_step_vs_context"] = scaling
-    print(table(f"\n[decode step vs context] {args.preset}, batch 1",
-                ["context", "engine ms", "plain ms", f"engine / {step_contexts[0]}", f"plain / {step_contexts[0]}",
-                 "engine resident KV MiB", "plain bf16 containers MiB"], rows))
+    print(
+        table(
+            f"\n[decode step vs context] {args.preset}, batch 1",
+            [
+                "context",
+                "engine ms",
+                "plain ms",
+                f"engine / {step_contexts[0]}",
+                f"plain / {step_contexts[0]}",
+                "engine resident KV MiB",
+                "plain bf16 containers MiB",
+            ],
+            rows,
+        )
+    )
 
     prompts = [512, 2048] if quick else [512, 4096, 32768, 131072]
     rows, prefill = [], []
@@ -464,20 +617,48 @@ def main(argv=None) -> int:
         eager = run_prefill_point(args, n, "engine-eager") if n >= 32768 and not quick else None
         plain = run_prefill_point(args, n, "plain") if n <= 32768 else None
         prefill.append({"prompt": n, "engine": eng, "engine_eager_kernels": eager, "plain": plain})
-        rows.append([n, eng["tok_s"], eng["peak_rss_gb"], eager["tok_s"] if eager else "not run",
-                     plain["tok_s"] if plain else "not run",
-                     plain["peak_rss_gb"] if plain else "-", eng["tok_s"] / plain["tok_s"] if plain else "-"])
-        print(table("", ["prompt", "engine tok/s", "engine RSS", "engine eager", "plain tok/s", "plain RSS", "ratio"],
-                    [rows[-1]]).splitlines()[-1], flush=True)
+        rows.append(
+            [
+                n,
+                eng["tok_s"],
+                eng["peak_rss_gb"],
+                eager["tok_s"] if eager else "not run",
+                plain["tok_s"] if plain else "not run",
+                plain["peak_rss_gb"] if plain else "-",
+                eng["tok_s"] / plain["tok_s"] if plain else "-",
+            ]
+        )
+        print(
+            table(
+                "",
+                ["prompt", "engine tok/s", "engine RSS", "engine eager", "plain tok/s", "plain RSS", "ratio"],
+                [rows[-1]],
+            ).splitlines()[-1],
+            flush=True,
+        )
     first = prefill[0]["engine"]["seconds"] / prompts[0]
     for p in prefill:
         p["engine_per_token_vs_first"] = p["engine"]["seconds"] / p["prompt"] / first
     results["prefill"] = prefill
-    print(table(f"\n[prefill] {args.preset}, 1,024-token chunks, one process per point (peak RSS of that process)",
-                ["prompt", "engine tok/s", "engine peak RSS GB", "engine (eager kernels) tok/s", "plain loop tok/s",
-                 "plain peak RSS GB", "engine/plain"], rows))
-    print("engine per-token prefill time vs the first prompt: "
-          + ", ".join(f"{p['prompt']}: {p['engine_per_token_vs_first']:.2f}x" for p in prefill))
+    print(
+        table(
+            f"\n[prefill] {args.preset}, 1,024-token chunks, one process per point (peak RSS of that process)",
+            [
+                "prompt",
+                "engine tok/s",
+                "engine peak RSS GB",
+                "engine (eager kernels) tok/s",
+                "plain loop tok/s",
+                "plain peak RSS GB",
+                "engine/plain",
+            ],
+            rows,
+        )
+    )
+    print(
+        "engine per-token prefill time vs the first prompt: "
+        + ", ".join(f"{p['prompt']}: {p['engine_per_token_vs_first']:.2f}x" for p in prefill)
+    )
 
     write_results(results, args.out, f"speed_{args.preset}", plot)
     return 0
@@ -487,17 +668,22 @@ def _decode_bars(ax, results: dict) -> None:
     d = results["decode"]
     labels = [f"b{r['batch']}\n{r['context'] // 1024 or r['context']}{'K' if r['context'] >= 1024 else ''}" for r in d]
     x = range(len(d))
-    bars = [("engine_tok_s", "engine"), ("engine_not_invariant_tok_s", "engine, no batch inv."),
-            ("engine_eager_kernels_tok_s", "engine, eager kernels"),
-            ("engine_padded_gemms_tok_s", "engine, padded GEMMs (round 2)"), ("plain_tok_s", "plain loop"),
-            ("transformers_v4_tok_s", "transformers DeepSeek-V4")]
+    bars = [
+        ("engine_tok_s", "engine"),
+        ("engine_not_invariant_tok_s", "engine, no batch inv."),
+        ("engine_eager_kernels_tok_s", "engine, eager kernels"),
+        ("engine_padded_gemms_tok_s", "engine, padded GEMMs (round 2)"),
+        ("plain_tok_s", "plain loop"),
+        ("transformers_v4_tok_s", "transformers DeepSeek-V4"),
+    ]
     bars = [(key, label) for key, label in bars if all(r.get(key) is not None for r in d)]
     width = 0.8 / len(bars)
     for j, (key, label) in enumerate(bars):
         ax.bar([i + (j - (len(bars) - 1) / 2) * width for i in x], [r[key] for r in d], width, label=label)
     if all("floor_step_ms" in r for r in d):  # the weight-read limit as tokens/s
-        ax.plot(list(x), [r["batch"] / r["floor_step_ms"] * 1e3 for r in d], "k_", markersize=20,
-                label="weight-read floor")
+        ax.plot(
+            list(x), [r["batch"] / r["floor_step_ms"] * 1e3 for r in d], "k_", markersize=20, label="weight-read floor"
+        )
     ax.set_xticks(list(x), labels, fontsize=7)
     ax.set_yscale("log")
     ax.set(xlabel="batch / context", ylabel="decode tokens/s", title="decode throughput")
@@ -512,7 +698,9 @@ def plot_decode(results: dict, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     _decode_bars(ax, results)
-    fig.suptitle(f"dsv41 engine vs plain loop, preset {results['preset']} (random weights, {results['threads']} threads)")
+    fig.suptitle(
+        f"dsv41 engine vs plain loop, preset {results['preset']} (random weights, {results['threads']} threads)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -542,7 +730,9 @@ def plot(results: dict, path: str) -> None:
     ax2.plot([r["prompt"] for r in rss], [r["engine"]["peak_rss_gb"] for r in rss], "k:o", label="engine peak RSS")
     ax2.set_ylabel("peak RSS GB")
     axes[2].legend(loc="lower left", fontsize=8)
-    fig.suptitle(f"dsv41 engine vs plain loop, preset {results['preset']} (random weights, {results['threads']} threads)")
+    fig.suptitle(
+        f"dsv41 engine vs plain loop, preset {results['preset']} (random weights, {results['threads']} threads)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

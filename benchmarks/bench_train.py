@@ -37,8 +37,9 @@ def time_steps(cfg, batch: int, seq_len: int, steps: int, ns_dtype: torch.dtype,
         ids = torch.randint(3, cfg.vocab_size, (batch, seq_len + 1), generator=g)  # [B, S+1]
         t0 = time.perf_counter()
         out = model(ids[:, :-1], train_options=opts)
-        loss = F.cross_entropy(out.logits.flatten(0, 1), ids[:, 1:].flatten()) + out.indexer_kl \
-            + 1e-4 * out.balance_loss
+        loss = (
+            F.cross_entropy(out.logits.flatten(0, 1), ids[:, 1:].flatten()) + out.indexer_kl + 1e-4 * out.balance_loss
+        )
         loss.backward()
         t1 = time.perf_counter()
         optimizer.step()
@@ -49,8 +50,14 @@ def time_steps(cfg, batch: int, seq_len: int, steps: int, ns_dtype: torch.dtype,
             opt_step.append(t2 - t1)
     fb, op = sum(fwd_bwd) / steps, sum(opt_step) / steps
     tokens = batch * seq_len
-    return {"tokens_per_step": tokens, "fwd_bwd_s": fb, "optimizer_s": op, "step_s": fb + op,
-            "tokens_per_s": tokens / (fb + op), "fwd_bwd_tokens_per_s": tokens / fb}
+    return {
+        "tokens_per_step": tokens,
+        "fwd_bwd_s": fb,
+        "optimizer_s": op,
+        "step_s": fb + op,
+        "tokens_per_s": tokens / (fb + op),
+        "fwd_bwd_tokens_per_s": tokens / fb,
+    }
 
 
 def main(argv=None) -> int:
@@ -67,9 +74,9 @@ def main(argv=None) -> int:
     if args.quick:
         args.preset, args.batch, args.seq_len, args.steps, args.vocab = "tiny", 2, 64, 1, 1024
     torch.set_num_threads(args.threads)
-    cfg = preset(args.preset).replace(vocab_size=args.vocab,
-                                      max_position_embeddings=max(preset(args.preset).max_position_embeddings,
-                                                                  args.seq_len))
+    cfg = preset(args.preset).replace(
+        vocab_size=args.vocab, max_position_embeddings=max(preset(args.preset).max_position_embeddings, args.seq_len)
+    )
     b, s = args.batch, args.seq_len
     variants = [
         ("recipe (sparse + QAT, NS bf16)", b, torch.bfloat16, TrainOptions()),
@@ -85,17 +92,22 @@ def main(argv=None) -> int:
         print(f"  measured {name}: {result['step_s']:.2f} s/step", flush=True)
 
     base = rows[0]["tokens_per_s"]
-    print(f"\ntraining step, preset {args.preset}, {args.threads} threads, seq {s} "
-          f"(fwd+bwd = forward_train + backward; opt = Muon + Sinkhorn + AdamW)")
+    print(
+        f"\ntraining step, preset {args.preset}, {args.threads} threads, seq {s} "
+        f"(fwd+bwd = forward_train + backward; opt = Muon + Sinkhorn + AdamW)"
+    )
     print(f"{'variant':34} {'tokens':>7} {'fwd+bwd s':>10} {'opt s':>7} {'tok/s':>7} {'vs recipe':>10}")
     for r in rows:
-        print(f"{r['variant']:34} {r['tokens_per_step']:7d} {r['fwd_bwd_s']:10.2f} {r['optimizer_s']:7.2f} "
-              f"{r['tokens_per_s']:7.1f} {r['tokens_per_s'] / base:9.2f}x")
+        print(
+            f"{r['variant']:34} {r['tokens_per_step']:7d} {r['fwd_bwd_s']:10.2f} {r['optimizer_s']:7.2f} "
+            f"{r['tokens_per_s']:7.1f} {r['tokens_per_s'] / base:9.2f}x"
+        )
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"train_step_{args.preset}.json")
     with open(path, "w") as f:
-        json.dump({"preset": args.preset, "threads": args.threads, "torch": torch.__version__, "rows": rows}, f,
-                  indent=1)
+        json.dump(
+            {"preset": args.preset, "threads": args.threads, "torch": torch.__version__, "rows": rows}, f, indent=1
+        )
     print(f"\nwrote {path}")
     return 0
 

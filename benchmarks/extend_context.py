@@ -30,11 +30,14 @@ def extend(checkpoint: str, out: str, factor: float, original: int) -> dict:
     with open(config_path) as f:
         config = json.load(f)
     if "original_seq_len" not in config:
-        raise ValueError("config.json is not a dsv41 config (no original_seq_len); Hugging Face configs set "
-                         "rope_scaling themselves")
+        raise ValueError(
+            "config.json is not a dsv41 config (no original_seq_len); Hugging Face configs set rope_scaling themselves"
+        )
     if config["original_seq_len"] > 0:
-        raise ValueError(f"the checkpoint already uses YaRN (original_seq_len {config['original_seq_len']}, factor "
-                         f"{config['rope_factor']}); extend the unscaled checkpoint instead")
+        raise ValueError(
+            f"the checkpoint already uses YaRN (original_seq_len {config['original_seq_len']}, factor "
+            f"{config['rope_factor']}); extend the unscaled checkpoint instead"
+        )
     if factor <= 1 or original <= 0:
         raise ValueError("--factor must be > 1 and --original > 0")
     os.makedirs(out, exist_ok=True)
@@ -48,8 +51,11 @@ def extend(checkpoint: str, out: str, factor: float, original: int) -> dict:
             os.link(src, dst)
         except OSError:  # another file system: a symbolic link
             os.symlink(os.path.abspath(src), dst)
-    config.update(original_seq_len=original, rope_factor=float(factor),
-                  max_position_embeddings=max(config.get("max_position_embeddings", 0), int(original * factor)))
+    config.update(
+        original_seq_len=original,
+        rope_factor=float(factor),
+        max_position_embeddings=max(config.get("max_position_embeddings", 0), int(original * factor)),
+    )
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return config

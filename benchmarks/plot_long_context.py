@@ -46,8 +46,9 @@ def compare(out: str, runs: list[str]) -> None:
         if not sep:
             raise SystemExit(f"give each run as NAME=METRICS.jsonl, not {spec!r}")
         named.append((name, [r for r in map(json.loads, open(path)) if "val_loss" in r]))
-    tasks = sorted({k.removeprefix("val_accuracy_") for _, rows in named for r in rows for k in r
-                    if k.startswith("val_accuracy_")})
+    tasks = sorted(
+        {k.removeprefix("val_accuracy_") for _, rows in named for r in rows for k in r if k.startswith("val_accuracy_")}
+    )
     fig, axes = plt.subplots(2, len(tasks) + 1, figsize=(3.2 * (len(tasks) + 1), 6), squeeze=False)
     for col, task in enumerate(tasks + ["text"]):
         for name, rows in named:

@@ -37,19 +37,35 @@ class LayerParams:
 
     @property
     def total(self) -> int:
-        return (self.attention + self.compressor + self.indexer + self.router + self.routed_experts
-                + self.shared_expert + self.norms_and_hc + self.engram_projection + self.engram_table)
+        return (
+            self.attention
+            + self.compressor
+            + self.indexer
+            + self.router
+            + self.routed_experts
+            + self.shared_expert
+            + self.norms_and_hc
+            + self.engram_projection
+            + self.engram_table
+        )
 
     @property
     def active(self) -> int:
-        return (self.attention + self.compressor + self.indexer + self.router + self.routed_active
-                + self.shared_expert + self.norms_and_hc + self.engram_projection)
+        return (
+            self.attention
+            + self.compressor
+            + self.indexer
+            + self.router
+            + self.routed_active
+            + self.shared_expert
+            + self.norms_and_hc
+            + self.engram_projection
+        )
 
 
 def layer_params(cfg: ModelConfig, layer: int, engram_rows: int = 0) -> LayerParams:
     d, h, hd, q = cfg.dim, cfg.n_heads, cfg.head_dim, cfg.q_lora_rank
-    attention = (h + d * q + q + q * h * hd + d * hd + hd + h * hd * cfg.o_lora_rank
-                 + cfg.o_groups * cfg.o_lora_rank * d)
+    attention = h + d * q + q + q * h * hd + d * hd + hd + h * hd * cfg.o_lora_rank + cfg.o_groups * cfg.o_lora_rank * d
     compressor = indexer = 0
     if layer < cfg.n_layers and layer in cfg.kv_source_layers:
         compressor = d * hd * (2 if cfg.compress_ratios[layer] > 1 else 1) + hd
@@ -66,8 +82,18 @@ def layer_params(cfg: ModelConfig, layer: int, engram_rows: int = 0) -> LayerPar
     if layer < cfg.n_layers and layer in cfg.engram_layer_ids:
         engram_projection = cfg.n_hash_columns * cfg.engram_head_dim * d * (cfg.hc_mult + 1) + 2 * cfg.hc_mult * d
         engram_table = engram_rows * cfg.engram_head_dim
-    return LayerParams(attention, compressor, indexer, router, n_exp * expert, k * expert, expert, norms_and_hc,
-                       engram_projection, engram_table)
+    return LayerParams(
+        attention,
+        compressor,
+        indexer,
+        router,
+        n_exp * expert,
+        k * expert,
+        expert,
+        norms_and_hc,
+        engram_projection,
+        engram_table,
+    )
 
 
 def vision_params(cfg: ModelConfig) -> int:
@@ -79,8 +105,14 @@ def vision_params(cfg: ModelConfig) -> int:
     from dsv41.vision.vit import Aligner, VisionTransformer
 
     with torch.device("meta"):
-        vit = VisionTransformer(cfg.vision_dim, cfg.vision_n_layers, cfg.vision_n_heads, cfg.vision_inter_dim,
-                                cfg.vision_patch_size, cfg.vision_rope_theta)
+        vit = VisionTransformer(
+            cfg.vision_dim,
+            cfg.vision_n_layers,
+            cfg.vision_n_heads,
+            cfg.vision_inter_dim,
+            cfg.vision_patch_size,
+            cfg.vision_rope_theta,
+        )
         aligner = Aligner(cfg.vision_dim, cfg.dim, cfg.vision_downsample_ratio)
     return sum(p.numel() for m in (vit, aligner) for p in m.parameters()) + 3 * cfg.dim
 
@@ -97,8 +129,12 @@ def dspark_params(cfg: ModelConfig) -> int:
     rope = RotaryTable(cfg.rope_head_dim, cfg.rope_theta)
     with torch.device("meta"):
         stages = [DSparkStage(cfg, k, rope) for k in range(cfg.drafter_stages)]
-    return sum(p.numel() * (2 if p.dtype == torch.int8 else 1) for stage in stages
-               for name, p in stage.named_parameters() if not name.endswith(".scale"))
+    return sum(
+        p.numel() * (2 if p.dtype == torch.int8 else 1)
+        for stage in stages
+        for name, p in stage.named_parameters()
+        if not name.endswith(".scale")
+    )
 
 
 def account(cfg: ModelConfig) -> dict:
@@ -149,8 +185,10 @@ def account(cfg: ModelConfig) -> dict:
         "kv_bytes_per_token": kv["total"],
         "kv_bytes_per_token_by_component": {"compressed_kv": kv["compressed_kv"], "index_k": kv["index_k"]},
         "fixed_state_bytes_per_sequence": fixed_state_bytes_per_sequence(cfg),
-        "attention_modes": {mode: sum(cfg.attention_mode(i) == mode for i in range(cfg.n_layers))
-                            for mode in ("swa", "full", "reindex", "reuse")},
+        "attention_modes": {
+            mode: sum(cfg.attention_mode(i) == mode for i in range(cfg.n_layers))
+            for mode in ("swa", "full", "reindex", "reuse")
+        },
     }
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 from dsv41.config import PRESETS
 
@@ -95,6 +95,8 @@ def set_threads(args) -> None:
         torch.set_num_threads(args.threads)
 
 
-THREADS_HELP = ("torch CPU threads (torch.set_num_threads) for the model; default: torch's own choice, one per "
-                "core. Speed collapses when other processes compete for the cores: then set N to the cores "
-                "actually free")
+THREADS_HELP = (
+    "torch CPU threads (torch.set_num_threads) for the model; default: torch's own choice, one per "
+    "core. Speed collapses when other processes compete for the cores: then set N to the cores "
+    "actually free"
+)

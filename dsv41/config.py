@@ -16,7 +16,7 @@ import math
 import os
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Optional
+from typing import Any
 
 # CSA2 keeps only ratio 1 and ratio 2 compression (V4's HCA ratio 128 and ratio 4 are gone, spec §3.1);
 # 0 means a sliding-window-only layer.
@@ -29,19 +29,49 @@ EXPERT_DTYPES = (None, "fp4")
 # in code (the released inference config.json has neither, spec §1.4); the token ids and the context
 # length belong to the tokenizer and the server and do not change the network. Every other field
 # changes the model, so a config that lacks one is refused rather than completed with the Flash value.
-OPTIONAL_FIELDS = ("gate_temp", "norm_topk_prob", "bos_token_id", "eos_token_id", "pad_token_id",
-                   "max_position_embeddings")
+OPTIONAL_FIELDS = (
+    "gate_temp",
+    "norm_topk_prob",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "max_position_embeddings",
+)
 # Fields that describe an optional part of the model, keyed by the field saying whether the part exists:
 # they are required only when it does (a text-only model need not describe a vision tower).
-PART_FIELDS = MappingProxyType({
-    "vision_n_layers": ("vision_dim", "vision_n_heads", "vision_inter_dim", "vision_patch_size",
-                        "vision_rope_theta", "vision_downsample_ratio", "vision_max_n_token",
-                        "vision_min_pixels", "vision_max_wh_ratio", "image_token_id"),
-    "n_mtp_layers": ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids",
-                     "dspark_markov_rank", "dspark_n_routed_experts", "dspark_n_activated_experts"),
-    "engram_layer_ids": ("engram_num_embeddings", "engram_max_ngram_size", "engram_vocab_size",
-                         "engram_n_heads", "engram_head_dim", "engram_pad_id", "engram_compressed_vocab_size"),
-})
+PART_FIELDS = MappingProxyType(
+    {
+        "vision_n_layers": (
+            "vision_dim",
+            "vision_n_heads",
+            "vision_inter_dim",
+            "vision_patch_size",
+            "vision_rope_theta",
+            "vision_downsample_ratio",
+            "vision_max_n_token",
+            "vision_min_pixels",
+            "vision_max_wh_ratio",
+            "image_token_id",
+        ),
+        "n_mtp_layers": (
+            "dspark_block_size",
+            "dspark_noise_token_id",
+            "dspark_target_layer_ids",
+            "dspark_markov_rank",
+            "dspark_n_routed_experts",
+            "dspark_n_activated_experts",
+        ),
+        "engram_layer_ids": (
+            "engram_num_embeddings",
+            "engram_max_ngram_size",
+            "engram_vocab_size",
+            "engram_n_heads",
+            "engram_head_dim",
+            "engram_pad_id",
+            "engram_compressed_vocab_size",
+        ),
+    }
+)
 # What a checkpoint's config.json says about itself for Hugging Face transformers (the release's own names,
 # spec §1.1): AutoConfig picks the config class by `model_type` (dsv41.hf registers it). `to_json` writes
 # them and `from_dict` skips them, so folders written before they were added still load.
@@ -50,8 +80,15 @@ HF_ARCHITECTURE = "DeepseekV41ForCausalLM"
 CHECKPOINT_METADATA_KEYS = ("model_type", "architectures", "transformers_version")
 # What an absent DSpark drafter's fields mean: no drafter (the Flash target layers 37-39 would not even
 # be valid layer ids of a smaller model).
-DSPARK_OFF = MappingProxyType({"dspark_block_size": 0, "dspark_noise_token_id": 0, "dspark_target_layer_ids": (),
-                               "dspark_n_routed_experts": 0, "dspark_n_activated_experts": 0})
+DSPARK_OFF = MappingProxyType(
+    {
+        "dspark_block_size": 0,
+        "dspark_noise_token_id": 0,
+        "dspark_target_layer_ids": (),
+        "dspark_n_routed_experts": 0,
+        "dspark_n_activated_experts": 0,
+    }
+)
 
 
 @dataclass
@@ -113,7 +150,7 @@ class ModelConfig:
     engram_compressed_vocab_size: int = 99092
     # weight storage (spec §1.1, §7)
     dtype: str = "fp8"
-    expert_dtype: Optional[str] = "fp4"
+    expert_dtype: str | None = "fp4"
     # vision (spec §1.3, §12b); vision_n_layers == 0 disables it
     vision_n_layers: int = 32
     vision_dim: int = 1024
@@ -124,7 +161,7 @@ class ModelConfig:
     vision_downsample_ratio: int = 3
     vision_max_n_token: int = 1024
     vision_min_pixels: int = 295936
-    vision_max_wh_ratio: Optional[float] = None
+    vision_max_wh_ratio: float | None = None
     image_token_id: int = 129264
     # DSpark drafter stored under mtp.* (spec §12b)
     dspark_block_size: int = 5
@@ -153,8 +190,20 @@ class ModelConfig:
         def fail(name: str, why: str) -> None:
             raise ValueError(f"ModelConfig.{name}: {why} (got {getattr(self, name)!r})")
 
-        for name in ("vocab_size", "dim", "moe_inter_dim", "n_layers", "n_heads", "q_lora_rank", "head_dim",
-                     "o_groups", "o_lora_rank", "window_size", "hc_mult", "hc_sinkhorn_iters"):
+        for name in (
+            "vocab_size",
+            "dim",
+            "moe_inter_dim",
+            "n_layers",
+            "n_heads",
+            "q_lora_rank",
+            "head_dim",
+            "o_groups",
+            "o_lora_rank",
+            "window_size",
+            "hc_mult",
+            "hc_sinkhorn_iters",
+        ):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 fail(name, "must be a positive integer")
         if self.n_mtp_layers < 0:
@@ -201,8 +250,9 @@ class ModelConfig:
                 bounds = f"{'[' if low_ok else '('}{low:g}, {high:g})"
                 fail(name, f"must be a finite number in {bounds}: {why}")
         ratio = self.vision_max_wh_ratio
-        if ratio is not None and not (isinstance(ratio, (int, float)) and not isinstance(ratio, bool)
-                                      and math.isfinite(ratio) and ratio >= 1):
+        if ratio is not None and not (
+            isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and math.isfinite(ratio) and ratio >= 1
+        ):
             fail("vision_max_wh_ratio", "must be null (no limit) or a finite aspect ratio >= 1 (long / short side)")
 
         n_all = self.n_layers + self.n_mtp_layers
@@ -235,7 +285,10 @@ class ModelConfig:
                 fail("kv_source_layers", f"layer {layer} (ratio {ratio}) has no earlier kv source of the same ratio")
             idx_src = self._latest(self.index_source_layers, layer)
             if idx_src is None or self.compress_ratios[idx_src] != ratio:
-                fail("index_source_layers", f"layer {layer} (ratio {ratio}) has no earlier index source of the same ratio")
+                fail(
+                    "index_source_layers",
+                    f"layer {layer} (ratio {ratio}) has no earlier index source of the same ratio",
+                )
 
         if any(self.compress_ratios):
             if self.index_topk <= 0:
@@ -273,7 +326,7 @@ class ModelConfig:
 
     # ----------------------------------------------------------------- derived schedule
     @staticmethod
-    def _latest(sources: tuple[int, ...], layer: int) -> Optional[int]:
+    def _latest(sources: tuple[int, ...], layer: int) -> int | None:
         earlier = [s for s in sources if s <= layer]
         return earlier[-1] if earlier else None
 
@@ -284,13 +337,13 @@ class ModelConfig:
         model has no compressed cache."""
         return max(self.kv_source_layers) if self.kv_source_layers else self.n_layers
 
-    def kv_source_of(self, layer: int) -> Optional[int]:
+    def kv_source_of(self, layer: int) -> int | None:
         """The layer whose compressed KV (and index keys) `layer` reads; None for ratio-0 layers."""
         if layer >= self.n_layers or self.compress_ratios[layer] == 0:
             return None
         return self._latest(self.kv_source_layers, layer)
 
-    def index_source_of(self, layer: int) -> Optional[int]:
+    def index_source_of(self, layer: int) -> int | None:
         """The layer whose top-k selection `layer` uses; itself for Full and Reindex layers."""
         if layer >= self.n_layers or self.compress_ratios[layer] == 0:
             return None
@@ -324,8 +377,10 @@ class ModelConfig:
         """(routed experts, activated experts) of a layer; DSpark blocks have their own (spec §12b)."""
         if layer < self.n_layers:
             return self.n_routed_experts, self.n_activated_experts
-        return (self.dspark_n_routed_experts or self.n_routed_experts,
-                self.dspark_n_activated_experts or self.n_activated_experts)
+        return (
+            self.dspark_n_routed_experts or self.n_routed_experts,
+            self.dspark_n_activated_experts or self.n_activated_experts,
+        )
 
     # ----------------------------------------------------------------- (de)serialisation
     def to_dict(self) -> dict[str, Any]:
@@ -335,7 +390,7 @@ class ModelConfig:
             out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
 
-    def to_json(self, path: Optional[str | os.PathLike] = None) -> str:
+    def to_json(self, path: str | os.PathLike | None = None) -> str:
         """The checkpoint `config.json`: every field, after the Hugging Face `model_type` and `architectures`
         that let `AutoConfig` / `AutoModelForCausalLM` recognise the folder (dsv41.hf)."""
         data = {"model_type": HF_MODEL_TYPE, "architectures": [HF_ARCHITECTURE], **self.to_dict()}
@@ -346,7 +401,7 @@ class ModelConfig:
         return text
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], strict: bool = False) -> "ModelConfig":
+    def from_dict(cls, data: dict[str, Any], strict: bool = False) -> ModelConfig:
         """Build from either the flat inference dict or the Hugging Face dict (with `text_config`).
 
         This reads a checkpoint's config, so every field that changes the model must be present: the
@@ -362,8 +417,9 @@ class ModelConfig:
             raise ValueError(f"config must be a JSON object, got {type(data).__name__}")
         model_type = data.get("model_type", HF_MODEL_TYPE)
         if model_type != HF_MODEL_TYPE:
-            raise ValueError(f"ModelConfig: model_type is {model_type!r}, not a DeepSeek-V4.1 model "
-                             f"({HF_MODEL_TYPE!r})")
+            raise ValueError(
+                f"ModelConfig: model_type is {model_type!r}, not a DeepSeek-V4.1 model ({HF_MODEL_TYPE!r})"
+            )
         data = {k: v for k, v in data.items() if k not in CHECKPOINT_METADATA_KEYS}
         hf = _looks_like_hf(data)
         flat = _hf_to_inference(data) if hf else dict(data)
@@ -378,18 +434,22 @@ class ModelConfig:
         missing = _missing_fields(kwargs, known)
         if missing:
             spelled = {name: _hf_name(name, data) if hf else name for name in missing}
-            shown = [hf_name if hf_name.split(".")[-1] == name else f"{hf_name} ({name})"
-                     for name, hf_name in spelled.items()]
-            raise ValueError(f"ModelConfig: the config lacks {len(missing)} field(s) that change the model: "
-                             f"{', '.join(shown)}; only {', '.join(OPTIONAL_FIELDS)} and the fields of a "
-                             f"vision tower, DSpark drafter or Engram the model does not have may be left out")
+            shown = [
+                hf_name if hf_name.split(".")[-1] == name else f"{hf_name} ({name})"
+                for name, hf_name in spelled.items()
+            ]
+            raise ValueError(
+                f"ModelConfig: the config lacks {len(missing)} field(s) that change the model: "
+                f"{', '.join(shown)}; only {', '.join(OPTIONAL_FIELDS)} and the fields of a "
+                f"vision tower, DSpark drafter or Engram the model does not have may be left out"
+            )
         if kwargs["n_mtp_layers"] == 0:
             for name, value in DSPARK_OFF.items():
                 kwargs.setdefault(name, value)
         return cls(**kwargs)
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike) -> "ModelConfig":
+    def from_file(cls, path: str | os.PathLike) -> ModelConfig:
         """Read an inference or Hugging Face `config.json` (or a folder holding one)."""
         path = os.fspath(path)
         if os.path.isdir(path):
@@ -404,7 +464,7 @@ class ModelConfig:
         except ValueError as exc:  # say which file is wrong (the CLI and load_model show only the message)
             raise ValueError(f"{path}: {exc}") from None
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
@@ -416,7 +476,9 @@ def _coerce(name: str, value: Any, f: dataclasses.Field) -> Any:
             return None
         raise ValueError(f"ModelConfig.{name}: must not be null")
     if isinstance(default, tuple):
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
             raise ValueError(f"ModelConfig.{name}: must be a list of integers (got {value!r})")
         return tuple(value)
     if isinstance(default, bool):
@@ -554,23 +616,45 @@ def flash() -> ModelConfig:
 
 def _cpu_scale(**fields: Any) -> ModelConfig:
     """A test/CPU preset: bf16 weights throughout, no vision tower, no MTP/DSpark drafter."""
-    return ModelConfig(**{"n_mtp_layers": 0, "dtype": "bf16", "expert_dtype": None, "vision_n_layers": 0,
-                          **DSPARK_OFF, **fields})
+    return ModelConfig(
+        **{"n_mtp_layers": 0, "dtype": "bf16", "expert_dtype": None, "vision_n_layers": 0, **DSPARK_OFF, **fields}
+    )
 
 
 def tiny() -> ModelConfig:
     """The smallest config with every block type (SWA, Full r2, Reuse r2, Full r1 + candidate source,
     Reuse r1, Reindex) and two Engram layers. It equals the `v41-tiny-*` golden configs."""
     return _cpu_scale(
-        vocab_size=1024, dim=64, moe_inter_dim=32, n_layers=10, n_heads=4,
-        n_routed_experts=8, n_activated_experts=3, q_lora_rank=64, head_dim=64, rope_head_dim=16,
-        o_groups=2, o_lora_rank=32, window_size=8,
-        compress_ratios=(0, 0, 2, 2, 2, 2, 1, 1, 1, 1), kv_source_layers=(2, 4, 6),
-        index_source_layers=(2, 4, 6, 8), original_seq_len=64, rope_factor=4.0,
-        index_n_heads=8, index_head_dim=64, index_topk=6,
-        candidate_source_layer=6, candidate_topk_blocks=3, candidate_block_size=4,
-        engram_layer_ids=(1, 4), engram_num_embeddings=(660, 864), engram_vocab_size=100,
-        engram_n_heads=2, engram_head_dim=32, engram_compressed_vocab_size=512,
+        vocab_size=1024,
+        dim=64,
+        moe_inter_dim=32,
+        n_layers=10,
+        n_heads=4,
+        n_routed_experts=8,
+        n_activated_experts=3,
+        q_lora_rank=64,
+        head_dim=64,
+        rope_head_dim=16,
+        o_groups=2,
+        o_lora_rank=32,
+        window_size=8,
+        compress_ratios=(0, 0, 2, 2, 2, 2, 1, 1, 1, 1),
+        kv_source_layers=(2, 4, 6),
+        index_source_layers=(2, 4, 6, 8),
+        original_seq_len=64,
+        rope_factor=4.0,
+        index_n_heads=8,
+        index_head_dim=64,
+        index_topk=6,
+        candidate_source_layer=6,
+        candidate_topk_blocks=3,
+        candidate_block_size=4,
+        engram_layer_ids=(1, 4),
+        engram_num_embeddings=(660, 864),
+        engram_vocab_size=100,
+        engram_n_heads=2,
+        engram_head_dim=32,
+        engram_compressed_vocab_size=512,
         max_position_embeddings=4096,
     )
 
@@ -580,15 +664,36 @@ def small() -> ModelConfig:
     then 'Full + Reuse' ratio-2 groups) and a 6-layer decoder (ratio-1 Full + candidate source, then
     'Reindex + Reuse'), Engram before layer 1 and before the second encoder Full layer."""
     return _cpu_scale(
-        vocab_size=8192, dim=384, moe_inter_dim=384, n_layers=12, n_heads=6,
-        n_routed_experts=16, n_activated_experts=2, q_lora_rank=192, head_dim=128, rope_head_dim=32,
-        o_groups=2, o_lora_rank=192, window_size=64,
-        compress_ratios=(0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1), kv_source_layers=(2, 4, 6),
-        index_source_layers=(2, 4, 6, 8, 10), original_seq_len=1024, rope_factor=4.0,
-        index_n_heads=8, index_head_dim=64, index_topk=64,
-        candidate_source_layer=6, candidate_topk_blocks=32, candidate_block_size=8,
-        engram_layer_ids=(1, 4), engram_num_embeddings=(24064, 24336), engram_vocab_size=4000,
-        engram_n_heads=2, engram_head_dim=64, engram_compressed_vocab_size=8192,
+        vocab_size=8192,
+        dim=384,
+        moe_inter_dim=384,
+        n_layers=12,
+        n_heads=6,
+        n_routed_experts=16,
+        n_activated_experts=2,
+        q_lora_rank=192,
+        head_dim=128,
+        rope_head_dim=32,
+        o_groups=2,
+        o_lora_rank=192,
+        window_size=64,
+        compress_ratios=(0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1),
+        kv_source_layers=(2, 4, 6),
+        index_source_layers=(2, 4, 6, 8, 10),
+        original_seq_len=1024,
+        rope_factor=4.0,
+        index_n_heads=8,
+        index_head_dim=64,
+        index_topk=64,
+        candidate_source_layer=6,
+        candidate_topk_blocks=32,
+        candidate_block_size=8,
+        engram_layer_ids=(1, 4),
+        engram_num_embeddings=(24064, 24336),
+        engram_vocab_size=4000,
+        engram_n_heads=2,
+        engram_head_dim=64,
+        engram_compressed_vocab_size=8192,
         max_position_embeddings=8192,
     )
 
@@ -600,15 +705,36 @@ def mini() -> ModelConfig:
     schedule in 8 layers: SWA; a ratio-2 encoder (Full, Reuse, Full); a ratio-1 decoder (Full + candidate
     source, Reuse, Reindex, Reuse); Engram before layers 1 and 3."""
     return _cpu_scale(
-        vocab_size=8192, dim=256, moe_inter_dim=256, n_layers=8, n_heads=4,
-        n_routed_experts=8, n_activated_experts=2, q_lora_rank=128, head_dim=64, rope_head_dim=32,
-        o_groups=2, o_lora_rank=128, window_size=64,
-        compress_ratios=(0, 2, 2, 2, 1, 1, 1, 1), kv_source_layers=(1, 3, 4),
-        index_source_layers=(1, 3, 4, 6), original_seq_len=1024, rope_factor=4.0,
-        index_n_heads=4, index_head_dim=64, index_topk=64,
-        candidate_source_layer=4, candidate_topk_blocks=16, candidate_block_size=8,
-        engram_layer_ids=(1, 3), engram_num_embeddings=(12126, 12436), engram_vocab_size=2000,
-        engram_n_heads=2, engram_head_dim=64, engram_compressed_vocab_size=8192,
+        vocab_size=8192,
+        dim=256,
+        moe_inter_dim=256,
+        n_layers=8,
+        n_heads=4,
+        n_routed_experts=8,
+        n_activated_experts=2,
+        q_lora_rank=128,
+        head_dim=64,
+        rope_head_dim=32,
+        o_groups=2,
+        o_lora_rank=128,
+        window_size=64,
+        compress_ratios=(0, 2, 2, 2, 1, 1, 1, 1),
+        kv_source_layers=(1, 3, 4),
+        index_source_layers=(1, 3, 4, 6),
+        original_seq_len=1024,
+        rope_factor=4.0,
+        index_n_heads=4,
+        index_head_dim=64,
+        index_topk=64,
+        candidate_source_layer=4,
+        candidate_topk_blocks=16,
+        candidate_block_size=8,
+        engram_layer_ids=(1, 3),
+        engram_num_embeddings=(12126, 12436),
+        engram_vocab_size=2000,
+        engram_n_heads=2,
+        engram_head_dim=64,
+        engram_compressed_vocab_size=8192,
         max_position_embeddings=8192,
     )
 
@@ -627,13 +753,30 @@ def recall() -> ModelConfig:
     step time on CPU, so it is wider than tiny (128) but has 2 layers instead of 10 (step time 1.9 s
     vs 3.6 s for 4 layers, batch 8 x 192, measured together), 4 experts, no Engram, no candidate pool."""
     return _cpu_scale(
-        vocab_size=1024, dim=128, moe_inter_dim=128, n_layers=2, n_heads=4,
-        n_routed_experts=4, n_activated_experts=2, q_lora_rank=64, head_dim=64, rope_head_dim=16,
-        o_groups=2, o_lora_rank=64, window_size=32,
-        compress_ratios=(0, 1), kv_source_layers=(1,), index_source_layers=(1,),
-        original_seq_len=0, rope_factor=1.0,
-        index_n_heads=4, index_head_dim=32, index_topk=8,
-        candidate_source_layer=-1, engram_layer_ids=(), engram_num_embeddings=(),
+        vocab_size=1024,
+        dim=128,
+        moe_inter_dim=128,
+        n_layers=2,
+        n_heads=4,
+        n_routed_experts=4,
+        n_activated_experts=2,
+        q_lora_rank=64,
+        head_dim=64,
+        rope_head_dim=16,
+        o_groups=2,
+        o_lora_rank=64,
+        window_size=32,
+        compress_ratios=(0, 1),
+        kv_source_layers=(1,),
+        index_source_layers=(1,),
+        original_seq_len=0,
+        rope_factor=1.0,
+        index_n_heads=4,
+        index_head_dim=32,
+        index_topk=8,
+        candidate_source_layer=-1,
+        engram_layer_ids=(),
+        engram_num_embeddings=(),
         max_position_embeddings=4096,
     )
 
@@ -648,11 +791,11 @@ def recall3() -> ModelConfig:
     after 'for', then carry it; the previous two tokens) before the lookup. Same width, window and
     top-8; a window layer costs far less than the Full layer (32 keys instead of the whole cache)."""
     return dataclasses.replace(
-        recall(), n_layers=3, compress_ratios=(0, 0, 1), kv_source_layers=(2,), index_source_layers=(2,))
+        recall(), n_layers=3, compress_ratios=(0, 0, 1), kv_source_layers=(2,), index_source_layers=(2,)
+    )
 
 
-PRESETS = {"flash": flash, "tiny": tiny, "small": small, "mini": mini, "recall": recall,
-           "recall3": recall3}
+PRESETS = {"flash": flash, "tiny": tiny, "small": small, "mini": mini, "recall": recall, "recall3": recall3}
 
 
 def preset(name: str) -> ModelConfig:
@@ -660,4 +803,3 @@ def preset(name: str) -> ModelConfig:
         return PRESETS[name]()
     except KeyError:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}") from None
-

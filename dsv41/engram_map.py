@@ -26,8 +26,9 @@ import unicodedata
 import torch
 
 # Unicode White_Space (what Rust's char::is_whitespace, used by tokenizers' Strip, accepts)
-_WHITE_SPACE = ("\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(chr(c) for c in range(0x2000, 0x200B))
-                + "\u2028\u2029\u202f\u205f\u3000")
+_WHITE_SPACE = (
+    "\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(chr(c) for c in range(0x2000, 0x200B)) + "\u2028\u2029\u202f\u205f\u3000"
+)
 _COLLAPSE = re.compile(r"[ \t\r\n]+")
 
 

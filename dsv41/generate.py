@@ -7,14 +7,13 @@ the reference it is checked against.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
 from dsv41.model.transformer import Transformer
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float, gen: Optional[torch.Generator]) -> torch.Tensor:
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> torch.Tensor:
     """logits [B, V] fp32 -> token ids [B]. temperature 0 is greedy."""
     if temperature <= 0:
         return logits.argmax(-1)
@@ -28,8 +27,15 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, gen: Opt
 
 
 @torch.inference_mode()
-def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, eos_id: Optional[int] = None, seed: int = 0) -> torch.Tensor:
+def generate(
+    model: Transformer,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    eos_id: int | None = None,
+    seed: int = 0,
+) -> torch.Tensor:
     """prompt [B, S] int64 -> generated ids [B, <= max_new_tokens] (stops early when all rows hit eos)."""
     if prompt.ndim != 2 or prompt.size(1) == 0:
         raise ValueError("prompt must be a non-empty [batch, seq] tensor")
@@ -87,9 +93,11 @@ def _snapshot(cache, n_layers: int) -> dict:
     """The cache state a forward overwrites in place below the positions it writes: window rings (slot =
     position % window) and partial compression groups. Entries past the accepted position (compressed KV,
     index keys, Engram history) are never read before they are written again, so they need no copy."""
-    return {"window": [cache.window_kv[i].clone() for i in range(n_layers)],
-            "group_kv": {k: v.clone() for k, v in cache.group_kv.items()},
-            "group_score": {k: v.clone() for k, v in cache.group_score.items()}}
+    return {
+        "window": [cache.window_kv[i].clone() for i in range(n_layers)],
+        "group_kv": {k: v.clone() for k, v in cache.group_kv.items()},
+        "group_score": {k: v.clone() for k, v in cache.group_score.items()},
+    }
 
 
 def _restore(cache, snapshot: dict) -> None:
@@ -102,10 +110,18 @@ def _restore(cache, snapshot: dict) -> None:
 
 
 @torch.inference_mode()
-def generate_speculative(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-                         top_p: float = 1.0, eos_id: Optional[int] = None, seed: int = 0,
-                         confidence_threshold: float = 0.0, stats: Optional[SpeculativeStats] = None,
-                         cache=None) -> torch.Tensor:
+def generate_speculative(
+    model: Transformer,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    eos_id: int | None = None,
+    seed: int = 0,
+    confidence_threshold: float = 0.0,
+    stats: SpeculativeStats | None = None,
+    cache=None,
+) -> torch.Tensor:
     """`generate` with DSpark draft-and-verify (spec §12b): per step the drafter proposes k tokens, one
     target forward over [token, draft] scores them, the longest valid prefix is kept plus one token from
     the target. Greedy output equals `generate`'s under the same numerics (use batch-invariant GEMMs,
@@ -154,7 +170,7 @@ def generate_speculative(model: Transformer, prompt: torch.Tensor, max_new_token
             likely = torch.sigmoid(draft.confidence).cumprod(-1) >= confidence_threshold  # [B, k]
             n = max(1, int(likely.sum(-1).max()))
         n = min(n, max_new_tokens - len(out) - 1)  # never run past the last token asked for
-        proposed = draft.tokens[:, 1:n + 1]  # [B, n]: positions pos + 2 ..
+        proposed = draft.tokens[:, 1 : n + 1]  # [B, n]: positions pos + 2 ..
         feed = torch.cat([token.unsqueeze(1), proposed], dim=1)  # positions pos + 1 .. pos + n + 1
         saved = _snapshot(cache, model.cfg.n_layers)
         inputs = {}
@@ -172,10 +188,10 @@ def generate_speculative(model: Transformer, prompt: torch.Tensor, max_new_token
         if a < n:  # roll back the rejected positions: restore, then run the accepted tokens again
             _restore(cache, saved)
             inputs = {}
-            model(feed[:, :a + 1], pos + 1, cache, last_only=True, drafter_inputs=inputs)
+            model(feed[:, : a + 1], pos + 1, cache, last_only=True, drafter_inputs=inputs)
         if a:  # the drafter's rings get every accepted backbone row; the last one is written by draft()
             model.draft_prefill(inputs["main_hidden"][:, :a], pos + 1, cache)
-        hidden = inputs["main_hidden"][:, a:a + 1]
+        hidden = inputs["main_hidden"][:, a : a + 1]
         out.extend(proposed[:, i] for i in range(a))
         out.append(nxt)
         pos += a + 1
@@ -186,13 +202,20 @@ def generate_speculative(model: Transformer, prompt: torch.Tensor, max_new_token
         tokens = torch.where(hit, eos_id, tokens)
         done_at = hit.all(0).nonzero()
         if len(done_at):
-            tokens = tokens[:, :int(done_at[0]) + 1]
+            tokens = tokens[:, : int(done_at[0]) + 1]
     stats.emitted += tokens.size(1)
     return tokens
 
 
-def _accept(target: torch.Tensor, draft_logits: torch.Tensor, proposed: torch.Tensor, temperature: float,
-            top_p: float, gen: torch.Generator, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _accept(
+    target: torch.Tensor,
+    draft_logits: torch.Tensor,
+    proposed: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    gen: torch.Generator,
+    greedy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """target [B, n + 1, V] (logits at the fed positions), draft_logits [B, n, V] (what each proposal was
     drawn from), proposed [B, n] -> (accepted drafts per row [B], the target's token after them [B])."""
     b, n = proposed.shape

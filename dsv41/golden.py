@@ -50,8 +50,17 @@ EXACT_ATOL = 1e-5
 LOOSE_PREFILL_ATOL = 0.25
 LOOSE_DECODE_RMS_RATIO = 0.15
 LOOSE_ARGMAX_AGREEMENT = 0.85
-CAPTURE_ORDER = ["engram_out", "compress_kv", "index_k", "candidates", "topk_idxs", "attn_out", "ffn_out", "out",
-                 "pre_mix_out"]
+CAPTURE_ORDER = [
+    "engram_out",
+    "compress_kv",
+    "index_k",
+    "candidates",
+    "topk_idxs",
+    "attn_out",
+    "ffn_out",
+    "out",
+    "pre_mix_out",
+]
 DECODE_PREFIX = "decode."
 FINAL_SUFFIX = "_final"
 # per-step set key (after `decode.`) -> the model's trace name where they differ
@@ -62,6 +71,7 @@ DECODE_TRACE_NAMES = {"hidden.final_norm": "hidden.final_norm_last"}
 class CaptureDiff:
     """One capture that differs: `step` is the decode step (None: the caches after the last step),
     `name` the capture (the set's key without `decode.`), `rows` the batch rows that differ."""
+
     step: int | None
     name: str
     rows: list[int]
@@ -125,7 +135,7 @@ def first_capture_difference(expected: dict, captured: dict) -> str | None:
 
 def decode_capture_names(expected: dict) -> list[str]:
     """The set's per-step capture names (without `decode.`), in comparison order (layer, then block position)."""
-    names = [k[len(DECODE_PREFIX):] for k in expected if k.startswith(DECODE_PREFIX) and not k.endswith(FINAL_SUFFIX)]
+    names = [k[len(DECODE_PREFIX) :] for k in expected if k.startswith(DECODE_PREFIX) and not k.endswith(FINAL_SUFFIX)]
     return sorted(names, key=_capture_key)
 
 
@@ -184,9 +194,10 @@ def final_cache_difference(expected: dict, cache, batch: int) -> tuple[CaptureDi
     """Compare the set's caches after the last step (`decode.debug.layers.<i>.*_final`) with the model's
     `ModelCache` after it: window ring [B, W, head_dim] (slot = pos % W), compressed KV and index keys (the
     first (S+N)//ratio rows). Returns (the first difference by layer, number compared, names it lacks)."""
-    names = sorted((k[len(DECODE_PREFIX):] for k in expected
-                    if k.startswith(DECODE_PREFIX) and k.endswith(FINAL_SUFFIX)),
-                   key=lambda n: (_capture_key(n), n))
+    names = sorted(
+        (k[len(DECODE_PREFIX) :] for k in expected if k.startswith(DECODE_PREFIX) and k.endswith(FINAL_SUFFIX)),
+        key=lambda n: (_capture_key(n), n),
+    )
     compared, missing = 0, []
     for name in names:
         parts = name.split(".")
@@ -222,16 +233,28 @@ def exact_required(folder: str) -> bool:
 
 def spec_capture_names(n_stages: int) -> list[str]:
     """The drafter's per-step captures in the order its README checks them (each one feeds the next)."""
-    stages = [f"spec.stages.{k}.{name}" for k in range(n_stages) for name in ("attn_out", "ffn_out", "out", "pre_mix_out")]
-    return (["spec.main_hidden", "spec.main_x"] + stages + ["spec.final_norm", "spec.base_logits", "spec.markov_embed",
-            "spec.markov_bias", "spec.logits", "spec.output_ids", "spec.confidence"])
+    stages = [
+        f"spec.stages.{k}.{name}" for k in range(n_stages) for name in ("attn_out", "ffn_out", "out", "pre_mix_out")
+    ]
+    return (
+        ["spec.main_hidden", "spec.main_x"]
+        + stages
+        + [
+            "spec.final_norm",
+            "spec.base_logits",
+            "spec.markov_embed",
+            "spec.markov_bias",
+            "spec.logits",
+            "spec.output_ids",
+            "spec.confidence",
+        ]
+    )
 
 
 SPEC_VERDICT = ("spec.base_logits", "spec.markov_bias", "spec.logits", "spec.confidence")  # judged at EXACT_ATOL
 
 
-def run_golden(folder: str, reference_numerics: bool = True, verbose: bool = True,
-               trace: bool = False) -> GoldenResult:
+def run_golden(folder: str, reference_numerics: bool = True, verbose: bool = True, trace: bool = False) -> GoldenResult:
     """Run the folder's prefill and decode steps and compare the logits (and the prefill captures);
     with `trace`, also every decode step's captures and the final caches (see the module docstring)."""
     folder = os.fspath(folder)
@@ -261,16 +284,27 @@ def run_golden(folder: str, reference_numerics: bool = True, verbose: bool = Tru
     lines = []
     with torch.inference_mode():
         t0 = time.perf_counter()
-        prefill = model(prompt, 0, cache, last_only=True, trace=captured, drafter_inputs=drafter,
-                        token_types=token_types, inputs_embeds=inputs_embeds)[:, -1]
+        prefill = model(
+            prompt,
+            0,
+            cache,
+            last_only=True,
+            trace=captured,
+            drafter_inputs=drafter,
+            token_types=token_types,
+            inputs_embeds=inputs_embeds,
+        )[:, -1]
         if spec:
             captured["spec.main_hidden_prefill"] = drafter["main_hidden"]
             model.draft_prefill(drafter["main_hidden"], 0, cache)
         decode = []
         for t in range(n):
             step_trace = {} if step_names else None
-            decode.append(model(steps[:, t:t + 1], s + t, cache, last_only=True, trace=step_trace,
-                                drafter_inputs=drafter)[:, -1])
+            decode.append(
+                model(steps[:, t : t + 1], s + t, cache, last_only=True, trace=step_trace, drafter_inputs=drafter)[
+                    :, -1
+                ]
+            )
             if step_names:
                 step_diffs.append(step_capture_difference(t, step_names, expected, step_trace))
             if spec:
@@ -280,8 +314,10 @@ def run_golden(folder: str, reference_numerics: bool = True, verbose: bool = Tru
         seconds = time.perf_counter() - t0
     ref_prefill = expected["prefill_logits"]
     prefill_err = (prefill - ref_prefill).abs().max().item()
-    lines.append(f"{name}: batch {b}, prefill {s}, decode {n} steps, {seconds:.2f}s "
-                 f"({'reference' if reference_numerics else 'fast'} numerics{', traced' if step_names else ''})")
+    lines.append(
+        f"{name}: batch {b}, prefill {s}, decode {n} steps, {seconds:.2f}s "
+        f"({'reference' if reference_numerics else 'fast'} numerics{', traced' if step_names else ''})"
+    )
     lines.append(f"  prefill   max abs {prefill_err:.3e}  rel {prefill_err / ref_prefill.abs().max().item():.3e}")
     decode_abs, decode_rel = [], []
     for t in range(n):
@@ -291,7 +327,9 @@ def run_golden(folder: str, reference_numerics: bool = True, verbose: bool = Tru
         decode_rel.append(err / ref.abs().max().item())
         step_note = ""
         if step_names:
-            step_note = "  captures identical" if step_diffs[t] is None else f"  first capture diff: {step_diffs[t].name}"
+            step_note = (
+                "  captures identical" if step_diffs[t] is None else f"  first capture diff: {step_diffs[t].name}"
+            )
         lines.append(f"  decode {t:2d} max abs {err:.3e}  rel {decode_rel[-1]:.3e}{step_note}")
     mine, ref = torch.stack(decode), expected["decode_logits"]
     rms_ratio = ((mine - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
@@ -302,10 +340,15 @@ def run_golden(folder: str, reference_numerics: bool = True, verbose: bool = Tru
         tolerance = f"exact: atol {EXACT_ATOL:g} on every logit"
         passed = exact
     else:
-        tolerance = (f"accumulation-order: prefill atol {LOOSE_PREFILL_ATOL}, decode rms ratio <= "
-                     f"{LOOSE_DECODE_RMS_RATIO}, argmax agreement >= {LOOSE_ARGMAX_AGREEMENT}")
-        passed = exact or (prefill_err <= LOOSE_PREFILL_ATOL and rms_ratio <= LOOSE_DECODE_RMS_RATIO
-                           and agreement >= LOOSE_ARGMAX_AGREEMENT)
+        tolerance = (
+            f"accumulation-order: prefill atol {LOOSE_PREFILL_ATOL}, decode rms ratio <= "
+            f"{LOOSE_DECODE_RMS_RATIO}, argmax agreement >= {LOOSE_ARGMAX_AGREEMENT}"
+        )
+        passed = exact or (
+            prefill_err <= LOOSE_PREFILL_ATOL
+            and rms_ratio <= LOOSE_DECODE_RMS_RATIO
+            and agreement >= LOOSE_ARGMAX_AGREEMENT
+        )
     lines.append(f"  decode rms ratio {rms_ratio:.4f}, argmax agreement {agreement:.3f}, max abs overall {worst:.3e}")
     lines.extend(vision_lines)
     passed = passed and vision_ok
@@ -314,8 +357,9 @@ def run_golden(folder: str, reference_numerics: bool = True, verbose: bool = Tru
         passed = passed and spec_result[0] <= EXACT_ATOL and spec_result[1]
     first = first_capture_difference(expected, captured)
     lines.append(f"  first differing capture: {first or 'none (all captures identical)'}")
-    result = GoldenResult(name, tolerance, prefill_err, decode_abs, decode_rel, rms_ratio, agreement, exact, passed,
-                          first, lines)
+    result = GoldenResult(
+        name, tolerance, prefill_err, decode_abs, decode_rel, rms_ratio, agreement, exact, passed, first, lines
+    )
     if spec_result is not None:
         result.spec_max_abs, result.spec_tokens_equal, result.first_spec_diff = spec_result
     if trace and not step_names:
@@ -330,8 +374,9 @@ def run_golden(folder: str, reference_numerics: bool = True, verbose: bool = Tru
             same = result.identical_decode_steps
             same = f"steps 0-{same - 1} identical; " if same else ""
             differing = sum(d is not None for d in step_diffs)
-            lines.append(f"  first differing decode capture: {result.first_decode_diff} "
-                         f"({same}{differing} of {n} steps differ)")
+            lines.append(
+                f"  first differing decode capture: {result.first_decode_diff} ({same}{differing} of {n} steps differ)"
+            )
         final, compared, missing = final_cache_difference(expected, cache, b)
         result.final_cache_diff, result.final_caches_compared = final, compared
         if final is not None:
@@ -368,17 +413,26 @@ def _vision_inputs(model, inputs: dict, expected: dict, lines: list[str]):
         got = mine.get(name)
         if got is None or got.shape != expected[name].shape or not torch.equal(got, expected[name]):
             ok = False
-            detail = "missing" if got is None else (
-                f"shape {tuple(got.shape)} vs {tuple(expected[name].shape)}" if got.shape != expected[name].shape
-                else f"max abs {(got.float() - expected[name].float()).abs().max().item():.3e}")
+            detail = (
+                "missing"
+                if got is None
+                else (
+                    f"shape {tuple(got.shape)} vs {tuple(expected[name].shape)}"
+                    if got.shape != expected[name].shape
+                    else f"max abs {(got.float() - expected[name].float()).abs().max().item():.3e}"
+                )
+            )
             differ.append(f"{name} ({detail})")
-    lines.append(f"  vision: {len(images)} images; processor / ViT / aligner / merged embedding "
-                 + ("all bit-identical" if ok else "DIFFER: " + ", ".join(differ)))
+    lines.append(
+        f"  vision: {len(images)} images; processor / ViT / aligner / merged embedding "
+        + ("all bit-identical" if ok else "DIFFER: " + ", ".join(differ))
+    )
     return ok, embeds, types
 
 
-def _compare_spec(expected: dict, captured: dict, steps: list[dict], n_stages: int,
-                  lines: list[str]) -> tuple[float, bool, CaptureDiff | None]:
+def _compare_spec(
+    expected: dict, captured: dict, steps: list[dict], n_stages: int, lines: list[str]
+) -> tuple[float, bool, CaptureDiff | None]:
     """The drafter against the set's `spec.*` values: (max abs over its logits and confidence, drafted ids all
     equal, the first differing capture in check order)."""
     prefill = expected.get("spec.main_hidden_prefill")
@@ -394,11 +448,17 @@ def _compare_spec(expected: dict, captured: dict, steps: list[dict], n_stages: i
                 break
         if first is not None:
             break
-    worst = max((trace[n].float() - expected[n][t].float()).abs().max().item()
-                for t, trace in enumerate(steps) for n in SPEC_VERDICT if n in expected)
+    worst = max(
+        (trace[n].float() - expected[n][t].float()).abs().max().item()
+        for t, trace in enumerate(steps)
+        for n in SPEC_VERDICT
+        if n in expected
+    )
     tokens = all(torch.equal(trace["spec.output_ids"], expected["spec.output_ids"][t]) for t, trace in enumerate(steps))
-    lines.append(f"  DSpark drafter ({len(steps)} steps): logits / bias / confidence max abs {worst:.3e}, "
-                 f"drafted ids {'all equal' if tokens else 'DIFFER'}")
+    lines.append(
+        f"  DSpark drafter ({len(steps)} steps): logits / bias / confidence max abs {worst:.3e}, "
+        f"drafted ids {'all equal' if tokens else 'DIFFER'}"
+    )
     lines.append(f"  DSpark first differing capture: {first if first is not None else 'none (all identical)'}")
     return worst, tokens, first
 
@@ -406,11 +466,17 @@ def _compare_spec(expected: dict, captured: dict, steps: list[dict], n_stages: i
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dsv41.golden", description=__doc__.split("\n")[0])
     parser.add_argument("folder", help="a golden folder (config.json, model/inputs/expected.safetensors, meta.json)")
-    parser.add_argument("--fast", action="store_true",
-                        help="run the machine's fast kernels instead of canonical numerics (not bit-exact)")
-    parser.add_argument("--trace", action="store_true",
-                        help="also capture every decode step and report the first (step, capture) that differs "
-                             "from the set's per-step captures, and compare the final caches (slower)")
+    parser.add_argument(
+        "--fast",
+        action="store_true",
+        help="run the machine's fast kernels instead of canonical numerics (not bit-exact)",
+    )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="also capture every decode step and report the first (step, capture) that differs "
+        "from the set's per-step captures, and compare the final caches (slower)",
+    )
     args = parser.parse_args(argv)
     try:
         result = run_golden(args.folder, reference_numerics=not args.fast, trace=args.trace)

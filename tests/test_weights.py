@@ -37,12 +37,16 @@ def test_loads_official_layout_with_conversions():
 def test_missing_and_misshapen_tensors_are_named(tmp_path):
     with pytest.raises(ValueError, match="layers.3.attn.wq_a.weight"):
         load_model(_copy(tmp_path / "a", lambda t: t.pop("layers.3.attn.wq_a.weight")))
+
     def bad_shape(t):
         t["norm.weight"] = torch.ones(65, dtype=torch.bfloat16)
+
     with pytest.raises(ValueError, match="norm.weight"):
         load_model(_copy(tmp_path / "b", bad_shape))
+
     def unknown(t):
         t["layers.0.attn.mystery"] = torch.ones(3)
+
     with pytest.raises(ValueError, match="mystery"):
         load_model(_copy(tmp_path / "c", unknown))
 
@@ -51,6 +55,7 @@ def test_unimplemented_components_are_reported_not_dropped_silently(tmp_path, ca
     def add(t):
         t["mtp.0.main_norm.weight"] = torch.ones(64, dtype=torch.bfloat16)
         t["vision.patch_embed.weight"] = torch.ones(4, 4)
+
     model = load_model(_copy(tmp_path, add))
     assert sorted(model.load_report.skipped) == ["mtp.0.main_norm.weight", "vision.patch_embed.weight"]
     assert "skipped" in capsys.readouterr().out
@@ -68,6 +73,7 @@ def test_not_a_checkpoint(tmp_path):
 def test_incomplete_config_fails_before_any_model_is_built(tmp_path, monkeypatch):
     def no_build(cfg):
         raise AssertionError(f"a model was built from an incomplete config ({cfg.dim=})")
+
     monkeypatch.setattr(dsv41.weights, "Transformer", no_build)
     folder = _copy(tmp_path)
     (folder / "config.json").write_text("{}")
@@ -81,27 +87,35 @@ def test_incomplete_config_fails_before_any_model_is_built(tmp_path, monkeypatch
 
 
 # ------------------------------------------------------------------ issue 9 item 12: scales
-@pytest.mark.parametrize("name,shape", [
-    ("layers.0.attn.wo_a.scale", (3, 4)),  # one tile row too many: used to be sliced away silently
-    ("layers.0.attn.wo_a.scale", (2, 3)),  # one tile column too few: used to die in a broadcast
-    ("layers.0.attn.wo_a.scale", (8,)),
-    ("layers.0.attn.wkv.scale", (3, 2)),
-    ("layers.0.ffn.experts.0.w1.scale", (32, 3)),
-])
+@pytest.mark.parametrize(
+    "name,shape",
+    [
+        ("layers.0.attn.wo_a.scale", (3, 4)),  # one tile row too many: used to be sliced away silently
+        ("layers.0.attn.wo_a.scale", (2, 3)),  # one tile column too few: used to die in a broadcast
+        ("layers.0.attn.wo_a.scale", (8,)),
+        ("layers.0.attn.wkv.scale", (3, 2)),
+        ("layers.0.ffn.experts.0.w1.scale", (32, 3)),
+    ],
+)
 def test_every_scale_shape_is_checked_and_named(tmp_path, name, shape):
     def bad_scale(t):
         t[name] = torch.ones(shape).to(torch.float8_e8m0fnu)
+
     with pytest.raises(ValueError, match=re.escape(name)):
         load_model(_copy(tmp_path, bad_scale))
 
 
-@pytest.mark.parametrize("golden,name", [
-    ("tests/data/golden/v41-tiny-bf16", "layers.0.attn.wo_a.scale"),  # bf16 wo_a: a scale has nothing to scale
-    (GOLDEN, "norm.scale"),
-])
+@pytest.mark.parametrize(
+    "golden,name",
+    [
+        ("tests/data/golden/v41-tiny-bf16", "layers.0.attn.wo_a.scale"),  # bf16 wo_a: a scale has nothing to scale
+        (GOLDEN, "norm.scale"),
+    ],
+)
 def test_stray_scale_next_to_a_bf16_weight_is_unknown(tmp_path, golden, name):
     def stray(t):
         t[name] = torch.ones(2, 4).to(torch.float8_e8m0fnu)
+
     with pytest.raises(ValueError, match=re.escape(name)):
         load_model(_copy(tmp_path, stray, golden=golden))
 

@@ -28,7 +28,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from dsv41.tokenizer import DSML_TOKEN, EOS_TOKEN, THINK_END_TOKEN
 
@@ -107,9 +107,14 @@ def tool_calls_parts(tool_calls: list) -> list[tuple[str, bool]]:
         parts += [(f'<{DSML_TOKEN} invoke name="', True), (name, False), ('">\n', True)]
         for j, (key, value) in enumerate(arguments.items()):
             is_string = isinstance(value, str)
-            parts += [("\n" if j else "", True), (f'<{DSML_TOKEN} parameter name="', True), (key, False),
-                      (f'" string="{"true" if is_string else "false"}">', True),
-                      (value if is_string else _to_json(value), False), (PARAM_CLOSE, True)]
+            parts += [
+                ("\n" if j else "", True),
+                (f'<{DSML_TOKEN} parameter name="', True),
+                (key, False),
+                (f'" string="{"true" if is_string else "false"}">', True),
+                (value if is_string else _to_json(value), False),
+                (PARAM_CLOSE, True),
+            ]
         parts.append(("\n" + INVOKE_CLOSE, True))
     parts.append(("\n" + CALLS_CLOSE, True))
     return [(text, trusted) for text, trusted in parts if text]
@@ -120,7 +125,7 @@ class ParsedOutput:
     """An assistant completion split into its parts. `reasoning_content` is None outside thinking mode;
     `tool_calls` are OpenAI dicts with a fresh `call_…` id and JSON-string arguments."""
 
-    reasoning_content: Optional[str]
+    reasoning_content: str | None
     content: str
     tool_calls: list = field(default_factory=list)
 
@@ -158,7 +163,7 @@ def parse_tool_calls_block(text: str) -> list[dict]:
         if m is None:
             if pos >= len(text):
                 raise ValueError(f"unterminated tool calls: missing {CALLS_CLOSE!r}")
-            raise ValueError(f"expected an invoke tag or {CALLS_CLOSE!r} at: {text[pos:pos + 60]!r}")
+            raise ValueError(f"expected an invoke tag or {CALLS_CLOSE!r} at: {text[pos : pos + 60]!r}")
         name, pos = m.group(1), m.end()
         arguments: dict = {}
         while True:
@@ -170,12 +175,14 @@ def parse_tool_calls_block(text: str) -> list[dict]:
             if p is None:
                 if pos >= len(text):
                     raise ValueError(f"unterminated invoke of {name!r}: missing {INVOKE_CLOSE!r}")
-                raise ValueError(f"expected a parameter tag or {INVOKE_CLOSE!r} in {name!r} at: {text[pos:pos + 60]!r}")
+                raise ValueError(
+                    f"expected a parameter tag or {INVOKE_CLOSE!r} in {name!r} at: {text[pos : pos + 60]!r}"
+                )
             key, is_string = p.group(1), p.group(2) == "true"
             end = text.find(PARAM_CLOSE, p.end())
             if end < 0:
                 raise ValueError(f"unterminated parameter {key!r} of {name!r}: missing {PARAM_CLOSE!r}")
-            raw = text[p.end():end]
+            raw = text[p.end() : end]
             if key in arguments:
                 raise ValueError(f"duplicate parameter {key!r} in call to {name!r}")
             if is_string:
@@ -184,13 +191,15 @@ def parse_tool_calls_block(text: str) -> list[dict]:
                 try:
                     arguments[key] = json.loads(raw)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"parameter {key!r} of {name!r} has string=\"false\" but is not JSON: "
-                                     f"{raw[:60]!r} ({e})") from None
+                    raise ValueError(
+                        f'parameter {key!r} of {name!r} has string="false" but is not JSON: {raw[:60]!r} ({e})'
+                    ) from None
             pos = end + len(PARAM_CLOSE)
-        calls.append({"id": _new_call_id(), "type": "function",
-                      "function": {"name": name, "arguments": _to_json(arguments)}})
+        calls.append(
+            {"id": _new_call_id(), "type": "function", "function": {"name": name, "arguments": _to_json(arguments)}}
+        )
     if text[pos:].strip():
-        raise ValueError(f"unexpected text after the tool calls: {text[pos:pos + 60]!r}")
+        raise ValueError(f"unexpected text after the tool calls: {text[pos : pos + 60]!r}")
     return calls
 
 
@@ -201,15 +210,15 @@ def parse_assistant_output(text: str, thinking: bool) -> ParsedOutput:
         raise ValueError(f"completion must be a str, got {type(text).__name__}")
     eos = text.find(EOS_TOKEN)
     if eos >= 0:
-        if text[eos + len(EOS_TOKEN):].strip():
-            raise ValueError(f"unexpected text after {EOS_TOKEN}: {text[eos + len(EOS_TOKEN):][:60]!r}")
+        if text[eos + len(EOS_TOKEN) :].strip():
+            raise ValueError(f"unexpected text after {EOS_TOKEN}: {text[eos + len(EOS_TOKEN) :][:60]!r}")
         text = text[:eos]
     reasoning = None
     if thinking:
         end = text.find(THINK_END_TOKEN)
         if end < 0:  # cut off while reasoning
             return ParsedOutput(reasoning_content=text, content="", tool_calls=[])
-        reasoning, text = text[:end], text[end + len(THINK_END_TOKEN):]
+        reasoning, text = text[:end], text[end + len(THINK_END_TOKEN) :]
     start = text.find(CALLS_OPEN)
     if start < 0:
         return ParsedOutput(reasoning_content=reasoning, content=text, tool_calls=[])

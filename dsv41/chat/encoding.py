@@ -44,17 +44,35 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
-from dsv41.chat.dsml import (CALLS_CLOSE, CALLS_OPEN, INVOKE_CLOSE, PARAM_CLOSE, invoke_open, normalize_tool_call,
-                             tool_calls_parts)
-from dsv41.tokenizer import (ASSISTANT_TOKEN, BOS_TOKEN, DSML_TOKEN, EOS_TOKEN, IMAGE_TOKEN, LATEST_REMINDER_TOKEN,
-                             SYSTEM_TOKEN, THINK_END_TOKEN, THINK_START_TOKEN, USER_TOKEN)
+from dsv41.chat.dsml import (
+    CALLS_CLOSE,
+    CALLS_OPEN,
+    INVOKE_CLOSE,
+    PARAM_CLOSE,
+    invoke_open,
+    normalize_tool_call,
+    tool_calls_parts,
+)
+from dsv41.tokenizer import (
+    ASSISTANT_TOKEN,
+    BOS_TOKEN,
+    DSML_TOKEN,
+    EOS_TOKEN,
+    IMAGE_TOKEN,
+    LATEST_REMINDER_TOKEN,
+    SYSTEM_TOKEN,
+    THINK_END_TOKEN,
+    THINK_START_TOKEN,
+    USER_TOKEN,
+)
 
 REASONING_EFFORT_LEVELS = {"low": 50, "high": 75, "max": 100}
 DEFAULT_REASONING_EFFORT = 75  # "high"
-REASONING_EFFORT_SENTENCE = ("Reasoning Effort: {} (range 1-100, the higher the value, the more thorough "
-                             "the reasoning)\n\n")
+REASONING_EFFORT_SENTENCE = (
+    "Reasoning Effort: {} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
+)
 TOOL_RESULT_OPEN, TOOL_RESULT_CLOSE = "<tool_result>", "</tool_result>"
 
 _ROLES = ("system", "user", "assistant", "tool", "latest_reminder")
@@ -64,6 +82,7 @@ _ROLES = ("system", "user", "assistant", "tool", "latest_reminder")
 class ImageSlot:
     """An image part of a user message, in prompt order: `index` counts the prompt's images from 0;
     `url` is as the client sent it (decoding it is the server's business, dsv41.vision.inputs)."""
+
     index: int
     url: str
 
@@ -78,8 +97,9 @@ def parse_reasoning_effort(value: Any) -> int:
         raise ValueError(f"reasoning effort must lie in 1..100, got {value}")
     if isinstance(value, str) and value.strip().lower() in REASONING_EFFORT_LEVELS:
         return REASONING_EFFORT_LEVELS[value.strip().lower()]
-    raise ValueError(f"reasoning effort must be an int in 1..100 or one of "
-                     f"{sorted(REASONING_EFFORT_LEVELS)}, got {value!r}")
+    raise ValueError(
+        f"reasoning effort must be an int in 1..100 or one of {sorted(REASONING_EFFORT_LEVELS)}, got {value!r}"
+    )
 
 
 def render_tools(tools: list) -> str:
@@ -93,23 +113,28 @@ def tools_parts(tools: list) -> list[tuple[str, bool]]:
         raise ValueError("tools must be a non-empty list of {'type': 'function', 'function': {...}}")
     schemas = []
     for k, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" \
-                or not isinstance(tool.get("function"), dict):
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "function") != "function"
+            or not isinstance(tool.get("function"), dict)
+        ):
             raise ValueError(f"tools[{k}] must be {{'type': 'function', 'function': {{...}}}}, got {tool!r}")
         if not isinstance(tool["function"].get("name"), str) or not tool["function"]["name"]:
             raise ValueError(f"tools[{k}].function needs a non-empty 'name'")
         schemas.append(json.dumps(tool["function"], ensure_ascii=False))
-    example = "\n".join([
-        CALLS_OPEN,
-        invoke_open("$TOOL_NAME"),
-        f'<{DSML_TOKEN} parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE{PARAM_CLOSE}',
-        "...",
-        INVOKE_CLOSE,
-        invoke_open("$TOOL_NAME2"),
-        "...",
-        INVOKE_CLOSE,
-        CALLS_CLOSE,
-    ])
+    example = "\n".join(
+        [
+            CALLS_OPEN,
+            invoke_open("$TOOL_NAME"),
+            f'<{DSML_TOKEN} parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE{PARAM_CLOSE}',
+            "...",
+            INVOKE_CLOSE,
+            invoke_open("$TOOL_NAME2"),
+            "...",
+            INVOKE_CLOSE,
+            CALLS_CLOSE,
+        ]
+    )
     head = (
         "## Tools\n\n"
         "You have access to a set of tools to help answer the user's question. You can invoke tools by "
@@ -122,10 +147,7 @@ def tools_parts(tools: list) -> list[tuple[str, bool]]:
         f"Otherwise, output directly after {THINK_END_TOKEN} with tool calls or final response.\n\n"
         "### Available Tool Schemas\n\n"
     )
-    tail = (
-        "\n\n"
-        "You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
-    )
+    tail = "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
     parts = [(head, True)]
     for k, schema in enumerate(schemas):
         parts += [("\n", True)] * bool(k) + [(schema, False)]
@@ -169,8 +191,10 @@ def _user_content(content: Any, where: str, slots: list) -> Any:
             else:
                 pieces.append(part["text"])
         else:
-            raise ValueError(f"{where}.content[{k}]: parts must be {{'type': 'text', 'text': str}} or "
-                             f"{{'type': 'image_url', 'image_url': {{'url': str}}}}")
+            raise ValueError(
+                f"{where}.content[{k}]: parts must be {{'type': 'text', 'text': str}} or "
+                f"{{'type': 'image_url', 'image_url': {{'url': str}}}}"
+            )
     return pieces
 
 
@@ -211,8 +235,15 @@ def _normalize(messages: Any) -> list[dict]:
             reasoning = msg.get("reasoning_content")
             if reasoning is not None and not isinstance(reasoning, str):
                 raise ValueError(f"{where}: reasoning_content must be a string")
-            turns.append({"role": "assistant", "text": content, "reasoning": reasoning or "", "calls": calls,
-                          "call_ids": [tc.get("id") for tc in calls]})
+            turns.append(
+                {
+                    "role": "assistant",
+                    "text": content,
+                    "reasoning": reasoning or "",
+                    "calls": calls,
+                    "call_ids": [tc.get("id") for tc in calls],
+                }
+            )
         else:
             turns.append({"role": role, "text": _text(msg.get("content"), where)})
     _sort_tool_results(turns)
@@ -233,16 +264,28 @@ def _sort_tool_results(turns: list[dict]) -> None:
                 turn["blocks"][k] = b
 
 
-def encode_messages(messages: list, *, thinking: bool = False, reasoning_effort: Any = None,
-                    tools: Optional[list] = None, add_generation_prompt: bool = True,
-                    drop_thinking: bool = True) -> str:
+def encode_messages(
+    messages: list,
+    *,
+    thinking: bool = False,
+    reasoning_effort: Any = None,
+    tools: list | None = None,
+    add_generation_prompt: bool = True,
+    drop_thinking: bool = True,
+) -> str:
     """Render `messages` as a V4.1 prompt (see the module docstring). The result starts with the BOS
     string. `add_generation_prompt=False` leaves out the assistant header after a final user/system turn.
     Malformed input raises ValueError. To tokenize a prompt that holds client text, use `prompt_parts`
     and `encode_prompt` instead: tokenizing this string would turn marker text inside a message into
     real control tokens."""
-    parts = prompt_parts(messages, thinking=thinking, reasoning_effort=reasoning_effort, tools=tools,
-                         add_generation_prompt=add_generation_prompt, drop_thinking=drop_thinking)
+    parts = prompt_parts(
+        messages,
+        thinking=thinking,
+        reasoning_effort=reasoning_effort,
+        tools=tools,
+        add_generation_prompt=add_generation_prompt,
+        drop_thinking=drop_thinking,
+    )
     return "".join(IMAGE_TOKEN if isinstance(text, ImageSlot) else text for text, _ in parts)
 
 
@@ -251,9 +294,15 @@ def image_slots(parts: list[tuple[Any, bool]]) -> list[ImageSlot]:
     return [text for text, _ in parts if isinstance(text, ImageSlot)]
 
 
-def prompt_parts(messages: list, *, thinking: bool = False, reasoning_effort: Any = None,
-                 tools: Optional[list] = None, add_generation_prompt: bool = True,
-                 drop_thinking: bool = True) -> list[tuple[str, bool]]:
+def prompt_parts(
+    messages: list,
+    *,
+    thinking: bool = False,
+    reasoning_effort: Any = None,
+    tools: list | None = None,
+    add_generation_prompt: bool = True,
+    drop_thinking: bool = True,
+) -> list[tuple[str, bool]]:
     """`encode_messages` as (text, from_template) pieces: the template's own text (markers, headers, tags)
     is marked True; everything the messages and tools brought is False. An image part of a user message
     comes as (ImageSlot, False)."""
@@ -264,8 +313,9 @@ def prompt_parts(messages: list, *, thinking: bool = False, reasoning_effort: An
         if turns[0]["role"] != "system":
             turns.insert(0, {"role": "system", "text": ""})
         drop_thinking = False  # the official encoder keeps all reasoning when tools are defined
-    last_user = max((k for k, t in enumerate(turns) if t["role"] == "user" or (t["role"] == "system" and k > 0)),
-                    default=-1)
+    last_user = max(
+        (k for k, t in enumerate(turns) if t["role"] == "user" or (t["role"] == "system" and k > 0)), default=-1
+    )
 
     out: list[tuple[str, bool]] = []
 
@@ -330,13 +380,37 @@ def prompt_parts(messages: list, *, thinking: bool = False, reasoning_effort: An
 
 
 # markers the template writes; only these, and only in the template's own text, become control tokens
-_TEMPLATE_MARKERS = re.compile("(" + "|".join(re.escape(m) for m in sorted(
-    (BOS_TOKEN, EOS_TOKEN, SYSTEM_TOKEN, USER_TOKEN, ASSISTANT_TOKEN, LATEST_REMINDER_TOKEN, THINK_START_TOKEN,
-     THINK_END_TOKEN, DSML_TOKEN), key=len, reverse=True)) + ")")
+_TEMPLATE_MARKERS = re.compile(
+    "("
+    + "|".join(
+        re.escape(m)
+        for m in sorted(
+            (
+                BOS_TOKEN,
+                EOS_TOKEN,
+                SYSTEM_TOKEN,
+                USER_TOKEN,
+                ASSISTANT_TOKEN,
+                LATEST_REMINDER_TOKEN,
+                THINK_START_TOKEN,
+                THINK_END_TOKEN,
+                DSML_TOKEN,
+            ),
+            key=len,
+            reverse=True,
+        )
+    )
+    + ")"
+)
 
 
-def encode_prompt(tokenizer, parts: list[tuple[str, bool]], images: Optional[list] = None,
-                  image_token_id: Optional[int] = None, spans: Optional[list] = None) -> list[int]:
+def encode_prompt(
+    tokenizer,
+    parts: list[tuple[str, bool]],
+    images: list | None = None,
+    image_token_id: int | None = None,
+    spans: list | None = None,
+) -> list[int]:
     """Token ids of `prompt_parts` output: markers in the template's text become their ids (when the
     tokenizer has them), and all other text, the client's included, is encoded as text, so no message can
     close its turn or forge another. Adjacent text pieces are encoded together, as one string would be,

@@ -16,11 +16,19 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional
+from typing import Any
 
 from dsv41.chat.encoding import DEFAULT_REASONING_EFFORT, REASONING_EFFORT_LEVELS, REASONING_EFFORT_SENTENCE
-from dsv41.tokenizer import (ASSISTANT_TOKEN, BOS_TOKEN, EOS_TOKEN, LATEST_REMINDER_TOKEN, SYSTEM_TOKEN,
-                             THINK_END_TOKEN, THINK_START_TOKEN, USER_TOKEN)
+from dsv41.tokenizer import (
+    ASSISTANT_TOKEN,
+    BOS_TOKEN,
+    EOS_TOKEN,
+    LATEST_REMINDER_TOKEN,
+    SYSTEM_TOKEN,
+    THINK_END_TOKEN,
+    THINK_START_TOKEN,
+    USER_TOKEN,
+)
 
 _EFFORT_PREFIX, _EFFORT_SUFFIX = REASONING_EFFORT_SENTENCE.split("{}")
 
@@ -88,15 +96,24 @@ def _chat_template() -> str:
 CHAT_TEMPLATE = _chat_template()
 
 
-def hf_tokenizer_config(bos: Optional[str], eos: str, pad: Optional[str], *,
-                        extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def hf_tokenizer_config(
+    bos: str | None, eos: str, pad: str | None, *, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """tokenizer_config.json for a dsv41 tokenizer.json: `PreTrainedTokenizerFast` (the tokenizer is all in
     tokenizer.json), its BOS/EOS/PAD names and the chat template. `extra`: fields of an existing config,
     kept unless they are ours to set."""
     config = dict(extra or {})
-    config.update({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "chat_template": CHAT_TEMPLATE,
-                   # the prompt starts with BOS by itself (the template writes it, encode(add_bos=True) adds it)
-                   "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False})
+    config.update(
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": eos,
+            "chat_template": CHAT_TEMPLATE,
+            # the prompt starts with BOS by itself (the template writes it, encode(add_bos=True) adds it)
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+        }
+    )
     config.setdefault("model_max_length", 1 << 20)
     if bos is not None:
         config["bos_token"] = bos
@@ -105,7 +122,7 @@ def hf_tokenizer_config(bos: Optional[str], eos: str, pad: Optional[str], *,
     return config
 
 
-def write_hf_tokenizer_files(out_dir: str, tokenizer, base_config: Optional[str] = None) -> None:
+def write_hf_tokenizer_files(out_dir: str, tokenizer, base_config: str | None = None) -> None:
     """Write tokenizer_config.json and special_tokens_map.json for `tokenizer` (a dsv41.tokenizer.HFTokenizer
     whose tokenizer.json is, or will be, in `out_dir`), keeping the other fields of `base_config` (a
     tokenizer_config.json the tokenizer came with; default: the one already in `out_dir`, if any)."""
@@ -117,8 +134,10 @@ def write_hf_tokenizer_files(out_dir: str, tokenizer, base_config: Optional[str]
             existing = json.load(f)
         if not isinstance(existing, dict):
             existing = {}
-    names = {k: tokenizer.id_to_token(i) for k, i in
-             (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id), ("pad", tokenizer.pad_id))}
+    names = {
+        k: tokenizer.id_to_token(i)
+        for k, i in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id), ("pad", tokenizer.pad_id))
+    }
     config = hf_tokenizer_config(names["bos"], names["eos"], names["pad"], extra=existing)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(config, f, ensure_ascii=False, indent=2)

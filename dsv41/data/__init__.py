@@ -13,5 +13,13 @@
 from dsv41.data.shards import TokenDataset, read_meta, shard_dtype, split_documents, write_shards
 from dsv41.data.sources import SOURCES, Document, load_documents
 
-__all__ = ["SOURCES", "Document", "TokenDataset", "load_documents", "read_meta", "shard_dtype",
-           "split_documents", "write_shards"]
+__all__ = [
+    "SOURCES",
+    "Document",
+    "TokenDataset",
+    "load_documents",
+    "read_meta",
+    "shard_dtype",
+    "split_documents",
+    "write_shards",
+]

@@ -15,15 +15,21 @@ plus a `tokenizer_config.json` naming BOS/EOS/PAD, which `dsv41.tokenizer.HFToke
 from __future__ import annotations
 
 import os
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 from dsv41.tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, HFTokenizer, _import_tokenizers
 
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)  # ids 0, 1, 2
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: Optional[str] = None, *,
-              min_frequency: int = 2, strict: bool = False) -> HFTokenizer:
+def train_bpe(
+    texts: Iterable[str],
+    vocab_size: int,
+    out_dir: str | None = None,
+    *,
+    min_frequency: int = 2,
+    strict: bool = False,
+) -> HFTokenizer:
     """Train a byte-level BPE with `vocab_size` ids (specials included) on `texts`; when `out_dir` is
     given write `tokenizer.json` and `tokenizer_config.json` there. The result can have fewer ids than
     asked when the corpus runs out of pairs seen `min_frequency` times: `strict` makes that an error."""
@@ -34,14 +40,19 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: Optional[str] = No
         raise ValueError(f"vocab_size must be an int, got {vocab_size!r}")
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(SPECIAL_TOKENS) + len(alphabet):
-        raise ValueError(f"a byte-level BPE needs vocab_size >= {len(SPECIAL_TOKENS) + len(alphabet)}, "
-                         f"got {vocab_size}")
+        raise ValueError(
+            f"a byte-level BPE needs vocab_size >= {len(SPECIAL_TOKENS) + len(alphabet)}, got {vocab_size}"
+        )
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                  special_tokens=list(SPECIAL_TOKENS), initial_alphabet=alphabet,
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     for i, s in enumerate(SPECIAL_TOKENS):
         if tok.token_to_id(s) != i:  # pragma: no cover - tokenizers places special tokens first

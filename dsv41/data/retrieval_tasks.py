@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -50,20 +50,81 @@ TASKS = ("passkey", "niah", "vartrack", "mqar")
 DEFAULT_WEIGHTS = {"passkey": 0.25, "niah": 0.25, "vartrack": 0.15, "mqar": 0.35}
 
 # The harness's wording (dsv41.eval.retrieval; tests/data_pipeline/test_retrieval_tasks.py keeps them equal)
-PASSKEY_PREFIX = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-                  "I will quiz you about the important information there.\n")
-NIAH_PREFIX = ("Some special magic numbers are hidden within the following text. Make sure to memorize them. "
-               "I will quiz you about the numbers afterwards.\n")
+PASSKEY_PREFIX = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there.\n"
+)
+NIAH_PREFIX = (
+    "Some special magic numbers are hidden within the following text. Make sure to memorize them. "
+    "I will quiz you about the numbers afterwards.\n"
+)
 VARTRACK_PREFIX = "Memorize and track the chain of variable assignments hidden in the following text.\n"
 MQAR_PREFIX = "Memorize the value of every key hidden in the following text.\n"
-GRASS_FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
-                "There and back again.")
-ADJECTIVES = ("amber", "brave", "calm", "dusty", "eager", "fancy", "gentle", "hollow", "icy", "jolly", "kind",
-              "lively", "merry", "noisy", "odd", "proud", "quiet", "rapid", "silent", "tidy", "upbeat", "vivid",
-              "wise", "young", "zesty", "bitter", "clever", "damp", "faint", "golden")
-NOUNS = ("apple", "badger", "candle", "dragon", "engine", "falcon", "garden", "harbor", "island", "jacket",
-         "kettle", "lantern", "meadow", "needle", "orchard", "pepper", "quarry", "river", "saddle", "tunnel",
-         "violin", "wagon", "willow", "yacht", "zebra", "basket", "copper", "desert", "forest", "glacier")
+GRASS_FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
+ADJECTIVES = (
+    "amber",
+    "brave",
+    "calm",
+    "dusty",
+    "eager",
+    "fancy",
+    "gentle",
+    "hollow",
+    "icy",
+    "jolly",
+    "kind",
+    "lively",
+    "merry",
+    "noisy",
+    "odd",
+    "proud",
+    "quiet",
+    "rapid",
+    "silent",
+    "tidy",
+    "upbeat",
+    "vivid",
+    "wise",
+    "young",
+    "zesty",
+    "bitter",
+    "clever",
+    "damp",
+    "faint",
+    "golden",
+)
+NOUNS = (
+    "apple",
+    "badger",
+    "candle",
+    "dragon",
+    "engine",
+    "falcon",
+    "garden",
+    "harbor",
+    "island",
+    "jacket",
+    "kettle",
+    "lantern",
+    "meadow",
+    "needle",
+    "orchard",
+    "pepper",
+    "quarry",
+    "river",
+    "saddle",
+    "tunnel",
+    "violin",
+    "wagon",
+    "willow",
+    "yacht",
+    "zebra",
+    "basket",
+    "copper",
+    "desert",
+    "forest",
+    "glacier",
+)
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 MQAR_PAIR_CAPS = (16, 12, 8, 6, 4)  # an mqar sample's most pairs, tried in turn until it fits the length
 MQAR_MIN_PAIRS = MQAR_PAIR_CAPS[-1]
@@ -84,7 +145,7 @@ def _draw(rng: random.Random, split: str, make, avoid: Sequence[str] = ()) -> st
 
 
 def _number(digits: int):
-    return lambda rng: str(rng.randrange(10 ** (digits - 1), 10 ** digits))
+    return lambda rng: str(rng.randrange(10 ** (digits - 1), 10**digits))
 
 
 def _name(letters: int):
@@ -94,6 +155,7 @@ def _name(letters: int):
 @dataclass
 class Segment:
     """Text after the filler: the question, then alternating prompt text and trained answers."""
+
     text: str
     trained: bool
 
@@ -111,8 +173,12 @@ def task_spec(task: str, rng: random.Random, split: str, max_pairs: int = 16) ->
     `max_pairs` key-value pairs)."""
     if task == "passkey":
         key = _draw(rng, split, _number(rng.choice((3, 4, 5, 5, 5, 6, 7))))
-        return TaskSpec(PASSKEY_PREFIX, [f" The pass key is {key}. Remember it. {key} is the pass key."], False,
-                        [Segment("\nWhat is the pass key? The pass key is", False), Segment(f" {key}.", True)])
+        return TaskSpec(
+            PASSKEY_PREFIX,
+            [f" The pass key is {key}. Remember it. {key} is the pass key."],
+            False,
+            [Segment("\nWhat is the pass key? The pass key is", False), Segment(f" {key}.", True)],
+        )
     if task == "niah":
         keys = rng.choice((1, 1, 2, 3, 4))
         pairs = [f"{a}-{n}" for a in ADJECTIVES for n in NOUNS if split_of(f"{a}-{n}") == split]
@@ -123,10 +189,19 @@ def task_spec(task: str, rng: random.Random, split: str, max_pairs: int = 16) ->
         needles = [f" One of the special magic numbers for {k} is: {v}." for k, v in zip(names, values)]
         asked = rng.randrange(keys)
         q = names[asked]
-        return TaskSpec(NIAH_PREFIX, needles, False, [
-            Segment(f"\nWhat is the special magic number for {q} mentioned in the provided text? "
-                    f"The special magic number for {q} mentioned in the provided text is", False),
-            Segment(f" {values[asked]}.", True)])
+        return TaskSpec(
+            NIAH_PREFIX,
+            needles,
+            False,
+            [
+                Segment(
+                    f"\nWhat is the special magic number for {q} mentioned in the provided text? "
+                    f"The special magic number for {q} mentioned in the provided text is",
+                    False,
+                ),
+                Segment(f" {values[asked]}.", True),
+            ],
+        )
     if task == "vartrack":
         hops = rng.choice((1, 2, 3, 4, 4))
         names = []
@@ -134,11 +209,14 @@ def task_spec(task: str, rng: random.Random, split: str, max_pairs: int = 16) ->
             names.append(_draw(rng, split, _name(5), names + ["VAR"]))
         value = _draw(rng, split, _number(5))
         needles = [f" VAR {names[0]} = {value}."] + [f" VAR {names[i + 1]} = VAR {names[i]}." for i in range(hops)]
-        question = (f"\nQuestion: Find all variables that are assigned the value {value} in the text above. "
-                    f"Answer: According to the chain of variable assignments in the text above, {hops + 1} "
-                    f"variables are assigned the value {value}, they are:")
-        return TaskSpec(VARTRACK_PREFIX, needles, True, [Segment(question, False),
-                                                         Segment(" " + ", ".join(names) + ".", True)])
+        question = (
+            f"\nQuestion: Find all variables that are assigned the value {value} in the text above. "
+            f"Answer: According to the chain of variable assignments in the text above, {hops + 1} "
+            f"variables are assigned the value {value}, they are:"
+        )
+        return TaskSpec(
+            VARTRACK_PREFIX, needles, True, [Segment(question, False), Segment(" " + ", ".join(names) + ".", True)]
+        )
     if task == "mqar":
         n = rng.randint(4, max(4, max_pairs))
         keys: list[str] = []
@@ -157,6 +235,7 @@ def task_spec(task: str, rng: random.Random, split: str, max_pairs: int = 16) ->
 @dataclass
 class Sample:
     """ids: exactly the rendered length; trained[i]: ids[i] is an answer token (a target)."""
+
     ids: list[int]
     trained: list[bool]
     task: str
@@ -167,9 +246,10 @@ class Sample:
 class RetrievalBatch:
     """x, y [B, L] int64 (y: next-token targets, IGNORE outside the answers); images: always None (the
     trainer's batch interface, as dsv41.vision.synthetic.ImageTextBatch); tasks: each row's task."""
+
     x: torch.Tensor
     y: torch.Tensor
-    images: Optional[list]
+    images: list | None
     tasks: list[str]
 
 
@@ -177,8 +257,7 @@ class RetrievalTasks:
     """Renders samples of one split with `tokenizer` (the model's), filler from `text` (a token array of
     the same split, or None for the grass noise only)."""
 
-    def __init__(self, tokenizer, split: str, text: Optional[np.ndarray] = None,
-                 weights: Optional[dict] = None):
+    def __init__(self, tokenizer, split: str, text: np.ndarray | None = None, weights: dict | None = None):
         if split not in SPLITS:
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         weights = dict(DEFAULT_WEIGHTS if weights is None else weights)
@@ -206,19 +285,25 @@ class RetrievalTasks:
             phase = rng.randrange(self.grass.size)
             return np.resize(np.roll(self.grass, -phase), n)
         start = rng.randrange(max(self.text.size - n, 0) + 1)
-        return np.resize(self.text[start:start + n], n)
+        return np.resize(self.text[start : start + n], n)
 
     def _fixed(self, spec: TaskSpec) -> int:
         """Tokens of a spec's non-filler text (BOS, instruction, needles, tail, EOS)."""
-        return (2 + len(self._enc(spec.prefix)) + sum(len(self._enc(n)) for n in spec.needles)
-                + sum(len(self._enc(s.text)) for s in spec.tail))
+        return (
+            2
+            + len(self._enc(spec.prefix))
+            + sum(len(self._enc(n)) for n in spec.needles)
+            + sum(len(self._enc(s.text)) for s in spec.tail)
+        )
 
     def min_length(self, task: str) -> int:
         """A length the samples of `task` fit: the longest of 64 fixed draws with this tokenizer plus 16
         filler tokens (a rarer, longer draw falls back to passkey in `sample`)."""
         if task not in self._min:  # (mqar at its fewest pairs: `render` fits the pairs to the length)
-            need = max(self._fixed(task_spec(task, random.Random(f"dsv41-min:{i}"), self.split,
-                                             max_pairs=MQAR_MIN_PAIRS)) for i in range(64))
+            need = max(
+                self._fixed(task_spec(task, random.Random(f"dsv41-min:{i}"), self.split, max_pairs=MQAR_MIN_PAIRS))
+                for i in range(64)
+            )
             self._min[task] = need + 16
         return self._min[task]
 
@@ -253,7 +338,7 @@ class RetrievalTasks:
             at, order = sorted(at), list(range(len(needles)))
         ids, cursor = list(prefix), 0
         for i in order:
-            ids += filler[cursor:at[i]].tolist()
+            ids += filler[cursor : at[i]].tolist()
             cursor = at[i]
             ids += needles[i]
         ids += filler[cursor:].tolist()
@@ -274,8 +359,9 @@ class RetrievalTasks:
         rng = random.Random(f"dsv41-retrieval:{self.split}:{seed}:{index}:{row}")  # sha512 of the string
         fits = [t for t in TASKS if self.weights.get(t, 0) > 0 and self.min_length(t) <= length]
         if not fits:
-            raise ValueError(f"no task fits {length} tokens (the shortest needs "
-                             f"{min(self.min_length(t) for t in self.weights)})")
+            raise ValueError(
+                f"no task fits {length} tokens (the shortest needs {min(self.min_length(t) for t in self.weights)})"
+            )
         task = rng.choices(fits, weights=[self.weights[t] for t in fits])[0]
         try:
             return self.render(task, length, rng)
@@ -297,8 +383,16 @@ class RetrievalMix:
     """`dsv41 train --mix retrieval`: retrieval batches and text batches of one split, with the trainer's
     batch interface (`batch`, `sequential_batches`, as TokenDataset and SyntheticImageText)."""
 
-    def __init__(self, text_set, tokenizer, split: str, text_fraction: float = 0.25, min_len: int = 128,
-                 curriculum: int = 0, weights: Optional[dict] = None):
+    def __init__(
+        self,
+        text_set,
+        tokenizer,
+        split: str,
+        text_fraction: float = 0.25,
+        min_len: int = 128,
+        curriculum: int = 0,
+        weights: dict | None = None,
+    ):
         if not 0 <= text_fraction < 1:
             raise ValueError(f"text_fraction must lie in [0, 1), got {text_fraction}")
         if curriculum < 0:
@@ -320,14 +414,14 @@ class RetrievalMix:
     def is_text(self, index: int, seed: int) -> bool:
         return random.Random(f"dsv41-mix:{self.split}:{seed}:{index}").random() < self.text_fraction
 
-    def retrieval_batch(self, index: int, batch_size: int, length: int, seed: int = 0, rank: int = 0,
-                        world_size: int = 1) -> RetrievalBatch:
+    def retrieval_batch(
+        self, index: int, batch_size: int, length: int, seed: int = 0, rank: int = 0, world_size: int = 1
+    ) -> RetrievalBatch:
         """Batch `index` of rows of `length` input tokens (each rendered with one more, the last target)."""
         first = (index * world_size + rank) * batch_size
         return collate([self.tasks.sample(length + 1, index, seed, first + j) for j in range(batch_size)])
 
-    def batch(self, index: int, batch_size: int, seq_len: int, seed: int = 0, rank: int = 0,
-              world_size: int = 1):
+    def batch(self, index: int, batch_size: int, seq_len: int, seed: int = 0, rank: int = 0, world_size: int = 1):
         if seq_len < self.min_len:
             raise ValueError(f"--seq-len {seq_len} is below the mix's shortest length {self.min_len}")
         if self.text_set is not None and self.is_text(index, seed):
@@ -337,13 +431,13 @@ class RetrievalMix:
         length = min(seq_len, self.min_len + 8 * rng.randint(0, max(cap - self.min_len, 0) // 8))
         return self.retrieval_batch(index, batch_size, length, seed, rank, world_size)
 
-    def sequential_batches(self, batch_size: int, seq_len: int, n_batches: int, rank: int = 0,
-                           world_size: int = 1) -> Iterator:
+    def sequential_batches(
+        self, batch_size: int, seq_len: int, n_batches: int, rank: int = 0, world_size: int = 1
+    ) -> Iterator:
         """Held-out batches, the same at every evaluation: text windows in order for a quarter of them
         (at least one when there is text), retrieval batches at the full seq_len for the rest."""
         n_text = 0 if self.text_set is None else max(1, n_batches // 4)
         if n_text:
-            yield from self.text_set.sequential_batches(batch_size, seq_len, n_text, rank=rank,
-                                                        world_size=world_size)
+            yield from self.text_set.sequential_batches(batch_size, seq_len, n_text, rank=rank, world_size=world_size)
         for i in range(n_batches - n_text):
             yield self.retrieval_batch(i, batch_size, seq_len, 0, rank, world_size)

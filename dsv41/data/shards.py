@@ -34,8 +34,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -59,8 +59,8 @@ def shard_dtype(vocab_size: int) -> np.dtype:
 
 def doc_hash_fraction(key: str, salt: str = "") -> float:
     """A uniform number in [0, 1) from `sha256(salt/key)`."""
-    h = hashlib.sha256(f"{salt}/{key}".encode("utf-8")).digest()
-    return int.from_bytes(h[:8], "big") / 2.0 ** 64
+    h = hashlib.sha256(f"{salt}/{key}".encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2.0**64
 
 
 def chunk_document(doc: Document, chunk_chars: int) -> list[Document]:
@@ -92,8 +92,14 @@ class Split:
         return [("train", d) for d in self.train] + [("val", d) for d in self.val]
 
 
-def split_documents(docs: Sequence[Document], val_fraction: float = 0.03, *, salt: str = "",
-                    dominance: float = 0.5, chunk_chars: int = 100_000) -> Split:
+def split_documents(
+    docs: Sequence[Document],
+    val_fraction: float = 0.03,
+    *,
+    salt: str = "",
+    dominance: float = 0.5,
+    chunk_chars: int = 100_000,
+) -> Split:
     """Deterministic held-out split by document hash (see the module docstring); both lists keep the
     corpus order. Needs at least two documents (after chunking)."""
     if not 0.0 < val_fraction < 1.0:
@@ -138,9 +144,16 @@ def _sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
-def write_shards(out_dir: str, split: Split, tokenizer, *, tokenizer_path: Optional[str] = None,
-                 tokenizer_name: Optional[str] = None, sources: Sequence[str] = (),
-                 extra_meta: Optional[dict] = None) -> dict:
+def write_shards(
+    out_dir: str,
+    split: Split,
+    tokenizer,
+    *,
+    tokenizer_path: str | None = None,
+    tokenizer_name: str | None = None,
+    sources: Sequence[str] = (),
+    extra_meta: dict | None = None,
+) -> dict:
     """Tokenize `split` with `tokenizer` (any `dsv41.tokenizer.TokenizerLike`), write `train.bin`,
     `val.bin` and `meta.json` into `out_dir`, and return the meta dict."""
     from dsv41.data.bpe import encode_documents
@@ -174,10 +187,11 @@ def write_shards(out_dir: str, split: Split, tokenizer, *, tokenizer_path: Optio
         pos = 0
         for d, x, n in zip(docs, ids, lengths):
             arr[pos] = bos
-            arr[pos + 1: pos + n - 1] = x
+            arr[pos + 1 : pos + n - 1] = x
             arr[pos + n - 1] = eos
-            meta["documents"].append({"split": name, "source": d.source, "name": d.name, "offset": pos,
-                                      "tokens": n, "chars": len(d.text)})
+            meta["documents"].append(
+                {"split": name, "source": d.source, "name": d.name, "offset": pos, "tokens": n, "chars": len(d.text)}
+            )
             pos += n
         if total and int(arr.max()) >= vocab:
             raise ValueError(f"token id {int(arr.max())} is outside the vocabulary [0, {vocab})")
@@ -204,7 +218,7 @@ def read_meta(data_dir: str) -> dict:
 def verify_shards(data_dir: str) -> None:
     """Raise ValueError when a shard's sha256 or size differs from `meta.json`."""
     meta = read_meta(data_dir)
-    for name, info in meta["files"].items():
+    for info in meta["files"].values():
         path = os.path.join(data_dir, info["path"])
         if os.path.getsize(path) != info["bytes"] or _sha256_file(path) != info["sha256"]:
             raise ValueError(f"{path} does not match its sha256 in {META_NAME}")
@@ -214,7 +228,7 @@ class TokenDataset:
     """One shard (`train` or `val`) of a data folder, memory-mapped; see the module docstring for the
     sampling rules. `tokens` is the flat numpy array."""
 
-    def __init__(self, path: str, dtype, vocab_size: Optional[int] = None):
+    def __init__(self, path: str, dtype, vocab_size: int | None = None):
         self.path = path
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.vocab_size = vocab_size
@@ -222,7 +236,7 @@ class TokenDataset:
         self.tokens = np.memmap(path, dtype=self.dtype, mode="r", shape=(n,)) if n else np.zeros(0, self.dtype)
 
     @classmethod
-    def from_dir(cls, data_dir: str, split: str = "train") -> "TokenDataset":
+    def from_dir(cls, data_dir: str, split: str = "train") -> TokenDataset:
         if split not in SHARD_NAMES:
             raise ValueError(f"split must be one of {sorted(SHARD_NAMES)}, got {split!r}")
         meta = read_meta(data_dir)
@@ -243,25 +257,30 @@ class TokenDataset:
         w = torch.from_numpy(np.asarray(self.tokens[idx], dtype=np.int64))
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
-    def batch_starts(self, step: int, batch_size: int, seq_len: int, seed: int = 0, *, rank: int = 0,
-                     world_size: int = 1) -> np.ndarray:
+    def batch_starts(
+        self, step: int, batch_size: int, seq_len: int, seed: int = 0, *, rank: int = 0, world_size: int = 1
+    ) -> np.ndarray:
         """Window start offsets of `step` for `rank` (the global batch is batch_size * world_size)."""
         if step < 0 or batch_size <= 0 or not 0 <= rank < world_size:
-            raise ValueError(f"bad step/batch/rank: step={step}, batch_size={batch_size}, rank={rank}, "
-                             f"world_size={world_size}")
+            raise ValueError(
+                f"bad step/batch/rank: step={step}, batch_size={batch_size}, rank={rank}, world_size={world_size}"
+            )
         rng = np.random.default_rng([int(seed), int(step)])
         starts = rng.integers(0, self._window_count(seq_len), size=batch_size * world_size, dtype=np.int64)
-        return starts[rank * batch_size:(rank + 1) * batch_size]
+        return starts[rank * batch_size : (rank + 1) * batch_size]
 
-    def batch(self, step: int, batch_size: int, seq_len: int, seed: int = 0, *, rank: int = 0,
-              world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, step: int, batch_size: int, seq_len: int, seed: int = 0, *, rank: int = 0, world_size: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(input, target) int64 [batch_size, seq_len] of training step `step`; target is input shifted
         by one token. A function of (seed, step, rank, world_size) only."""
-        return self._gather(self.batch_starts(step, batch_size, seq_len, seed, rank=rank,
-                                              world_size=world_size), seq_len)
+        return self._gather(
+            self.batch_starts(step, batch_size, seq_len, seed, rank=rank, world_size=world_size), seq_len
+        )
 
-    def iter_batches(self, batch_size: int, seq_len: int, seed: int = 0, start_step: int = 0, *,
-                     rank: int = 0, world_size: int = 1) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    def iter_batches(
+        self, batch_size: int, seq_len: int, seed: int = 0, start_step: int = 0, *, rank: int = 0, world_size: int = 1
+    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """Endless (step, input, target) from `start_step` on (resume by passing the next step)."""
         step = start_step
         while True:
@@ -273,8 +292,9 @@ class TokenDataset:
         self._window_count(seq_len)
         return (len(self) - 1) // seq_len
 
-    def sequential_batches(self, batch_size: int, seq_len: int, max_batches: Optional[int] = None, *,
-                           rank: int = 0, world_size: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def sequential_batches(
+        self, batch_size: int, seq_len: int, max_batches: int | None = None, *, rank: int = 0, world_size: int = 1
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Validation batches: window `i` covers tokens [i*seq_len, i*seq_len + seq_len] (inputs and
         targets), windows in order, `batch_size` per batch, the last batch possibly smaller; the tail
         shorter than one window is left out. With `world_size > 1`, rank `r` gets batches r, r+W, ..."""
@@ -284,8 +304,19 @@ class TokenDataset:
             if max_batches is not None and b >= max_batches:
                 return
             if b % world_size == rank:
-                yield self._gather(starts[i:i + batch_size], seq_len)
+                yield self._gather(starts[i : i + batch_size], seq_len)
 
 
-__all__ = ["META_NAME", "SHARD_NAMES", "Split", "TokenDataset", "chunk_document", "doc_hash_fraction",
-           "read_meta", "shard_dtype", "split_documents", "verify_shards", "write_shards"]
+__all__ = [
+    "META_NAME",
+    "SHARD_NAMES",
+    "Split",
+    "TokenDataset",
+    "chunk_document",
+    "doc_hash_fraction",
+    "read_meta",
+    "shard_dtype",
+    "split_documents",
+    "verify_shards",
+    "write_shards",
+]

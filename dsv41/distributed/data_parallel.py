@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -53,7 +52,7 @@ from dsv41.engine.llm_engine import LLMEngine
 log = logging.getLogger("dsv41.distributed")
 
 
-def layout_groups(parallel: ParallelConfig) -> tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
+def layout_groups(parallel: ParallelConfig) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
     """(this rank's tensor-parallel group, its expert-parallel group). Global rank r is tensor-parallel rank
     r % T of data-parallel engine r // T; engine d's TP group is ranks d*T .. d*T+T-1 and the expert-parallel
     group of TP rank t is the ranks t, t+T, t+2T, ... (one per engine: the ranks of an engine hold the same
@@ -65,8 +64,10 @@ def layout_groups(parallel: ParallelConfig) -> tuple[Optional[dist.ProcessGroup]
         return None, None
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != parallel.world_size:
-        raise ValueError(f"{world} processes, but --data-parallel-size {parallel.data_parallel_size} x "
-                         f"--tensor-parallel-size {t} needs {parallel.world_size}")
+        raise ValueError(
+            f"{world} processes, but --data-parallel-size {parallel.data_parallel_size} x "
+            f"--tensor-parallel-size {t} needs {parallel.world_size}"
+        )
     tp_group = ep_group = None
     for d in range(parallel.data_parallel_size):
         g = dist.new_group(list(range(d * t, (d + 1) * t)))
@@ -80,8 +81,13 @@ def layout_groups(parallel: ParallelConfig) -> tuple[Optional[dist.ProcessGroup]
     return tp_group, ep_group
 
 
-def build_rank_engine(model: str, engine_config: Optional[EngineConfig], seed: int, parallel: ParallelConfig,
-                      group: Optional[dist.ProcessGroup] = None) -> LLMEngine:
+def build_rank_engine(
+    model: str,
+    engine_config: EngineConfig | None,
+    seed: int,
+    parallel: ParallelConfig,
+    group: dist.ProcessGroup | None = None,
+) -> LLMEngine:
     """This rank's engine: the model built as `build_engine` builds it (every rank draws the same random
     weights from `seed`), its experts sharded over its expert-parallel group when expert parallelism is on
     and its attention heads over its tensor-parallel group (`layout_groups`), its Engram table rows over the
@@ -108,9 +114,15 @@ def build_rank_engine(model: str, engine_config: Optional[EngineConfig], seed: i
     load = None
     sharded = (parallel.expert_parallel or tp is not None or engram[1] > 1) and os.path.isdir(model)
     if sharded:  # read only this rank's experts, heads and Engram rows from the files
-        load = functools.partial(load_shard, expert_rank=ep[0], expert_world=ep[1],
-                                 tp_rank=tp.rank if tp else 0, tp_world=tp.world if tp else 1,
-                                 engram_rank=engram[0], engram_world=engram[1])
+        load = functools.partial(
+            load_shard,
+            expert_rank=ep[0],
+            expert_world=ep[1],
+            tp_rank=tp.rank if tp else 0,
+            tp_world=tp.world if tp else 1,
+            engram_rank=engram[0],
+            engram_world=engram[1],
+        )
     net, tokenizer, name = build_model(model, seed, load=load)
     net.eval()
     if parallel.expert_parallel:
@@ -133,13 +145,13 @@ def build_rank_engine(model: str, engine_config: Optional[EngineConfig], seed: i
 class RankEngine:
     """One rank's part of a round (every rank, rank 0 included, runs `round`)."""
 
-    def __init__(self, engine: LLMEngine, group: Optional[dist.ProcessGroup] = None, sends_handoffs: bool = True):
+    def __init__(self, engine: LLMEngine, group: dist.ProcessGroup | None = None, sends_handoffs: bool = True):
         self.engine = engine
         self.group = group
         # the front keeps each engine's first TP rank's outputs: the other TP ranks send no hand-off bytes
         self.sends_handoffs = sends_handoffs
         self.rank = dist.get_rank(group)
-        self.experts: Optional[ExpertParallel] = dispatcher_of(engine.model)
+        self.experts: ExpertParallel | None = dispatcher_of(engine.model)
 
     def _numerics(self):
         """The numerics the runner's forwards use: end_step computes other ranks' rows and must give the
@@ -183,8 +195,13 @@ class RankEngine:
         served = self.experts.served if self.experts is not None else {}
         metrics["dp_served_moe_rounds_total"] = served.get("moe", 0)
         metrics["dp_served_engram_rounds_total"] = served.get("engram", 0)
-        return {"outputs": outputs, "rejected": rejected, "failed": failed, "unfinished": engine.has_unfinished(),
-                "metrics": metrics}
+        return {
+            "outputs": outputs,
+            "rejected": rejected,
+            "failed": failed,
+            "unfinished": engine.has_unfinished(),
+            "metrics": metrics,
+        }
 
     def serve_forever(self) -> None:
         """A rank other than 0: take part in rounds until rank 0 says stop."""
@@ -218,8 +235,10 @@ def _wire(command: tuple) -> tuple:
 
 
 # metrics that are ratios or rates of the summed counters: recomputed after summing, not summed
-_RATIOS = {"kv_usage": ("kv_blocks_used", "kv_blocks_total"),
-           "prefix_cache_hit_rate": ("prefix_cache_hit_tokens", "prefix_cache_queried_tokens")}
+_RATIOS = {
+    "kv_usage": ("kv_blocks_used", "kv_blocks_total"),
+    "prefix_cache_hit_rate": ("prefix_cache_hit_tokens", "prefix_cache_queried_tokens"),
+}
 
 
 def combine_metrics(per_rank: list[dict]) -> dict:
@@ -270,7 +289,7 @@ class DataParallelFront(AsyncEngine):
         self.affinity = PrefixAffinity(AffinityConfig(chunk=16))
         self._assigned = [0] * self.world
         self._busy = False  # some rank had work at the end of the last round
-        self._failure: Optional[BaseException] = None
+        self._failure: BaseException | None = None
         self._metrics = combine_metrics([self._metrics])  # rank 0's until the first round reports every rank's
         self._stopped = False
 
@@ -409,12 +428,21 @@ def init_group(rank: int, world: int, init_method: str, timeout_s: float = 1800.
     """Join the gloo group (CPU transport; NCCL is for a GPU run, not built yet)."""
     from datetime import timedelta
 
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo", init_method=init_method, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
 
 
-def worker_main(rank: int, world: int, init_method: str, model: str, engine_config: Optional[EngineConfig],
-                seed: int, parallel: ParallelConfig, threads: Optional[int] = None) -> None:
+def worker_main(
+    rank: int,
+    world: int,
+    init_method: str,
+    model: str,
+    engine_config: EngineConfig | None,
+    seed: int,
+    parallel: ParallelConfig,
+    threads: int | None = None,
+) -> None:
     """The process of a rank other than 0 (spawned by `dsv41 serve`, or started by torchrun)."""
     import signal
 

@@ -34,8 +34,6 @@ ids, each of its own peer), otherwise the whole world (one rounds object is crea
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -51,9 +49,12 @@ def row_range(rows: int, rank: int, world: int) -> range:
 
 
 def engram_tables(model: nn.Module) -> dict[str, nn.Module]:
-    """"layers.<i>.engram.embed" -> that layer's table module, in model order."""
-    return {f"layers.{i}.engram.embed": block.engram.embed for i, block in enumerate(model.layers)
-            if block.engram is not None}
+    """ "layers.<i>.engram.embed" -> that layer's table module, in model order."""
+    return {
+        f"layers.{i}.engram.embed": block.engram.embed
+        for i, block in enumerate(model.layers)
+        if block.engram is not None
+    }
 
 
 class ShardedEngramTable(nn.Module):
@@ -72,13 +73,13 @@ class ShardedEngramTable(nn.Module):
         local = len(rows)
         self.weight = nn.Parameter(torch.zeros(local, dim, dtype=torch.float8_e4m3fn), requires_grad=False)
         self.scale = nn.Parameter(torch.ones(local, dim // block, dtype=torch.float8_e8m0fnu), requires_grad=False)
-        self.host: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (weight, scale) in CPU memory
-        self.dispatcher: Optional[ExpertParallel] = None  # the rounds; `dispatcher_of` finds them here
+        self.host: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight, scale) in CPU memory
+        self.dispatcher: ExpertParallel | None = None  # the rounds; `dispatcher_of` finds them here
         self.tag = -1
         self.bounds = torch.tensor([0])  # [W + 1] row boundaries of the ranks, set by `attach`
 
     @classmethod
-    def of(cls, table: EngramTable, rows: range) -> "ShardedEngramTable":
+    def of(cls, table: EngramTable, rows: range) -> ShardedEngramTable:
         """`rows` of a whole `EngramTable` (copied: the whole table can then be dropped)."""
         if table.scale is None:
             raise ValueError("a trainable (dequantised) Engram table cannot be sharded: serving reads FP8 rows")
@@ -86,11 +87,11 @@ class ShardedEngramTable(nn.Module):
             out = cls(table.weight.size(0), table.weight.size(1), rows, table.block)
         if table.weight.device.type != "meta":
             with torch.no_grad():
-                out.weight.copy_(table.weight[rows.start:rows.stop])
-                out.scale.copy_(table.scale[rows.start:rows.stop])
+                out.weight.copy_(table.weight[rows.start : rows.stop])
+                out.scale.copy_(table.scale[rows.start : rows.stop])
         return out
 
-    def attach(self, rounds: Optional[ExpertParallel]) -> None:
+    def attach(self, rounds: ExpertParallel | None) -> None:
         """Serve and ask through `rounds` (every rank of its group holds `row_range(n_rows, r, W)`)."""
         if rounds is None:
             if len(self.rows) != self.n_rows:
@@ -98,10 +99,13 @@ class ShardedEngramTable(nn.Module):
             return
         mine = row_range(self.n_rows, rounds.rank, rounds.world)
         if mine != self.rows:
-            raise RuntimeError(f"this table holds rows {self.rows.start}..{self.rows.stop}, but rank {rounds.rank} "
-                               f"of {rounds.world} owns {mine.start}..{mine.stop}")
-        self.bounds = torch.tensor([row_range(self.n_rows, r, rounds.world).start for r in range(rounds.world)]
-                                   + [self.n_rows])
+            raise RuntimeError(
+                f"this table holds rows {self.rows.start}..{self.rows.stop}, but rank {rounds.rank} "
+                f"of {rounds.world} owns {mine.start}..{mine.stop}"
+            )
+        self.bounds = torch.tensor(
+            [row_range(self.n_rows, r, rounds.world).start for r in range(rounds.world)] + [self.n_rows]
+        )
         self.dispatcher = rounds
         self.tag = rounds.add_server(self)
 
@@ -158,7 +162,7 @@ def split_engram(model: nn.Module, rank: int, world: int) -> list[ShardedEngramT
     return out
 
 
-def install_engram(model: nn.Module, rounds: Optional[ExpertParallel], memory: str = "device") -> list[ShardedEngramTable]:
+def install_engram(model: nn.Module, rounds: ExpertParallel | None, memory: str = "device") -> list[ShardedEngramTable]:
     """Route every (split) Engram table of `model` through `rounds` (None: tables held whole, only `memory`
     changes) and place its rows in `memory` ("device" or "host"). Tables still whole are split first by the
     rounds' rank and world. Every rank of the group must call it on the same model structure, after
@@ -178,7 +182,7 @@ def install_engram(model: nn.Module, rounds: Optional[ExpertParallel], memory: s
     return tables
 
 
-def shard_engram(model: nn.Module, group=None, memory: str = "device") -> Optional[ExpertParallel]:
+def shard_engram(model: nn.Module, group=None, memory: str = "device") -> ExpertParallel | None:
     """Shard `model`'s Engram tables over the ranks of its expert-parallel dispatcher (after `shard_experts`)
     or, with none, of `group` (a new rounds object; default the world). Returns the rounds (None when the
     model has no Engram)."""
@@ -191,7 +195,7 @@ def shard_engram(model: nn.Module, group=None, memory: str = "device") -> Option
     return rounds
 
 
-def engram_row_slice(cfg, name: str, rank: int, world: int) -> Optional[slice]:
+def engram_row_slice(cfg, name: str, rank: int, world: int) -> slice | None:
     """The first-dimension slice of checkpoint tensor `name` an Engram-sharded rank reads, or None: the rows
     `row_range` of "layers.<i>.engram.embed.weight" and ".scale" (one scale row per table row)."""
     if world == 1 or not name.endswith((".engram.embed.weight", ".engram.embed.scale")):

@@ -33,8 +33,6 @@ layout that fits the released model's 384 experts on eight devices.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -68,7 +66,7 @@ class ExpertParallel:
 
     DONE = -1  # the layer index a rank sends once it has finished its own work for the step
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, row_dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, group: dist.ProcessGroup | None = None, row_dtype: torch.dtype = torch.bfloat16):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -93,8 +91,12 @@ class ExpertParallel:
 
     def owner_of(self, n_experts: int) -> torch.Tensor:
         """[E] int64: the rank that owns each expert."""
-        return torch.cat([torch.full((len(expert_range(n_experts, r, self.world)),), r, dtype=torch.int64)
-                          for r in range(self.world)])
+        return torch.cat(
+            [
+                torch.full((len(expert_range(n_experts, r, self.world)),), r, dtype=torch.int64)
+                for r in range(self.world)
+            ]
+        )
 
     # -- the wire format of one request kind: a fixed number of bytes per item each way ------------------------
     def _is_moe(self, tag: int) -> bool:
@@ -120,8 +122,8 @@ class ExpertParallel:
         row through its expert (this rank owns it), one expert at a time."""
         width = moe.dim * self.row_dtype.itemsize
         rows = as_dtype(items[:, :width], self.row_dtype)  # [R, dim]
-        route = as_dtype(items[:, width:width + 4], torch.float32)  # [R, 1]
-        ids = as_dtype(items[:, width + 4:], torch.int64).flatten()  # [R]
+        route = as_dtype(items[:, width : width + 4], torch.float32)  # [R, 1]
+        ids = as_dtype(items[:, width + 4 :], torch.int64).flatten()  # [R]
         out_rows = torch.zeros_like(rows)
         for e in expert_range(len(moe.experts), self.rank, self.world):
             at = (ids == e).nonzero().flatten()
@@ -129,7 +131,7 @@ class ExpertParallel:
                 out_rows[at] = moe.experts[e](rows[at], route[at])
         return out_rows.view(torch.uint8)
 
-    def _round(self, tag: int, payload: torch.Tensor, send_counts: torch.Tensor) -> Optional[torch.Tensor]:
+    def _round(self, tag: int, payload: torch.Tensor, send_counts: torch.Tensor) -> torch.Tensor | None:
         """One round: send `payload` [n, in_bytes(tag)] uint8 (items sorted by destination, `send_counts` [W]
         per rank) for `tag` (DONE: none), serve what the others sent for their tags, and return this rank's
         items' answers [n, out_bytes(tag)] uint8; None when every rank sent DONE (the step is over). Three
@@ -148,10 +150,11 @@ class ExpertParallel:
         recv_in = [n * self._in_bytes(t) for n, t in zip(recv_counts, tags)]
         recv_out = [n * self._out_bytes(t) for n, t in zip(recv_counts, tags)]
         got_items = payload.new_empty(sum(recv_in))
-        dist.all_to_all_single(got_items, payload.contiguous().flatten(), recv_in, [n * in_bytes for n in send_counts],
-                               group=self.group)
+        dist.all_to_all_single(
+            got_items, payload.contiguous().flatten(), recv_in, [n * in_bytes for n in send_counts], group=self.group
+        )
         chunks = got_items.split(recv_in)
-        answers: list[Optional[torch.Tensor]] = [None] * self.world
+        answers: list[torch.Tensor | None] = [None] * self.world
         for at in sorted({t for t, n in zip(tags, recv_counts) if n}):
             # every sender at the same tag in one call (one GEMM per expert), in sender order
             senders = [r for r in range(self.world) if tags[r] == at and recv_counts[r]]
@@ -191,9 +194,14 @@ class ExpertParallel:
         order = torch.argsort(owner[expert] * n_experts + expert, stable=True)
         expert, token = expert[order], token[order]
         send_counts = torch.bincount(owner[expert], minlength=self.world)
-        items = torch.cat([x[token].view(torch.uint8),  # [T*k, dim * 2 + 4 + 8]: row | weight | expert id
-                           weights.reshape(-1)[order].float().contiguous().view(-1, 1).view(torch.uint8),
-                           expert.contiguous().view(-1, 1).view(torch.uint8)], dim=1)
+        items = torch.cat(
+            [
+                x[token].view(torch.uint8),  # [T*k, dim * 2 + 4 + 8]: row | weight | expert id
+                weights.reshape(-1)[order].float().contiguous().view(-1, 1).view(torch.uint8),
+                expert.contiguous().view(-1, 1).view(torch.uint8),
+            ],
+            dim=1,
+        )
         back = self.request(layer, items, send_counts).view(self.row_dtype)  # [T*k, dim]
 
         # each token's k outputs in ascending expert order, added one by one into fp32 as on one device
@@ -234,7 +242,7 @@ class _AbsentExpert(nn.Module):
         raise RuntimeError(f"expert {self.index} lives on another rank (expert parallelism)")
 
 
-def shard_experts(model: nn.Module, group: Optional[dist.ProcessGroup] = None) -> ExpertParallel:
+def shard_experts(model: nn.Module, group: dist.ProcessGroup | None = None) -> ExpertParallel:
     """Keep only this rank's routed experts in every MoE layer of `model` (the others' weights are
     dropped) and route through `ExpertParallel`. Returns the dispatcher. Every rank must call it on the
     same model structure."""
@@ -263,7 +271,7 @@ def drop_experts(model: nn.Module, rank: int, world: int) -> list[str]:
     return dropped
 
 
-def dispatcher_of(model: nn.Module) -> Optional[ExpertParallel]:
+def dispatcher_of(model: nn.Module) -> ExpertParallel | None:
     """The `ExpertParallel` that `shard_experts` installed in `model`, or None."""
     for module in model.modules():
         if isinstance(getattr(module, "dispatcher", None), ExpertParallel):

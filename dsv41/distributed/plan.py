@@ -46,8 +46,17 @@ def parse_size(text: str) -> int:
     if match is None:
         raise ValueError(f"{text!r} is not a size: write e.g. 141GB, 80GiB or 512MB")
     unit = (match.group(2) or "B").upper()
-    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    scale = {
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }[unit]
     return int(float(match.group(1)) * scale)
 
 
@@ -63,7 +72,7 @@ class WeightBytes:
     engram_rows: tuple = ()  # (rows, bytes per row: FP8 row + its scales) of each Engram table
 
     @classmethod
-    def of(cls, cfg: ModelConfig) -> "WeightBytes":
+    def of(cls, cfg: ModelConfig) -> WeightBytes:
         from dsv41.model.transformer import Transformer
 
         with torch.device("meta"):
@@ -85,8 +94,13 @@ class WeightBytes:
                 table[1] += size // p.shape[0]
             else:
                 rest += size
-        return cls({k: [v[e] for e in sorted(v)] for k, v in experts.items()}, engram, rest, split,
-                   tuple((rows, per_row) for rows, per_row in tables.values()))
+        return cls(
+            {k: [v[e] for e in sorted(v)] for k, v in experts.items()},
+            engram,
+            rest,
+            split,
+            tuple((rows, per_row) for rows, per_row in tables.values()),
+        )
 
     def engram_share(self, rank: int, world: int) -> int:
         """Bytes of the Engram rows rank `rank` of `world` holds when the tables are sharded (`row_range`)."""
@@ -136,8 +150,9 @@ def plan(cfg: ModelConfig, devices: int, device_memory: int, utilization: float 
     if weights.engram_tables:
         # the tables' rows split over the expert-parallel ranks, on the device or in host memory (the whole
         # tables in every rank's host memory are not listed: eight copies of ~196 GB per node)
-        layouts += [(dp, ep, tp, engram) for dp, ep, tp, _ in list(layouts) if ep > 1
-                    for engram in ("sharded", "sharded-host")]
+        layouts += [
+            (dp, ep, tp, engram) for dp, ep, tp, _ in list(layouts) if ep > 1 for engram in ("sharded", "sharded-host")
+        ]
         if devices == 1:
             layouts += [(1, 1, 1, "host")]
     rows = []
@@ -146,19 +161,45 @@ def plan(cfg: ModelConfig, devices: int, device_memory: int, utilization: float 
         host = max(weights.host_bytes(r, ep, engram) for r in range(ep))
         free = usable - per_rank
         built = devices > 1 or engram == "device"  # serve builds host placement for multi-rank serves only
-        name = f"DP={dp} EP={ep}" + (f" TP={tp}" if tp > 1 else "") + {
-            "device": ", Engram whole" if weights.engram_tables else "", "sharded": ", Engram rows sharded",
-            "sharded-host": f", Engram rows sharded in host ({_size(host)}/rank)",
-            "host": ", Engram in host memory"}[engram] + ("" if built else " (not built)")
-        flags = [f"--data-parallel-size {dp}"] + ([f"--expert-parallel-size {ep}"] if ep > 1 else []) + (
-            [f"--tensor-parallel-size {tp}"] if tp > 1 else []) + (
-            {"device": ["--engram-sharding replicated"] if ep > 1 else [], "sharded": [],
-             "sharded-host": ["--engram-memory host"], "host": ["--engram-memory host"]}[engram]
-            if weights.engram_tables else [])
-        row = {"layout": name, "data_parallel": dp, "expert_parallel": ep, "tensor_parallel": tp, "engram": engram,
-               "built": built, "serve_flags": " ".join(flags) if devices > 1 else "",
-               "weight_bytes_per_rank": per_rank, "host_bytes_per_rank": host, "usable_bytes_per_rank": usable,
-               "fits": free > 0}
+        name = (
+            f"DP={dp} EP={ep}"
+            + (f" TP={tp}" if tp > 1 else "")
+            + {
+                "device": ", Engram whole" if weights.engram_tables else "",
+                "sharded": ", Engram rows sharded",
+                "sharded-host": f", Engram rows sharded in host ({_size(host)}/rank)",
+                "host": ", Engram in host memory",
+            }[engram]
+            + ("" if built else " (not built)")
+        )
+        flags = (
+            [f"--data-parallel-size {dp}"]
+            + ([f"--expert-parallel-size {ep}"] if ep > 1 else [])
+            + ([f"--tensor-parallel-size {tp}"] if tp > 1 else [])
+            + (
+                {
+                    "device": ["--engram-sharding replicated"] if ep > 1 else [],
+                    "sharded": [],
+                    "sharded-host": ["--engram-memory host"],
+                    "host": ["--engram-memory host"],
+                }[engram]
+                if weights.engram_tables
+                else []
+            )
+        )
+        row = {
+            "layout": name,
+            "data_parallel": dp,
+            "expert_parallel": ep,
+            "tensor_parallel": tp,
+            "engram": engram,
+            "built": built,
+            "serve_flags": " ".join(flags) if devices > 1 else "",
+            "weight_bytes_per_rank": per_rank,
+            "host_bytes_per_rank": host,
+            "usable_bytes_per_rank": usable,
+            "fits": free > 0,
+        }
         if free <= 0:
             row["over_bytes_per_rank"] = -free
         if free > 0:
@@ -178,17 +219,23 @@ def _size(n: float) -> str:
 
 
 def format_plan(name: str, devices: int, device_memory: int, utilization: float, rows: list[dict]) -> str:
-    lines = [f"{name} on {devices} x {_size(device_memory)} ({utilization:.0%} usable: weights + KV cache; KV "
-             f"capacity in tokens and in concurrent 1M-token sequences)",
-             f"{'layout':<60} {'weights/rank':>13} {'KV tokens/rank':>15} {'KV tokens all':>14} {'1M seqs':>8}"]
+    lines = [
+        f"{name} on {devices} x {_size(device_memory)} ({utilization:.0%} usable: weights + KV cache; KV "
+        f"capacity in tokens and in concurrent 1M-token sequences)",
+        f"{'layout':<60} {'weights/rank':>13} {'KV tokens/rank':>15} {'KV tokens all':>14} {'1M seqs':>8}",
+    ]
     for r in rows:
         weights = _size(r["weight_bytes_per_rank"])
         if r["fits"]:
-            lines.append(f"{r['layout']:<60} {weights:>13} {r['kv_tokens_per_rank']:>15,} {r['kv_tokens_total']:>14,} "
-                         f"{r['sequences_1m_total']:>8}")
+            lines.append(
+                f"{r['layout']:<60} {weights:>13} {r['kv_tokens_per_rank']:>15,} {r['kv_tokens_total']:>14,} "
+                f"{r['sequences_1m_total']:>8}"
+            )
         else:
-            lines.append(f"{r['layout']:<60} {weights:>13}  refused: the weights exceed the "
-                         f"{_size(r['usable_bytes_per_rank'])} usable per device by {_size(r['over_bytes_per_rank'])}")
+            lines.append(
+                f"{r['layout']:<60} {weights:>13}  refused: the weights exceed the "
+                f"{_size(r['usable_bytes_per_rank'])} usable per device by {_size(r['over_bytes_per_rank'])}"
+            )
     return "\n".join(lines)
 
 

@@ -36,8 +36,15 @@ def load_expert_shard(path: str | os.PathLike, rank: int, world: int) -> Transfo
     return load_shard(path, expert_rank=rank, expert_world=world)
 
 
-def load_shard(path: str | os.PathLike, expert_rank: int = 0, expert_world: int = 1, tp_rank: int = 0,
-               tp_world: int = 1, engram_rank: int = 0, engram_world: int = 1) -> Transformer:
+def load_shard(
+    path: str | os.PathLike,
+    expert_rank: int = 0,
+    expert_world: int = 1,
+    tp_rank: int = 0,
+    tp_world: int = 1,
+    engram_rank: int = 0,
+    engram_world: int = 1,
+) -> Transformer:
     """The model of `path` holding only expert-parallel rank `expert_rank`'s routed experts,
     tensor-parallel rank `tp_rank`'s query heads and output groups (`head_slices`) and Engram rank
     `engram_rank`'s rows of every Engram table (`engram_parallel.row_range`); install the dispatcher

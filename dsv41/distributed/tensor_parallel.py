@@ -29,8 +29,6 @@ every build), so no transport can round it.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -46,13 +44,16 @@ def check_head_split(cfg: ModelConfig, world: int) -> None:
     if world < 1:
         raise ValueError(f"--tensor-parallel-size must be >= 1, got {world}")
     if cfg.o_groups % world or cfg.n_heads % world:
-        raise ValueError(f"--tensor-parallel-size {world} does not divide this model's {cfg.n_heads} query heads "
-                         f"in {cfg.o_groups} output groups: each rank must own whole output groups, so the size "
-                         f"must divide {cfg.o_groups}")
+        raise ValueError(
+            f"--tensor-parallel-size {world} does not divide this model's {cfg.n_heads} query heads "
+            f"in {cfg.o_groups} output groups: each rank must own whole output groups, so the size "
+            f"must divide {cfg.o_groups}"
+        )
     rows = cfg.n_heads // world * cfg.head_dim
     if cfg.dtype == "fp8" and rows % FP8_BLOCK:
-        raise ValueError(f"--tensor-parallel-size {world}: a rank's {rows} wq_b rows are not whole {FP8_BLOCK}-row "
-                         f"FP8 scale tiles")
+        raise ValueError(
+            f"--tensor-parallel-size {world}: a rank's {rows} wq_b rows are not whole {FP8_BLOCK}-row FP8 scale tiles"
+        )
 
 
 def head_slices(cfg: ModelConfig, rank: int, world: int) -> dict[str, slice]:
@@ -64,10 +65,12 @@ def head_slices(cfg: ModelConfig, rank: int, world: int) -> dict[str, slice]:
     heads = cfg.n_heads // world
     groups = cfg.o_groups // world
     q_rows = heads * cfg.head_dim
-    return {"wq_b": slice(rank * q_rows, (rank + 1) * q_rows),
-            "wq_b_scale": slice(rank * q_rows // FP8_BLOCK, -(-(rank + 1) * q_rows // FP8_BLOCK)),
-            "attn_sink": slice(rank * heads, (rank + 1) * heads),
-            "wo_a": slice(rank * groups * cfg.o_lora_rank, (rank + 1) * groups * cfg.o_lora_rank)}
+    return {
+        "wq_b": slice(rank * q_rows, (rank + 1) * q_rows),
+        "wq_b_scale": slice(rank * q_rows // FP8_BLOCK, -(-(rank + 1) * q_rows // FP8_BLOCK)),
+        "attn_sink": slice(rank * heads, (rank + 1) * heads),
+        "wo_a": slice(rank * groups * cfg.o_lora_rank, (rank + 1) * groups * cfg.o_lora_rank),
+    }
 
 
 def split_attention_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -75,11 +78,10 @@ def split_attention_modules(model: nn.Module) -> dict[str, nn.Module]:
     DSpark drafter stages' attention (under "mtp.") is left whole on every rank."""
     from dsv41.model.attention import Attention
 
-    return {name: m for name, m in model.named_modules()
-            if isinstance(m, Attention) and name.startswith("layers.")}
+    return {name: m for name, m in model.named_modules() if isinstance(m, Attention) and name.startswith("layers.")}
 
 
-def parameter_slice(cfg: ModelConfig, name: str, rank: int, world: int) -> Optional[slice]:
+def parameter_slice(cfg: ModelConfig, name: str, rank: int, world: int) -> slice | None:
     """The first-dimension slice of checkpoint tensor `name` that TP rank `rank` reads, or None (read it
     whole). For the sharded loader: the backbone's `attn.wq_b.weight`/`.scale`, `attn.attn_sink`,
     `attn.wo_a.weight`/`.scale` (the stored FP8 scale of wo_a, one row per 32 weight rows)."""
@@ -98,8 +100,9 @@ def parameter_slice(cfg: ModelConfig, name: str, rank: int, world: int) -> Optio
     if leaf == "wo_a.scale":
         rows = s["wo_a"]
         if rows.start % FP8_BLOCK or rows.stop % FP8_BLOCK:
-            raise ValueError(f"{name}: a rank's wo_a rows {rows.start}..{rows.stop} are not whole {FP8_BLOCK}-row "
-                             f"scale tiles")
+            raise ValueError(
+                f"{name}: a rank's wo_a rows {rows.start}..{rows.stop} are not whole {FP8_BLOCK}-row scale tiles"
+            )
         return slice(rows.start // FP8_BLOCK, rows.stop // FP8_BLOCK)
     return None
 
@@ -108,7 +111,7 @@ class TensorParallel:
     """The gather of a tensor-parallel group: `gather(x)` concatenates every rank's x along the last
     dimension in rank order (= head/group order)."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None):
+    def __init__(self, group: dist.ProcessGroup | None = None):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -129,7 +132,7 @@ class TensorParallel:
         return (self.gather(args[0]),) + tuple(args[1:])
 
 
-def shard_attention_heads(model: nn.Module, group: Optional[dist.ProcessGroup] = None) -> TensorParallel:
+def shard_attention_heads(model: nn.Module, group: dist.ProcessGroup | None = None) -> TensorParallel:
     """Keep only this rank's query heads and output groups in every backbone attention layer of `model`
     (in place) and gather the low-rank outputs before `wo_b` over `group`. Returns the gather."""
     tp = TensorParallel(group)

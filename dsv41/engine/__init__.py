@@ -6,5 +6,13 @@ from dsv41.engine.config import EngineConfig
 from dsv41.engine.llm_engine import LLMEngine
 from dsv41.engine.types import RequestOutput, SamplingParams, TokenLogprob
 
-__all__ = ["AsyncEngine", "EngineBusy", "build_engine", "EngineConfig", "LLMEngine", "RequestOutput",
-           "SamplingParams", "TokenLogprob"]
+__all__ = [
+    "AsyncEngine",
+    "EngineBusy",
+    "build_engine",
+    "EngineConfig",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+    "TokenLogprob",
+]

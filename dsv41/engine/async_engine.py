@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from typing import AsyncIterator, Optional
+from collections.abc import AsyncIterator
 
 from dsv41.engine.llm_engine import LLMEngine
 from dsv41.engine.types import RequestOutput, SamplingParams
@@ -28,7 +28,7 @@ class AsyncEngine:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._metrics: dict = engine.metrics()
         self._pending = 0  # submitted but not yet seen by the engine thread
@@ -75,8 +75,14 @@ class AsyncEngine:
         return m
 
     # ------------------------------------------------------------------ requests
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       images: Optional[list] = None, **disaggregation) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        images: list | None = None,
+        **disaggregation,
+    ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Raises ValueError for bad input, EngineBusy when the queue is full.
         `images`: (start, ImagePatches) pairs, as LLMEngine.add_request takes them; `disaggregation`:
         its handoff / export_handoff arguments (dsv41.engine.handoff)."""
@@ -84,8 +90,10 @@ class AsyncEngine:
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_token_ids) >= self.engine.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model's context limit is "
-                             f"{self.engine.max_model_len} tokens, prompt and output together")
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model's context limit is "
+                f"{self.engine.max_model_len} tokens, prompt and output together"
+            )
         with self._lock:
             # requests that can start at once (free run slots) do not count against the waiting queue
             free_slots = max(0, self.max_running - self._metrics["running"])

@@ -16,7 +16,6 @@ sequence's result does not depend on the other sequences in the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
@@ -47,15 +46,20 @@ class DecodeBatch:
     memo: dict = field(default_factory=dict)  # per-step derived tensors, keyed by what they depend on
     # when a dict: each ratio>1 compressor leaves its fp32 rows (kv [B, D], score [B, D]) of this step
     # under its layer id (a speculative verify keeps them to rebuild partial groups after a rejection)
-    record_rows: Optional[dict] = None
+    record_rows: dict | None = None
 
     @classmethod
-    def build(cls, caches: list, positions: list[int], device) -> "DecodeBatch":
+    def build(cls, caches: list, positions: list[int], device) -> DecodeBatch:
         width = max(len(c.blocks) for c in caches)
-        tables = torch.tensor([c.blocks + [c.blocks[0]] * (width - len(c.blocks)) for c in caches],
-                              dtype=torch.int64, device=device)
-        return cls(caches, torch.tensor(positions, device=device),
-                   torch.tensor([c.slot for c in caches], device=device), tables)
+        tables = torch.tensor(
+            [c.blocks + [c.blocks[0]] * (width - len(c.blocks)) for c in caches], dtype=torch.int64, device=device
+        )
+        return cls(
+            caches,
+            torch.tensor(positions, device=device),
+            torch.tensor([c.slot for c in caches], device=device),
+            tables,
+        )
 
     def _memo(self, key, make):
         value = self.memo.get(key)
@@ -72,6 +76,7 @@ class DecodeBatch:
             at = self.positions.unsqueeze(1)  # each sequence's chunk is its one new token
             firsts = torch.tensor(first, device=at.device).unsqueeze(1)
             return ring_ids(at, at, firsts, window).unsqueeze(1)
+
         return self._memo(("window_ids", window, first), make)
 
     def ring_slots(self, window: int) -> torch.Tensor:
@@ -85,18 +90,22 @@ class DecodeBatch:
     def lone_widths(self, ratio: int, k: int) -> list:
         """How a lone decode at each position lists its compressed entries: [] when every row is at the
         full width `k`, else (width, rows) groups of equal width."""
+
         def make():
             width = ((self.positions + 1) // ratio).clamp(max=k)  # [B]
             if bool((width == k).all()):
                 return []
             return [(w, (width == w).nonzero().flatten()) for w in width.unique().tolist()]
+
         return self._memo(("lone_widths", ratio, k), make)
 
     def compressed_ids(self, offset: int, picked: torch.Tensor) -> torch.Tensor:
         """[B, 1, k] ids of the compressed rows (after `offset` window rows), -1 for unused picks; the
         layers reading one selection share them."""
-        return self._memo(("compressed_ids", offset, id(picked)),
-                          lambda: torch.where(picked >= 0, offset + torch.arange(picked.size(-1), device=picked.device), -1))
+        return self._memo(
+            ("compressed_ids", offset, id(picked)),
+            lambda: torch.where(picked >= 0, offset + torch.arange(picked.size(-1), device=picked.device), -1),
+        )
 
 
 def _rope_rows(x: torch.Tensor, freqs: torch.Tensor, rope_dim: int) -> torch.Tensor:
@@ -104,16 +113,25 @@ def _rope_rows(x: torch.Tensor, freqs: torch.Tensor, rope_dim: int) -> torch.Ten
     return ops.apply_rope(x.transpose(0, 1), freqs, rope_dim).transpose(0, 1)
 
 
-def decode_attend(attn, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, batch: DecodeBatch,
-                  states: StatePool, pool: PagedKVPool) -> torch.Tensor:
+def decode_attend(
+    attn,
+    x: torch.Tensor,
+    qr: torch.Tensor,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    batch: DecodeBatch,
+    states: StatePool,
+    pool: PagedKVPool,
+) -> torch.Tensor:
     """x [B, 1, dim], qr [B, 1, q_lora], q [B, 1, H, D] and kv [B, 1, D] (RoPE'd, FP8-rounded) for one new
     token per sequence. Returns [B, 1, H, D] like `Attention.attend`."""
     layer, w = attn.layer_id, attn.window
     slots = batch.slots
 
     # window: the ring as it was, then the new token; ids oldest first, -1 before the window's first position
-    ring = fp8_dequant(states.window_codes[slots, layer],
-                       states.window_scale[slots, layer].view(torch.float8_e8m0fnu).float()).bfloat16()
+    ring = fp8_dequant(
+        states.window_codes[slots, layer], states.window_scale[slots, layer].view(torch.float8_e8m0fnu).float()
+    ).bfloat16()
     rows = torch.cat([ring, kv], dim=1)  # [B, W+1, D]
     ids = batch.window_ids(layer, w)  # [B, 1, W]
     codes, scale = fp8_quant(kv[:, 0])
@@ -122,15 +140,34 @@ def decode_attend(attn, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: 
     states.window_scale[slots, layer, at] = scale.to(torch.float8_e8m0fnu).view(torch.uint8)
 
     if not attn.ratio:
-        return ops.paged_sparse_attn(q, rows, ids, None, batch.tables, None, attn.attn_sink, attn.softmax_scale,
-                                     heads_per_call=attn.heads_per_call)
+        return ops.paged_sparse_attn(
+            q,
+            rows,
+            ids,
+            None,
+            batch.tables,
+            None,
+            attn.attn_sink,
+            attn.softmax_scale,
+            heads_per_call=attn.heads_per_call,
+        )
     picked, selected = _compressed(attn, x, qr, batch, states, pool)
     # a lone decode lists min(index_topk, visible entries) selected slots, and the attention's block sums
     # depend on that width; so rows are attended in groups of equal width, each at its own width (most
     # rows, past index_topk entries, share the full one)
-    return ops.paged_sparse_attn(q, rows, ids, pool.pages(attn.kv_source), batch.tables, picked, attn.attn_sink,
-                                 attn.softmax_scale, batch.lone_widths(attn.ratio, picked.size(-1)), selected,
-                                 attn.heads_per_call)
+    return ops.paged_sparse_attn(
+        q,
+        rows,
+        ids,
+        pool.pages(attn.kv_source),
+        batch.tables,
+        picked,
+        attn.attn_sink,
+        attn.softmax_scale,
+        batch.lone_widths(attn.ratio, picked.size(-1)),
+        selected,
+        attn.heads_per_call,
+    )
 
 
 def _compressed(attn, x, qr, batch: DecodeBatch, states: StatePool, pool: PagedKVPool):
@@ -199,15 +236,17 @@ def _select(attn, x, qr, batch: DecodeBatch, pool: PagedKVPool) -> torch.Tensor:
     q = ops.fp4_qdq(_rope_rows(q, freqs, idx.rope_dim), FP4_BLOCK, "ue8m0")
     weights = idx.weights_proj(x) * idx.weight_scale
     if idx.uses_candidates:  # the entries of the candidate blocks the candidate source picked this step
-        entries, usable = ops.candidate_entries(batch.shared["candidate_blocks"], visible.view(b, 1, 1),
-                                                idx.candidate_block_size)
+        entries, usable = ops.candidate_entries(
+            batch.shared["candidate_blocks"], visible.view(b, 1, 1), idx.candidate_block_size
+        )
         scores = ops.paged_index_scores(q, weights, pool.pages(src), batch.tables, visible, entries, usable)
     else:  # every visible entry, a whole block of keys at a time
         scores = ops.paged_index_scores(q, weights, pool.pages(src), batch.tables, visible)  # [B, 1, t]
         entries = torch.arange(t, device=pos.device).expand(b, 1, t)
     if idx.is_candidate_source:
-        batch.shared["candidate_blocks"] = ops.candidate_blocks(scores, visible.view(b, 1, 1), idx.candidate_blocks,
-                                                                idx.candidate_block_size, idx.canonical_ties)
+        batch.shared["candidate_blocks"] = ops.candidate_blocks(
+            scores, visible.view(b, 1, 1), idx.candidate_blocks, idx.candidate_block_size, idx.canonical_ties
+        )
     k = min(idx.topk, scores.size(-1))
     if idx.canonical_ties:  # ties by entry position, not by where the gather put an entry in this row
         top = ops.topk_canonical(scores, k, positions=entries if idx.uses_candidates else None)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -16,8 +16,9 @@ from dsv41.model.transformer import Transformer
 from dsv41.tokenizer import ByteTokenizer, load_tokenizer
 
 
-def build_engine(model: str, engine_config: Optional[EngineConfig] = None, seed: int = 0,
-                 device: str | torch.device = "cpu") -> LLMEngine:
+def build_engine(
+    model: str, engine_config: EngineConfig | None = None, seed: int = 0, device: str | torch.device = "cpu"
+) -> LLMEngine:
     """`model`: a preset name (tiny, small, ...: random weights drawn from `seed`) or a checkpoint folder.
 
     The tokenizer is the folder's own, else the DeepSeek tokenizer for the full 129,280-id vocabulary,
@@ -30,8 +31,9 @@ def build_engine(model: str, engine_config: Optional[EngineConfig] = None, seed:
     return LLMEngine(net, tokenizer, engine_config, model_name=name, seed=seed)
 
 
-def build_model(model: str, seed: int = 0, device: str | torch.device = "cpu",
-                load: Optional[Callable[[str], Transformer]] = None) -> tuple[Transformer, object, str]:
+def build_model(
+    model: str, seed: int = 0, device: str | torch.device = "cpu", load: Callable[[str], Transformer] | None = None
+) -> tuple[Transformer, object, str]:
     """(model, tokenizer, served name) for a preset name or a checkpoint folder, as `build_engine` uses them.
     `load(folder)`: how a checkpoint folder's weights are read (default `dsv41.weights.load_model`; an
     expert-parallel rank reads only its share, dsv41.distributed.sharded_load)."""

@@ -26,7 +26,7 @@ against 15 us on that vocabulary), which is small next to a decode step.
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -118,8 +118,7 @@ class GrammarCompiler:
         budget with blanks). Raises ValueError when the schema is not one llguidance can compile."""
         if not isinstance(schema, dict):
             raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
-        return self.check(self._llg.LLMatcher.grammar_from_json_schema(
-            schema, defaults={"whitespace_flexible": False}))
+        return self.check(self._llg.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False}))
 
     def regex(self, pattern: str) -> str:
         return self.check(self._llg.LLMatcher.grammar_from_regex(pattern))
@@ -142,13 +141,13 @@ class GrammarCompiler:
         return grammar
 
     # ------------------------------------------------------------------ matching
-    def matcher(self, spec: GrammarSpec) -> "RequestGrammar":
+    def matcher(self, spec: GrammarSpec) -> RequestGrammar:
         m = self._llg.LLMatcher(self.lltok, spec.grammar, log_level=0)
         if m.is_error():
             raise ValueError(f"invalid grammar: {m.get_error()[:500]}")
         return RequestGrammar(m, self.vocab_size, spec.start_after)
 
-    def prefetch(self, grammars: Sequence["RequestGrammar"]) -> None:
+    def prefetch(self, grammars: Sequence[RequestGrammar]) -> None:
         """Compute the next-token masks of these requests (with no draft) in one parallel llguidance call,
         [B, ceil(vocab / 32)] int32, and keep each on its request (on fewer than 4 cores: one after another)."""
         todo = [g for g in grammars if g.active and () not in g._masks]
@@ -160,8 +159,9 @@ class GrammarCompiler:
             return
         words = (self.vocab_size + 31) // 32
         bitmask = torch.zeros(len(todo), words, dtype=torch.int32)  # [B, words]
-        self._executor.unsafe_compute_mask_ptr([(g._m, i) for i, g in enumerate(todo)], bitmask.data_ptr(),
-                                               words * 4, len(todo))
+        self._executor.unsafe_compute_mask_ptr(
+            [(g._m, i) for i, g in enumerate(todo)], bitmask.data_ptr(), words * 4, len(todo)
+        )
         masks = unpack_bitmask(bitmask, self.vocab_size)  # [B, vocab]
         for g, mask in zip(todo, masks):
             g._masks[()] = mask
@@ -171,11 +171,11 @@ class RequestGrammar:
     """One request's grammar state. `advance` feeds it every output token the request keeps; before
     `start_after` appears in the output (`</think>` in thinking mode) it constrains nothing."""
 
-    def __init__(self, matcher, vocab_size: int, start_after: Optional[int] = None):
+    def __init__(self, matcher, vocab_size: int, start_after: int | None = None):
         self._m, self.vocab_size, self.start_after = matcher, vocab_size, start_after
         self.active = start_after is None
         self.seen = 0  # output tokens advanced over
-        self._masks: dict[tuple, Optional[torch.Tensor]] = {}  # drafted tail -> bool [vocab]; per state
+        self._masks: dict[tuple, torch.Tensor | None] = {}  # drafted tail -> bool [vocab]; per state
 
     def advance(self, token: int) -> None:
         self.seen += 1
@@ -191,14 +191,14 @@ class RequestGrammar:
         """The grammar is complete and allows nothing but EOS (or has taken EOS)."""
         return self.active and self._m.is_stopped()
 
-    def allowed(self, output_ids: Sequence[int]) -> Optional[torch.Tensor]:
+    def allowed(self, output_ids: Sequence[int]) -> torch.Tensor | None:
         """bool [vocab]: the tokens allowed at the position after `output_ids` (everything advanced over,
         then drafted tokens), or None where nothing is constrained (before `start_after`). A draft the
         grammar rejects leads to an all-False mask: that position is never reached, since the rejected
         token has probability 0 where it was drafted."""
         if len(output_ids) < self.seen:
             raise ValueError("the grammar state is ahead of the request's tokens")
-        tail = tuple(output_ids[self.seen:])
+        tail = tuple(output_ids[self.seen :])
         if tail in self._masks:
             return self._masks[tail]
         active, consume = self.active, []
@@ -213,8 +213,9 @@ class RequestGrammar:
             if taken < len(consume):
                 mask = torch.zeros(self.vocab_size, dtype=torch.bool)
             else:
-                mask = unpack_bitmask(torch.frombuffer(bytearray(self._m.compute_bitmask()), dtype=torch.int32),
-                                      self.vocab_size)
+                mask = unpack_bitmask(
+                    torch.frombuffer(bytearray(self._m.compute_bitmask()), dtype=torch.int32), self.vocab_size
+                )
             if taken and not self._m.rollback(taken):
                 raise RuntimeError(f"grammar rollback failed: {self._m.get_error()[:200]}")
         self._masks[tail] = mask

@@ -36,7 +36,6 @@ import json
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
@@ -108,23 +107,30 @@ class KVHandoff:
         blocks, payloads = [], []
         for name, t in self.tensors.items():
             raw = _raw(t)
-            blocks.append({"name": name, "dtype": str(t.dtype), "shape": list(t.shape), "nbytes": len(raw),
-                           "crc32": zlib.crc32(raw)})
+            blocks.append(
+                {
+                    "name": name,
+                    "dtype": str(t.dtype),
+                    "shape": list(t.shape),
+                    "nbytes": len(raw),
+                    "crc32": zlib.crc32(raw),
+                }
+            )
             payloads.append(raw)
         header = json.dumps({"version": VERSION, "meta": self.meta, "blocks": blocks}).encode()
         return b"".join([MAGIC, _LEN.pack(len(header)), header, _CRC.pack(zlib.crc32(header)), *payloads])
 
     @classmethod
-    def from_bytes(cls, data: bytes, expect_identity: Optional[dict] = None) -> "KVHandoff":
+    def from_bytes(cls, data: bytes, expect_identity: dict | None = None) -> KVHandoff:
         """Parse and verify every checksum; HandoffError names what is wrong."""
         data = memoryview(data)
-        if len(data) < len(MAGIC) + _LEN.size or bytes(data[:len(MAGIC)]) != MAGIC:
+        if len(data) < len(MAGIC) + _LEN.size or bytes(data[: len(MAGIC)]) != MAGIC:
             raise HandoffError("not a dsv41 KV hand-off (bad magic): truncated or not this format")
         (hlen,) = _LEN.unpack_from(data, len(MAGIC))
         at = len(MAGIC) + _LEN.size
         if hlen > len(data) - at - _CRC.size:
             raise HandoffError(f"truncated hand-off: the header needs {hlen} bytes, {len(data) - at} arrived")
-        header = bytes(data[at:at + hlen])
+        header = bytes(data[at : at + hlen])
         (crc,) = _CRC.unpack_from(data, at + hlen)
         if zlib.crc32(header) != crc:
             raise HandoffError("hand-off header checksum mismatch (crc32): the header was corrupted in transit")
@@ -135,7 +141,7 @@ class KVHandoff:
         tensors = {}
         for block in head["blocks"]:
             name, n = block["name"], block["nbytes"]
-            raw = data[at:at + n]
+            raw = data[at : at + n]
             if len(raw) < n:
                 raise HandoffError(f"truncated hand-off: block {name!r} needs {n} bytes, {len(raw)} arrived")
             if zlib.crc32(raw) != block["crc32"]:
@@ -154,9 +160,11 @@ class KVHandoff:
         for key in ("config_sha256", "weights_sha256"):
             if theirs.get(key) != identity[key]:
                 what = "config" if key.startswith("config") else "weights"
-                raise HandoffError(f"the hand-off was prefilled by a model with other {what} "
-                                   f"({str(theirs.get(key))[:12]}..., here {identity[key][:12]}...): "
-                                   f"prefill and decode workers must serve the same model")
+                raise HandoffError(
+                    f"the hand-off was prefilled by a model with other {what} "
+                    f"({str(theirs.get(key))[:12]}..., here {identity[key][:12]}...): "
+                    f"prefill and decode workers must serve the same model"
+                )
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -203,12 +211,22 @@ def export_sequence(engine, seq, logits: torch.Tensor) -> KVHandoff:
     for layer, (kv, score) in state["group"].items():
         tensors[f"group{layer}.kv"] = kv.cpu()  # [1, ratio, D] fp32
         tensors[f"group{layer}.score"] = score.cpu()
-    meta = {"model": engine.identity(), "prompt_ids": list(seq.prompt_ids), "num_computed": n,
-            "first": list(state["first"]), "decoder_start": seq.decoder_start, "decoder_from": seq.decoder_from,
-            "num_cached_tokens": seq.num_cached_tokens, "rows_first": seq.rows_first, "rows_end": seq.rows_end,
-            "drafter_rings": int(engine.speculative), "prefix_sha256": prefix_identity(seq.prompt_ids),
-            "images": image_identity(seq.images),
-            "block_size": engine.config.block_size, "request_id": seq.request_id}
+    meta = {
+        "model": engine.identity(),
+        "prompt_ids": list(seq.prompt_ids),
+        "num_computed": n,
+        "first": list(state["first"]),
+        "decoder_start": seq.decoder_start,
+        "decoder_from": seq.decoder_from,
+        "num_cached_tokens": seq.num_cached_tokens,
+        "rows_first": seq.rows_first,
+        "rows_end": seq.rows_end,
+        "drafter_rings": int(engine.speculative),
+        "prefix_sha256": prefix_identity(seq.prompt_ids),
+        "images": image_identity(seq.images),
+        "block_size": engine.config.block_size,
+        "request_id": seq.request_id,
+    }
     return KVHandoff(meta, tensors)
 
 
@@ -233,14 +251,18 @@ def check_handoff(engine, handoff: KVHandoff, prompt_ids: list[int], images=None
     stores."""
     handoff.check_identity(engine.identity())
     if list(prompt_ids) != handoff.prompt_ids:
-        raise HandoffError(f"the hand-off is for another prompt ({len(handoff.prompt_ids)} tokens, "
-                           f"prefix {handoff.meta.get('prefix_sha256', '')[:12]}...) than this request "
-                           f"({len(prompt_ids)} tokens)")
+        raise HandoffError(
+            f"the hand-off is for another prompt ({len(handoff.prompt_ids)} tokens, "
+            f"prefix {handoff.meta.get('prefix_sha256', '')[:12]}...) than this request "
+            f"({len(prompt_ids)} tokens)"
+        )
     theirs, ours = handoff.meta.get("images", []), image_identity(images)
     if theirs != ours:
-        raise HandoffError(f"the hand-off was prefilled with other images ({len(theirs)} image(s), pixel digests "
-                           f"{[d[:12] for _, d in theirs]}) than this request has ({len(ours)}, "
-                           f"{[d[:12] for _, d in ours]}): the same token ids, other pixels")
+        raise HandoffError(
+            f"the hand-off was prefilled with other images ({len(theirs)} image(s), pixel digests "
+            f"{[d[:12] for _, d in theirs]}) than this request has ({len(ours)}, "
+            f"{[d[:12] for _, d in ours]}): the same token ids, other pixels"
+        )
     if prefix_identity(handoff.prompt_ids) != handoff.meta.get("prefix_sha256"):
         raise HandoffError("the hand-off's token ids do not match its prefix identity")
     missing = sorted(expected_blocks(engine) - set(handoff.tensors))
@@ -254,8 +276,10 @@ def check_handoff(engine, handoff: KVHandoff, prompt_ids: list[int], images=None
         want[f"group{layer}.kv"] = [1, *kv.shape[1:]]
     w = engine.states.window_codes.shape
     if list(t["window_codes"].shape[1:]) != list(w[2:]) or t["window_codes"].size(0) < engine.model_config.n_layers:
-        raise HandoffError(f"hand-off block 'window_codes' has shape {list(t['window_codes'].shape)}; "
-                           f"this engine's rings are {list(w[1:])}")
+        raise HandoffError(
+            f"hand-off block 'window_codes' has shape {list(t['window_codes'].shape)}; "
+            f"this engine's rings are {list(w[1:])}"
+        )
     for name, shape in want.items():
         if list(t[name].shape) != shape:
             raise HandoffError(f"hand-off block {name!r} has shape {list(t[name].shape)}, expected {shape}")

@@ -43,8 +43,10 @@ class PagedKVPool:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         ratios = [cfg.compress_ratios[s] for s in cfg.kv_source_layers]
         if block_size <= 0 or any(block_size % r for r in ratios):
-            raise ValueError(f"block_size must be a positive multiple of every compress ratio {sorted(set(ratios))}, "
-                             f"got {block_size}")
+            raise ValueError(
+                f"block_size must be a positive multiple of every compress ratio {sorted(set(ratios))}, "
+                f"got {block_size}"
+            )
         self.cfg, self.block_size, self.num_blocks = cfg, block_size, num_blocks
         self.head_dim, self.index_dim = cfg.head_dim, cfg.index_head_dim
         self.sources = {s: SourceLayout(s, r, block_size // r) for s, r in zip(cfg.kv_source_layers, ratios)}
@@ -55,21 +57,27 @@ class PagedKVPool:
         for s, lay in self.sources.items():
             rows = num_blocks * lay.entries_per_block  # flat row r = block * entries_per_block + entry
             self.kv_codes[s] = torch.zeros(rows, self.head_dim // 2, dtype=torch.uint8, device=device)
-            self.kv_scale[s] = torch.zeros(rows, self.head_dim // KV_FP4_BLOCK, dtype=torch.float8_e4m3fn, device=device)
+            self.kv_scale[s] = torch.zeros(
+                rows, self.head_dim // KV_FP4_BLOCK, dtype=torch.float8_e4m3fn, device=device
+            )
             self.key_codes[s] = torch.zeros(rows, self.index_dim // 2, dtype=torch.uint8, device=device)
             # UE8M0 kept as raw bytes: torch has no indexed writes for float8_e8m0fnu
             self.key_scale[s] = torch.zeros(rows, self.index_dim // FP4_BLOCK, dtype=torch.uint8, device=device)
 
     # ------------------------------------------------------------------ sizes
     def bytes_per_block(self) -> int:
-        return sum(t[0].numel() * t.element_size() * lay.entries_per_block
-                   for s, lay in self.sources.items()
-                   for t in (self.kv_codes[s], self.kv_scale[s], self.key_codes[s], self.key_scale[s]))
+        return sum(
+            t[0].numel() * t.element_size() * lay.entries_per_block
+            for s, lay in self.sources.items()
+            for t in (self.kv_codes[s], self.kv_scale[s], self.key_codes[s], self.key_scale[s])
+        )
 
     def stored_bytes(self, layer: int, n_entries: int) -> int:
         """Bytes that n entries of one kv source occupy (codes + scales, main KV + index keys)."""
-        per_entry = sum(t[0].numel() * t.element_size()
-                        for t in (self.kv_codes[layer], self.kv_scale[layer], self.key_codes[layer], self.key_scale[layer]))
+        per_entry = sum(
+            t[0].numel() * t.element_size()
+            for t in (self.kv_codes[layer], self.kv_scale[layer], self.key_codes[layer], self.key_scale[layer])
+        )
         return per_entry * n_entries
 
     # ------------------------------------------------------------------ addressing
@@ -101,8 +109,13 @@ class PagedKVPool:
 
     def pages(self, layer: int) -> paged.PagedCache:
         """One kv source's packed storage, as the paged ops (dsv41.ops.paged) take it."""
-        return paged.PagedCache(self.kv_codes[layer], self.kv_scale[layer], self.key_codes[layer],
-                                self.key_scale[layer], self.sources[layer].entries_per_block)
+        return paged.PagedCache(
+            self.kv_codes[layer],
+            self.kv_scale[layer],
+            self.key_codes[layer],
+            self.key_scale[layer],
+            self.sources[layer].entries_per_block,
+        )
 
     def kv_at(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """Dequantised main KV at flat rows (any shape [...]) -> bf16 [..., head_dim]."""
@@ -122,7 +135,7 @@ class PagedKVPool:
         per = self.sources[layer].entries_per_block
         first, last = start // per, -(-end // per)
         keys = self.keys_of_blocks(layer, table[first:last])
-        return keys[start - first * per:end - first * per]
+        return keys[start - first * per : end - first * per]
 
     # ------------------------------------------------------------------ access
     def write(self, layer: int, table: torch.Tensor, first: int, kv: torch.Tensor, keys) -> None:
@@ -143,7 +156,9 @@ class PagedKVPool:
         rows = self.rows(layer, table, entries)
         return tuple(t[layer][rows].clone() for t in (self.kv_codes, self.kv_scale, self.key_codes, self.key_scale))
 
-    def import_entries(self, layer: int, table: torch.Tensor, entries: torch.Tensor, packed: tuple[torch.Tensor, ...]) -> None:
+    def import_entries(
+        self, layer: int, table: torch.Tensor, entries: torch.Tensor, packed: tuple[torch.Tensor, ...]
+    ) -> None:
         rows = self.rows(layer, table, entries)
         for t, value in zip((self.kv_codes, self.kv_scale, self.key_codes, self.key_scale), packed):
             t[layer][rows] = value

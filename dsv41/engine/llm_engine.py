@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Optional
 
 import torch
 
@@ -39,8 +38,14 @@ log = logging.getLogger("dsv41.engine")
 
 
 class LLMEngine(Scheduling, Speculation):
-    def __init__(self, model: Transformer, tokenizer, config: Optional[EngineConfig] = None,
-                 model_name: str = "dsv41", seed: int = 0):
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer,
+        config: EngineConfig | None = None,
+        model_name: str = "dsv41",
+        seed: int = 0,
+    ):
         config = config or EngineConfig()
         config.validate()
         self.config, self.tokenizer, self.model_name = config, tokenizer, model_name
@@ -55,17 +60,23 @@ class LLMEngine(Scheduling, Speculation):
         self.allocator = BlockAllocator(num_blocks)
         self.speculative = config.speculative
         if self.speculative and not len(model.mtp):
-            raise ValueError("--speculative needs a model with a DSpark drafter (mtp.* weights; config "
-                             "n_mtp_layers and dspark_block_size); this one has none")
+            raise ValueError(
+                "--speculative needs a model with a DSpark drafter (mtp.* weights; config "
+                "n_mtp_layers and dspark_block_size); this one has none"
+            )
         self.num_draft = 0
         if self.speculative:
             k = cfg.dspark_block_size
             self.num_draft = k if config.num_speculative_tokens is None else min(k, config.num_speculative_tokens)
         self.states = StatePool(cfg, config.max_num_seqs, model.device, drafter=self.speculative)
         self.snapshots = SnapshotStore(config.max_snapshots if config.enable_prefix_caching else 0, config.window_ttl_s)
-        self.runner = ModelRunner(model, config.row_chunk if config.batch_invariant else 0,
-                                  capture_hidden=self.speculative, record_routing=config.record_routing,
-                                  batched_verify=config.batched_verify)
+        self.runner = ModelRunner(
+            model,
+            config.row_chunk if config.batch_invariant else 0,
+            capture_hidden=self.speculative,
+            record_routing=config.record_routing,
+            batched_verify=config.batched_verify,
+        )
         # built before the first request ('now'), or on a thread while the eager ops serve ('background')
         self.fused_kernels = model.prepare_kernels(config.fused_kernels)
         self.boundary = self.runner.boundary
@@ -78,24 +89,44 @@ class LLMEngine(Scheduling, Speculation):
         self._arrivals = 0
         self._finished_outputs: list[RequestOutput] = []
         self.stats = PrefixStats()
-        self.counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_finished_total": 0,
-                         "preemptions_total": 0, "steps_total": 0, "failed_steps_total": 0,
-                         "requests_failed_total": 0, "handoffs_exported_total": 0, "handoffs_imported_total": 0,
-                         # prompt tokens that arrived computed in a KV hand-off (also in prompt_tokens_total)
-                         "handoff_imported_tokens_total": 0}
+        self.counters = {
+            "prompt_tokens_total": 0,
+            "generation_tokens_total": 0,
+            "requests_finished_total": 0,
+            "preemptions_total": 0,
+            "steps_total": 0,
+            "failed_steps_total": 0,
+            "requests_failed_total": 0,
+            "handoffs_exported_total": 0,
+            "handoffs_imported_total": 0,
+            # prompt tokens that arrived computed in a KV hand-off (also in prompt_tokens_total)
+            "handoff_imported_tokens_total": 0,
+        }
         if self.speculative:
-            self.counters.update({"spec_decode_steps_total": 0, "spec_decode_draft_tokens_total": 0,
-                                  "spec_decode_accepted_tokens_total": 0, "spec_decode_emitted_tokens_total": 0})
+            self.counters.update(
+                {
+                    "spec_decode_steps_total": 0,
+                    "spec_decode_draft_tokens_total": 0,
+                    "spec_decode_accepted_tokens_total": 0,
+                    "spec_decode_emitted_tokens_total": 0,
+                }
+            )
             self.accepted_at = [0] * self.num_draft  # per draft position: verified with a draft kept there
             self.verified_at = [0] * self.num_draft
         self._recent: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens generated) per step
-        self._identity: Optional[dict] = None
+        self._identity: dict | None = None
         self._grammar_compiler = None
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Optional[SamplingParams] = None,
-                    images: Optional[list] = None, handoff: Optional[KVHandoff] = None,
-                    export_handoff: bool = False) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        images: list | None = None,
+        handoff: KVHandoff | None = None,
+        export_handoff: bool = False,
+    ) -> None:
         """Queue a request. `images`: (start, dsv41.vision.ImagePatches) pairs, each image's span occupying
         prompt positions start .. start + span_length - 1, which must carry the model's image_token_id
         (dsv41.vision.prompt builds such prompts). Disaggregation (dsv41.engine.handoff): `export_handoff`
@@ -111,8 +142,10 @@ class LLMEngine(Scheduling, Speculation):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         params.validate(vocab)
         if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model's context limit is "
-                             f"{self.max_model_len} tokens, prompt and output together")
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model's context limit is "
+                f"{self.max_model_len} tokens, prompt and output together"
+            )
         self._check_images(prompt_token_ids, images or [])
         if export_handoff and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported with prefill/decode disaggregation")
@@ -158,8 +191,9 @@ class LLMEngine(Scheduling, Speculation):
             covered[start:end] = [True] * (end - start)
         stray = [i for i, t in enumerate(prompt) if t == cfg.image_token_id and not covered[i]]
         if stray:
-            raise ValueError(f"the prompt has image_token_id {cfg.image_token_id} at position {stray[0]} "
-                             f"without an image for it")
+            raise ValueError(
+                f"the prompt has image_token_id {cfg.image_token_id} at position {stray[0]} without an image for it"
+            )
 
     def abort_request(self, request_id: str) -> bool:
         """Cancel a request; its final output (finish_reason "abort") comes with the next step."""
@@ -179,8 +213,12 @@ class LLMEngine(Scheduling, Speculation):
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._finished_outputs)
 
-    def generate(self, prompts: list[list[int]], params: Optional[SamplingParams | list[SamplingParams]] = None,
-                 images: Optional[list] = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        images: list | None = None,
+    ) -> list[RequestOutput]:
         """Run prompts to completion (offline use); returns the final output of each, in order.
         `images`: per prompt, its (start, ImagePatches) list or None."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -194,8 +232,9 @@ class LLMEngine(Scheduling, Speculation):
                     final[out.request_id] = out
         return [final[rid] for rid in ids]
 
-    def prompt_logits(self, prompt_token_ids: list[int], request_id: Optional[str] = None,
-                      images: Optional[list] = None) -> torch.Tensor:
+    def prompt_logits(
+        self, prompt_token_ids: list[int], request_id: str | None = None, images: list | None = None
+    ) -> torch.Tensor:
         """fp32 logits [vocab] of the prompt's last position, computed the way this engine prefills
         (prefill mode, chunking, prefix cache). For parity checks and the bounded-replay gap."""
         rid = request_id or f"logits-{self._arrivals}"
@@ -242,7 +281,7 @@ class LLMEngine(Scheduling, Speculation):
         row, generated = 0, 0
         for seq, chunk, kind in plan:
             seq.cache.global_writes = True
-            rows = logits[row:row + chunk.logit_rows()]  # [n, vocab]: the chunk's last n positions
+            rows = logits[row : row + chunk.logit_rows()]  # [n, vocab]: the chunk's last n positions
             row += len(rows)
             if kind == "rebuild":
                 seq.needs_rebuild = False
@@ -281,8 +320,11 @@ class LLMEngine(Scheduling, Speculation):
             try:
                 self._draft([(seq, chunk) for seq, chunk, kind in plan if kind != "rebuild"])
             except Exception as exc:  # noqa: BLE001 - drafting is an optimisation: decode on without it
-                log.warning("DSpark drafting failed (%s: %s); these requests decode one token this step",
-                            type(exc).__name__, exc)
+                log.warning(
+                    "DSpark drafting failed (%s: %s); these requests decode one token this step",
+                    type(exc).__name__,
+                    exc,
+                )
                 for seq, _, _ in plan:
                     seq.draft_tokens, seq.draft_logits = [], None
         self.counters["generation_tokens_total"] += generated
@@ -291,8 +333,11 @@ class LLMEngine(Scheduling, Speculation):
 
     def _prefetch_masks(self, plan: list) -> None:
         """The grammar masks of every constrained request sampling this step, in one batched call."""
-        grammars = [seq.grammar for seq, chunk, kind in plan
-                    if seq.grammar is not None and kind != "rebuild" and chunk.end >= seq.prefill_target]
+        grammars = [
+            seq.grammar
+            for seq, chunk, kind in plan
+            if seq.grammar is not None and kind != "rebuild" and chunk.end >= seq.prefill_target
+        ]
         if grammars:
             try:
                 self.grammar_compiler.prefetch(grammars)
@@ -307,7 +352,7 @@ class LLMEngine(Scheduling, Speculation):
         self._append_token(seq, token, logits)
         return self._emit(seq)
 
-    def _history(self, seq: Sequence, drafted: tuple = ()) -> Optional[TokenHistory]:
+    def _history(self, seq: Sequence, drafted: tuple = ()) -> TokenHistory | None:
         """What the request's logit processing reads at its next position (after `drafted` more tokens);
         None when it has no processing. The prompt's presence mask is kept on the sequence."""
         p = seq.params
@@ -328,8 +373,9 @@ class LLMEngine(Scheduling, Speculation):
             raise RuntimeError(f"prompt logprobs: positions {have - 1}..{first - 1} were never computed")
         lo, hi = max(have - 1, first), min(first + len(rows), len(prompt) - 1)  # positions to score
         if lo < hi:
-            seq.prompt_logprobs += prompt_token_logprobs(rows[lo - first:hi - first], prompt[lo + 1:hi + 1],
-                                                         seq.params.prompt_logprobs, self.tokenizer)
+            seq.prompt_logprobs += prompt_token_logprobs(
+                rows[lo - first : hi - first], prompt[lo + 1 : hi + 1], seq.params.prompt_logprobs, self.tokenizer
+            )
 
     def _append_token(self, seq: Sequence, token: int, logits: torch.Tensor) -> None:
         """Add one token (chosen from logits [vocab]) to the output; sets the finish reason if it ends it."""
@@ -337,8 +383,9 @@ class LLMEngine(Scheduling, Speculation):
             seq.logits.append(logits.clone())
         if seq.params.logprobs is not None:
             processed = seq.params if self.config.logprobs_mode == "processed" else None
-            seq.pending_logprobs.append(token_logprobs(logits, token, seq.params.logprobs, self.tokenizer, processed,
-                                                       self._history(seq)))
+            seq.pending_logprobs.append(
+                token_logprobs(logits, token, seq.params.logprobs, self.tokenizer, processed, self._history(seq))
+            )
         seq.output_ids.append(token)
         if seq.grammar is not None:
             seq.grammar.advance(token)
@@ -368,8 +415,12 @@ class LLMEngine(Scheduling, Speculation):
         if len(work) == 1:
             self._finished_outputs.append(self._fail(work[0][0], exc))
             return
-        log.warning("engine step over %d requests failed (%s: %s); retrying them one at a time",
-                    len(work), type(exc).__name__, exc)
+        log.warning(
+            "engine step over %d requests failed (%s: %s); retrying them one at a time",
+            len(work),
+            type(exc).__name__,
+            exc,
+        )
         for seq, end in work:
             seq.failed_steps += 1
             if seq.failed_steps >= self.MAX_FAILED_STEPS:
@@ -382,8 +433,13 @@ class LLMEngine(Scheduling, Speculation):
 
     def _fail(self, seq: Sequence, exc: Exception) -> RequestOutput:
         """Finish one request with finish_reason "error"; the details go to the log under its id."""
-        log.error("request %s failed: %s: %s", seq.request_id, type(exc).__name__, exc,
-                  exc_info=(type(exc), exc, exc.__traceback__))
+        log.error(
+            "request %s failed: %s: %s",
+            seq.request_id,
+            type(exc).__name__,
+            exc,
+            exc_info=(type(exc), exc, exc.__traceback__),
+        )
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -415,7 +471,7 @@ class LLMEngine(Scheduling, Speculation):
             window_from = max(0, seq.emitted_text - max(len(s) for s in p.stop))
             hits = [i for i in (seq.text.find(s, window_from) for s in p.stop) if i >= 0]
             if hits:
-                seq.text = seq.text[:min(hits)]
+                seq.text = seq.text[: min(hits)]
                 seq.finish_reason = "stop"
         if seq.finish_reason is not None:
             seq.status = Status.FINISHED
@@ -430,20 +486,32 @@ class LLMEngine(Scheduling, Speculation):
             if seq.params.stop:  # hold back what could still become a stop string
                 visible = min(visible, max(seq.emitted_text, len(text) - max(len(s) for s in seq.params.stop) + 1))
         visible = max(visible, seq.emitted_text)
-        new_text = text[seq.emitted_text:visible]
+        new_text = text[seq.emitted_text : visible]
         seq.emitted_text = visible
-        new_ids = seq.output_ids[seq.emitted_tokens:]
+        new_ids = seq.output_ids[seq.emitted_tokens :]
         seq.emitted_tokens = len(seq.output_ids)
         logprobs, seq.pending_logprobs = seq.pending_logprobs, []
         routed = spans = None
         if finished and self.config.record_routing and seq.routing:
             routed, spans = torch.cat(seq.routing), list(seq.spans)
-        return RequestOutput(seq.request_id, new_ids, new_text, list(seq.output_ids), text[:visible], finished,
-                             seq.finish_reason if finished else None, len(seq.prompt_ids), seq.num_cached_tokens,
-                             logprobs, error=seq.error if finished else None,
-                             queue_time_s=seq.queue_time_s if finished else None,
-                             routed_experts=routed, spans=spans, preemptions=seq.preemptions,
-                             prompt_logprobs=None if seq.needs_prompt_logprobs else seq.prompt_logprobs)
+        return RequestOutput(
+            seq.request_id,
+            new_ids,
+            new_text,
+            list(seq.output_ids),
+            text[:visible],
+            finished,
+            seq.finish_reason if finished else None,
+            len(seq.prompt_ids),
+            seq.num_cached_tokens,
+            logprobs,
+            error=seq.error if finished else None,
+            queue_time_s=seq.queue_time_s if finished else None,
+            routed_experts=routed,
+            spans=spans,
+            preemptions=seq.preemptions,
+            prompt_logprobs=None if seq.needs_prompt_logprobs else seq.prompt_logprobs,
+        )
 
     # ------------------------------------------------------------------ reporting
     def metrics(self) -> dict:
@@ -455,12 +523,23 @@ class LLMEngine(Scheduling, Speculation):
             rate = sum(n for _, n in recent[1:]) / max(recent[-1][0] - recent[0][0], 1e-9)
         q, h = self.stats.queried_tokens, self.stats.hit_tokens
         kv = self.resident_kv_bytes()
-        return {"waiting": len(self.waiting), "running": len(self.running), "kv_blocks_used": used,
-                "kv_blocks_total": total, "kv_resident_bytes_per_token": kv["global_kv_bytes_per_token"],
-                "kv_fixed_state_bytes": kv["fixed_state_bytes"], "kv_usage": used / total,
-                "prefix_cache_queried_tokens": q, "prefix_cache_hit_tokens": h, "prefix_cache_hit_rate": h / q if q else 0.0,
-                "prefix_cache_snapshot_hits": self.stats.snapshot_hits, "window_rebuilds": self.stats.window_rebuilds,
-                "generation_tokens_per_s": rate, **self.counters, **self._spec_metrics()}
+        return {
+            "waiting": len(self.waiting),
+            "running": len(self.running),
+            "kv_blocks_used": used,
+            "kv_blocks_total": total,
+            "kv_resident_bytes_per_token": kv["global_kv_bytes_per_token"],
+            "kv_fixed_state_bytes": kv["fixed_state_bytes"],
+            "kv_usage": used / total,
+            "prefix_cache_queried_tokens": q,
+            "prefix_cache_hit_tokens": h,
+            "prefix_cache_hit_rate": h / q if q else 0.0,
+            "prefix_cache_snapshot_hits": self.stats.snapshot_hits,
+            "window_rebuilds": self.stats.window_rebuilds,
+            "generation_tokens_per_s": rate,
+            **self.counters,
+            **self._spec_metrics(),
+        }
 
     def resident_kv_bytes(self) -> dict:
         """Measured bytes of the live sequences' state: global KV entries actually stored (by kv source,
@@ -474,6 +553,11 @@ class LLMEngine(Scheduling, Speculation):
                 entries_bytes += self.pool.stored_bytes(layer, seq.num_computed // lay.ratio)
             fixed += seq.cache.fixed_state_bytes()
         block_bytes = self.allocator.num_used() * self.pool.bytes_per_block()
-        return {"tokens": tokens, "global_kv_bytes": entries_bytes, "allocated_block_bytes": block_bytes,
-                "global_kv_bytes_per_token": entries_bytes / tokens if tokens else 0.0,
-                "fixed_state_bytes": fixed, "sequences": len(self.running)}
+        return {
+            "tokens": tokens,
+            "global_kv_bytes": entries_bytes,
+            "allocated_block_bytes": block_bytes,
+            "global_kv_bytes_per_token": entries_bytes / tokens if tokens else 0.0,
+            "fixed_state_bytes": fixed,
+            "sequences": len(self.running),
+        }

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
@@ -26,7 +26,7 @@ def chain_hashes(tokens: list[int], block_size: int, start_hashes: list[int]) ->
     hashes = list(start_hashes)
     prev = hashes[-1] if hashes else 0
     for i in range(len(hashes), len(tokens) // block_size):
-        prev = hash((prev, tuple(tokens[i * block_size:(i + 1) * block_size])))
+        prev = hash((prev, tuple(tokens[i * block_size : (i + 1) * block_size])))
         hashes.append(prev)
     return hashes
 
@@ -35,7 +35,7 @@ def prefix_key(tokens: list[int], length: int, block_size: int, block_hashes: li
     """Hash of tokens[:length] given the chain hashes of its full blocks."""
     full = length // block_size
     prev = block_hashes[full - 1] if full else 0
-    return hash((prev, "tail", tuple(tokens[full * block_size:length])))
+    return hash((prev, "tail", tuple(tokens[full * block_size : length])))
 
 
 @dataclass
@@ -46,7 +46,7 @@ class Snapshot:
     created: float
     window_valid: bool = True
     decoder_start: int = 0  # the position the decoder layers' windows started at when this was computed
-    logits: Optional[torch.Tensor] = None  # fp32 [vocab] of the last position (end-of-prompt snapshots)
+    logits: torch.Tensor | None = None  # fp32 [vocab] of the last position (end-of-prompt snapshots)
 
 
 @dataclass
@@ -81,9 +81,16 @@ class SnapshotStore:
         if not self.lengths[snap.length]:
             del self.lengths[snap.length]
 
-    def find(self, tokens: list[int], block_size: int, block_hashes: list[int], n_full_blocks: int,
-             max_length: int, exact_blocks: bool = True,
-             accept: Optional[Callable[[Snapshot], bool]] = None) -> Optional[Snapshot]:
+    def find(
+        self,
+        tokens: list[int],
+        block_size: int,
+        block_hashes: list[int],
+        n_full_blocks: int,
+        max_length: int,
+        exact_blocks: bool = True,
+        accept: Callable[[Snapshot], bool] | None = None,
+    ) -> Snapshot | None:
         """Longest snapshot that is a prefix of tokens, leaves at least one token to compute (length <=
         max_length), extends the first n_full_blocks matched full blocks (exactly those with
         `exact_blocks`, else at most those), and that `accept` takes."""

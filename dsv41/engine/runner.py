@@ -15,7 +15,6 @@ positions (the last `window_size` prompt tokens), with their windows starting at
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
@@ -48,13 +47,13 @@ class Chunk:
     # images: (offset in tokens, rows [n, dim] bf16) replacing those positions' token embeddings, and for
     # context + tokens, True at image-span positions (routed with bias_vl, dead to Engram); None: all text
     image_rows: list = field(default_factory=list)
-    image_mask: Optional[list[bool]] = None
+    image_mask: list[bool] | None = None
     # filled by a forward with capture_hidden: the drafter's main_hidden [n, F] of the positions that
     # reached the target layers, hidden_start.. (the chunk's positions after any bounded-replay trim)
-    main_hidden: Optional[torch.Tensor] = None
+    main_hidden: torch.Tensor | None = None
     hidden_start: int = 0
     # filled by a forward with record_routing: each position's expert ids [n, n_layers, k] (uint8 or int16)
-    routing: Optional[torch.Tensor] = None
+    routing: torch.Tensor | None = None
 
     def logit_rows(self) -> int:
         """How many logits rows a forward returns for this chunk: its last positions, after any
@@ -67,8 +66,14 @@ class ModelRunner:
     forward runs under `model.numerics(row_chunk)`: batch-invariant GEMMs, canonical top-k ties, eval
     mode, the model's own settings restored afterwards. None: the model's settings as they are."""
 
-    def __init__(self, model: Transformer, row_chunk: Optional[int] = None, capture_hidden: bool = False,
-                 record_routing: bool = False, batched_verify: str = "auto"):
+    def __init__(
+        self,
+        model: Transformer,
+        row_chunk: int | None = None,
+        capture_hidden: bool = False,
+        record_routing: bool = False,
+        batched_verify: str = "auto",
+    ):
         self.model = model
         # speculative verify chunks as batched decode steps (`_decode_steps`): "on", "off" (each on its own
         # path), "auto" (when a step has more verify chunks than its longest chunk has tokens)
@@ -87,7 +92,7 @@ class ModelRunner:
         with self.model.numerics(self.row_chunk):
             return self._forward(chunks)
 
-    def draft(self, first: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, rings, choose) -> "dspark.Draft":
+    def draft(self, first: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, rings, choose) -> dspark.Draft:
         """One batched DSpark draft (dsv41.model.dspark.draft, per-row positions) under the runner's numerics."""
         if self.row_chunk is None:
             return self._draft(first, hidden, pos, rings, choose)
@@ -143,13 +148,24 @@ class ModelRunner:
             # a verify chunk's tokens each as a call of one, as the decode steps that would have computed them
             calls = [n for c in chunks for n in ([1] * len(c.tokens) if c.verify else [len(c.tokens)])]
             if layer.engram is not None:
-                h = layer.engram(h, hash_ids[:, :, model.engram_layout.layer_ids.index(i)],
-                                 None if image_mask is None else ~image_mask, calls)
+                h = layer.engram(
+                    h,
+                    hash_ids[:, :, model.engram_layout.layer_ids.index(i)],
+                    None if image_mask is None else ~image_mask,
+                    calls,
+                )
             if i in self.targets:
                 hidden.append(dspark.main_hidden(h))  # [1, T, dim], the stream entering the block
             shared = {"token_calls": calls} if record is None else {"token_calls": calls, "moe_aux": record}
-            h, pre_mix = layer.run(h, pre_mix, lambda x: self._attend(layer.attn, x, positions, chunks, steps, rope_rows),
-                                   shared, image_mask)
+            h, pre_mix = layer.run(
+                h,
+                pre_mix,
+                lambda x, attn=layer.attn, positions=positions, chunks=chunks: self._attend(
+                    attn, x, positions, chunks, steps, rope_rows
+                ),
+                shared,
+                image_mask,
+            )
 
         if record is not None:
             self._split_routing(record, chunks)
@@ -157,7 +173,7 @@ class ModelRunner:
             main = torch.cat(hidden, dim=-1)[0]  # [T, n_targets * dim]
             offset = 0
             for c in chunks:
-                c.main_hidden, c.hidden_start = main[offset:offset + len(c.tokens)], c.start
+                c.main_hidden, c.hidden_start = main[offset : offset + len(c.tokens)], c.start
                 offset += len(c.tokens)
         last, offset = [], 0
         for c in chunks:
@@ -187,10 +203,10 @@ class ModelRunner:
         ids = torch.stack([call[1] for call in record.calls], dim=1).to(dtype).cpu()  # [T, n_layers, k]
         offset = 0
         for c in chunks:
-            c.routing = ids[offset:offset + len(c.tokens)]
+            c.routing = ids[offset : offset + len(c.tokens)]
             offset += len(c.tokens)
 
-    def _embed(self, ids: torch.Tensor, chunks: list[Chunk]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def _embed(self, ids: torch.Tensor, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Token embeddings [1, T, dim] with the chunks' image rows written in, and the [1, T] image-span
         mask (None when no chunk has an image position)."""
         x = self.model.embed(ids)
@@ -200,10 +216,10 @@ class ModelRunner:
         offset = 0
         for c in chunks:
             for at, rows in c.image_rows:
-                x[0, offset + at:offset + at + rows.size(0)] = rows
+                x[0, offset + at : offset + at + rows.size(0)] = rows
             if c.image_mask:
-                flags = c.image_mask[len(c.context):]
-                mask[0, offset:offset + len(flags)] = torch.tensor(flags, device=ids.device)
+                flags = c.image_mask[len(c.context) :]
+                mask[0, offset : offset + len(flags)] = torch.tensor(flags, device=ids.device)
             offset += len(c.tokens)
         return x, mask
 
@@ -226,12 +242,20 @@ class ModelRunner:
         steps = []
         for i in range(max((len(c.tokens) for c in stepped), default=0)):
             members = [c for c in stepped if len(c.tokens) > i]
-            steps.append((DecodeBatch.build([c.cache for c in members], [c.start + i for c in members], device),
-                          members))
+            steps.append(
+                (DecodeBatch.build([c.cache for c in members], [c.start + i for c in members], device), members)
+            )
         return steps
 
-    def _attend(self, attn, x: torch.Tensor, positions: torch.Tensor, chunks: list[Chunk],
-                steps: list[tuple[DecodeBatch, list[Chunk]]], rope_rows: dict) -> torch.Tensor:
+    def _attend(
+        self,
+        attn,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        chunks: list[Chunk],
+        steps: list[tuple[DecodeBatch, list[Chunk]]],
+        rope_rows: dict,
+    ) -> torch.Tensor:
         freqs = self._rope(attn, positions, rope_rows, x.device)
         qr, q, kv = attn.project(x, freqs)
         if not steps:
@@ -244,8 +268,16 @@ class ModelRunner:
         caches = steps[0][1][0].cache
         states, pool = caches.states, caches.pool
         if len(steps) == 1 and len(steps[0][1]) == x.size(1):  # a decode-only batch: token i is sequence i
-            o = decode_attend(attn, x[0].unsqueeze(1), qr[0].unsqueeze(1), q[0].unsqueeze(1), kv[0].unsqueeze(1),
-                              steps[0][0], states, pool)  # [B, 1, H, D]
+            o = decode_attend(
+                attn,
+                x[0].unsqueeze(1),
+                qr[0].unsqueeze(1),
+                q[0].unsqueeze(1),
+                kv[0].unsqueeze(1),
+                steps[0][0],
+                states,
+                pool,
+            )  # [B, 1, H, D]
             return attn.output(o.view(1, o.size(0), *o.shape[2:]), freqs)  # [1, B, H, D]
         out = q.new_empty(q.shape)  # [1, T, H, D]
         offset, a = {}, 0
@@ -260,18 +292,28 @@ class ModelRunner:
         for i, (batch, members) in enumerate(steps):
             at = torch.tensor([offset[id(c)] + i for c in members], device=x.device)
             batch.record_rows = {} if kept else None
-            out[0, at] = decode_attend(attn, x[0, at].unsqueeze(1), qr[0, at].unsqueeze(1), q[0, at].unsqueeze(1),
-                                       kv[0, at].unsqueeze(1), batch, states, pool)[:, 0]
+            out[0, at] = decode_attend(
+                attn,
+                x[0, at].unsqueeze(1),
+                qr[0, at].unsqueeze(1),
+                q[0, at].unsqueeze(1),
+                kv[0, at].unsqueeze(1),
+                batch,
+                states,
+                pool,
+            )[:, 0]
             if kept:
                 kv_rows, score_rows = batch.record_rows[attn.layer_id]  # [B_i, D] fp32
                 for row, c in enumerate(members):
                     if id(c) in kept:
-                        kept[id(c)][1].append(kv_rows[row:row + 1])
-                        kept[id(c)][2].append(score_rows[row:row + 1])
+                        kept[id(c)][1].append(kv_rows[row : row + 1])
+                        kept[id(c)][2].append(score_rows[row : row + 1])
         for c in chunks:
             if id(c) in kept:
                 first, kvs, scores = kept[id(c)]
-                c.cache.keep_group_rows(attn.layer_id, first, torch.cat(kvs).unsqueeze(0), torch.cat(scores).unsqueeze(0))
+                c.cache.keep_group_rows(
+                    attn.layer_id, first, torch.cat(kvs).unsqueeze(0), torch.cat(scores).unsqueeze(0)
+                )
         return attn.output(out, freqs)
 
     @staticmethod
@@ -286,8 +328,11 @@ class ModelRunner:
         for c in steps[0][1]:
             if c.verify and c.cache.keep_group_rows is not None:
                 pending, slot = c.start % ratio, c.cache.slot
-                kept[id(c)] = (c.start - pending, [states.group_kv[layer][slot, :pending].clone()],
-                               [states.group_score[layer][slot, :pending].clone()])
+                kept[id(c)] = (
+                    c.start - pending,
+                    [states.group_kv[layer][slot, :pending].clone()],
+                    [states.group_score[layer][slot, :pending].clone()],
+                )
         return kept
 
     def _skip_decoder(self, layer: Block, chunks: list[Chunk], h: torch.Tensor, pre_mix: torch.Tensor):
@@ -301,7 +346,9 @@ class ModelRunner:
             if skip:
                 dropped = True
                 if attn.compressor is not None:
-                    attn.write_compressed(layer.attn_input(h[:, a:a + skip], pre_mix[:, a:a + skip]), c.start, c.cache)
+                    attn.write_compressed(
+                        layer.attn_input(h[:, a : a + skip], pre_mix[:, a : a + skip]), c.start, c.cache
+                    )
                 c.tokens, c.start = c.tokens[skip:], c.start + skip
                 if not c.tokens:
                     c.want_logits = False
@@ -321,16 +368,21 @@ class ModelRunner:
             groups.setdefault((len(c.context), len(c.tokens)), []).append(i)
         parts: list = [None] * len(chunks)
         for (n_context, n_tokens), members in groups.items():
-            ids = torch.tensor([chunks[i].context + chunks[i].tokens for i in members], dtype=torch.int64,
-                               device=self.model.device)
+            ids = torch.tensor(
+                [chunks[i].context + chunks[i].tokens for i in members], dtype=torch.int64, device=self.model.device
+            )
             compressed = hasher.token_map[ids]
             if any(chunks[i].image_mask for i in members):  # image-span positions are dead: look-back stops
-                dead = torch.tensor([chunks[i].image_mask or [False] * ids.size(1) for i in members],
-                                    dtype=torch.bool, device=ids.device)
+                dead = torch.tensor(
+                    [chunks[i].image_mask or [False] * ids.size(1) for i in members],
+                    dtype=torch.bool,
+                    device=ids.device,
+                )
                 compressed = torch.where(dead, ops.engram_hash.DEAD, compressed)
             # the context reaches back to position 0 only when it is shorter than the look-back
-            hashed = ops.ngram_hash(compressed, n_context, n_tokens, hasher.multipliers,
-                                    hasher.primes, hasher.offsets, pad_id)  # [members, n_tokens, L, cols]
+            hashed = ops.ngram_hash(
+                compressed, n_context, n_tokens, hasher.multipliers, hasher.primes, hasher.offsets, pad_id
+            )  # [members, n_tokens, L, cols]
             for row, i in enumerate(members):
-                parts[i] = hashed[row:row + 1]
+                parts[i] = hashed[row : row + 1]
         return torch.cat(parts, dim=1)

@@ -6,12 +6,11 @@ on what the engine batched it with."""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from dsv41.engine.types import SamplingParams, TokenLogprob
-
 
 # Temperatures below this are greedy (vLLM's rule): dividing fp32 logits by 1e-39 overflows to inf/NaN,
 # and anything this cold is argmax in all but name.
@@ -25,8 +24,14 @@ class TokenHistory:
     request's `dsv41.engine.grammar.RequestGrammar` (structured outputs), whose mask at this position
     applies last."""
 
-    def __init__(self, prompt_ids: Sequence[int], output_ids: Sequence[int], stop_ids: Sequence[int] = (),
-                 _prompt_mask: Optional[dict] = None, grammar=None):
+    def __init__(
+        self,
+        prompt_ids: Sequence[int],
+        output_ids: Sequence[int],
+        stop_ids: Sequence[int] = (),
+        _prompt_mask: dict | None = None,
+        grammar=None,
+    ):
         self.prompt_ids, self.output_ids, self.stop_ids = prompt_ids, output_ids, stop_ids
         self._prompt_mask = {} if _prompt_mask is None else _prompt_mask  # vocab -> bool [vocab]
         self.grammar = grammar
@@ -39,13 +44,14 @@ class TokenHistory:
             self._prompt_mask[vocab] = mask
         return self._prompt_mask[vocab]
 
-    def then(self, drafted: Sequence[int]) -> "TokenHistory":
+    def then(self, drafted: Sequence[int]) -> TokenHistory:
         """The history of the position after `drafted` more generated tokens (a speculative draft)."""
-        return TokenHistory(self.prompt_ids, list(self.output_ids) + list(drafted), self.stop_ids, self._prompt_mask,
-                            self.grammar)
+        return TokenHistory(
+            self.prompt_ids, list(self.output_ids) + list(drafted), self.stop_ids, self._prompt_mask, self.grammar
+        )
 
 
-def process_logits(logits: torch.Tensor, params: SamplingParams, history: Optional[TokenHistory]) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, params: SamplingParams, history: TokenHistory | None) -> torch.Tensor:
     """logits [vocab] -> fp32 CPU logits after the processing that comes before temperature, in vLLM's
     order: min_tokens (EOS and stop ids to -inf while fewer than min_tokens tokens are generated),
     logit_bias (added), repetition_penalty (tokens in the prompt or the output: positive logits divided,
@@ -92,8 +98,12 @@ def _grammar_masked(logits: torch.Tensor, history: TokenHistory) -> torch.Tensor
     return logits.masked_fill(~allowed, -torch.inf)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator],
-           history: Optional[TokenHistory] = None) -> int:
+def sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    history: TokenHistory | None = None,
+) -> int:
     """logits [vocab] fp32 -> one token id. Temperature below `GREEDY_TEMPERATURE` (0 included) is greedy
     (ties go to the lowest id) over the processed logits. Logits without a finite maximum raise ValueError
     (that request fails). `history`: needed when `params.processes_logits`."""
@@ -104,8 +114,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: Optional[tor
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def sampling_probs(logits: torch.Tensor, params: SamplingParams,
-                   history: Optional[TokenHistory] = None) -> Optional[torch.Tensor]:
+def sampling_probs(
+    logits: torch.Tensor, params: SamplingParams, history: TokenHistory | None = None
+) -> torch.Tensor | None:
     """The distribution `sample` draws from (fp32 [vocab] on the CPU, after the logit processing when
     `history` is given, temperature, min-p, top-k, top-p), or None when the request is greedy."""
     if history is not None:
@@ -113,7 +124,7 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams,
     return _truncated(logits, params)[0]
 
 
-def _truncated(logits: torch.Tensor, params: SamplingParams) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+def _truncated(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(probs, kept): the sampling distribution (None when greedy) and the bool [vocab] mask of the tokens
     min-p/top-k/top-p kept (None when none cuts anything away)."""
     logits = logits.float().cpu()
@@ -141,7 +152,7 @@ def _truncated(logits: torch.Tensor, params: SamplingParams) -> tuple[Optional[t
     return probs, kept
 
 
-def sampling_support(logits: torch.Tensor, params: SamplingParams) -> Optional[torch.Tensor]:
+def sampling_support(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
     """The ids `sample` could draw for these (processed) logits [vocab], ascending int64 (greedy: the
     argmax alone; min-p/top-k/top-p: the kept set; ids at -inf left out), or None when every token could
     be drawn. An RL learner applies the same mask at train time ("keep sampling mask", training.md §8)."""
@@ -155,7 +166,7 @@ def sampling_support(logits: torch.Tensor, params: SamplingParams) -> Optional[t
     return None if kept is None else kept.nonzero().flatten()
 
 
-def processed_logprobs(logits: torch.Tensor, temperature: float, support: Optional[torch.Tensor] = None) -> torch.Tensor:
+def processed_logprobs(logits: torch.Tensor, temperature: float, support: torch.Tensor | None = None) -> torch.Tensor:
     """Log-probabilities of the distribution a token was sampled from: logits [..., vocab] fp32 divided by
     the temperature (not below `GREEDY_TEMPERATURE`, where the support is the argmax alone), restricted
     to `support` (bool [..., vocab]; None: every token) and renormalised. The engine's
@@ -169,9 +180,14 @@ def processed_logprobs(logits: torch.Tensor, temperature: float, support: Option
     return torch.log_softmax(x, dim=-1)
 
 
-def verify_draft(target: torch.Tensor, draft: list[int], draft_logits: Optional[torch.Tensor],
-                 params: SamplingParams, generator: Optional[torch.Generator],
-                 history: Optional[TokenHistory] = None) -> tuple[int, int]:
+def verify_draft(
+    target: torch.Tensor,
+    draft: list[int],
+    draft_logits: torch.Tensor | None,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    history: TokenHistory | None = None,
+) -> tuple[int, int]:
     """DSpark verification of one sequence: target [n + 1, vocab] fp32 logits at the last known token and
     at each of the n drafted tokens; draft_logits [n, vocab], what each draft was sampled from (`sample`
     with the same params and the history extended by the drafts before it). Returns (drafts accepted a,
@@ -186,7 +202,7 @@ def verify_draft(target: torch.Tensor, draft: list[int], draft_logits: Optional[
     n = len(draft)
     processing = params.processes_logits
 
-    def at(i: int) -> Optional[TokenHistory]:
+    def at(i: int) -> TokenHistory | None:
         return history.then(draft[:i]) if processing else None
 
     if params.temperature < GREEDY_TEMPERATURE:
@@ -214,8 +230,14 @@ def verify_draft(target: torch.Tensor, draft: list[int], draft_logits: Optional[
     return n, int(torch.multinomial(sampling_probs(target[n], params, at(n)), 1, generator=generator))
 
 
-def token_logprobs(logits: torch.Tensor, token: int, top_n: int, tokenizer,
-                   params: Optional[SamplingParams] = None, history: Optional[TokenHistory] = None) -> TokenLogprob:
+def token_logprobs(
+    logits: torch.Tensor,
+    token: int,
+    top_n: int,
+    tokenizer,
+    params: SamplingParams | None = None,
+    history: TokenHistory | None = None,
+) -> TokenLogprob:
     """Log-probabilities under the model's own distribution (before any processing), or with `params`
     under the distribution sampled from (the logit processing with `history`, then `processed_logprobs`;
     `support` then lists the ids min-p/top-k/top-p/greedy/min_tokens left, None when nothing was cut)."""
@@ -246,6 +268,8 @@ def prompt_token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int, t
     tops: list[list] = [[] for _ in tokens]
     if top_n:
         values, ids = torch.topk(logp, top_n, dim=-1)  # [n, top_n]
-        tops = [[(int(i), tokenizer.decode([int(i)]), float(v)) for v, i in zip(vs, ix)]
-                for vs, ix in zip(values.tolist(), ids.tolist())]
+        tops = [
+            [(int(i), tokenizer.decode([int(i)]), float(v)) for v, i in zip(vs, ix)]
+            for vs, ix in zip(values.tolist(), ids.tolist())
+        ]
     return [TokenLogprob(t, tokenizer.decode([t]), lp, top) for t, lp, top in zip(tokens, picked, tops)]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Optional
 
 import torch
 
@@ -65,11 +64,18 @@ class Scheduling:
             budget = cfg.max_num_batched_tokens - sum(c.end - c.start for _, c, _ in plan) - (end - start)
             lookback = self.model_config.engram_max_ngram_size - 1
             every = kind == "prefill" and seq.needs_prompt_logprobs  # logits at every position (prompt logprobs)
-            chunk = Chunk(seq.cache, tokens[start:end], start, tokens[max(0, start - lookback):start],
-                          decoder_from=seq.rebuild_decoder_from if kind == "rebuild" else seq.decoder_from,
-                          want_logits=kind != "rebuild" and (end >= seq.prefill_target or every), end=end,
-                          decode=kind == "decode" and end - start == 1, verify=kind == "decode" and end - start > 1,
-                          n_logits=len(seq.draft_tokens) + 1 if kind == "decode" else end - start if every else 1)
+            chunk = Chunk(
+                seq.cache,
+                tokens[start:end],
+                start,
+                tokens[max(0, start - lookback) : start],
+                decoder_from=seq.rebuild_decoder_from if kind == "rebuild" else seq.decoder_from,
+                want_logits=kind != "rebuild" and (end >= seq.prefill_target or every),
+                end=end,
+                decode=kind == "decode" and end - start == 1,
+                verify=kind == "decode" and end - start > 1,
+                n_logits=len(seq.draft_tokens) + 1 if kind == "decode" else end - start if every else 1,
+            )
             if seq.images:
                 self._attach_images(seq, chunk, start - len(chunk.context), end)
             plan.append((seq, chunk, kind))
@@ -83,7 +89,7 @@ class Scheduling:
             span_start, image = seq.images[k]
             if k not in seq.image_embeds:
                 seq.image_embeds[k] = self.runner.embed_image(image)  # [span_length, dim]
-            chunk.image_rows.append((a - chunk.start, seq.image_embeds[k][a - span_start:b - span_start]))
+            chunk.image_rows.append((a - chunk.start, seq.image_embeds[k][a - span_start : b - span_start]))
 
     def _reserve_blocks(self, seq: Sequence, end: int, plan: list) -> bool:
         """Make the sequence's block table cover positions < end, preempting newer requests if needed
@@ -148,7 +154,7 @@ class Scheduling:
         lookup = self.config.enable_prefix_caching and not seq.needs_prompt_logprobs
         matched: list[int] = []
         if lookup:
-            for h in hashes[:(n if exact else n - 1) // bs]:
+            for h in hashes[: (n if exact else n - 1) // bs]:
                 block = self.allocator.lookup(h)
                 if block is None:
                     break
@@ -160,10 +166,19 @@ class Scheduling:
                 # not yet started there (its windows begin at `start` in both paths) or started at `start`
                 # (a snapshot of the whole prompt serves when it kept the logits of its last position)
                 snap = self.snapshots.find(
-                    tokens, bs, hashes, len(matched), n, exact_blocks=False,
-                    accept=lambda s: s.window_valid and (s.length <= start or s.decoder_start == start)
-                    and (s.length < n or s.logits is not None))
-                matched = matched[:snap.length // bs] if snap is not None else []
+                    tokens,
+                    bs,
+                    hashes,
+                    len(matched),
+                    n,
+                    exact_blocks=False,
+                    accept=lambda s: (
+                        s.window_valid
+                        and (s.length <= start or s.decoder_start == start)
+                        and (s.length < n or s.logits is not None)
+                    ),
+                )
+                matched = matched[: snap.length // bs] if snap is not None else []
             else:
                 snap = self.snapshots.find(tokens, bs, hashes, len(matched), n - 1)
         revived = sum(1 for b in matched if self.allocator.refcount[b] == 0)
@@ -178,7 +193,7 @@ class Scheduling:
         cache = SequenceCache(mcfg, self.pool, self.states, self.states.acquire())
         cache.set_blocks(list(matched))
         seq.cache = cache
-        seq.block_hashes = hashes[:len(matched)]
+        seq.block_hashes = hashes[: len(matched)]
         length = len(matched) * bs
         window_from = 0
         if snap is not None:
@@ -186,8 +201,9 @@ class Scheduling:
             if length % bs:
                 cache.append_block(self.allocator.allocate())
                 for layer, packed in snap.tail.items():
-                    entries = torch.arange(len(matched) * bs // self.pool.sources[layer].ratio,
-                                           length // self.pool.sources[layer].ratio)
+                    entries = torch.arange(
+                        len(matched) * bs // self.pool.sources[layer].ratio, length // self.pool.sources[layer].ratio
+                    )
                     self.pool.import_entries(layer, cache.table, entries, packed)
             if snap.window_valid:
                 cache.import_state(snap.state)
@@ -248,7 +264,7 @@ class Scheduling:
         self.counters["handoff_imported_tokens_total"] += len(seq.prompt_ids)
         return True
 
-    def _export_handoff(self, seq: Sequence, logits: torch.Tensor, chunk: Optional[Chunk]) -> RequestOutput:
+    def _export_handoff(self, seq: Sequence, logits: torch.Tensor, chunk: Chunk | None) -> RequestOutput:
         """A prefill-only request computed its prompt: keep its snapshot, write the drafter rings of the last
         chunk (what the draft after the first token would have written), export, finish and release."""
         try:
@@ -257,8 +273,11 @@ class Scheduling:
                 first_pos = chunk.hidden_start
                 start = max(first_pos, seq.rows_end if seq.rows_first is not None else first_pos)
                 if start < seq.num_computed:
-                    self.runner.draft_rows(chunk.main_hidden[start - first_pos:seq.num_computed - first_pos]
-                                           .unsqueeze(0), start, seq.cache)
+                    self.runner.draft_rows(
+                        chunk.main_hidden[start - first_pos : seq.num_computed - first_pos].unsqueeze(0),
+                        start,
+                        seq.cache,
+                    )
                     self._rows_written(seq, start, seq.num_computed)
             handoff = export_sequence(self, seq, logits)
         except Exception as exc:  # noqa: BLE001 - this request's own failure
@@ -279,12 +298,13 @@ class Scheduling:
             return
         full = seq.num_computed // self.config.block_size
         if full > len(seq.block_hashes):
-            seq.block_hashes = chain_hashes(seq.key_ids[:full * self.config.block_size], self.config.block_size,
-                                            seq.block_hashes)
+            seq.block_hashes = chain_hashes(
+                seq.key_ids[: full * self.config.block_size], self.config.block_size, seq.block_hashes
+            )
             for i in range(full):
                 self.allocator.register(seq.cache.blocks[i], seq.block_hashes[i])
 
-    def _save_snapshot(self, seq: Sequence, logits: Optional[torch.Tensor] = None) -> None:
+    def _save_snapshot(self, seq: Sequence, logits: torch.Tensor | None = None) -> None:
         """Keep the partial tail block, partial groups and window rings at a message boundary, and at the
         end of a prompt the logits of its last position (a repeat of the prompt then computes nothing)."""
         if not self.config.enable_prefix_caching or seq.cache is None:
@@ -293,15 +313,21 @@ class Scheduling:
         if length == 0:
             return
         tokens = seq.key_ids[:length]
-        hashes = chain_hashes(tokens, bs, seq.block_hashes[:length // bs])
+        hashes = chain_hashes(tokens, bs, seq.block_hashes[: length // bs])
         tail = {}
         for layer, lay in self.pool.sources.items():
             first = (length // bs) * bs // lay.ratio
             entries = torch.arange(first, length // lay.ratio)
             if entries.numel():
                 tail[layer] = self.pool.export_entries(layer, seq.cache.table, entries)
-        snap = Snapshot(length, tail, seq.cache.export_state(), time.monotonic(), decoder_start=seq.decoder_start,
-                        logits=None if logits is None else logits.clone())
+        snap = Snapshot(
+            length,
+            tail,
+            seq.cache.export_state(),
+            time.monotonic(),
+            decoder_start=seq.decoder_start,
+            logits=None if logits is None else logits.clone(),
+        )
         self.snapshots.put(prefix_key(tokens, length, bs, hashes), snap)
 
     def _release(self, seq: Sequence) -> None:
@@ -312,4 +338,3 @@ class Scheduling:
             seq.cache = None
         seq.num_computed = 0
         seq.block_hashes = []
-

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Optional
 
 import torch
 
@@ -40,7 +39,9 @@ class StatePool:
             ratio = cfg.compress_ratios[layer]
             if ratio > 1:
                 self.group_kv[layer] = torch.zeros(n_slots, ratio, d, dtype=torch.float32, device=device)
-                self.group_score[layer] = torch.full((n_slots, ratio, d), -torch.inf, dtype=torch.float32, device=device)
+                self.group_score[layer] = torch.full(
+                    (n_slots, ratio, d), -torch.inf, dtype=torch.float32, device=device
+                )
         self.free = list(range(n_slots - 1, -1, -1))
 
     def acquire(self) -> int:
@@ -64,12 +65,14 @@ class SequenceCache:
     def __init__(self, cfg: ModelConfig, pool: PagedKVPool, states: StatePool, slot: int):
         self.cfg, self.pool, self.states, self.slot = cfg, pool, states, slot
         self.blocks: list[int] = []
-        self._table: Optional[torch.Tensor] = None
+        self._table: torch.Tensor | None = None
         self.window_codes = states.window_codes[slot]  # [layers, W, D] views into the shared state
         self.window_scale = states.window_scale[slot]
         self.first = [0] * cfg.n_layers
-        self.group = {layer: (states.group_kv[layer][slot:slot + 1], states.group_score[layer][slot:slot + 1])
-                      for layer in states.group_kv}  # [1, ratio, D] views
+        self.group = {
+            layer: (states.group_kv[layer][slot : slot + 1], states.group_score[layer][slot : slot + 1])
+            for layer in states.group_kv
+        }  # [1, ratio, D] views
         self.global_writes = True  # False while replaying positions whose global entries are cached
         self.keep_group_rows = None  # set during a DSpark verify (save_positions .. keep_positions)
         self._group_rows: dict = {}
@@ -94,8 +97,12 @@ class SequenceCache:
 
     # ------------------------------------------------------------------ snapshot of the fixed state
     def export_state(self) -> dict:
-        return {"window_codes": self.window_codes.clone(), "window_scale": self.window_scale.clone(),
-                "first": list(self.first), "group": {k: (a.clone(), b.clone()) for k, (a, b) in self.group.items()}}
+        return {
+            "window_codes": self.window_codes.clone(),
+            "window_scale": self.window_scale.clone(),
+            "first": list(self.first),
+            "group": {k: (a.clone(), b.clone()) for k, (a, b) in self.group.items()},
+        }
 
     def import_state(self, state: dict) -> None:
         self.window_codes.copy_(state["window_codes"])
@@ -116,8 +123,12 @@ class SequenceCache:
         slots = torch.arange(start, min(end, start + w), device=self.window_codes.device) % w
         self._group_rows = {}
         self.keep_group_rows = self._keep_group_rows
-        return {"start": start, "end": end, "codes": self.window_codes[:n, slots].clone(),
-                "scale": self.window_scale[:n, slots].clone()}
+        return {
+            "start": start,
+            "end": end,
+            "codes": self.window_codes[:n, slots].clone(),
+            "scale": self.window_scale[:n, slots].clone(),
+        }
 
     def _keep_group_rows(self, layer: int, first: int, kv: torch.Tensor, score: torch.Tensor) -> None:
         """Called by a compressor (dsv41.model.attention) with its fp32 rows [1, n, D] of positions first..
@@ -143,8 +154,8 @@ class SequenceCache:
             if pending:
                 first, all_kv, all_score = rows[layer]
                 a = end - pending - first
-                kv[:, :pending] = all_kv[:, a:a + pending]
-                score[:, :pending] = all_score[:, a:a + pending]
+                kv[:, :pending] = all_kv[:, a : a + pending]
+                score[:, :pending] = all_score[:, a : a + pending]
 
     # ------------------------------------------------------------------ the model's cache protocol (b = 1)
     def window_first(self, layer: int) -> int:
@@ -164,7 +175,7 @@ class SequenceCache:
             return kv.clone(), score.clone()  # replay: the cached partial group must not move
         return kv, score
 
-    def write_compressed(self, layer: int, b: int, first: int, kv: torch.Tensor, keys: Optional[torch.Tensor]) -> None:
+    def write_compressed(self, layer: int, b: int, first: int, kv: torch.Tensor, keys: torch.Tensor | None) -> None:
         if self.global_writes:
             self.pool.write(layer, self.table, first, kv[0], None if keys is None else keys[0])
 
@@ -179,7 +190,9 @@ class SequenceCache:
         """entries [1, ...] int64 -> dequantised keys [1, ..., index_dim]."""
         return self.pool.keys_at(layer, self.pool.rows(layer, self.table, entries))
 
-    def read_selected(self, layer: int, b: int, n: int, ids: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_selected(
+        self, layer: int, b: int, n: int, ids: torch.Tensor, offset: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantise only the entries the queries picked (decode reads <= index_topk rows, not all n).
         The ids keep their order, so attention sums the same values in the same order."""
         valid = ids >= offset
@@ -229,34 +242,40 @@ class Status(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: int,
-                 images: Optional[list] = None):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival: int,
+        images: list | None = None,
+    ):
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         # images in the prompt: (start, dsv41.vision.ImagePatches), spans in position order; their span
         # embeddings [span_length, dim] are computed once, on first use (image_rows)
         self.images: list = sorted(images or [], key=lambda item: item[0])
         self.image_embeds: dict[int, torch.Tensor] = {}
-        self._key_ids: Optional[list] = None
+        self._key_ids: list | None = None
         self.output_ids: list[int] = []
         self.params = params
         self.arrival = arrival
         self.status = Status.WAITING
-        self.cache: Optional[SequenceCache] = None
+        self.cache: SequenceCache | None = None
         self.num_computed = 0  # positions whose state is in the cache
         self.prefill_target = 0  # tokens to prefill before sampling (prompt + any output, after preemption)
         self.decoder_from = 0  # bounded replay: positions below skip the decoder layers (this admission)
         # where the decoder layers' windows start for this request (bounded: the prompt's last window),
         # fixed at first admission so that a recompute after preemption computes what the first run did
-        self.decoder_start: Optional[int] = None
-        self.restored_logits: Optional[torch.Tensor] = None  # a whole-prompt snapshot hit: sample from these
+        self.decoder_start: int | None = None
+        self.restored_logits: torch.Tensor | None = None  # a whole-prompt snapshot hit: sample from these
         self.num_cached_tokens = 0
         self.needs_rebuild = False  # window rings must be rebuilt by replay before the next chunk
         self.rebuild_from = 0
         self.rebuild_decoder_from = 0
         self.block_hashes: list[int] = []  # chain hash of each full block, in order
-        self.generator: Optional[torch.Generator] = None
-        self.prompt_mask_cache: Optional[dict] = None  # repetition_penalty: the prompt's ids as a vocab mask
+        self.generator: torch.Generator | None = None
+        self.prompt_mask_cache: dict | None = None  # repetition_penalty: the prompt's ids as a vocab mask
         self.grammar = None  # params.structured: its dsv41.engine.grammar.RequestGrammar, fed every kept token
         if params.seed is not None:
             self.generator = torch.Generator(device="cpu").manual_seed(params.seed)
@@ -265,15 +284,15 @@ class Sequence:
         self.emitted_tokens = 0
         self.pending_logprobs: list = []
         # SamplingParams.prompt_logprobs: entry i for prompt token i, filled as the prefill computes them
-        self.prompt_logprobs: Optional[list] = None if params.prompt_logprobs is None else [None]
-        self.finish_reason: Optional[str] = None
+        self.prompt_logprobs: list | None = None if params.prompt_logprobs is None else [None]
+        self.finish_reason: str | None = None
         self.preemptions = 0
         # in a batch whose forward failed: runs alone until it has computed past this position
-        self.suspect_until: Optional[int] = None
+        self.suspect_until: int | None = None
         self.failed_steps = 0
-        self.error: Optional[str] = None  # why it failed (finish_reason "error")
+        self.error: str | None = None  # why it failed (finish_reason "error")
         self.arrival_time = time.monotonic()
-        self.queue_time_s: Optional[float] = None  # arrival to first admission
+        self.queue_time_s: float | None = None  # arrival to first admission
         self.capture_logits = False  # keep each sampled position's logits (checks and benchmarks)
         # EngineConfig.record_routing: the (start, end) spans computed and each span's expert ids
         self.spans: list[tuple[int, int]] = []
@@ -282,10 +301,10 @@ class Sequence:
         # DSpark speculation (EngineConfig.speculative): the draft to verify with the next step, the
         # drafter rings' readable positions [rows_first, rows_end), the state saved before a verify
         self.draft_tokens: list[int] = []
-        self.draft_logits: Optional[torch.Tensor] = None  # [n, vocab] fp32: what each draft was drawn from
-        self.rows_first: Optional[int] = None
+        self.draft_logits: torch.Tensor | None = None  # [n, vocab] fp32: what each draft was drawn from
+        self.rows_first: int | None = None
         self.rows_end = 0
-        self.saved_state: Optional[dict] = None
+        self.saved_state: dict | None = None
         # disaggregation (dsv41.engine.handoff): start from this KV hand-off instead of prefilling; or,
         # on a prefill worker, finish with a hand-off once the prompt is computed instead of sampling
         self.handoff = None
@@ -319,14 +338,14 @@ class Sequence:
                 out.append((k, a, b))
         return out
 
-    def image_positions(self, start: int, end: int) -> Optional[list[bool]]:
+    def image_positions(self, start: int, end: int) -> list[bool] | None:
         """For positions start..end-1: True inside an image span; None when there is none."""
         spans = self.image_spans(start, end)
         if not spans:
             return None
         flags = [False] * (end - start)
         for _, a, b in spans:
-            flags[a - start:b - start] = [True] * (b - a)
+            flags[a - start : b - start] = [True] * (b - a)
         return flags
 
     def __len__(self) -> int:

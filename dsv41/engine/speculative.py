@@ -34,8 +34,9 @@ class Speculation:
         saved, seq.saved_state = seq.saved_state, None
         n = len(draft)
         try:
-            accepted, nxt = verify_draft(rows, draft, draft_logits, seq.params, seq.generator or self.generator,
-                                         self._history(seq))
+            accepted, nxt = verify_draft(
+                rows, draft, draft_logits, seq.params, seq.generator or self.generator, self._history(seq)
+            )
             emitted = 0
             for i, token in enumerate(draft[:accepted] + [nxt]):
                 self._append_token(seq, token, rows[i])
@@ -75,14 +76,16 @@ class Speculation:
             if last < first_pos:
                 continue
             can_draft = not seq.in_prefill and not seq.needs_rebuild and last == len(seq) - 2
-            budget = min(self.num_draft, seq.params.max_tokens - len(seq.output_ids) - 1,
-                         self.max_model_len - len(seq) - 1)
+            budget = min(
+                self.num_draft, seq.params.max_tokens - len(seq.output_ids) - 1, self.max_model_len - len(seq) - 1
+            )
             can_draft = can_draft and budget > 0
             write_from = max(first_pos, seq.rows_end if seq.rows_first is not None else first_pos)
             write_to = last if can_draft else last + 1  # a draft writes the row at `last` itself
             if write_from < write_to:
-                self.runner.draft_rows(chunk.main_hidden[write_from - first_pos:write_to - first_pos].unsqueeze(0),
-                                       write_from, seq.cache)
+                self.runner.draft_rows(
+                    chunk.main_hidden[write_from - first_pos : write_to - first_pos].unsqueeze(0), write_from, seq.cache
+                )
                 self._rows_written(seq, write_from, write_to)
             if can_draft:
                 todo.append((seq, chunk.main_hidden[last - first_pos], last, budget))
@@ -103,8 +106,9 @@ class Speculation:
             # one (what plain decoding would have generated there), as verify_draft assumes
             picks = []
             for i, s in enumerate(seqs):
-                picks.append(sample(logits[i], s.params, s.generator or self.generator,
-                                    self._history(s, tuple(drafted[i]))))
+                picks.append(
+                    sample(logits[i], s.params, s.generator or self.generator, self._history(s, tuple(drafted[i])))
+                )
                 drafted[i].append(picks[-1])
             return torch.tensor(picks, dtype=torch.int64, device=logits.device)
 
@@ -114,7 +118,7 @@ class Speculation:
             likely = torch.sigmoid(result.confidence.float()).cumprod(-1) >= self.config.speculative_min_confidence
         for i, (seq, _, _, budget) in enumerate(todo):
             n = budget if likely is None else int(likely[i, :budget].sum())  # a running product: a prefix
-            seq.draft_tokens = result.tokens[i, 1:n + 1].tolist()
+            seq.draft_tokens = result.tokens[i, 1 : n + 1].tolist()
             seq.draft_logits = result.logits[i, :n].float().cpu()
 
     @staticmethod
@@ -123,16 +127,18 @@ class Speculation:
             seq.rows_first = start
         seq.rows_end = max(seq.rows_end, end)
 
-
     def _spec_metrics(self) -> dict:
         """DSpark acceptance: the fraction of drafted tokens kept, tokens emitted per verify step, and the
         acceptance rate at each draft position (verified there with every earlier draft kept)."""
         if not self.speculative:
             return {}
         c = self.counters
-        out = {"spec_decode_acceptance_rate": c["spec_decode_accepted_tokens_total"] / max(c["spec_decode_draft_tokens_total"], 1),
-               "spec_decode_mean_emitted_per_step": c["spec_decode_emitted_tokens_total"] / max(c["spec_decode_steps_total"], 1)}
+        out = {
+            "spec_decode_acceptance_rate": c["spec_decode_accepted_tokens_total"]
+            / max(c["spec_decode_draft_tokens_total"], 1),
+            "spec_decode_mean_emitted_per_step": c["spec_decode_emitted_tokens_total"]
+            / max(c["spec_decode_steps_total"], 1),
+        }
         for i, (a, v) in enumerate(zip(self.accepted_at, self.verified_at)):
             out[f"spec_decode_acceptance_rate_position_{i}"] = a / max(v, 1)
         return out
-

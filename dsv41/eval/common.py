@@ -19,8 +19,8 @@ import json
 import math
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 import numpy as np
 
@@ -33,32 +33,72 @@ from dsv41.data.retrieval_tasks import GRASS_FILLER  # noqa: E402  (the training
 class EvalConfig:
     """Options every evaluation takes (`dsv41 eval ...`: each field is an option, its help in metadata)."""
 
-    model: str = field(default="tiny", metadata={"metavar": "PATH_OR_PRESET", "help": (
-        "a checkpoint folder (config.json + *.safetensors + tokenizer.json, e.g. a `dsv41 train` run's "
-        "checkpoint/) or a preset name (tiny, small, mini: random weights, for trying the plumbing)")})
-    out: str = field(default="eval_out", metadata={"metavar": "DIR", "help": (
-        "folder receiving NAME.json (all measurements), NAME.md (the table) and NAME.png (the plot)")})
-    data: Optional[str] = field(default=None, metadata={"metavar": "DIR", "help": (
-        "a `dsv41 data` folder whose held-out split (val.bin) is the text: scored by ppl, the haystack of "
-        "the retrieval tasks, the sequences of recall and cost; it must be tokenized with the model's "
-        "tokenizer")})
-    text: Optional[str] = field(default=None, metadata={"metavar": "FILE", "help": (
-        "a UTF-8 text file used like --data's held-out split, tokenized with the model's tokenizer")})
-    seed: int = field(default=0, metadata={"metavar": "N", "help": (
-        "seed of a preset's random weights and of everything drawn (needle values, sample offsets)")})
-    device: str = field(default="cpu", metadata={"metavar": "DEVICE", "help": (
-        "torch device the model runs on: cpu, cuda, cuda:1, ...")})
-    index_topk: Optional[int] = field(default=None, metadata={"metavar": "K", "help": (
-        "serve with top-K selection instead of the checkpoint's index_topk (the candidate pool widened to "
-        "hold K entries); K at least the longest context attends to every compressed entry, as a model "
-        "trained with --dense-attention did")})
+    model: str = field(
+        default="tiny",
+        metadata={
+            "metavar": "PATH_OR_PRESET",
+            "help": (
+                "a checkpoint folder (config.json + *.safetensors + tokenizer.json, e.g. a `dsv41 train` run's "
+                "checkpoint/) or a preset name (tiny, small, mini: random weights, for trying the plumbing)"
+            ),
+        },
+    )
+    out: str = field(
+        default="eval_out",
+        metadata={
+            "metavar": "DIR",
+            "help": ("folder receiving NAME.json (all measurements), NAME.md (the table) and NAME.png (the plot)"),
+        },
+    )
+    data: str | None = field(
+        default=None,
+        metadata={
+            "metavar": "DIR",
+            "help": (
+                "a `dsv41 data` folder whose held-out split (val.bin) is the text: scored by ppl, the haystack of "
+                "the retrieval tasks, the sequences of recall and cost; it must be tokenized with the model's "
+                "tokenizer"
+            ),
+        },
+    )
+    text: str | None = field(
+        default=None,
+        metadata={
+            "metavar": "FILE",
+            "help": ("a UTF-8 text file used like --data's held-out split, tokenized with the model's tokenizer"),
+        },
+    )
+    seed: int = field(
+        default=0,
+        metadata={
+            "metavar": "N",
+            "help": ("seed of a preset's random weights and of everything drawn (needle values, sample offsets)"),
+        },
+    )
+    device: str = field(
+        default="cpu",
+        metadata={"metavar": "DEVICE", "help": ("torch device the model runs on: cpu, cuda, cuda:1, ...")},
+    )
+    index_topk: int | None = field(
+        default=None,
+        metadata={
+            "metavar": "K",
+            "help": (
+                "serve with top-K selection instead of the checkpoint's index_topk (the candidate pool widened to "
+                "hold K entries); K at least the longest context attends to every compressed entry, as a model "
+                "trained with --dense-attention did"
+            ),
+        },
+    )
 
     def validate(self) -> None:
         if self.data and self.text:
             raise ValueError("give --data or --text, not both")
         if self.model == "flash":
-            raise ValueError("flash has 763B parameters; random weights for it do not fit here. "
-                             "Give a checkpoint folder or a small preset (tiny, small, mini)")
+            raise ValueError(
+                "flash has 763B parameters; random weights for it do not fit here. "
+                "Give a checkpoint folder or a small preset (tiny, small, mini)"
+            )
         if self.data is not None and not os.path.isdir(self.data):
             raise ValueError(f"--data {self.data}: not a folder (a `dsv41 data` output with meta.json and val.bin)")
         if self.text is not None and not os.path.isfile(self.text):
@@ -82,7 +122,7 @@ class EvalModel:
     model: object  # dsv41.model.transformer.Transformer
     tokenizer: object  # dsv41.tokenizer.TokenizerLike
     name: str
-    folder: Optional[str]  # the checkpoint folder, None for a preset
+    folder: str | None  # the checkpoint folder, None for a preset
 
     @property
     def cfg(self):
@@ -100,7 +140,7 @@ def load_model(spec: str, seed: int = 0, device: str = "cpu") -> EvalModel:
     return EvalModel(net, tokenizer, name, spec if os.path.isdir(spec) else None)
 
 
-def prepare(cfg: EvalConfig, em: Optional[EvalModel]) -> EvalModel:
+def prepare(cfg: EvalConfig, em: EvalModel | None) -> EvalModel:
     """The model an eval runs: `em` when given, else the one cfg names; with cfg.index_topk its selection
     width is set (`set_index_topk`)."""
     em = em or load_model(cfg.model, cfg.seed, cfg.device)
@@ -149,26 +189,32 @@ def check_data_tokenizer(data_dir: str, em: EvalModel) -> dict:
     try:
         meta = read_meta(data_dir)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"--data {data_dir}: cannot read meta.json ({exc}); build the folder with "
-                         "`dsv41 data`") from None
+        raise ValueError(
+            f"--data {data_dir}: cannot read meta.json ({exc}); build the folder with `dsv41 data`"
+        ) from None
     vocab = int(meta.get("vocab_size", 0))
     if vocab > em.cfg.vocab_size:
-        raise ValueError(f"--data {data_dir}: its tokenizer has {vocab} ids, the model's vocabulary "
-                         f"{em.cfg.vocab_size}")
+        raise ValueError(
+            f"--data {data_dir}: its tokenizer has {vocab} ids, the model's vocabulary {em.cfg.vocab_size}"
+        )
     data_tok = os.path.join(data_dir, "tokenizer.json")
     model_tok = os.path.join(em.folder, "tokenizer.json") if em.folder else None
     if os.path.isfile(data_tok):
         if model_tok is None or not os.path.isfile(model_tok):
-            raise ValueError(f"--data {data_dir} was tokenized with its own tokenizer.json, but {em.name} has none "
-                             f"(it reads {type(em.tokenizer).__name__} ids); use the checkpoint trained on it, "
-                             "or --text")
+            raise ValueError(
+                f"--data {data_dir} was tokenized with its own tokenizer.json, but {em.name} has none "
+                f"(it reads {type(em.tokenizer).__name__} ids); use the checkpoint trained on it, "
+                "or --text"
+            )
         if _sha256(data_tok) != _sha256(model_tok):
-            raise ValueError(f"--data {data_dir}: its tokenizer.json differs from {model_tok}; the ids would mean "
-                             "other text to the model")
+            raise ValueError(
+                f"--data {data_dir}: its tokenizer.json differs from {model_tok}; the ids would mean "
+                "other text to the model"
+            )
     return meta
 
 
-def held_out(em: EvalModel, data: Optional[str], text: Optional[str]) -> Optional[HeldOut]:
+def held_out(em: EvalModel, data: str | None, text: str | None) -> HeldOut | None:
     """The held-out token stream of --data (val.bin) or --text, or None when neither is given."""
     if data:
         from dsv41.data import TokenDataset
@@ -213,8 +259,7 @@ def filler_stream(tokenizer, length: int) -> np.ndarray:
     return np.resize(cycle, length)
 
 
-def sequences(em: EvalModel, held: Optional[HeldOut], length: int, count: int,
-              seed: int) -> tuple[list[np.ndarray], bool]:
+def sequences(em: EvalModel, held: HeldOut | None, length: int, count: int, seed: int) -> tuple[list[np.ndarray], bool]:
     """`count` token sequences of `length` for recall and cost: windows of the held-out stream at offsets
     drawn from `seed` (wrapping around when it is short), or the filler text after BOS. Returns
     (sequences, whether any wrapped)."""
@@ -222,7 +267,9 @@ def sequences(em: EvalModel, held: Optional[HeldOut], length: int, count: int,
     if held is None:  # the filler, each sample starting at another point of its cycle
         body = filler_stream(em.tokenizer, length - 1 + 64)
         starts = rng.integers(0, 64, size=count)
-        return [np.concatenate([[em.tokenizer.bos_id], body[s:s + length - 1]]).astype(np.int64) for s in starts], False
+        return [
+            np.concatenate([[em.tokenizer.bos_id], body[s : s + length - 1]]).astype(np.int64) for s in starts
+        ], False
     out, wrapped = [], False
     for _ in range(count):
         start = int(rng.integers(0, max(held.tokens.size - length, 0) + 1))
@@ -265,7 +312,7 @@ def default_lengths(cfg, reserve: int = 0, top: int = 65536) -> list[int]:
     return out or [limit]
 
 
-def resolve_lengths(text: Optional[str], cfg, extra: int = 0, extrapolate: bool = False) -> list[int]:
+def resolve_lengths(text: str | None, cfg, extra: int = 0, extrapolate: bool = False) -> list[int]:
     """The lengths asked for (default: `default_lengths` leaving room for `extra`), checked against the
     context: each length plus `extra` tokens (an answer, a continuation) must fit max_position_embeddings
     unless `extrapolate`."""
@@ -273,8 +320,10 @@ def resolve_lengths(text: Optional[str], cfg, extra: int = 0, extrapolate: bool 
     limit = cfg.max_position_embeddings
     too_long = [n for n in lengths if n + extra > limit]
     if too_long and not extrapolate:
-        raise ValueError(f"length {too_long[0]} (+{extra} tokens to generate or score) exceeds the model's context of "
-                         f"{limit} tokens (max_position_embeddings); pass --extrapolate to measure beyond it")
+        raise ValueError(
+            f"length {too_long[0]} (+{extra} tokens to generate or score) exceeds the model's context of "
+            f"{limit} tokens (max_position_embeddings); pass --extrapolate to measure beyond it"
+        )
     return lengths
 
 
@@ -338,11 +387,11 @@ class Panel:
     ylabel: str
     series: dict
     logx: bool = True
-    ylim: Optional[tuple] = None
-    hline: Optional[float] = None
+    ylim: tuple | None = None
+    hline: float | None = None
 
 
-def plot_panels(path: str, panels: list[Panel], suptitle: str = "") -> Optional[str]:
+def plot_panels(path: str, panels: list[Panel], suptitle: str = "") -> str | None:
     """Line plots side by side (x on a log2 scale unless the panel says otherwise) -> path, or None
     without matplotlib."""
     plt = _pyplot()
@@ -370,8 +419,9 @@ def plot_panels(path: str, panels: list[Panel], suptitle: str = "") -> Optional[
     return path
 
 
-def plot_heatmap(path: str, values: np.ndarray, row_labels: list[str], col_labels: list[str], title: str,
-                 xlabel: str, ylabel: str) -> Optional[str]:
+def plot_heatmap(
+    path: str, values: np.ndarray, row_labels: list[str], col_labels: list[str], title: str, xlabel: str, ylabel: str
+) -> str | None:
     """values [rows, cols] in [0, 1] (NaN: not measured) as a red-to-green grid with the numbers written in."""
     plt = _pyplot()
     if plt is None:

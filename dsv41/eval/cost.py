@@ -37,13 +37,26 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 import torch
 
-from dsv41.eval.common import (EvalConfig, EvalModel, Panel, fmt_length, held_out, index_topk, log, markdown_table,
-                               plot_panels, positive, prepare, resolve_lengths, sequences, write_outputs)
+from dsv41.eval.common import (
+    EvalConfig,
+    EvalModel,
+    Panel,
+    fmt_length,
+    held_out,
+    index_topk,
+    log,
+    markdown_table,
+    plot_panels,
+    positive,
+    prepare,
+    resolve_lengths,
+    sequences,
+    write_outputs,
+)
 from dsv41.model.cache import ModelCache
 
 
@@ -65,20 +78,43 @@ VARIANTS = {
 
 @dataclass
 class CostConfig(EvalConfig):
-    lengths: Optional[str] = field(default=None, metadata={"metavar": "LIST", "help": (
-        "prompt lengths in tokens, comma-separated, K = 1024; bounded replay changes nothing for prompts "
-        "within one window; default: powers of two from 1K up to the model's context less the "
-        "continuation")})
-    samples: int = field(default=4, metadata={"metavar": "N", "help": (
-        "prompts per length (held-out windows at drawn offsets, or the filler)")})
-    continuation: int = field(default=64, metadata={"metavar": "N", "help": (
-        "tokens after each prompt scored teacher-forced (the text that follows the prompt)")})
-    compare: str = field(default="bounded:full,full:bf16kv,full:bf16cache", metadata={"metavar": "A:B,...", "help": (
-        "comparisons, each A measured against the reference B; variants: full, bounded (bounded-replay "
-        "prefill), bf16kv (compressed KV unquantised), bf16cache (KV and index keys unquantised)")})
+    lengths: str | None = field(
+        default=None,
+        metadata={
+            "metavar": "LIST",
+            "help": (
+                "prompt lengths in tokens, comma-separated, K = 1024; bounded replay changes nothing for prompts "
+                "within one window; default: powers of two from 1K up to the model's context less the "
+                "continuation"
+            ),
+        },
+    )
+    samples: int = field(
+        default=4,
+        metadata={"metavar": "N", "help": ("prompts per length (held-out windows at drawn offsets, or the filler)")},
+    )
+    continuation: int = field(
+        default=64,
+        metadata={
+            "metavar": "N",
+            "help": ("tokens after each prompt scored teacher-forced (the text that follows the prompt)"),
+        },
+    )
+    compare: str = field(
+        default="bounded:full,full:bf16kv,full:bf16cache",
+        metadata={
+            "metavar": "A:B,...",
+            "help": (
+                "comparisons, each A measured against the reference B; variants: full, bounded (bounded-replay "
+                "prefill), bf16kv (compressed KV unquantised), bf16cache (KV and index keys unquantised)"
+            ),
+        },
+    )
     chunk: int = field(default=512, metadata={"metavar": "N", "help": "prefill chunk size in tokens"})
-    extrapolate: bool = field(default=False, metadata={"help": (
-        "allow lengths beyond the model's max_position_embeddings (measures length extrapolation)")})
+    extrapolate: bool = field(
+        default=False,
+        metadata={"help": ("allow lengths beyond the model's max_position_embeddings (measures length extrapolation)")},
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -113,14 +149,20 @@ class DecoderStartCache(ModelCache):
     def window_first(self, layer: int) -> int:
         return self.decoder_first if layer >= self.boundary else 0
 
-    def clone(self) -> "DecoderStartCache":
+    def clone(self) -> DecoderStartCache:
         copy = lambda t: None if t is None else t.clone()  # noqa: E731
-        return DecoderStartCache(self.batch_size, self.max_seq_len, [copy(t) for t in self.window_kv],
-                                 {k: copy(v) for k, v in self.compressed_kv.items()},
-                                 {k: copy(v) for k, v in self.index_k.items()},
-                                 {k: copy(v) for k, v in self.group_kv.items()},
-                                 {k: copy(v) for k, v in self.group_score.items()},
-                                 copy(self.engram_ids), self.decoder_first, self.boundary)
+        return DecoderStartCache(
+            self.batch_size,
+            self.max_seq_len,
+            [copy(t) for t in self.window_kv],
+            {k: copy(v) for k, v in self.compressed_kv.items()},
+            {k: copy(v) for k, v in self.index_k.items()},
+            {k: copy(v) for k, v in self.group_kv.items()},
+            {k: copy(v) for k, v in self.group_score.items()},
+            copy(self.engram_ids),
+            self.decoder_first,
+            self.boundary,
+        )
 
 
 @contextmanager
@@ -164,12 +206,12 @@ def continuation_logits(model, tokens: np.ndarray, prompt_len: int, variants: li
             cache = DecoderStartCache.create(cfg, 1, length)
             cache.boundary = cfg.decoder_boundary
             for a in range(0, s, chunk):
-                model(ids[:, a:min(s, a + chunk)], a, cache, last_only=True)
+                model(ids[:, a : min(s, a + chunk)], a, cache, last_only=True)
             for k, name in enumerate(names):
                 c = cache if k == len(names) - 1 else cache.clone()
                 c.decoder_first = s if VARIANTS[name].bounded else 0
-                logits = model(ids[:, s:length - 1], s, c)[0]  # [length - 1 - s, vocab]
-                out[name] = logits[prompt_len - 1 - s:].float()
+                logits = model(ids[:, s : length - 1], s, c)[0]  # [length - 1 - s, vocab]
+                out[name] = logits[prompt_len - 1 - s :].float()
     return out
 
 
@@ -180,14 +222,26 @@ def compare_logits(ref: torch.Tensor, test: torch.Tensor, targets: torch.Tensor)
     nll_test = -lp_test.gather(-1, targets[:, None]).squeeze(-1)
     kl = (lp_ref.exp() * (lp_ref - lp_test)).sum(-1).clamp_min(0.0)  # [C]; clamp: rounding below 0
     agree = (ref.argmax(-1) == test.argmax(-1)).double()
-    return {"nll_ref": float(nll_ref.mean()), "nll_test": float(nll_test.mean()),
-            "dnll": float((nll_test - nll_ref).mean()), "kl": float(kl.mean()), "kl_first": float(kl[0]),
-            "kl_max": float(kl.max()), "agree": float(agree.mean()), "agree_first": float(agree[0]),
-            "max_abs_logit": float((ref - test).abs().max())}
+    return {
+        "nll_ref": float(nll_ref.mean()),
+        "nll_test": float(nll_test.mean()),
+        "dnll": float((nll_test - nll_ref).mean()),
+        "kl": float(kl.mean()),
+        "kl_first": float(kl[0]),
+        "kl_max": float(kl.max()),
+        "agree": float(agree.mean()),
+        "agree_first": float(agree[0]),
+        "max_abs_logit": float((ref - test).abs().max()),
+    }
 
 
-def kv_cost(em: EvalModel, seqs_by_length: dict[int, list[np.ndarray]], comparisons: list[tuple[str, str]],
-            continuation: int, chunk: int) -> dict:
+def kv_cost(
+    em: EvalModel,
+    seqs_by_length: dict[int, list[np.ndarray]],
+    comparisons: list[tuple[str, str]],
+    continuation: int,
+    chunk: int,
+) -> dict:
     """Every comparison on every (length, sample); seqs are int64 [length + continuation]."""
     variants = list(dict.fromkeys(n for pair in comparisons for n in pair))
     per_sample, summary = [], []
@@ -203,35 +257,78 @@ def kv_cost(em: EvalModel, seqs_by_length: dict[int, list[np.ndarray]], comparis
                 per_sample.append({"compare": f"{a}:{b}", "length": length, "sample": s, **m})
         for (a, b), ms in rows.items():
             d = np.array([m["dnll"] for m in ms])
-            mean = lambda key: float(np.mean([m[key] for m in ms]))  # noqa: E731
-            summary.append({"compare": f"{a}:{b}", "test": a, "reference": b, "length": length, "samples": len(ms),
-                            "nll_ref": mean("nll_ref"), "nll_test": mean("nll_test"), "dnll": float(d.mean()),
-                            "dnll_stderr": float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else None,
-                            "ppl_ratio": math.exp(float(d.mean())), "kl": mean("kl"), "kl_first": mean("kl_first"),
-                            "agree": mean("agree"), "agree_first": mean("agree_first"),
-                            "max_abs_logit": float(max(m["max_abs_logit"] for m in ms)),
-                            "replay_differs": length > em.cfg.window_size})
+            mean = lambda key, ms=ms: float(np.mean([m[key] for m in ms]))  # noqa: E731
+            summary.append(
+                {
+                    "compare": f"{a}:{b}",
+                    "test": a,
+                    "reference": b,
+                    "length": length,
+                    "samples": len(ms),
+                    "nll_ref": mean("nll_ref"),
+                    "nll_test": mean("nll_test"),
+                    "dnll": float(d.mean()),
+                    "dnll_stderr": float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else None,
+                    "ppl_ratio": math.exp(float(d.mean())),
+                    "kl": mean("kl"),
+                    "kl_first": mean("kl_first"),
+                    "agree": mean("agree"),
+                    "agree_first": mean("agree_first"),
+                    "max_abs_logit": float(max(m["max_abs_logit"] for m in ms)),
+                    "replay_differs": length > em.cfg.window_size,
+                }
+            )
         log(f"cost {fmt_length(length)}: {len(seqs)} samples ({time.perf_counter() - t0:.1f}s)")
-    return {"eval": "cost", "model": em.name, "variants": {n: VARIANTS[n].about for n in variants},
-            "window_size": em.cfg.window_size, "continuation": continuation, "summary": summary,
-            "per_sample": per_sample, "seconds": time.perf_counter() - t0}
+    return {
+        "eval": "cost",
+        "model": em.name,
+        "variants": {n: VARIANTS[n].about for n in variants},
+        "window_size": em.cfg.window_size,
+        "continuation": continuation,
+        "summary": summary,
+        "per_sample": per_sample,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def table(result: dict) -> str:
-    header = ["A vs reference B", "prompt", "NLL B", "NLL A", "dNLL (± se)", "ppl A / B", "KL(B||A) mean",
-              "KL first token", "greedy agree", "max |dlogit|"]
+    header = [
+        "A vs reference B",
+        "prompt",
+        "NLL B",
+        "NLL A",
+        "dNLL (± se)",
+        "ppl A / B",
+        "KL(B||A) mean",
+        "KL first token",
+        "greedy agree",
+        "max |dlogit|",
+    ]
     rows = []
     for r in result["summary"]:
         se = "" if r["dnll_stderr"] is None else f" ± {r['dnll_stderr']:.4f}"
-        rows.append([f"{r['test']} vs {r['reference']}", fmt_length(r["length"]), f"{r['nll_ref']:.4f}",
-                     f"{r['nll_test']:.4f}", f"{r['dnll']:+.4f}{se}", f"{r['ppl_ratio']:.4f}", f"{r['kl']:.2e}",
-                     f"{r['kl_first']:.2e}", f"{r['agree']:.3f}", f"{r['max_abs_logit']:.3g}"])
-    note = (f"bounded replay equals full prefill for prompts up to the window ({result['window_size']} tokens); "
-            f"continuation of {result['continuation']} tokens, teacher-forced")
+        rows.append(
+            [
+                f"{r['test']} vs {r['reference']}",
+                fmt_length(r["length"]),
+                f"{r['nll_ref']:.4f}",
+                f"{r['nll_test']:.4f}",
+                f"{r['dnll']:+.4f}{se}",
+                f"{r['ppl_ratio']:.4f}",
+                f"{r['kl']:.2e}",
+                f"{r['kl_first']:.2e}",
+                f"{r['agree']:.3f}",
+                f"{r['max_abs_logit']:.3g}",
+            ]
+        )
+    note = (
+        f"bounded replay equals full prefill for prompts up to the window ({result['window_size']} tokens); "
+        f"continuation of {result['continuation']} tokens, teacher-forced"
+    )
     return f"quality cost of {result['model']} ({note})\n\n" + markdown_table(header, rows)
 
 
-def run_cost(cfg: CostConfig, em: Optional[EvalModel] = None) -> dict:
+def run_cost(cfg: CostConfig, em: EvalModel | None = None) -> dict:
     """`dsv41 eval cost`: measure, print the table, write cost.json / cost.md / cost.png."""
     cfg.validate()
     comparisons = parse_comparisons(cfg.compare)
@@ -245,8 +342,10 @@ def run_cost(cfg: CostConfig, em: Optional[EvalModel] = None) -> dict:
     for length in lengths:
         seqs, w = sequences(em, held, length + cfg.continuation, cfg.samples, cfg.seed)
         seqs_by_length[length], wrapped = seqs, wrapped or w
-    log(f"cost: {em.name}, lengths {', '.join(fmt_length(n) for n in lengths)}, "
-        f"{', '.join(a + ':' + b for a, b in comparisons)}, {source}")
+    log(
+        f"cost: {em.name}, lengths {', '.join(fmt_length(n) for n in lengths)}, "
+        f"{', '.join(a + ':' + b for a, b in comparisons)}, {source}"
+    )
     result = kv_cost(em, seqs_by_length, comparisons, cfg.continuation, cfg.chunk)
     result.update(source=source, wrapped=wrapped, seed=cfg.seed, index_topk=index_topk(em.model))
     text = table(result)
@@ -259,11 +358,20 @@ def run_cost(cfg: CostConfig, em: Optional[EvalModel] = None) -> dict:
             out[f"{a} vs {b}"] = ([r["length"] for r in rows], [r[key] for r in rows])
         return out
 
-    png = plot_panels(os.path.join(cfg.out, "cost.png"), [
-        Panel("continuation NLL difference", "prompt length (tokens)", "dNLL = NLL(A) - NLL(B) (nats/token)",
-              series("dnll"), hline=0.0),
-        Panel("KL(B || A) per token", "prompt length (tokens)", "nats", series("kl")),
-        Panel("greedy agreement", "prompt length (tokens)", "share of positions", series("agree"), ylim=(0, 1.02))],
-        suptitle=f"{em.name}: cost of bounded replay and FP4 KV")
+    png = plot_panels(
+        os.path.join(cfg.out, "cost.png"),
+        [
+            Panel(
+                "continuation NLL difference",
+                "prompt length (tokens)",
+                "dNLL = NLL(A) - NLL(B) (nats/token)",
+                series("dnll"),
+                hline=0.0,
+            ),
+            Panel("KL(B || A) per token", "prompt length (tokens)", "nats", series("kl")),
+            Panel("greedy agreement", "prompt length (tokens)", "share of positions", series("agree"), ylim=(0, 1.02)),
+        ],
+        suptitle=f"{em.name}: cost of bounded replay and FP4 KV",
+    )
     result["files"] = {**write_outputs(cfg.out, "cost", result, text), "png": png}
     return result

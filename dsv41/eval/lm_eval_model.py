@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from lm_eval.api.model import LM
@@ -41,7 +42,7 @@ ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_p", "top_k", "seed")
 
 
-def _device(device: Optional[str]) -> str:
+def _device(device: str | None) -> str:
     """The device to build on: the CPU unless one is named; lm-eval's CLI names "cuda:0" by default, which
     falls back to the CPU (with a warning) on a machine without CUDA."""
     if not device:
@@ -62,14 +63,24 @@ class DSV41LM(LM):
     generate_until default. batch_size / max_batch_size (lm-eval's own) are accepted and unused: the
     engine batches continuously."""
 
-    def __init__(self, pretrained: str = "tiny", engine: Optional[LLMEngine] = None, seed: int = 0,
-                 device: Optional[str] = None, max_gen_toks: int = 256, batch_size: Any = None,
-                 max_batch_size: Any = None, **engine_args: Any):
+    def __init__(
+        self,
+        pretrained: str = "tiny",
+        engine: LLMEngine | None = None,
+        seed: int = 0,
+        device: str | None = None,
+        max_gen_toks: int = 256,
+        batch_size: Any = None,
+        max_batch_size: Any = None,
+        **engine_args: Any,
+    ):
         super().__init__()
         unknown = sorted(set(engine_args) - ENGINE_FIELDS)
         if unknown:
-            raise TypeError(f"DSV41LM: unknown arguments {unknown}; model_args take pretrained, seed, device, "
-                            f"max_gen_toks and EngineConfig fields ({', '.join(sorted(ENGINE_FIELDS))})")
+            raise TypeError(
+                f"DSV41LM: unknown arguments {unknown}; model_args take pretrained, seed, device, "
+                f"max_gen_toks and EngineConfig fields ({', '.join(sorted(ENGINE_FIELDS))})"
+            )
         if engine is None:
             engine = build_engine(str(pretrained), EngineConfig(**engine_args), seed=seed, device=_device(device))
         elif engine_args:
@@ -97,8 +108,9 @@ class DSV41LM(LM):
     def tok_encode(self, text: str, add_bos: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_bos=add_bos, parse_special=False)
 
-    def _run(self, prompts: list[list[int]], params: list[SamplingParams],
-             take: Callable[[int, RequestOutput], Any]) -> list:
+    def _run(
+        self, prompts: list[list[int]], params: list[SamplingParams], take: Callable[[int, RequestOutput], Any]
+    ) -> list:
         """Queue every prompt on the engine at once, step it until all have finished, and return
         take(index, final output) of each, in order. Outputs are dropped as they finish (their per-token
         log-probabilities would otherwise pile up over a whole task)."""
@@ -115,8 +127,9 @@ class DSV41LM(LM):
                     if not (out.finished and out.request_id in pending):
                         continue
                     if out.finish_reason in ("error", "abort"):
-                        raise RuntimeError(f"engine request {out.request_id} ended with {out.finish_reason}: "
-                                           f"{out.error}")
+                        raise RuntimeError(
+                            f"engine request {out.request_id} ended with {out.finish_reason}: {out.error}"
+                        )
                     k = pending.pop(out.request_id)
                     results[k] = take(k, out)
         finally:  # after a failure nothing of this call is left running on the engine
@@ -133,7 +146,7 @@ class DSV41LM(LM):
             context, continuation = context[:-spaces], context[-spaces:] + continuation
         whole = self.tok_encode(context + continuation)
         ctx = self.tok_encode(context)
-        return whole[:len(ctx)], whole[len(ctx):]
+        return whole[: len(ctx)], whole[len(ctx) :]
 
     def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """(sum of the continuation's log-probabilities, every continuation token an argmax) per
@@ -142,9 +155,11 @@ class DSV41LM(LM):
         keys = []
         for ctx, cont in pairs:
             if len(cont) >= self.max_length:
-                raise ValueError(f"a continuation of {len(cont)} tokens does not fit the {self.max_length}-token "
-                                 f"context limit with any context")
-            key = (tuple((ctx + cont)[-self.max_length:]), len(cont)) if cont else None
+                raise ValueError(
+                    f"a continuation of {len(cont)} tokens does not fit the {self.max_length}-token "
+                    f"context limit with any context"
+                )
+            key = (tuple((ctx + cont)[-self.max_length :]), len(cont)) if cont else None
             if key is not None:
                 unique.setdefault(key, len(unique))
             keys.append(key)
@@ -152,7 +167,7 @@ class DSV41LM(LM):
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=1)
 
         def take(k: int, out: RequestOutput) -> tuple[float, bool]:
-            scored = out.prompt_logprobs[-order[k][1]:]  # the continuation's tokens, the prompt's last
+            scored = out.prompt_logprobs[-order[k][1] :]  # the continuation's tokens, the prompt's last
             return sum(t.logprob for t in scored), all(t.logprob >= t.top[0][2] for t in scored)
 
         scores = self._run([list(prompt) for prompt, _ in order], [params] * len(order), take)
@@ -168,8 +183,9 @@ class DSV41LM(LM):
         pairs, owner = [], []
         for k, req in enumerate(requests):
             (text,) = req.args
-            windows = get_rolling_token_windows(self.tok_encode(text, add_bos=False), self.prefix_token_id,
-                                                self.max_length - 1, 1)
+            windows = get_rolling_token_windows(
+                self.tok_encode(text, add_bos=False), self.prefix_token_id, self.max_length - 1, 1
+            )
             for ctx, cont in map(make_disjoint_window, windows):
                 pairs.append((ctx, cont))
                 owner.append(k)
@@ -195,10 +211,15 @@ class DSV41LM(LM):
         if gen_kwargs.get("do_sample") is False:
             temperature = 0.0
         # the engine checks at most MAX_STOP strings of bounded length per step; the rest are cut after
-        stop = [s for s in until if len(s) <= SamplingParams.MAX_STOP_CHARS][:SamplingParams.MAX_STOP]
-        params = SamplingParams(temperature=temperature, top_p=float(gen_kwargs.get("top_p", 1.0)),
-                                top_k=int(gen_kwargs.get("top_k", 0)), seed=gen_kwargs.get("seed"),
-                                max_tokens=int(gen_kwargs.get("max_gen_toks", self.max_gen_toks)), stop=stop)
+        stop = [s for s in until if len(s) <= SamplingParams.MAX_STOP_CHARS][: SamplingParams.MAX_STOP]
+        params = SamplingParams(
+            temperature=temperature,
+            top_p=float(gen_kwargs.get("top_p", 1.0)),
+            top_k=int(gen_kwargs.get("top_k", 0)),
+            seed=gen_kwargs.get("seed"),
+            max_tokens=int(gen_kwargs.get("max_gen_toks", self.max_gen_toks)),
+            stop=stop,
+        )
         return params, until
 
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
@@ -208,8 +229,10 @@ class DSV41LM(LM):
             params, until = self._sampling_params(dict(gen_kwargs or {}))
             room = self.engine.max_model_len - params.max_tokens  # prompt and output share the context limit
             if room < 1:
-                raise ValueError(f"max_gen_toks={params.max_tokens} leaves no room for a prompt in the "
-                                 f"{self.engine.max_model_len}-token context limit")
+                raise ValueError(
+                    f"max_gen_toks={params.max_tokens} leaves no room for a prompt in the "
+                    f"{self.engine.max_model_len}-token context limit"
+                )
             prompts.append(self.tok_encode(context)[-room:])
             plist.append(params)
             untils.append(until)

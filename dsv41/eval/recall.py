@@ -28,27 +28,53 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 import torch
 
-from dsv41.eval.common import (EvalConfig, EvalModel, Panel, fmt_length, held_out, index_topk, log, markdown_table,
-                               plot_panels, positive, prepare, resolve_lengths, sequences, write_outputs)
+from dsv41.eval.common import (
+    EvalConfig,
+    EvalModel,
+    Panel,
+    fmt_length,
+    held_out,
+    index_topk,
+    log,
+    markdown_table,
+    plot_panels,
+    positive,
+    prepare,
+    resolve_lengths,
+    sequences,
+    write_outputs,
+)
 
 
 @dataclass
 class RecallConfig(EvalConfig):
-    lengths: Optional[str] = field(default=None, metadata={"metavar": "LIST", "help": (
-        "context lengths in tokens, comma-separated, K = 1024 (e.g. 1K,4K,16K); default: powers of two from "
-        "1K up to the model's context")})
-    queries: int = field(default=8, metadata={"metavar": "N", "help": (
-        "query positions measured per length: the last N positions before it")})
-    samples: int = field(default=1, metadata={"metavar": "N", "help": (
-        "sequences (held-out windows at drawn offsets, or the filler) per length")})
+    lengths: str | None = field(
+        default=None,
+        metadata={
+            "metavar": "LIST",
+            "help": (
+                "context lengths in tokens, comma-separated, K = 1024 (e.g. 1K,4K,16K); default: powers of two from "
+                "1K up to the model's context"
+            ),
+        },
+    )
+    queries: int = field(
+        default=8,
+        metadata={"metavar": "N", "help": ("query positions measured per length: the last N positions before it")},
+    )
+    samples: int = field(
+        default=1,
+        metadata={"metavar": "N", "help": ("sequences (held-out windows at drawn offsets, or the filler) per length")},
+    )
     chunk: int = field(default=512, metadata={"metavar": "N", "help": "prefill chunk size in tokens"})
-    extrapolate: bool = field(default=False, metadata={"help": (
-        "allow lengths beyond the model's max_position_embeddings (measures length extrapolation)")})
+    extrapolate: bool = field(
+        default=False,
+        metadata={"help": ("allow lengths beyond the model's max_position_embeddings (measures length extrapolation)")},
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -56,8 +82,9 @@ class RecallConfig(EvalConfig):
             positive(name, getattr(self, name))
 
 
-def captured_mass(q: torch.Tensor, rows: torch.Tensor, visible: int, selected: torch.Tensor, scale: float,
-                  k: int) -> dict:
+def captured_mass(
+    q: torch.Tensor, rows: torch.Tensor, visible: int, selected: torch.Tensor, scale: float, k: int
+) -> dict:
     """One query. q [H, D] (the layer's post-RoPE query); rows [>= visible, D] (the stored compressed
     entries); selected int [K] entry ids (-1: none); k the selection budget. Returns captured mass (mean
     over heads), its minimum over heads, oracle mass and top-k overlap (see the module docstring)."""
@@ -70,10 +97,14 @@ def captured_mass(q: torch.Tensor, rows: torch.Tensor, visible: int, selected: t
     k = min(k, visible)
     mean = probs.mean(dim=0)
     best = torch.topk(mean, k).indices
-    return {"mass": float(per_head.mean()), "mass_min_head": float(per_head.min()),
-            "oracle": float(mean[best].sum()),
-            "overlap": float(np.isin(best.cpu().numpy(), picked.cpu().numpy()).sum()) / k,
-            "visible": visible, "picked": int(picked.numel())}
+    return {
+        "mass": float(per_head.mean()),
+        "mass_min_head": float(per_head.min()),
+        "oracle": float(mean[best].sum()),
+        "overlap": float(np.isin(best.cpu().numpy(), picked.cpu().numpy()).sum()) / k,
+        "visible": visible,
+        "picked": int(picked.numel()),
+    }
 
 
 class RecallProbe:
@@ -95,7 +126,7 @@ class RecallProbe:
         pos = [p for p in self.positions if self.start <= p < self.start + length]
         return [p - self.start for p in pos], pos
 
-    def attach(self) -> "RecallProbe":
+    def attach(self) -> RecallProbe:
         for layer in self.model.layers:
             attn = layer.attn
             if attn.indexer is not None:
@@ -151,7 +182,7 @@ def measure(model, tokens: np.ndarray, positions: list[int], chunk: int) -> list
         cache = model.new_cache(1, n)
         for a in range(0, n, chunk):
             probe.start, probe.selected = a, {}
-            model(ids[:, a:a + chunk], a, cache, last_only=True)
+            model(ids[:, a : a + chunk], a, cache, last_only=True)
     finally:
         probe.detach()
     return probe.rows
@@ -166,7 +197,7 @@ def indexer_recall(em: EvalModel, seqs: list[np.ndarray], lengths: list[int], qu
     rows = []
     t0 = time.perf_counter()
     for s, seq in enumerate(seqs):
-        for r in measure(em.model, seq[:max(lengths)], positions, chunk):
+        for r in measure(em.model, seq[: max(lengths)], positions, chunk):
             rows.append({**r, "sample": s})
         log(f"recall: sample {s + 1}/{len(seqs)} measured ({time.perf_counter() - t0:.1f}s)")
     layers = []
@@ -181,19 +212,41 @@ def indexer_recall(em: EvalModel, seqs: list[np.ndarray], lengths: list[int], qu
                 continue
             mass = np.array([r["mass"] for r in sel])
             oracle = np.array([r["oracle"] for r in sel])
-            by_length.append({"length": L, "queries": len(sel), "mass_recall": float(mass.mean()),
-                              "mass_recall_min": float(mass.min()),
-                              "mass_recall_min_head": float(min(r["mass_min_head"] for r in sel)),
-                              "oracle_mass": float(oracle.mean()),
-                              "relative_recall": float((mass / np.maximum(oracle, 1e-12)).mean()),
-                              "topk_overlap": float(np.mean([r["overlap"] for r in sel])),
-                              "visible": float(np.mean([r["visible"] for r in sel])),
-                              "picked": float(np.mean([r["picked"] for r in sel]))})
-        layers.append({"layer": layer, "mode": cfg.attention_mode(layer), "ratio": cfg.compress_ratios[layer],
-                       "kv_source": cfg.kv_source_of(layer), "index_source": cfg.index_source_of(layer),
-                       "by_length": by_length})
-    return {"eval": "recall", "model": em.name, "lengths": lengths, "queries": queries, "samples": len(seqs),
-            "index_topk": index_topk(em.model), "layers": layers, "rows": rows, "seconds": time.perf_counter() - t0}
+            by_length.append(
+                {
+                    "length": L,
+                    "queries": len(sel),
+                    "mass_recall": float(mass.mean()),
+                    "mass_recall_min": float(mass.min()),
+                    "mass_recall_min_head": float(min(r["mass_min_head"] for r in sel)),
+                    "oracle_mass": float(oracle.mean()),
+                    "relative_recall": float((mass / np.maximum(oracle, 1e-12)).mean()),
+                    "topk_overlap": float(np.mean([r["overlap"] for r in sel])),
+                    "visible": float(np.mean([r["visible"] for r in sel])),
+                    "picked": float(np.mean([r["picked"] for r in sel])),
+                }
+            )
+        layers.append(
+            {
+                "layer": layer,
+                "mode": cfg.attention_mode(layer),
+                "ratio": cfg.compress_ratios[layer],
+                "kv_source": cfg.kv_source_of(layer),
+                "index_source": cfg.index_source_of(layer),
+                "by_length": by_length,
+            }
+        )
+    return {
+        "eval": "recall",
+        "model": em.name,
+        "lengths": lengths,
+        "queries": queries,
+        "samples": len(seqs),
+        "index_topk": index_topk(em.model),
+        "layers": layers,
+        "rows": rows,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def table(result: dict) -> str:
@@ -205,24 +258,28 @@ def table(result: dict) -> str:
             return "-"
         return f"{b['mass_recall']:.3f} ({b['oracle_mass']:.3f})"
 
-    rows = [[lay["layer"], f"{lay['mode']} ({lay['index_source']})"] + [cell(b) for b in lay["by_length"]]
-            for lay in result["layers"]]
+    rows = [
+        [lay["layer"], f"{lay['mode']} ({lay['index_source']})"] + [cell(b) for b in lay["by_length"]]
+        for lay in result["layers"]
+    ]
     mean = []
     for j in range(len(lengths)):
         vals = [lay["by_length"][j]["mass_recall"] for lay in result["layers"] if lay["by_length"][j].get("queries")]
         mean.append(f"{np.mean(vals):.3f}" if vals else "-")
     rows.append(["mean", ""] + mean)
-    return (f"indexer recall of {result['model']}: attention mass over the compressed cache captured by the "
-            f"selected top-{result['index_topk']} (in brackets: the best any {result['index_topk']} entries could "
-            f"capture); last {result['queries']} queries before each length, {result['samples']} sample(s)\n\n"
-            + markdown_table(header, rows))
+    return (
+        f"indexer recall of {result['model']}: attention mass over the compressed cache captured by the "
+        f"selected top-{result['index_topk']} (in brackets: the best any {result['index_topk']} entries could "
+        f"capture); last {result['queries']} queries before each length, {result['samples']} sample(s)\n\n"
+        + markdown_table(header, rows)
+    )
 
 
-def run_recall(cfg: RecallConfig, em: Optional[EvalModel] = None) -> dict:
+def run_recall(cfg: RecallConfig, em: EvalModel | None = None) -> dict:
     """`dsv41 eval recall`: measure, print the table, write recall.json / recall.md / recall.png."""
     cfg.validate()
     em = prepare(cfg, em)
-    if not any(em.cfg.compress_ratios[:em.cfg.n_layers]):
+    if not any(em.cfg.compress_ratios[: em.cfg.n_layers]):
         raise ValueError(f"{em.name} has no compressed-attention layer: there is no indexer to measure")
     lengths = resolve_lengths(cfg.lengths, em.cfg, 0, cfg.extrapolate)
     held = held_out(em, cfg.data, cfg.text)
@@ -233,15 +290,36 @@ def run_recall(cfg: RecallConfig, em: Optional[EvalModel] = None) -> dict:
     result.update(source=source, wrapped=wrapped, seed=cfg.seed)
     text = table(result)
     print(text)
-    series = {f"L{lay['layer']} {lay['mode']}": ([b["length"] for b in lay["by_length"] if b.get("queries")],
-                                                  [b["mass_recall"] for b in lay["by_length"] if b.get("queries")])
-              for lay in result["layers"]}
-    overlap = {k: (xs, [b["topk_overlap"] for b in lay["by_length"] if b.get("queries")])
-               for (k, (xs, _)), lay in zip(series.items(), result["layers"])}
-    png = plot_panels(os.path.join(cfg.out, "recall.png"), [
-        Panel("captured attention mass (compressed cache)", "context length (tokens)", "mass in the selected top-k",
-              series, ylim=(0, 1.02)),
-        Panel("overlap with the best top-k", "context length (tokens)", "|selected ∩ best| / k", overlap,
-              ylim=(0, 1.02))], suptitle=f"{em.name}: indexer recall")
+    series = {
+        f"L{lay['layer']} {lay['mode']}": (
+            [b["length"] for b in lay["by_length"] if b.get("queries")],
+            [b["mass_recall"] for b in lay["by_length"] if b.get("queries")],
+        )
+        for lay in result["layers"]
+    }
+    overlap = {
+        k: (xs, [b["topk_overlap"] for b in lay["by_length"] if b.get("queries")])
+        for (k, (xs, _)), lay in zip(series.items(), result["layers"])
+    }
+    png = plot_panels(
+        os.path.join(cfg.out, "recall.png"),
+        [
+            Panel(
+                "captured attention mass (compressed cache)",
+                "context length (tokens)",
+                "mass in the selected top-k",
+                series,
+                ylim=(0, 1.02),
+            ),
+            Panel(
+                "overlap with the best top-k",
+                "context length (tokens)",
+                "|selected ∩ best| / k",
+                overlap,
+                ylim=(0, 1.02),
+            ),
+        ],
+        suptitle=f"{em.name}: indexer recall",
+    )
     result["files"] = {**write_outputs(cfg.out, "recall", result, text), "png": png}
     return result

@@ -44,14 +44,29 @@ import random
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from dsv41.data.retrieval_tasks import ADJECTIVES, NIAH_PREFIX, NOUNS, PASSKEY_PREFIX, VARTRACK_PREFIX  # noqa: F401
-from dsv41.eval.common import (GRASS_FILLER, EvalConfig, EvalModel, fmt_length, held_out, index_topk, log,
-                               markdown_table, parse_lengths, plot_heatmap, positive, prepare, resolve_lengths,
-                               stream_slice, without_specials, write_outputs)
+from dsv41.eval.common import (
+    GRASS_FILLER,
+    EvalConfig,
+    EvalModel,
+    fmt_length,
+    held_out,
+    index_topk,
+    log,
+    markdown_table,
+    parse_lengths,
+    plot_heatmap,
+    positive,
+    prepare,
+    resolve_lengths,
+    stream_slice,
+    without_specials,
+    write_outputs,
+)
 
 TASKS = ("passkey", "niah", "vartrack")
 DEFAULT_DIGITS = {"passkey": 5, "niah": 7, "vartrack": 5}
@@ -63,27 +78,77 @@ ANSWER_ROOM = 64  # tokens a prompt must leave free in the context for its answe
 
 @dataclass
 class RetrievalConfig(EvalConfig):
-    task: str = field(default="passkey", metadata={"choices": TASKS, "help": (
-        "passkey, niah (needle in a haystack) or vartrack (variable tracking); set by the subcommand")})
-    lengths: Optional[str] = field(default=None, metadata={"metavar": "LIST", "help": (
-        "prompt lengths in tokens, comma-separated, K = 1024 (e.g. 1K,4K,16K,64K); default: powers of two "
-        "from 1K up to the model's context, less room for the answer")})
-    depths: str = field(default="0,0.25,0.5,0.75,1", metadata={"metavar": "LIST", "help": (
-        "where the (first) needle goes, as fractions of the filler: 0 = just after the instruction, "
-        "1 = just before the question")})
-    samples: int = field(default=2, metadata={"metavar": "N", "help": (
-        "prompts per (length, depth) cell, each with other needle values and filler")})
-    keys: int = field(default=1, metadata={"metavar": "N", "help": (
-        "niah: needles with distinct keys in the prompt (more than --queries: the others distract)")})
-    queries: int = field(default=1, metadata={"metavar": "N", "help": (
-        "niah: how many of the needles the question asks for (their values must all be recalled)")})
-    hops: int = field(default=4, metadata={"metavar": "N", "help": (
-        "vartrack: assignments after the first (VAR B = VAR A ...), so hops + 1 variable names to recall")})
-    digits: Optional[int] = field(default=None, metadata={"metavar": "N", "help": (
-        "digits of the pass key / needle values (default: 5 for passkey and vartrack, 7 for niah)")})
-    extrapolate: bool = field(default=False, metadata={"help": (
-        "allow lengths beyond the model's max_position_embeddings (measures length extrapolation; the "
-        "engine's context limit is raised to fit)")})
+    task: str = field(
+        default="passkey",
+        metadata={
+            "choices": TASKS,
+            "help": ("passkey, niah (needle in a haystack) or vartrack (variable tracking); set by the subcommand"),
+        },
+    )
+    lengths: str | None = field(
+        default=None,
+        metadata={
+            "metavar": "LIST",
+            "help": (
+                "prompt lengths in tokens, comma-separated, K = 1024 (e.g. 1K,4K,16K,64K); default: powers of two "
+                "from 1K up to the model's context, less room for the answer"
+            ),
+        },
+    )
+    depths: str = field(
+        default="0,0.25,0.5,0.75,1",
+        metadata={
+            "metavar": "LIST",
+            "help": (
+                "where the (first) needle goes, as fractions of the filler: 0 = just after the instruction, "
+                "1 = just before the question"
+            ),
+        },
+    )
+    samples: int = field(
+        default=2,
+        metadata={
+            "metavar": "N",
+            "help": ("prompts per (length, depth) cell, each with other needle values and filler"),
+        },
+    )
+    keys: int = field(
+        default=1,
+        metadata={
+            "metavar": "N",
+            "help": ("niah: needles with distinct keys in the prompt (more than --queries: the others distract)"),
+        },
+    )
+    queries: int = field(
+        default=1,
+        metadata={
+            "metavar": "N",
+            "help": ("niah: how many of the needles the question asks for (their values must all be recalled)"),
+        },
+    )
+    hops: int = field(
+        default=4,
+        metadata={
+            "metavar": "N",
+            "help": ("vartrack: assignments after the first (VAR B = VAR A ...), so hops + 1 variable names to recall"),
+        },
+    )
+    digits: int | None = field(
+        default=None,
+        metadata={
+            "metavar": "N",
+            "help": ("digits of the pass key / needle values (default: 5 for passkey and vartrack, 7 for niah)"),
+        },
+    )
+    extrapolate: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "allow lengths beyond the model's max_position_embeddings (measures length extrapolation; the "
+                "engine's context limit is raised to fit)"
+            )
+        },
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -141,17 +206,29 @@ class TaskText:
 
 
 def _number(rng: random.Random, digits: int) -> str:
-    return str(rng.randrange(10 ** (digits - 1), 10 ** digits)) if digits > 1 else str(rng.randrange(10))
+    return str(rng.randrange(10 ** (digits - 1), 10**digits)) if digits > 1 else str(rng.randrange(10))
 
 
-def task_text(task: str, rng: random.Random, depth: float, keys: int = 1, queries: int = 1, hops: int = 4,
-              digits: Optional[int] = None) -> TaskText:
+def task_text(
+    task: str,
+    rng: random.Random,
+    depth: float,
+    keys: int = 1,
+    queries: int = 1,
+    hops: int = 4,
+    digits: int | None = None,
+) -> TaskText:
     """The text of one sample. rng draws contents and the free needles' depths; `depth` places the first."""
     digits = digits or DEFAULT_DIGITS[task]
     if task == "passkey":
         key = _number(rng, digits)
-        return TaskText(PASSKEY_PREFIX, [f" The pass key is {key}. Remember it. {key} is the pass key."], [depth],
-                        "\nWhat is the pass key? The pass key is", [key])
+        return TaskText(
+            PASSKEY_PREFIX,
+            [f" The pass key is {key}. Remember it. {key} is the pass key."],
+            [depth],
+            "\nWhat is the pass key? The pass key is",
+            [key],
+        )
     if task == "niah":
         names = [f"{a}-{n}" for a, n in rng.sample([(a, n) for a in ADJECTIVES for n in NOUNS], keys)]
         values = []
@@ -163,12 +240,16 @@ def task_text(task: str, rng: random.Random, depth: float, keys: int = 1, querie
         depths = [depth] + [rng.random() for _ in range(keys - 1)]
         asked = names[:queries]
         if queries == 1:
-            question = (f"\nWhat is the special magic number for {asked[0]} mentioned in the provided text? "
-                        f"The special magic number for {asked[0]} mentioned in the provided text is")
+            question = (
+                f"\nWhat is the special magic number for {asked[0]} mentioned in the provided text? "
+                f"The special magic number for {asked[0]} mentioned in the provided text is"
+            )
         else:
             listed = ", ".join(asked[:-1]) + f" and {asked[-1]}"
-            question = (f"\nWhat are all the special magic numbers for {listed} mentioned in the provided text? "
-                        f"The special magic numbers for {listed} mentioned in the provided text are")
+            question = (
+                f"\nWhat are all the special magic numbers for {listed} mentioned in the provided text? "
+                f"The special magic numbers for {listed} mentioned in the provided text are"
+            )
         return TaskText(NIAH_PREFIX, needles, depths, question, values[:queries])
     if task == "vartrack":
         names: list[str] = []
@@ -179,9 +260,11 @@ def task_text(task: str, rng: random.Random, depth: float, keys: int = 1, querie
         value = _number(rng, digits)
         needles = [f" VAR {names[0]} = {value}."] + [f" VAR {names[i + 1]} = VAR {names[i]}." for i in range(hops)]
         depths = [depth] + sorted(depth + (1.0 - depth) * rng.random() for _ in range(hops))
-        question = (f"\nQuestion: Find all variables that are assigned the value {value} in the text above. "
-                    f"Answer: According to the chain of variable assignments in the text above, {hops + 1} "
-                    f"variables are assigned the value {value}, they are:")
+        question = (
+            f"\nQuestion: Find all variables that are assigned the value {value} in the text above. "
+            f"Answer: According to the chain of variable assignments in the text above, {hops + 1} "
+            f"variables are assigned the value {value}, they are:"
+        )
         return TaskText(VARTRACK_PREFIX, needles, depths, question, names)
     raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
 
@@ -189,7 +272,7 @@ def task_text(task: str, rng: random.Random, depth: float, keys: int = 1, querie
 class Haystack:
     """Filler tokens of any length and the positions where a needle may go (sentence boundaries)."""
 
-    def __init__(self, tokenizer, held: Optional[np.ndarray] = None, source: str = "filler"):
+    def __init__(self, tokenizer, held: np.ndarray | None = None, source: str = "filler"):
         self.tokenizer, self.source = tokenizer, source
         if held is None:
             pieces = [tokenizer.encode(" " + s, add_bos=False) for s in GRASS_FILLER]
@@ -239,8 +322,9 @@ class Probe:
     wrapped: bool = False  # the held-out haystack was shorter than the filler and repeats
 
 
-def build_probe(task: str, tokenizer, haystack: Haystack, length: int, depth: float, sample: int, seed: int = 0,
-                **options) -> Probe:
+def build_probe(
+    task: str, tokenizer, haystack: Haystack, length: int, depth: float, sample: int, seed: int = 0, **options
+) -> Probe:
     """The prompt of one grid cell sample: exactly `length` tokens (BOS, instruction, filler with the
     needles in it, question). options: keys, queries, hops, digits (see `task_text`)."""
     rng = random.Random(f"{seed}/{task}/{length}/{sample}")  # str seeds hash with sha512: stable everywhere
@@ -251,14 +335,16 @@ def build_probe(task: str, tokenizer, haystack: Haystack, length: int, depth: fl
     fixed = len(prefix) + sum(len(n) for n in needles) + len(question)
     budget = length - fixed
     if budget < 1:
-        raise ValueError(f"{task}: a prompt of {length} tokens is too short; the instruction, needles and question "
-                         f"alone take {fixed} tokens with this tokenizer")
+        raise ValueError(
+            f"{task}: a prompt of {length} tokens is too short; the instruction, needles and question "
+            f"alone take {fixed} tokens with this tokenizer"
+        )
     filler, bounds, wrapped = haystack.take(budget, rng)
     at = [int(bounds[np.abs(bounds - round(d * budget)).argmin()]) for d in text.depths]
     order = sorted(range(len(needles)), key=lambda i: (at[i], i))
     prompt, needle_at, cursor = list(prefix), [0] * len(needles), 0
     for i in order:
-        prompt.extend(filler[cursor:at[i]].tolist())
+        prompt.extend(filler[cursor : at[i]].tolist())
         cursor = at[i]
         needle_at[i] = len(prompt)
         prompt.extend(needles[i])
@@ -278,8 +364,9 @@ def score(answers: list[str], text: str) -> float:
     but not in '714321'."""
     if not answers:
         raise ValueError("score needs at least one answer")
-    found = sum(1 for a in answers
-                if re.search(r"(?<![0-9A-Za-z])" + re.escape(a) + r"(?![0-9A-Za-z])", text, re.IGNORECASE))
+    found = sum(
+        1 for a in answers if re.search(r"(?<![0-9A-Za-z])" + re.escape(a) + r"(?![0-9A-Za-z])", text, re.IGNORECASE)
+    )
     return found / len(answers)
 
 
@@ -320,8 +407,10 @@ def engine_config(overrides: dict, longest: int, max_new: int, cfg, extrapolate:
     need = longest + max_new + 1
     if "max_model_len" not in settings and need > cfg.max_position_embeddings:
         if not extrapolate:
-            raise ValueError(f"a {longest}-token prompt plus {max_new} answer tokens exceeds the model's context of "
-                             f"{cfg.max_position_embeddings}; pass --extrapolate to measure beyond it")
+            raise ValueError(
+                f"a {longest}-token prompt plus {max_new} answer tokens exceeds the model's context of "
+                f"{cfg.max_position_embeddings}; pass --extrapolate to measure beyond it"
+            )
         settings["max_model_len"] = need
     if "kv_pool_tokens" not in settings:
         block = settings.get("block_size", EngineConfig.block_size)
@@ -330,16 +419,26 @@ def engine_config(overrides: dict, longest: int, max_new: int, cfg, extrapolate:
     config.validate()
     limit = min(config.max_model_len or cfg.max_position_embeddings, config.kv_pool_tokens)
     if need > limit:
-        raise ValueError(f"a {longest}-token prompt plus {max_new} answer tokens does not fit the engine's context "
-                         f"limit of {limit} (--max-model-len / --kv-pool-tokens)")
+        raise ValueError(
+            f"a {longest}-token prompt plus {max_new} answer tokens does not fit the engine's context "
+            f"limit of {limit} (--max-model-len / --kv-pool-tokens)"
+        )
     return config
 
 
 # ---------------------------------------------------------------------------------------------- the grid
 
 
-def run_grid(completer: Completer, task: str, lengths: list[int], depths: list[float], samples: int,
-             haystack: Haystack, seed: int = 0, **options) -> dict:
+def run_grid(
+    completer: Completer,
+    task: str,
+    lengths: list[int],
+    depths: list[float],
+    samples: int,
+    haystack: Haystack,
+    seed: int = 0,
+    **options,
+) -> dict:
     """Every (length, depth, sample) prompt through `completer`, one batch per length; returns the result
     dict (accuracy and exact grids [depth][length], per-length timings, every sample's record)."""
     tokenizer = completer.tokenizer
@@ -347,8 +446,11 @@ def run_grid(completer: Completer, task: str, lengths: list[int], depths: list[f
     acc = np.full((len(depths), len(lengths)), np.nan)
     exact = np.full_like(acc, np.nan)
     for j, length in enumerate(lengths):
-        probes = [build_probe(task, tokenizer, haystack, length, d, s, seed, **options)
-                  for d in depths for s in range(samples)]
+        probes = [
+            build_probe(task, tokenizer, haystack, length, d, s, seed, **options)
+            for d in depths
+            for s in range(samples)
+        ]
         max_new = max(answer_budget(tokenizer, p.answers) for p in probes)
         t0 = time.perf_counter()
         outs = completer.complete([p.prompt for p in probes], max_new)
@@ -360,19 +462,46 @@ def run_grid(completer: Completer, task: str, lengths: list[int], depths: list[f
             text = tokenizer.decode(list(ids), skip_special_tokens=True)
             s = score(p.answers, text)
             scores.append(s)
-            records.append({"length": length, "depth": p.depth, "sample": p.sample, "needle_at": p.needle_at,
-                            "answers": p.answers, "output": text, "score": s, "wrapped": p.wrapped})
+            records.append(
+                {
+                    "length": length,
+                    "depth": p.depth,
+                    "sample": p.sample,
+                    "needle_at": p.needle_at,
+                    "answers": p.answers,
+                    "output": text,
+                    "score": s,
+                    "wrapped": p.wrapped,
+                }
+            )
         grid = np.array(scores).reshape(len(depths), samples)
         acc[:, j] = grid.mean(axis=1)
         exact[:, j] = (grid == 1.0).mean(axis=1)
-        by_length.append({"length": length, "accuracy": float(grid.mean()), "exact": float((grid == 1.0).mean()),
-                          "prompts": len(probes), "seconds": seconds,
-                          "seconds_per_prompt": seconds / len(probes),
-                          "prompt_tokens_per_s": len(probes) * length / seconds if seconds > 0 else None})
+        by_length.append(
+            {
+                "length": length,
+                "accuracy": float(grid.mean()),
+                "exact": float((grid == 1.0).mean()),
+                "prompts": len(probes),
+                "seconds": seconds,
+                "seconds_per_prompt": seconds / len(probes),
+                "prompt_tokens_per_s": len(probes) * length / seconds if seconds > 0 else None,
+            }
+        )
         log(f"{task} {fmt_length(length)}: accuracy {grid.mean():.3f} over {len(probes)} prompts in {seconds:.1f}s")
-    return {"eval": task, "lengths": lengths, "depths": depths, "samples": samples, "options": options,
-            "haystack": haystack.source, "accuracy": acc.tolist(), "exact": exact.tolist(),
-            "overall": float(np.nanmean(acc)), "by_length": by_length, "records": records}
+    return {
+        "eval": task,
+        "lengths": lengths,
+        "depths": depths,
+        "samples": samples,
+        "options": options,
+        "haystack": haystack.source,
+        "accuracy": acc.tolist(),
+        "exact": exact.tolist(),
+        "overall": float(np.nanmean(acc)),
+        "by_length": by_length,
+        "records": records,
+    }
 
 
 def table(result: dict) -> str:
@@ -380,12 +509,18 @@ def table(result: dict) -> str:
     rows = [[f"{100 * d:.0f}%"] + [f"{v:.2f}" for v in row] for d, row in zip(result["depths"], result["accuracy"])]
     rows.append(["mean"] + [f"{b['accuracy']:.2f}" for b in result["by_length"]])
     rows.append(["s / prompt"] + [f"{b['seconds_per_prompt']:.2f}" for b in result["by_length"]])
-    return (f"{result['eval']} accuracy of {result.get('model', '?')} ({result['samples']} samples per cell; "
-            f"overall {result['overall']:.3f})\n\n" + markdown_table(header, rows))
+    return (
+        f"{result['eval']} accuracy of {result.get('model', '?')} ({result['samples']} samples per cell; "
+        f"overall {result['overall']:.3f})\n\n" + markdown_table(header, rows)
+    )
 
 
-def run_retrieval(cfg: RetrievalConfig, engine_overrides: Optional[dict] = None, em: Optional[EvalModel] = None,
-                  completer: Optional[Completer] = None) -> dict:
+def run_retrieval(
+    cfg: RetrievalConfig,
+    engine_overrides: dict | None = None,
+    em: EvalModel | None = None,
+    completer: Completer | None = None,
+) -> dict:
     """`dsv41 eval passkey|niah|vartrack`: the grid through the engine (or `completer`), the table printed,
     TASK.json / TASK.md / TASK.png (the heat map) written into cfg.out."""
     cfg.validate()
@@ -402,8 +537,9 @@ def run_retrieval(cfg: RetrievalConfig, engine_overrides: Optional[dict] = None,
     else:
         tokenizer, model_cfg, name = completer.tokenizer, em.cfg if em else None, em.name if em else "completer"
     held = held_out(em, cfg.data, cfg.text) if em is not None else None
-    haystack = Haystack(tokenizer, held.tokens if held else None,
-                        held.source if held else "filler (the grass is green)")
+    haystack = Haystack(
+        tokenizer, held.tokens if held else None, held.source if held else "filler (the grass is green)"
+    )
     if model_cfg is not None:  # room for the answer: the engine's context holds prompt and output together
         lengths = resolve_lengths(cfg.lengths, model_cfg, ANSWER_ROOM, cfg.extrapolate)
     else:
@@ -413,20 +549,39 @@ def run_retrieval(cfg: RetrievalConfig, engine_overrides: Optional[dict] = None,
 
         # the longest prompt's answer budget sizes the engine (build one probe per task shape to measure it)
         probe = build_probe(cfg.task, tokenizer, haystack, lengths[-1], depths[0], 0, cfg.seed, **options)
-        config = engine_config(engine_overrides or {}, lengths[-1], 2 * answer_budget(tokenizer, probe.answers) + 16,
-                               model_cfg, cfg.extrapolate)
+        config = engine_config(
+            engine_overrides or {},
+            lengths[-1],
+            2 * answer_budget(tokenizer, probe.answers) + 16,
+            model_cfg,
+            cfg.extrapolate,
+        )
         completer = EngineCompleter(LLMEngine(em.model, tokenizer, config, model_name=name, seed=cfg.seed))
         engine_info = dataclasses.asdict(config)
-    log(f"{cfg.task}: {name}, lengths {', '.join(fmt_length(n) for n in lengths)}, depths {depths}, "
-        f"{cfg.samples} samples per cell, haystack {haystack.source}")
+    log(
+        f"{cfg.task}: {name}, lengths {', '.join(fmt_length(n) for n in lengths)}, depths {depths}, "
+        f"{cfg.samples} samples per cell, haystack {haystack.source}"
+    )
     result = run_grid(completer, cfg.task, lengths, depths, cfg.samples, haystack, cfg.seed, **options)
-    result.update(eval=cfg.output_name, task=cfg.task, model=name, engine=engine_info, seed=cfg.seed,
-                  index_topk=index_topk(em.model) if em is not None else None)
+    result.update(
+        eval=cfg.output_name,
+        task=cfg.task,
+        model=name,
+        engine=engine_info,
+        seed=cfg.seed,
+        index_topk=index_topk(em.model) if em is not None else None,
+    )
     text = table(result)
     print(text)
     stem = cfg.output_name
-    png = plot_heatmap(os.path.join(cfg.out, f"{stem}.png"), np.array(result["accuracy"]),
-                       [f"{100 * d:.0f}%" for d in depths], [fmt_length(n) for n in lengths],
-                       f"{name}: {stem} accuracy", "prompt length (tokens)", "needle depth")
+    png = plot_heatmap(
+        os.path.join(cfg.out, f"{stem}.png"),
+        np.array(result["accuracy"]),
+        [f"{100 * d:.0f}%" for d in depths],
+        [fmt_length(n) for n in lengths],
+        f"{name}: {stem} accuracy",
+        "prompt length (tokens)",
+        "needle depth",
+    )
     result["files"] = {**write_outputs(cfg.out, stem, result, text), "png": png}
     return result

@@ -10,10 +10,8 @@ collects the headline figures and `all.md` every table.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 from dsv41.eval.common import EvalConfig, log, prepare, write_outputs
 from dsv41.eval.cost import CostConfig, run_cost
@@ -24,26 +22,45 @@ from dsv41.eval.retrieval import RetrievalConfig, run_retrieval
 
 @dataclass
 class SuiteConfig(EvalConfig):
-    lengths: Optional[str] = field(default=None, metadata={"metavar": "LIST", "help": (
-        "context lengths of the retrieval, recall and cost evals, comma-separated, K = 1024; default: powers "
-        "of two from 1K up to the model's context, less what each eval must leave free")})
-    depths: str = field(default="0,0.25,0.5,0.75,1", metadata={"metavar": "LIST", "help": (
-        "needle depths of the retrieval evals, fractions of the filler")})
-    samples: Optional[int] = field(default=None, metadata={"metavar": "N", "help": (
-        "samples per cell / length of every eval (default: each eval's own)")})
+    lengths: str | None = field(
+        default=None,
+        metadata={
+            "metavar": "LIST",
+            "help": (
+                "context lengths of the retrieval, recall and cost evals, comma-separated, K = 1024; default: powers "
+                "of two from 1K up to the model's context, less what each eval must leave free"
+            ),
+        },
+    )
+    depths: str = field(
+        default="0,0.25,0.5,0.75,1",
+        metadata={"metavar": "LIST", "help": ("needle depths of the retrieval evals, fractions of the filler")},
+    )
+    samples: int | None = field(
+        default=None,
+        metadata={"metavar": "N", "help": ("samples per cell / length of every eval (default: each eval's own)")},
+    )
     seq_len: int = field(default=1024, metadata={"metavar": "N", "help": "perplexity: tokens of context per window"})
-    max_tokens: int = field(default=65536, metadata={"metavar": "N", "help": (
-        "perplexity: score at most this many held-out tokens")})
-    extrapolate: bool = field(default=False, metadata={"help": (
-        "allow lengths beyond the model's max_position_embeddings (measures length extrapolation)")})
-    skip: str = field(default="", metadata={"metavar": "LIST", "help": (
-        "evals to leave out, comma-separated: ppl, passkey, niah, niah_multikey, vartrack, recall, cost")})
+    max_tokens: int = field(
+        default=65536, metadata={"metavar": "N", "help": ("perplexity: score at most this many held-out tokens")}
+    )
+    extrapolate: bool = field(
+        default=False,
+        metadata={"help": ("allow lengths beyond the model's max_position_embeddings (measures length extrapolation)")},
+    )
+    skip: str = field(
+        default="",
+        metadata={
+            "metavar": "LIST",
+            "help": ("evals to leave out, comma-separated: ppl, passkey, niah, niah_multikey, vartrack, recall, cost"),
+        },
+    )
 
 
 SUITE = ("ppl", "passkey", "niah", "niah_multikey", "vartrack", "recall", "cost")
 
 
-def run_suite(cfg: SuiteConfig, engine_overrides: Optional[dict] = None) -> dict:
+def run_suite(cfg: SuiteConfig, engine_overrides: dict | None = None) -> dict:
     cfg.validate()
     skip = {s.strip() for s in cfg.skip.split(",") if s.strip()}
     unknown = skip - set(SUITE)
@@ -55,12 +72,14 @@ def run_suite(cfg: SuiteConfig, engine_overrides: Optional[dict] = None) -> dict
     shared = dict(lengths=cfg.lengths, extrapolate=cfg.extrapolate, **samples)
     grid = dict(shared, depths=cfg.depths)
     runs = {
-        "ppl": lambda: run_perplexity(PerplexityConfig(**common, seq_len=cfg.seq_len, max_tokens=cfg.max_tokens,
-                                                       extrapolate=cfg.extrapolate), em),
+        "ppl": lambda: run_perplexity(
+            PerplexityConfig(**common, seq_len=cfg.seq_len, max_tokens=cfg.max_tokens, extrapolate=cfg.extrapolate), em
+        ),
         "passkey": lambda: run_retrieval(RetrievalConfig(**common, **grid, task="passkey"), engine_overrides, em),
         "niah": lambda: run_retrieval(RetrievalConfig(**common, **grid, task="niah"), engine_overrides, em),
-        "niah_multikey": lambda: run_retrieval(RetrievalConfig(**common, **grid, task="niah", keys=4, queries=1),
-                                               engine_overrides, em),
+        "niah_multikey": lambda: run_retrieval(
+            RetrievalConfig(**common, **grid, task="niah", keys=4, queries=1), engine_overrides, em
+        ),
         "vartrack": lambda: run_retrieval(RetrievalConfig(**common, **grid, task="vartrack"), engine_overrides, em),
         "recall": lambda: run_recall(RecallConfig(**common, **shared), em),
         "cost": lambda: run_cost(CostConfig(**common, **shared), em),
@@ -74,8 +93,11 @@ def run_suite(cfg: SuiteConfig, engine_overrides: Optional[dict] = None) -> dict
             continue
         t0 = time.perf_counter()
         result = runs[name]()
-        summary["evals"][name] = {"seconds": time.perf_counter() - t0, "files": result.get("files"),
-                                  **headline(name, result)}
+        summary["evals"][name] = {
+            "seconds": time.perf_counter() - t0,
+            "files": result.get("files"),
+            **headline(name, result),
+        }
         with open(result["files"]["md"], encoding="utf-8") as f:
             tables.append(f"## {name}\n\n{f.read()}")
     write_outputs(cfg.out, "all", summary, "\n".join(tables))
@@ -96,8 +118,11 @@ def headline(name: str, result: dict) -> dict:
             out[length] = sum(vals) / len(vals) if vals else None
         return {"mean_mass_recall_by_length": out}
     if name == "cost":
-        return {"by_comparison": {f"{r['compare']}@{r['length']}": {k: r[k] for k in ("dnll", "kl", "agree")}
-                                  for r in result["summary"]}}
+        return {
+            "by_comparison": {
+                f"{r['compare']}@{r['length']}": {k: r[k] for k in ("dnll", "kl", "agree")} for r in result["summary"]
+            }
+        }
     return {}
 
 
@@ -111,4 +136,3 @@ EVALS = {
     "cost": (CostConfig, run_cost, False),
     "all": (SuiteConfig, run_suite, True),
 }
-

@@ -28,8 +28,16 @@ logger = logging.get_logger(__name__)
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
 # keys transformers itself owns: its dataclass fields and what its __post_init__ consumes
 _HF_KEYS = frozenset(f.name for f in dataclasses.fields(PreTrainedConfig)) | {
-    "name_or_path", "_name_or_path", "output_attentions", "attn_implementation", "experts_implementation",
-    "num_labels", "torch_dtype", "_commit_hash", "per_layer_config"}
+    "name_or_path",
+    "_name_or_path",
+    "output_attentions",
+    "attn_implementation",
+    "experts_implementation",
+    "num_labels",
+    "torch_dtype",
+    "_commit_hash",
+    "per_layer_config",
+}
 
 
 class DeepseekV41Config(PreTrainedConfig):
@@ -64,7 +72,7 @@ class DeepseekV41Config(PreTrainedConfig):
             setattr(self, "weight_dtype" if name == "dtype" else name, getattr(cfg, name))
 
     @classmethod
-    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> "DeepseekV41Config":
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> DeepseekV41Config:
         """transformers hands a requested runtime dtype (`from_pretrained(..., dtype=...)`) in here, where it
         would replace the weight format under `dtype`; it is dropped (the model's `from_pretrained`, which
         gets it too, refuses a cast: dsv41 weights keep their own dtypes)."""

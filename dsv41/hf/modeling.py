@@ -23,7 +23,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,12 +39,29 @@ from dsv41.model.transformer import Transformer
 from dsv41.weights import SINGLE_FILE, load_weights
 
 # from_pretrained arguments of transformers' loader that mean nothing for a local dsv41 folder
-_IGNORED_LOAD_ARGS = ("trust_remote_code", "adapter_kwargs", "_from_auto", "_from_pipeline", "revision",
-                      "cache_dir", "force_download", "local_files_only", "proxies", "token", "low_cpu_mem_usage",
-                      "use_safetensors", "attn_implementation", "experts_implementation")
+_IGNORED_LOAD_ARGS = (
+    "trust_remote_code",
+    "adapter_kwargs",
+    "_from_auto",
+    "_from_pipeline",
+    "revision",
+    "cache_dir",
+    "force_download",
+    "local_files_only",
+    "proxies",
+    "token",
+    "low_cpu_mem_usage",
+    "use_safetensors",
+    "attn_implementation",
+    "experts_implementation",
+)
 # forward arguments generate() passes that need nothing here when left at their defaults
-_QUIET_FORWARD_ARGS = {"output_attentions": (None, False), "output_hidden_states": (None, False),
-                       "return_dict": (None, True), "token_type_ids": (None,)}
+_QUIET_FORWARD_ARGS = {
+    "output_attentions": (None, False),
+    "output_hidden_states": (None, False),
+    "return_dict": (None, True),
+    "token_type_ids": (None,),
+}
 
 
 class DeepseekV41Cache(Cache):
@@ -66,7 +84,7 @@ class DeepseekV41Cache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen
 
-    def get_max_length(self, layer_idx: Optional[int] = None) -> int:
+    def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1  # grows on demand
 
     @property
@@ -91,13 +109,16 @@ class DeepseekV41Cache(Cache):
 
     def reset(self) -> None:
         old = self.model_cache
-        self.model_cache = ModelCache.create(self.model_config, old.batch_size, old.max_seq_len,
-                                             old.window_kv[0].device)
+        self.model_cache = ModelCache.create(
+            self.model_config, old.batch_size, old.max_seq_len, old.window_kv[0].device
+        )
         self.seen = 0
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("a DeepSeek-V4.1 cache cannot be cropped: its window rings and compression "
-                                  "groups are overwritten in place (assisted decoding is not supported)")
+        raise NotImplementedError(
+            "a DeepSeek-V4.1 cache cannot be cropped: its window rings and compression "
+            "groups are overwritten in place (assisted decoding is not supported)"
+        )
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -124,12 +145,15 @@ class DeepseekV41Cache(Cache):
         cache = self.model_cache
         window = [fn(t) for t in cache.window_kv]
         self.model_cache = dataclasses.replace(
-            cache, batch_size=window[0].size(0), window_kv=window,
+            cache,
+            batch_size=window[0].size(0),
+            window_kv=window,
             compressed_kv={k: fn(v) for k, v in cache.compressed_kv.items()},
             index_k={k: fn(v) for k, v in cache.index_k.items()},
             group_kv={k: fn(v) for k, v in cache.group_kv.items()},
             group_score={k: fn(v) for k, v in cache.group_score.items()},
-            engram_ids=None if cache.engram_ids is None else fn(cache.engram_ids))
+            engram_ids=None if cache.engram_ids is None else fn(cache.engram_ids),
+        )
 
 
 def _grown(cfg, cache: ModelCache, max_seq_len: int) -> ModelCache:
@@ -138,9 +162,9 @@ def _grown(cfg, cache: ModelCache, max_seq_len: int) -> ModelCache:
     big = ModelCache.create(cfg, cache.batch_size, max_seq_len, cache.window_kv[0].device)
     for name in ("compressed_kv", "index_k"):
         for layer, old in getattr(cache, name).items():
-            getattr(big, name)[layer][:, :old.size(1)] = old
+            getattr(big, name)[layer][:, : old.size(1)] = old
     if cache.engram_ids is not None:
-        big.engram_ids[:, :cache.max_seq_len] = cache.engram_ids
+        big.engram_ids[:, : cache.max_seq_len] = cache.engram_ids
     big.window_kv, big.group_kv, big.group_score = cache.window_kv, cache.group_kv, cache.group_score
     return big
 
@@ -157,7 +181,7 @@ class DeepseekV41ForCausalLM(PreTrainedModel, GenerationMixin):
     main_input_name = "input_ids"
     _no_split_modules = ["Block"]
 
-    def __init__(self, config: DeepseekV41Config, model: Optional[Transformer] = None):
+    def __init__(self, config: DeepseekV41Config, model: Transformer | None = None):
         super().__init__(config)
         cfg = config.model_config
         if model is None:
@@ -185,11 +209,19 @@ class DeepseekV41ForCausalLM(PreTrainedModel, GenerationMixin):
         return DeepseekV41Cache(self.model, batch_size, max_seq_len)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.LongTensor] = None, cache: Optional[DeepseekV41Cache] = None,
-                inputs_embeds: Optional[torch.Tensor] = None, labels: Optional[torch.LongTensor] = None,
-                use_cache: Optional[bool] = None, logits_to_keep: int | torch.Tensor = 0,
-                past_key_values: Optional[DeepseekV41Cache] = None, **kwargs: Any) -> CausalLMOutputWithPast:
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: DeepseekV41Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: DeepseekV41Cache | None = None,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
         """input_ids [B, S] at the positions after what `cache` holds -> logits [B, S, vocab] fp32 (the last
         `logits_to_keep` positions when > 0; generate() asks for 1, which runs dsv41's `last_only`).
 
@@ -205,19 +237,24 @@ class DeepseekV41ForCausalLM(PreTrainedModel, GenerationMixin):
                 raise ValueError("pass the cache as `cache` or `past_key_values`, not both")
             cache = past_key_values
         if input_ids is None:
-            raise ValueError("DeepseekV41ForCausalLM needs input_ids (the Engram hash reads them); "
-                             "inputs_embeds alone are not supported")
+            raise ValueError(
+                "DeepseekV41ForCausalLM needs input_ids (the Engram hash reads them); "
+                "inputs_embeds alone are not supported"
+            )
         if inputs_embeds is not None:
             raise ValueError("inputs_embeds are not supported: pass input_ids")
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         b, s = input_ids.shape
         if attention_mask is not None and not bool((attention_mask == 1).all()):
-            raise ValueError("DeepseekV41ForCausalLM has no padding support: attention_mask must be all ones "
-                             "(batch prompts of equal length, or run them one at a time)")
+            raise ValueError(
+                "DeepseekV41ForCausalLM has no padding support: attention_mask must be all ones "
+                "(batch prompts of equal length, or run them one at a time)"
+            )
         if cache is not None and not isinstance(cache, DeepseekV41Cache):
-            raise TypeError(f"the cache must be a DeepseekV41Cache (model.new_cache(batch)), "
-                            f"got {type(cache).__name__}")
+            raise TypeError(
+                f"the cache must be a DeepseekV41Cache (model.new_cache(batch)), got {type(cache).__name__}"
+            )
         if use_cache is None:
             use_cache = cache is not None
         if use_cache and cache is None:
@@ -243,14 +280,20 @@ class DeepseekV41ForCausalLM(PreTrainedModel, GenerationMixin):
             logits = logits[:, -logits_to_keep:]
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].to(logits.device).flatten(),
-                                   ignore_index=-100)
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1), labels[:, 1:].to(logits.device).flatten(), ignore_index=-100
+            )
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
 
     # ------------------------------------------------------------------ loading and saving
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *model_args: Any,
-                        config: Optional[DeepseekV41Config] = None, **kwargs: Any) -> "DeepseekV41ForCausalLM":
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: str | os.PathLike,
+        *model_args: Any,
+        config: DeepseekV41Config | None = None,
+        **kwargs: Any,
+    ) -> DeepseekV41ForCausalLM:
         """Load a dsv41 checkpoint folder (config.json + safetensors under the official names) with dsv41's
         loader. `config`: use it instead of the folder's config.json. `device_map`: one device ("cpu",
         "cuda:0", a torch.device). `dtype` must be None or "auto": the weights keep their stored dtypes."""
@@ -258,18 +301,25 @@ class DeepseekV41ForCausalLM(PreTrainedModel, GenerationMixin):
         if model_args:
             raise TypeError("DeepseekV41ForCausalLM.from_pretrained takes no positional model arguments")
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"{path}: not a folder; dsv41 loads local checkpoint folders only "
-                                    f"(config.json + model.safetensors), nothing is downloaded")
+            raise FileNotFoundError(
+                f"{path}: not a folder; dsv41 loads local checkpoint folders only "
+                f"(config.json + model.safetensors), nothing is downloaded"
+            )
         subfolder = kwargs.pop("subfolder", "") or ""
         path = os.path.join(path, subfolder) if subfolder else path
         for name in ("dtype", "torch_dtype"):
             value = kwargs.pop(name, None)
             if value not in (None, "auto"):
-                raise ValueError(f"{name}={value!r}: dsv41 weights keep their stored dtypes (bf16 activations, fp32 "
-                                 f"head, FP8/FP4 storage); load with the default dtype")
+                raise ValueError(
+                    f"{name}={value!r}: dsv41 weights keep their stored dtypes (bf16 activations, fp32 "
+                    f"head, FP8/FP4 storage); load with the default dtype"
+                )
         device = kwargs.pop("device_map", None)
-        one_device = device is None or isinstance(device, torch.device) or (
-            isinstance(device, str) and device not in ("auto", "balanced", "balanced_low_0", "sequential"))
+        one_device = (
+            device is None
+            or isinstance(device, torch.device)
+            or (isinstance(device, str) and device not in ("auto", "balanced", "balanced_low_0", "sequential"))
+        )
         if not one_device:
             raise ValueError(f"device_map={device!r}: dsv41 runs on one device; pass e.g. 'cpu' or 'cuda:0'")
         if kwargs.pop("use_safetensors", None) is False:
@@ -305,11 +355,15 @@ class DeepseekV41ForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("push_to_hub is not supported: dsv41 writes local folders only")
         folder = os.fspath(save_directory)
         os.makedirs(folder, exist_ok=True)
-        stale = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors.index.json")
-                       or (n.endswith(".safetensors") and n.startswith("model-")))
+        stale = sorted(
+            n
+            for n in os.listdir(folder)
+            if n.endswith(".safetensors.index.json") or (n.endswith(".safetensors") and n.startswith("model-"))
+        )
         if stale:
-            raise ValueError(f"{folder} already holds other weight files ({', '.join(stale[:4])}); save into an "
-                             f"empty folder")
+            raise ValueError(
+                f"{folder} already holds other weight files ({', '.join(stale[:4])}); save into an empty folder"
+            )
         state = {name: p.detach().to("cpu").contiguous() for name, p in self.model.named_parameters()}
         save_file(state, os.path.join(folder, SINGLE_FILE), metadata={"format": "pt"})
         with open(os.path.join(folder, "config.json"), "w") as f:

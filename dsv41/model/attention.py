@@ -19,8 +19,6 @@ the decode ordering of window entries.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -52,7 +50,7 @@ class Compressor(nn.Module):
             self.wgate = Linear(cfg.dim, cfg.head_dim, fmt)
         self.reference_numerics = False  # canonical pooling softmax and sum (dsv41.ops.canonical)
 
-    def forward(self, x: torch.Tensor, start_pos: int, cache) -> Optional[torch.Tensor]:
+    def forward(self, x: torch.Tensor, start_pos: int, cache) -> torch.Tensor | None:
         """x [B, S, dim] bf16 -> latents [B, G, head_dim] bf16 for the G groups completed, or None."""
         if self.ratio == 1:
             return self.norm(self.wkv(x))
@@ -102,7 +100,7 @@ class Indexer(nn.Module):
         self.is_candidate_source = layer_id == cfg.candidate_source_layer
         self.uses_candidates = 0 <= cfg.candidate_source_layer < layer_id
         self.candidate_blocks, self.candidate_block_size = cfg.candidate_topk_blocks, cfg.candidate_block_size
-        self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
+        self.weight_scale = self.head_dim**-0.5 * self.n_heads**-0.5
         # top-k ties to the lowest position (layout-independent); False: torch.topk's, like the reference
         self.canonical_ties = True
         # canonical ties: score key blocks with a running top-k (False: materialise all scores; both tested equal)
@@ -133,8 +131,18 @@ class Indexer(nn.Module):
         return ops.fp4_qdq(k, FP4_BLOCK, "ue8m0") if self.fp4_keys else k
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, cache, source: int, n_keys: int, freqs: torch.Tensor,
-                visible: torch.Tensor, offset: int, shared: dict) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        cache,
+        source: int,
+        n_keys: int,
+        freqs: torch.Tensor,
+        visible: torch.Tensor,
+        offset: int,
+        shared: dict,
+    ) -> torch.Tensor:
         """x [B, S, dim], qr [B, S, q_lora]; the index keys are the first `n_keys` entries of layer `source`
         in `cache` (those visible to the last query); visible [S, 1] complete groups per query. Returns
         int32 [B, S, min(topk, n_keys)] row ids + offset, ascending, -1 for unusable picks."""
@@ -145,17 +153,21 @@ class Indexer(nn.Module):
         if self.canonical_ties and self.streaming:
             return self._select_streaming(q, weights, cache, source, n_keys, visible, offset, k, shared)
         index_k = cache.read_index_keys(source, x.size(0), n_keys)
-        scores = ops.mask_invisible(ops.index_scores(q, index_k, weights, self.reference_numerics), visible)  # [B, S, T]
+        scores = ops.mask_invisible(
+            ops.index_scores(q, index_k, weights, self.reference_numerics), visible
+        )  # [B, S, T]
         if self.is_candidate_source:
-            shared["candidates"] = ops.candidate_pool(scores, visible, self.candidate_blocks, self.candidate_block_size,
-                                                      self.canonical_ties)
+            shared["candidates"] = ops.candidate_pool(
+                scores, visible, self.candidate_blocks, self.candidate_block_size, self.canonical_ties
+            )
             _trace(shared, f"debug.layers.{self.layer_id}.candidates", shared["candidates"])
         elif self.uses_candidates:
             scores = scores.masked_fill(~shared["candidates"], -torch.inf)
         return ops.select_topk(scores, k, offset, self.canonical_ties)
 
-    def _select_streaming(self, q, weights, cache, source: int, n_keys: int, visible: torch.Tensor, offset: int,
-                          k: int, shared: dict) -> torch.Tensor:
+    def _select_streaming(
+        self, q, weights, cache, source: int, n_keys: int, visible: torch.Tensor, offset: int, k: int, shared: dict
+    ) -> torch.Tensor:
         """The same selection as the materialised path (tested equal) without ever holding scores for
         all keys: key blocks are read (dequantised) one at a time, scored and merged into a running top-k
         (`ops.merge_topk`); the candidate source keeps a running top-n of block maxima the same way; a
@@ -189,8 +201,13 @@ class Indexer(nn.Module):
             for start in range(0, n_keys, span):
                 end = min(n_keys, start + span)
                 pos = torch.arange(start, end, device=device)
-                scores = torch.cat([ops.index_scores_mm(q, cache.read_index_keys(source, b, min(end, a + step), a), weights)
-                                    for a in range(start, end, step)], dim=-1)
+                scores = torch.cat(
+                    [
+                        ops.index_scores_mm(q, cache.read_index_keys(source, b, min(end, a + step), a), weights)
+                        for a in range(start, end, step)
+                    ],
+                    dim=-1,
+                )
                 if end > all_visible:
                     scores = scores.masked_fill(pos >= visible, -torch.inf)  # [B, S, end - start]
                 picked_scores, picked = ops.merge_topk(picked_scores, picked, scores, pos, k)
@@ -206,8 +223,11 @@ class Indexer(nn.Module):
                 block_scores, block_ids = block_scores.gather(-1, order), block_ids.gather(-1, order)
                 shared["candidate_blocks"] = torch.where(block_scores > -torch.inf, block_ids, -1)
                 if shared.get("trace") is not None:
-                    _trace(shared, f"debug.layers.{self.layer_id}.candidates",
-                           ops.blocks_to_mask(shared["candidate_blocks"], n_keys, size))
+                    _trace(
+                        shared,
+                        f"debug.layers.{self.layer_id}.candidates",
+                        ops.blocks_to_mask(shared["candidate_blocks"], n_keys, size),
+                    )
         # picks in ascending positions (the merge keeps position order, and a Full layer's -inf picks are
         # the invisible positions, after every visible one); -1 for those not visible or not in the pool
         return torch.where(picked_scores > -torch.inf, picked + offset, -1).int()
@@ -224,7 +244,7 @@ class Attention(nn.Module):
         self.n_groups, self.o_lora_rank = cfg.o_groups, cfg.o_lora_rank
         self.window = cfg.window_size
         self.ratio = cfg.compress_ratios[layer_id]
-        self.softmax_scale = self.head_dim ** -0.5
+        self.softmax_scale = self.head_dim**-0.5
         self.kv_source = cfg.kv_source_of(layer_id)
         self.index_source = cfg.index_source_of(layer_id)
         self.rope = rope  # shared table; a plain attribute, not a submodule
@@ -281,12 +301,13 @@ class Attention(nn.Module):
             ids = ring_ids(pos, start_pos, first_valid, w)  # [S, W]
         keep = min(s, w)
         slots = torch.arange(start_pos + s - keep, start_pos + s, device=device) % w
-        cache.window_write(self.layer_id, b, slots, kv[:, s - keep:])
+        cache.window_write(self.layer_id, b, slots, kv[:, s - keep :])
         return rows, ids.int().unsqueeze(0).expand(b, -1, -1)
 
     # ------------------------------------------------------------------ compressed
-    def _compressed(self, x: torch.Tensor, qr: torch.Tensor, start_pos: int, offset: int, cache,
-                    shared: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def _compressed(
+        self, x: torch.Tensor, qr: torch.Tensor, start_pos: int, offset: int, cache, shared: dict
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Update the compressed cache if this layer is a kv source, then pick the entries each query
         reads. Returns (rows [B, T, head_dim], ids int32 [B, S, k] into cat(window, rows))."""
         b, s, _ = x.shape
@@ -296,9 +317,14 @@ class Attention(nn.Module):
         if self.compressor is not None:
             self.write_compressed(x, start_pos, cache)
             if shared.get("trace") is not None:
-                _trace(shared, f"debug.layers.{self.layer_id}.compress_kv",
-                       cache.read_compressed(self.kv_source, b, n_visible))
-                _trace(shared, f"debug.layers.{self.layer_id}.index_k", cache.read_index_keys(self.kv_source, b, n_visible))
+                _trace(
+                    shared,
+                    f"debug.layers.{self.layer_id}.compress_kv",
+                    cache.read_compressed(self.kv_source, b, n_visible),
+                )
+                _trace(
+                    shared, f"debug.layers.{self.layer_id}.index_k", cache.read_index_keys(self.kv_source, b, n_visible)
+                )
 
         if self.indexer is not None:
             if n_visible == 0:
@@ -336,13 +362,15 @@ class Attention(nn.Module):
         kv [..., S, head_dim] RoPE'd and FP8-rounded, the window-KV storage format)."""
         ref = self.reference_numerics
         qr = self.q_norm(self.wq_a(x))
-        q = ops.apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), freqs, self.rope_dim,
-                           reference=ref)
+        q = ops.apply_rope(
+            self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), freqs, self.rope_dim, reference=ref
+        )
         kv = ops.apply_rope(self.kv_norm(self.wkv(x)), freqs, self.rope_dim, reference=ref)
         return qr, q, rounded(kv, ops.fp8_qdq)
 
-    def attend(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, start_pos: int,
-               cache, shared: dict) -> torch.Tensor:
+    def attend(
+        self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, start_pos: int, cache, shared: dict
+    ) -> torch.Tensor:
         """The sequence-mixing part for one run of consecutive positions: update the window ring and the
         compressed cache, select, and attend. Returns [B, S, H, head_dim] (still RoPE'd)."""
         rows, ids = self._window(kv, start_pos, cache)
@@ -353,11 +381,13 @@ class Attention(nn.Module):
             ids = torch.cat([ids, comp_ids], dim=-1)
             if shared.get("lone_widths") and comp_ids.size(-1):
                 return self._attend_at_lone_widths(q, rows, ids, start_pos, window)
-        return ops.sparse_attn(q, rows, self.attn_sink, ids, self.softmax_scale, self.reference_numerics,
-                               self.heads_per_call)
+        return ops.sparse_attn(
+            q, rows, self.attn_sink, ids, self.softmax_scale, self.reference_numerics, self.heads_per_call
+        )
 
-    def _attend_at_lone_widths(self, q: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, start_pos: int,
-                               window: int) -> torch.Tensor:
+    def _attend_at_lone_widths(
+        self, q: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, start_pos: int, window: int
+    ) -> torch.Tensor:
         """Each query attended at the width a lone decode at its position lists: `window` slots plus
         min(k, its visible groups) compressed ones (the chunk lists k = the last query's count for all).
         The online softmax sums in 64-index blocks, so trailing unused slots change the rounding; the
@@ -367,13 +397,21 @@ class Attention(nn.Module):
         pos = torch.arange(start_pos, start_pos + s)
         width = ((pos + 1) // self.ratio).clamp(max=k)  # [S]
         if bool((width == k).all()):
-            return ops.sparse_attn(q, rows, self.attn_sink, ids, self.softmax_scale, self.reference_numerics,
-                                   self.heads_per_call)
+            return ops.sparse_attn(
+                q, rows, self.attn_sink, ids, self.softmax_scale, self.reference_numerics, self.heads_per_call
+            )
         out = q.new_empty(q.shape)
         for w in width.unique().tolist():
             group = (width == w).nonzero().flatten().to(q.device)
-            out[:, group] = ops.sparse_attn(q[:, group], rows, self.attn_sink, ids[:, group, :window + w],
-                                            self.softmax_scale, self.reference_numerics, self.heads_per_call)
+            out[:, group] = ops.sparse_attn(
+                q[:, group],
+                rows,
+                self.attn_sink,
+                ids[:, group, : window + w],
+                self.softmax_scale,
+                self.reference_numerics,
+                self.heads_per_call,
+            )
         return out
 
     def output(self, o: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,6 @@ mix the residual.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -24,7 +22,7 @@ from dsv41.ops import canonical
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rope: ops.RotaryTable, engram_rows: Optional[int] = None):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rope: ops.RotaryTable, engram_rows: int | None = None):
         super().__init__()
         self.layer_id = layer_id
         self.eps = cfg.norm_eps
@@ -69,16 +67,25 @@ class Block(nn.Module):
         return torch.sum(terms, dim=2).to(h.dtype)
 
     @staticmethod
-    def hc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                reference: bool = False) -> torch.Tensor:
+    def hc_post(
+        out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, reference: bool = False
+    ) -> torch.Tensor:
         """copy_j = post_j * out + sum_i comb[i, j] * residual_i; [B,S,dim] -> [B,S,hc,dim]."""
         terms = comb.unsqueeze(-1) * residual.unsqueeze(-2)
         mixed = canonical.sum(terms, dim=2) if reference else torch.sum(terms, dim=2)
         return (post.unsqueeze(-1) * out.unsqueeze(-2) + mixed).type_as(out)
 
-    def forward(self, h: torch.Tensor, start_pos: int, pre_mix: torch.Tensor, cache, shared: dict,
-                image_mask: Optional[torch.Tensor] = None, attend=None,
-                engram_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        h: torch.Tensor,
+        start_pos: int,
+        pre_mix: torch.Tensor,
+        cache,
+        shared: dict,
+        image_mask: torch.Tensor | None = None,
+        attend=None,
+        engram_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """h [B, S, hc, dim] bf16, pre_mix [B, S, hc] fp32 -> (h, the FFN pre mix for the next block).
 
         attend: replaces the attention call (the training forward); engram_ids: apply this block's Engram
@@ -89,16 +96,16 @@ class Block(nn.Module):
             attend = lambda x: self.attn(x, start_pos, cache, shared)  # noqa: E731
         return self.run(h, pre_mix, attend, shared, image_mask)
 
-    def run(self, h: torch.Tensor, pre_mix: torch.Tensor, attend, shared: dict,
-            image_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self, h: torch.Tensor, pre_mix: torch.Tensor, attend, shared: dict, image_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The block with the attention call supplied by the caller (`attend`: normed input -> output),
         so the engine can run one block over a ragged batch of sequences; `shared["token_calls"]` then
         lists each sequence chunk's token count, so every token's numbers are those of its chunk run
         alone (dsv41.ops.lanes)."""
         calls = shared.get("token_calls")
         residual = h
-        attn_pre, attn_post, attn_comb = self.hc_mixes(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
-                                                       calls)
+        attn_pre, attn_post, attn_comb = self.hc_mixes(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, calls)
         x = attend(self.attn_input(h, pre_mix))
         _trace(shared, f"hidden.layers.{self.layer_id}.attn_out", x)
         ref = self.reference_numerics

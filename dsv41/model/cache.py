@@ -15,7 +15,6 @@ stores; `bytes_per_token` reports the logical (packed) size, which is what a pac
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
@@ -31,16 +30,18 @@ class ModelCache:
     index_k: dict[int, torch.Tensor] = field(default_factory=dict)  # kv source -> [B, max/ratio, index_head_dim]
     group_kv: dict[int, torch.Tensor] = field(default_factory=dict)  # ratio>1 source -> [B, ratio, head_dim] fp32
     group_score: dict[int, torch.Tensor] = field(default_factory=dict)  # same shape, -inf when empty
-    engram_ids: Optional[torch.Tensor] = None  # [B, max_len] int64 compressed ids
+    engram_ids: torch.Tensor | None = None  # [B, max_len] int64 compressed ids
 
     @classmethod
-    def create(cls, cfg: ModelConfig, batch_size: int, max_seq_len: int, device=None) -> "ModelCache":
+    def create(cls, cfg: ModelConfig, batch_size: int, max_seq_len: int, device=None) -> ModelCache:
         if batch_size <= 0 or max_seq_len <= 0:
             raise ValueError(f"cache needs batch_size > 0 and max_seq_len > 0, got {batch_size}, {max_seq_len}")
         bf16 = dict(dtype=torch.bfloat16, device=device)
         # one ring per layer; the DSpark stages (layer ids n_layers..) hold backbone rows for the drafter
-        window = [torch.zeros(batch_size, cfg.window_size, cfg.head_dim, **bf16)
-                  for _ in range(cfg.n_layers + cfg.drafter_stages)]
+        window = [
+            torch.zeros(batch_size, cfg.window_size, cfg.head_dim, **bf16)
+            for _ in range(cfg.n_layers + cfg.drafter_stages)
+        ]
         cache = cls(batch_size, max_seq_len, window)
         for layer in cfg.kv_source_layers:
             ratio = cfg.compress_ratios[layer]
@@ -69,11 +70,11 @@ class ModelCache:
     def group_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.group_kv[layer], self.group_score[layer]
 
-    def write_compressed(self, layer: int, b: int, first: int, kv: torch.Tensor, keys: Optional[torch.Tensor]) -> None:
+    def write_compressed(self, layer: int, b: int, first: int, kv: torch.Tensor, keys: torch.Tensor | None) -> None:
         n = kv.size(1)
-        self.compressed_kv[layer][:b, first:first + n] = kv
+        self.compressed_kv[layer][:b, first : first + n] = kv
         if keys is not None:
-            self.index_k[layer][:b, first:first + n] = keys
+            self.index_k[layer][:b, first : first + n] = keys
 
     def read_compressed(self, layer: int, b: int, n: int) -> torch.Tensor:
         return self.compressed_kv[layer][:b, :n]
@@ -87,7 +88,9 @@ class ModelCache:
         rows = torch.arange(b, device=keys.device).view(b, *[1] * (entries.dim() - 1))
         return keys[rows, entries]
 
-    def read_selected(self, layer: int, b: int, n: int, ids: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_selected(
+        self, layer: int, b: int, n: int, ids: torch.Tensor, offset: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The compressed rows a query set reads and ids into them (here: all n rows, ids unchanged)."""
         return self.compressed_kv[layer][:b, :n], ids
 
@@ -96,7 +99,8 @@ class ModelCache:
             raise ValueError(f"batch of {batch_size} does not fit a cache made for {self.batch_size}")
         if start_pos < 0 or start_pos + length > self.max_seq_len:
             raise ValueError(
-                f"positions {start_pos}..{start_pos + length - 1} do not fit a cache of max_seq_len {self.max_seq_len}")
+                f"positions {start_pos}..{start_pos + length - 1} do not fit a cache of max_seq_len {self.max_seq_len}"
+            )
 
 
 def global_kv_bytes_per_token(cfg: ModelConfig) -> dict[str, float]:
@@ -115,8 +119,9 @@ def fixed_state_bytes_per_sequence(cfg: ModelConfig) -> dict[str, int]:
     the same in the reference's bf16 container, and the ratio-2 partial groups (fp32 kv + score)."""
     n_layers = cfg.n_layers + cfg.n_mtp_layers
     slot_fp8 = cfg.head_dim + cfg.head_dim // 32
-    groups = sum(2 * 4 * cfg.compress_ratios[s] * cfg.head_dim
-                 for s in cfg.kv_source_layers if cfg.compress_ratios[s] > 1)
+    groups = sum(
+        2 * 4 * cfg.compress_ratios[s] * cfg.head_dim for s in cfg.kv_source_layers if cfg.compress_ratios[s] > 1
+    )
     return {
         "window_fp8": n_layers * cfg.window_size * slot_fp8,
         "window_bf16_container": n_layers * cfg.window_size * cfg.head_dim * 2,

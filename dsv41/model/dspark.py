@@ -21,8 +21,8 @@ token i+1 is chosen from base_logits[i] + bias(token i)); the confidence head sc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -70,11 +70,13 @@ class DSparkStage(Block):
     def main_kv(self, main_x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """main_x [B, S, dim] -> this stage's ring rows [B, S, head_dim]: kv_norm(wkv(.)), RoPE, FP8 rounding."""
         attn = self.attn
-        return ops.fp8_qdq(ops.apply_rope(attn.kv_norm(attn.wkv(main_x)), freqs, attn.rope_dim,
-                                          reference=attn.reference_numerics))
+        return ops.fp8_qdq(
+            ops.apply_rope(attn.kv_norm(attn.wkv(main_x)), freqs, attn.rope_dim, reference=attn.reference_numerics)
+        )
 
-    def draft_attention(self, x: torch.Tensor, ring: torch.Tensor, ring_ids: torch.Tensor,
-                        freqs: torch.Tensor) -> torch.Tensor:
+    def draft_attention(
+        self, x: torch.Tensor, ring: torch.Tensor, ring_ids: torch.Tensor, freqs: torch.Tensor
+    ) -> torch.Tensor:
         """x [B, k, dim] normed draft inputs; ring [B, W, head_dim]; ring_ids [B, n] int: the ring slots to
         read (slot order), -1 padding after them; freqs: the draft positions' rotations ([k, r] or
         [B, k, r]). Every query reads those slots and all k draft keys (after the slots)."""
@@ -89,9 +91,12 @@ class DSparkStage(Block):
             order = torch.sort((ids < 0).int(), dim=1, stable=True).indices
             ids = ids.gather(1, order)
         ids = ids.int().unsqueeze(1).expand(b, k, -1)
-        return attn.output(ops.sparse_attn(q, rows, attn.attn_sink, ids, attn.softmax_scale, attn.reference_numerics,
-                                           attn.heads_per_call),
-                           freqs)
+        return attn.output(
+            ops.sparse_attn(
+                q, rows, attn.attn_sink, ids, attn.softmax_scale, attn.reference_numerics, attn.heads_per_call
+            ),
+            freqs,
+        )
 
 
 def ring_slots(pos: torch.Tensor, first: torch.Tensor, window: int) -> torch.Tensor:
@@ -105,7 +110,7 @@ def ring_slots(pos: torch.Tensor, first: torch.Tensor, window: int) -> torch.Ten
     ids = torch.where(valid, slot, -1)
     order = torch.sort((~valid).int(), dim=1, stable=True).indices  # the readable slots first, in slot order
     ids = ids.gather(1, order)
-    return ids[:, :int(span.max())]
+    return ids[:, : int(span.max())]
 
 
 @dataclass
@@ -141,13 +146,20 @@ def prefill(stages: nn.ModuleList, hidden: torch.Tensor, start_pos: int, cache) 
     for stage in stages:
         w = stage.attn.window
         keep = min(s, w)
-        rows = stage.main_kv(mx[:, s - keep:], stage.attn.rope(start_pos + s - keep, keep, hidden.device))
+        rows = stage.main_kv(mx[:, s - keep :], stage.attn.rope(start_pos + s - keep, keep, hidden.device))
         slots = torch.arange(start_pos + s - keep, start_pos + s, device=hidden.device) % w
         cache.window_write(stage.layer_id, b, slots, rows)
 
 
-def draft(model, first: torch.Tensor, hidden: torch.Tensor, pos: int, cache, trace: Optional[dict] = None,
-          choose: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> Draft:
+def draft(
+    model,
+    first: torch.Tensor,
+    hidden: torch.Tensor,
+    pos: int,
+    cache,
+    trace: dict | None = None,
+    choose: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Draft:
     """Draft k = dspark_block_size tokens after backbone position `pos`.
 
     first [B] int64: the token at pos + 1 (the backbone's choice at pos); hidden [B, 1, F]: main_hidden of
@@ -190,9 +202,13 @@ def draft(model, first: torch.Tensor, hidden: torch.Tensor, pos: int, cache, tra
             ring_ids = torch.arange(min(w, pos + 1), device=device).expand(b, -1)
             freqs = attn.rope(pos + 1, k, device)
         ring = cache.window_read(stage.layer_id, b)
-        stage_trace: Optional[dict] = {} if trace is not None else None
-        h, pre_mix = stage.run(h, pre_mix, lambda x, s=stage, r=ring, i=ring_ids, f=freqs: s.draft_attention(x, r, i, f),
-                               {"trace": stage_trace})
+        stage_trace: dict | None = {} if trace is not None else None
+        h, pre_mix = stage.run(
+            h,
+            pre_mix,
+            lambda x, s=stage, r=ring, i=ring_ids, f=freqs: s.draft_attention(x, r, i, f),
+            {"trace": stage_trace},
+        )
         if trace is not None:
             prefix = f"hidden.layers.{stage.layer_id}."
             for name in ("attn_out", "ffn_out"):
@@ -228,8 +244,15 @@ def draft(model, first: torch.Tensor, hidden: torch.Tensor, pos: int, cache, tra
     _trace(shared, "spec.markov_embed", embed)
     result = Draft(torch.stack(tokens, dim=1), torch.stack(logits, dim=1), base, torch.stack(biases, dim=1), confidence)
     if trace is not None:
-        trace.update({"spec.base_logits": base, "spec.markov_bias": result.markov_bias, "spec.logits": result.logits,
-                      "spec.output_ids": result.tokens, "spec.confidence": confidence})
+        trace.update(
+            {
+                "spec.base_logits": base,
+                "spec.markov_bias": result.markov_bias,
+                "spec.logits": result.logits,
+                "spec.output_ids": result.tokens,
+                "spec.confidence": confidence,
+            }
+        )
     return result
 
 
@@ -240,8 +263,9 @@ class DraftTrainOutput:
     confidence: torch.Tensor  # [A, k] fp32 logits, from detached features (a probe: no gradient into the blocks)
 
 
-def draft_train(model, main_hidden: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor, anchors: torch.Tensor,
-                qat: bool = True) -> DraftTrainOutput:
+def draft_train(
+    model, main_hidden: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor, anchors: torch.Tensor, qat: bool = True
+) -> DraftTrainOutput:
     """The drafter's training forward, differentiable in the `mtp.*` weights only (spec §12b: trained after
     pre-training with the backbone frozen; the shared embedding and head get no gradient).
 
@@ -282,8 +306,9 @@ def draft_train(model, main_hidden: torch.Tensor, tokens: torch.Tensor, rows: to
         freqs = attn.rope.at(draft_pos.flatten(), device).view(a_n, k, -1)
 
         def attend(x, attn=attn, ring=ring, ring_ok=ring_ok, freqs=freqs):
-            q = ops.apply_rope(attn.wq_b(attn.q_norm(attn.wq_a(x))).unflatten(-1, (attn.n_heads, attn.head_dim)),
-                               freqs, attn.rope_dim)
+            q = ops.apply_rope(
+                attn.wq_b(attn.q_norm(attn.wq_a(x))).unflatten(-1, (attn.n_heads, attn.head_dim)), freqs, attn.rope_dim
+            )
             kv = ops.apply_rope(attn.kv_norm(attn.wkv(x)), freqs, attn.rope_dim)
             kv = qat_ops.fp8_fake_quant(kv) if qat else kv
             keys = torch.cat([ring, kv], dim=1).float()  # [A, W + k, head_dim]

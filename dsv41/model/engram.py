@@ -13,7 +13,6 @@ every copy of the stream.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
@@ -21,10 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv41 import ops
-from dsv41.ops import canonical
-from dsv41.ops.lanes import per_call
 from dsv41.config import ModelConfig
 from dsv41.model.layers import Linear
+from dsv41.ops import canonical
+from dsv41.ops.lanes import per_call
 
 
 def is_prime(n: int) -> bool:
@@ -55,8 +54,10 @@ def hash_multipliers(layer_ids: tuple[int, ...], max_ngram_size: int, compressed
     """Odd int64 multipliers [n_layers, max_ngram_size], from numpy's PCG64 seeded with 10007 * layer_id,
     bounded so that id * multiplier never overflows int64."""
     bound = max(1, (np.iinfo(np.int64).max // compressed_vocab) // 2)
-    rows = [np.random.default_rng(10007 * layer).integers(0, bound, size=(max_ngram_size,), dtype=np.int64) * 2 + 1
-            for layer in layer_ids]
+    rows = [
+        np.random.default_rng(10007 * layer).integers(0, bound, size=(max_ngram_size,), dtype=np.int64) * 2 + 1
+        for layer in layer_ids
+    ]
     return torch.from_numpy(np.stack(rows))
 
 
@@ -68,7 +69,7 @@ class EngramLayout:
     primes: tuple[tuple[tuple[int, ...], ...], ...]  # [layer][order - 2][head]
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig) -> Optional["EngramLayout"]:
+    def from_config(cls, cfg: ModelConfig) -> EngramLayout | None:
         if not cfg.engram_layer_ids:
             return None
         seen: set[int] = set()
@@ -100,8 +101,11 @@ class NgramHasher(nn.Module):
         offsets = [np.cumsum([0] + sizes[:-1]) for sizes in flat]
         self.register_buffer("primes", torch.tensor(layout.primes, dtype=torch.int64), persistent=False)
         self.register_buffer("offsets", torch.tensor(np.array(offsets), dtype=torch.int64), persistent=False)
-        self.register_buffer("multipliers", hash_multipliers(layout.layer_ids, layout.max_ngram_size,
-                                                             cfg.engram_compressed_vocab_size), persistent=False)
+        self.register_buffer(
+            "multipliers",
+            hash_multipliers(layout.layer_ids, layout.max_ngram_size, cfg.engram_compressed_vocab_size),
+            persistent=False,
+        )
         # raw id -> compressed id; a deterministic stub until a tokenizer-derived map is installed
         stub = torch.arange(cfg.vocab_size, dtype=torch.int64) % cfg.engram_compressed_vocab_size
         self.register_buffer("token_map", stub, persistent=False)
@@ -111,19 +115,22 @@ class NgramHasher(nn.Module):
     def set_token_map(self, token_map: torch.Tensor) -> None:
         token_map = torch.as_tensor(token_map, dtype=torch.int64)
         if token_map.shape != self.token_map.shape:
-            raise ValueError(f"engram token map needs shape {tuple(self.token_map.shape)}, got {tuple(token_map.shape)}")
+            raise ValueError(
+                f"engram token map needs shape {tuple(self.token_map.shape)}, got {tuple(token_map.shape)}"
+            )
         if token_map.min() < 0 or token_map.max() >= self.compressed_vocab:
             raise ValueError(f"engram token map values must lie in [0, {self.compressed_vocab})")
         self.token_map = token_map.to(self.token_map.device)
 
-    def forward(self, input_ids: torch.Tensor, start_pos: int, history: torch.Tensor,
-                token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, start_pos: int, history: torch.Tensor, token_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """input_ids [B, S]; history [>=B, max_len] is updated in place. Returns [B, S, L, cols] int64."""
         b, s = input_ids.shape
         compressed = self.token_map[input_ids]
         if token_mask is not None:
             compressed = torch.where(token_mask, compressed, ops.engram_hash.DEAD)
-        history[:b, start_pos:start_pos + s] = compressed
+        history[:b, start_pos : start_pos + s] = compressed
         pad_id = int(self.token_map[self.pad_token])
         return ops.ngram_hash(history[:b], start_pos, s, self.multipliers, self.primes, self.offsets, pad_id)
 
@@ -172,8 +179,9 @@ class Engram(nn.Module):
         # sigmoid: the same bits on every CPU, slower (see Transformer.set_reference_numerics)
         self.reference_numerics = False
 
-    def forward(self, h: torch.Tensor, hash_ids: torch.Tensor, token_mask: Optional[torch.Tensor] = None,
-                calls=None) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, hash_ids: torch.Tensor, token_mask: torch.Tensor | None = None, calls=None
+    ) -> torch.Tensor:
         """h [B, S, hc, dim] bf16; hash_ids [B, S, cols]; token_mask [B, S] (False = gate shut); calls: the
         tokens' separate calls when several sequences' chunks share this one (`ops.lanes.per_call`).
         Returns h + gate * value, gate per (token, copy), value shared by the copies."""
@@ -185,8 +193,10 @@ class Engram(nn.Module):
         # each (token, copy) normalised over dim separately, not jointly over the copies
         ref = self.reference_numerics
         rsqrt = ops.reductions.rsqrt
-        rstd = (rsqrt(ops.mean_of_squares(hf, ref) + self.eps, ref) * rsqrt(ops.mean_of_squares(key, ref) + self.eps, ref))
-        dot = ops.sum_fp32_terms(hf * weight * key, ref) * rstd * self.dim ** -0.5
+        rstd = rsqrt(ops.mean_of_squares(hf, ref) + self.eps, ref) * rsqrt(
+            ops.mean_of_squares(key, ref) + self.eps, ref
+        )
+        dot = ops.sum_fp32_terms(hf * weight * key, ref) * rstd * self.dim**-0.5
         signed_sqrt = torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot)
         # as if each call of `calls` tokens ran alone (dsv41.ops.lanes: the engine's batch invariance)
         gate = canonical.sigmoid(signed_sqrt) if ref else per_call("sigmoid", signed_sqrt, calls)

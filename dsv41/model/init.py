@@ -23,7 +23,7 @@ def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> n
     def normal(shape, scale=std):
         return torch.randn(shape, generator=gen) * scale
 
-    for name, module in model.named_modules():
+    for module in model.modules():
         if isinstance(module, Linear):
             w = normal((module.out_features, module.in_features))
             if module.fmt == "fp8":
@@ -40,8 +40,8 @@ def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> n
             module.weight.fill_(1.0)
         elif isinstance(module, EngramTable):
             rows = normal(tuple(module.weight.shape))
-            scale = torch.full_like(module.scale, 2.0 ** -6, dtype=torch.float32)
-            module.weight.copy_((rows / 2.0 ** -6).clamp(-448, 448).to(torch.float8_e4m3fn))
+            scale = torch.full_like(module.scale, 2.0**-6, dtype=torch.float32)
+            module.weight.copy_((rows / 2.0**-6).clamp(-448, 448).to(torch.float8_e4m3fn))
             module.scale.copy_(scale.to(torch.float8_e8m0fnu))
         elif isinstance(module, Gate):  # a bare parameter, not a Linear: zeros would tie every score
             module.weight.copy_(normal(tuple(module.weight.shape)))

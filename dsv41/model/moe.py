@@ -4,7 +4,6 @@ expert (spec-v41.md §7). Every backbone layer is MoE; DSpark blocks have their 
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 from torch import nn
@@ -30,9 +29,10 @@ class RoutingRecord:
     are recomputed from its current scores over those ids, so the router still gets gradient.
     ids_only: keep only each call's expert ids (the engine's capture; no scores or inputs held)."""
 
-    def __init__(self, capacity_factor: float = 0.0, replay: Optional[list[torch.Tensor]] = None,
-                 ids_only: bool = False) -> None:
-        self.calls: list[tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]] = []
+    def __init__(
+        self, capacity_factor: float = 0.0, replay: list[torch.Tensor] | None = None, ids_only: bool = False
+    ) -> None:
+        self.calls: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]] = []
         self.capacity_factor = capacity_factor
         self.natural: list[torch.Tensor] = []
         self.replay = replay
@@ -41,7 +41,7 @@ class RoutingRecord:
     def append(self, call: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
         self.calls.append((None, call[1], None) if self.ids_only else call)
 
-    def replayed(self, tokens: int, k: int, n_experts: int, device) -> Optional[torch.Tensor]:
+    def replayed(self, tokens: int, k: int, n_experts: int, device) -> torch.Tensor | None:
         """The ids this (next) router call must use, int64 [tokens, k], or None without replay."""
         if self.replay is None:
             return None
@@ -50,8 +50,9 @@ class RoutingRecord:
             raise ValueError(f"router replay holds {len(self.replay)} calls; MoE call {call} has none")
         ids = self.replay[call]
         if tuple(ids.shape) != (tokens, k):
-            raise ValueError(f"router replay call {call}: expert ids of shape {tuple(ids.shape)}, "
-                             f"the router needs [{tokens}, {k}]")
+            raise ValueError(
+                f"router replay call {call}: expert ids of shape {tuple(ids.shape)}, the router needs [{tokens}, {k}]"
+            )
         ids = ids.to(device=device, dtype=torch.int64)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n_experts):
             raise ValueError(f"router replay call {call}: expert ids must lie in [0, {n_experts})")
@@ -89,8 +90,13 @@ class Gate(nn.Module):
             logits = ops.invariant_matmul(x.float(), self.weight.float(), self.row_chunk) / self.temperature
         return ops.router_scores(logits, self.score_func, calls, self.reference_numerics)
 
-    def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None,
-                aux: Optional[RoutingRecord] = None, calls=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        image_mask: torch.Tensor | None = None,
+        aux: RoutingRecord | None = None,
+        calls=None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, dim] -> (weights [T, k] fp32, expert ids [T, k]). aux: if given, receives
         (scores, expert ids, x) for the training-time balancing (dsv41.model.training), or dictates the
         ids (router replay)."""
@@ -103,8 +109,9 @@ class Gate(nn.Module):
             indices = replay
             weights = ops.moe.route_weights(scores, indices, self.normalize, self.route_scale, self.reference_numerics)
         else:
-            weights, indices = ops.route(scores, bias, self.topk, self.normalize, self.route_scale,
-                                         self.canonical_ties, self.reference_numerics)
+            weights, indices = ops.route(
+                scores, bias, self.topk, self.normalize, self.route_scale, self.canonical_ties, self.reference_numerics
+            )
         if aux is not None and aux.capacity_factor > 0 and replay is None:
             aux.natural.append(indices)
             capacity = math.ceil(aux.capacity_factor * x.size(0) * self.topk / scores.size(-1))
@@ -126,7 +133,7 @@ class Expert(nn.Module):
         self.swiglu_limit = swiglu_limit
         self.reference_numerics = False  # canonical SiLU (dsv41.ops.canonical); the Linears hold their own flag
 
-    def forward(self, x: torch.Tensor, route_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, route_weight: torch.Tensor | None = None) -> torch.Tensor:
         h = ops.clamped_swiglu(self.w1(x), self.w3(x), self.swiglu_limit, self.reference_numerics)  # fp32
         if route_weight is not None:
             h = route_weight * h
@@ -141,14 +148,20 @@ class MoE(nn.Module):
         self.gate = Gate(cfg, layer_id)
         expert_fmt = "fp4" if cfg.expert_dtype == "fp4" else cfg.dtype
         self.experts = nn.ModuleList(
-            Expert(cfg.dim, cfg.moe_inter_dim, expert_fmt, cfg.swiglu_limit) for _ in range(n_experts))
+            Expert(cfg.dim, cfg.moe_inter_dim, expert_fmt, cfg.swiglu_limit) for _ in range(n_experts)
+        )
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, cfg.dtype, cfg.swiglu_limit)
         # expert parallelism (dsv41.distributed.expert_parallel): computes the routed experts' summed outputs
         # from (moe, x, weights, indices) when the experts live on other ranks; None runs them here
         self.dispatcher = None
 
-    def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None,
-                aux: Optional[RoutingRecord] = None, calls=None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        image_mask: torch.Tensor | None = None,
+        aux: RoutingRecord | None = None,
+        calls=None,
+    ) -> torch.Tensor:
         """x [B, S, dim] bf16 -> [B, S, dim] bf16. Routed outputs are summed in fp32 in expert order.
         calls: see `Gate.scores`."""
         shape = x.shape

@@ -28,8 +28,6 @@ for a learner run with `prefill_mode="full"`.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from dsv41.model.block import Block
@@ -59,9 +57,14 @@ def prefill_spans(prompt_len: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(a, min(prompt_len, a + chunk_size)) for a in range(0, prompt_len, chunk_size)]
 
 
-def replay_forward(model, input_ids: torch.Tensor, spans: list[tuple[int, int]],
-                   routing: Optional[torch.Tensor] = None, logits_from: int = 0,
-                   record: Optional[RoutingRecord] = None) -> torch.Tensor:
+def replay_forward(
+    model,
+    input_ids: torch.Tensor,
+    spans: list[tuple[int, int]],
+    routing: torch.Tensor | None = None,
+    logits_from: int = 0,
+    record: RoutingRecord | None = None,
+) -> torch.Tensor:
     """input_ids [B, T] from position 0 -> fp32 logits [B, T - logits_from, vocab] of positions
     logits_from.., computed as the engine computed them over `spans` (see the module docstring).
 
@@ -98,7 +101,9 @@ def replay_forward(model, input_ids: torch.Tensor, spans: list[tuple[int, int]],
     for i, layer in enumerate(model.layers):
         if layer.engram is not None:
             h = layer.engram(h, hash_ids[:, :, model.engram_layout.layer_ids.index(i)], None, calls)
-        h, pre_mix = layer.run(h, pre_mix, lambda x: _attend_spans(layer.attn, x, spans, cache, per_span), shared)
+        h, pre_mix = layer.run(
+            h, pre_mix, lambda x, attn=layer.attn: _attend_spans(attn, x, spans, cache, per_span), shared
+        )
     x = model.norm(Block.hc_pre(h[:, logits_from:], pre_mix[:, logits_from:]))
     return model.logits(x)
 
@@ -109,6 +114,8 @@ def _attend_spans(attn, x: torch.Tensor, spans: list[tuple[int, int]], cache, pe
     positions = torch.arange(x.size(1), device=x.device)
     freqs = attn.rope.at(positions, x.device)
     qr, q, kv = attn.project(x, freqs)
-    outs = [attn.attend(x[:, a:e], qr[:, a:e], q[:, a:e], kv[:, a:e], a, cache, per_span[j])
-            for j, (a, e) in enumerate(spans)]
+    outs = [
+        attn.attend(x[:, a:e], qr[:, a:e], q[:, a:e], kv[:, a:e], a, cache, per_span[j])
+        for j, (a, e) in enumerate(spans)
+    ]
     return attn.output(torch.cat(outs, dim=1), freqs)

@@ -25,7 +25,7 @@ with these training-time differences:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -44,7 +44,7 @@ class TrainOptions:
     qat: bool = True
     qat_clip: bool = False  # clipped straight-through estimator
     dense_indexer: bool = False  # attend to every visible compressed entry (dense warm-up / ablation)
-    replay_start: Optional[int] = None  # simulate bounded replay for the decoder from this position
+    replay_start: int | None = None  # simulate bounded replay for the decoder from this position
     # > 0: bound each expert's picks per router call to ceil(factor x tokens x k / experts), overflow moving
     # to the token's next choice (ops.moe.capacity_topk); 0: route freely, as inference does
     capacity_factor: float = 0.0
@@ -57,7 +57,7 @@ class TrainOutput:
     balance_loss: torch.Tensor  # scalar, mean over MoE layers of the sequence-wise balance loss
     # scalar, mean over MoE layers and sequences of the router input's shared fraction within the sequence
     # (|mean_s x|^2 / mean_s |x|^2, differentiable): what the trainer's `shared_input_weight` penalises
-    shared_input_loss: Optional[torch.Tensor] = None
+    shared_input_loss: torch.Tensor | None = None
     expert_load: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> text tokens per expert [E]
     # layer -> image-span tokens per expert [E], for the layers whose router has a `bias_vl` (zeros
     # when the batch has no image tokens, so every rank reduces the same tensors)
@@ -92,7 +92,7 @@ class _Context:
         self.compressed: dict[int, torch.Tensor] = {}
         self.keys: dict[int, torch.Tensor] = {}
         self.selected: dict[int, torch.Tensor] = {}
-        self.candidates: Optional[torch.Tensor] = None
+        self.candidates: torch.Tensor | None = None
         self.kl: list[torch.Tensor] = []
 
 
@@ -134,7 +134,9 @@ def _indexer_kl(attn_probs: torch.Tensor, index_logits: torch.Tensor, selected: 
     return terms.sum(dim=-1)[has].mean()
 
 
-def _compressed(attn, x: torch.Tensor, qr: torch.Tensor, ctx: _Context) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+def _compressed(
+    attn, x: torch.Tensor, qr: torch.Tensor, ctx: _Context
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Returns (compressed rows [B, T, D], selection mask [B, S, T], index logits [B, S, T] or None)."""
     opts, src, ratio = ctx.opts, attn.kv_source, attn.ratio
     s = ctx.seq_len
@@ -208,8 +210,13 @@ def attention_train(attn, x: torch.Tensor, ctx: _Context) -> torch.Tensor:
     return attn.output(o, freqs)
 
 
-def forward_train(model: Transformer, input_ids: torch.Tensor, opts: Optional[TrainOptions] = None,
-                  token_types: Optional[torch.Tensor] = None, images: Optional[list] = None) -> TrainOutput:
+def forward_train(
+    model: Transformer,
+    input_ids: torch.Tensor,
+    opts: TrainOptions | None = None,
+    token_types: torch.Tensor | None = None,
+    images: list | None = None,
+) -> TrainOutput:
     """input_ids [B, S] from position 0 -> logits and the auxiliary losses (see the module docstring).
     token_types: optional [B, S] bool, True for image-span tokens (VL routing bias, Engram off).
     images: optional (row, start, ImagePatches) triples (see `Transformer.embed_inputs`): their spans'
@@ -240,8 +247,16 @@ def forward_train(model: Transformer, input_ids: torch.Tensor, opts: Optional[Tr
         engram_ids = None
         if layer.engram is not None:
             engram_ids = hash_ids[:, :, model.engram_layout.layer_ids.index(i)]
-        h, pre_mix = layer(h, 0, pre_mix, None, shared, token_types,
-                           attend=lambda x: attention_train(layer.attn, x, ctx), engram_ids=engram_ids)
+        h, pre_mix = layer(
+            h,
+            0,
+            pre_mix,
+            None,
+            shared,
+            token_types,
+            attend=lambda x, attn=layer.attn: attention_train(attn, x, ctx),
+            engram_ids=engram_ids,
+        )
     logits = model.logits(model.norm(Block.hc_pre(h, pre_mix)))
 
     zero = logits.sum() * 0.0
@@ -255,27 +270,46 @@ def forward_train(model: Transformer, input_ids: torch.Tensor, opts: Optional[Tr
         n_experts = scores.size(-1)
         gate_stats[layer] = gate_input_moments(x.detach().view(b, s, -1))
         per_token = x.float().view(b, s, -1)
-        shared_terms.append((per_token.mean(1).square().sum(-1) /
-                             per_token.square().sum(-1).mean(1).clamp_min(1e-12)).mean())
+        shared_terms.append(
+            (per_token.mean(1).square().sum(-1) / per_token.square().sum(-1).mean(1).clamp_min(1e-12)).mean()
+        )
         router_inputs[layer] = x.detach() if image is None else x.detach()[~image]
         balance.append(ops.moe.sequence_balance_loss(scores.view(b, s, -1), indices.view(b, s, -1), n_experts))
         loads[layer] = ops.moe.expert_load(indices, n_experts, None if image is None else ~image)
         if routing.natural:
             natural[layer] = ops.moe.expert_load(routing.natural[layer], n_experts, None if image is None else ~image)
         if model.layers[layer].ffn.gate.bias_vl is not None:
-            loads_vl[layer] = (ops.moe.expert_load(indices, n_experts, image) if image is not None
-                               else torch.zeros(n_experts, device=device))
-    return TrainOutput(logits, kl, torch.stack(balance).mean() if balance else zero,
-                       torch.stack(shared_terms).mean() if shared_terms else zero, loads, loads_vl, gate_stats,
-                       router_inputs, natural)
+            loads_vl[layer] = (
+                ops.moe.expert_load(indices, n_experts, image)
+                if image is not None
+                else torch.zeros(n_experts, device=device)
+            )
+    return TrainOutput(
+        logits,
+        kl,
+        torch.stack(balance).mean() if balance else zero,
+        torch.stack(shared_terms).mean() if shared_terms else zero,
+        loads,
+        loads_vl,
+        gate_stats,
+        router_inputs,
+        natural,
+    )
 
 
 def gate_input_moments(x: torch.Tensor) -> torch.Tensor:
     """x [B, S, dim] (a router's input) -> fp64 [dim + 4]: sum_t x, sum_t |x|^2, B*S, sum_b |mean_s x_b|^2, B."""
     x = x.double()
     per_seq = x.mean(dim=1)  # [B, dim]
-    return torch.cat([x.sum(dim=(0, 1)), x.square().sum().view(1), x.new_tensor([x.shape[0] * x.shape[1]]),
-                      per_seq.square().sum().view(1), x.new_tensor([x.shape[0]])])
+    return torch.cat(
+        [
+            x.sum(dim=(0, 1)),
+            x.square().sum().view(1),
+            x.new_tensor([x.shape[0] * x.shape[1]]),
+            per_seq.square().sum().view(1),
+            x.new_tensor([x.shape[0]]),
+        ]
+    )
 
 
 def gate_input_shared_fraction(moments: torch.Tensor) -> tuple[float, float]:
@@ -283,7 +317,13 @@ def gate_input_shared_fraction(moments: torch.Tensor) -> tuple[float, float]:
     |mean_t x|^2 / mean_t |x|^2 over all tokens, and the same within each sequence (averaged). Near 0 for
     token-specific inputs; near 1 when every token carries the same vector and the router ranks the
     experts alike for all of them (the routing collapse of issue 11)."""
-    total, sq, n, seq_sq, n_seq = moments[:-4], float(moments[-4]), float(moments[-3]), float(moments[-2]), float(moments[-1])
+    total, sq, n, seq_sq, n_seq = (
+        moments[:-4],
+        float(moments[-4]),
+        float(moments[-3]),
+        float(moments[-2]),
+        float(moments[-1]),
+    )
     energy = sq / max(n, 1.0)
     if energy <= 0:
         return 0.0, 0.0

@@ -15,15 +15,14 @@ inference engine.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Optional
 
 import torch
 from torch import nn
 
 from dsv41 import ops
 from dsv41.config import ModelConfig
-from dsv41.model.attention import _trace
 from dsv41.model import dspark
+from dsv41.model.attention import _trace
 from dsv41.model.block import Block
 from dsv41.model.cache import ModelCache
 from dsv41.model.engram import EngramLayout, NgramHasher
@@ -41,15 +40,23 @@ class Transformer(nn.Module):
         self.cfg = cfg
         # two RoPE tables shared by all layers: plain for ratio-0 layers, YaRN for compressed ones
         self.rope_plain = ops.RotaryTable(cfg.rope_head_dim, cfg.rope_theta)
-        self.rope_yarn = ops.RotaryTable(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.original_seq_len,
-                                         cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
+        self.rope_yarn = ops.RotaryTable(
+            cfg.rope_head_dim,
+            cfg.compress_rope_theta,
+            cfg.original_seq_len,
+            cfg.rope_factor,
+            cfg.beta_fast,
+            cfg.beta_slow,
+        )
         self.engram_layout = EngramLayout.from_config(cfg)
         engram_rows = {}
         if self.engram_layout is not None:
             derived = self.engram_layout.table_rows()
             if derived != tuple(cfg.engram_num_embeddings):
-                raise ValueError(f"ModelConfig.engram_num_embeddings: the prime layout gives {list(derived)} rows, "
-                                 f"the config says {list(cfg.engram_num_embeddings)}")
+                raise ValueError(
+                    f"ModelConfig.engram_num_embeddings: the prime layout gives {list(derived)} rows, "
+                    f"the config says {list(cfg.engram_num_embeddings)}"
+                )
             engram_rows = dict(zip(cfg.engram_layer_ids, derived))
             self.engram_hash = NgramHasher(cfg, self.engram_layout)
         else:
@@ -57,15 +64,22 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, dtype=torch.bfloat16)
         self.layers = nn.ModuleList(
             Block(cfg, i, self.rope_yarn if cfg.compress_ratios[i] else self.rope_plain, engram_rows.get(i))
-            for i in range(cfg.n_layers))
+            for i in range(cfg.n_layers)
+        )
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         # the DSpark drafter (mtp.*): sliding-window stages sharing embed and head with the backbone
         self.mtp = nn.ModuleList(dspark.DSparkStage(cfg, k, self.rope_plain) for k in range(cfg.drafter_stages))
         # stored bf16 in the checkpoint, kept fp32 here so the logits come out in fp32
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=torch.float32)
         if cfg.vision_enabled:  # DeepSeek-ViT + aligner + the span markers' learned embeddings (dsv41.vision)
-            self.vision = VisionTransformer(cfg.vision_dim, cfg.vision_n_layers, cfg.vision_n_heads,
-                                            cfg.vision_inter_dim, cfg.vision_patch_size, cfg.vision_rope_theta)
+            self.vision = VisionTransformer(
+                cfg.vision_dim,
+                cfg.vision_n_layers,
+                cfg.vision_n_heads,
+                cfg.vision_inter_dim,
+                cfg.vision_patch_size,
+                cfg.vision_rope_theta,
+            )
             self.aligner = Aligner(cfg.vision_dim, cfg.dim, cfg.vision_downsample_ratio)
             self.image_start = nn.Parameter(torch.zeros(cfg.dim, dtype=torch.bfloat16))
             self.image_end = nn.Parameter(torch.zeros(cfg.dim, dtype=torch.bfloat16))
@@ -73,7 +87,7 @@ class Transformer(nn.Module):
         else:
             self.vision = self.aligner = None
         self.row_chunk = 0
-        self._numeric_modules: Optional[list] = None  # see numerics()
+        self._numeric_modules: list | None = None  # see numerics()
 
     @property
     def device(self) -> torch.device:
@@ -94,8 +108,11 @@ class Transformer(nn.Module):
     def _modules_with_numerics(self) -> list:
         """The modules holding numerics settings (row_chunk, canonical_ties, reference_numerics), found once."""
         if self._numeric_modules is None:
-            self._numeric_modules = [m for m in self.modules() if hasattr(m, "row_chunk")
-                                     or hasattr(m, "canonical_ties") or hasattr(m, "reference_numerics")]
+            self._numeric_modules = [
+                m
+                for m in self.modules()
+                if hasattr(m, "row_chunk") or hasattr(m, "canonical_ties") or hasattr(m, "reference_numerics")
+            ]
         return self._numeric_modules
 
     def _set_numerics(self, **values) -> None:
@@ -136,7 +153,9 @@ class Transformer(nn.Module):
     def _kernel_probes(self) -> dict:
         """name -> (verdict, args) of the fused kernels this model uses (dsv41.ops.fused)."""
         cfg, device = self.cfg, self.device.type
-        probes = {"sinkhorn": (ops.sinkhorn.fused_normalize_agrees, (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, device))}
+        probes = {
+            "sinkhorn": (ops.sinkhorn.fused_normalize_agrees, (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, device))
+        }
         if any(layer.attn.indexer is not None for layer in self.layers):
             probes["index_score_epilogue"] = (ops.indexer.epilogue_fusion_agrees, (cfg.index_n_heads, device))
             probes["topk_keys"] = (ops.indexer.keys16_fusion_agrees, (device,))
@@ -190,7 +209,7 @@ class Transformer(nn.Module):
         self.engram_hash.set_token_map(token_map)
 
     # ------------------------------------------------------------------ images (dsv41.vision)
-    def embed_image(self, image: ImagePatches, trace: Optional[dict] = None, name: str = "") -> torch.Tensor:
+    def embed_image(self, image: ImagePatches, trace: dict | None = None, name: str = "") -> torch.Tensor:
         """One preprocessed image -> its span's input embeddings [span_length, dim] bf16: IMAGE_START, the
         aligner rows with IMAGE_NEW_LINE after each row of llm_w, IMAGE_END (golden README "Span layout")."""
         if self.vision is None:
@@ -204,8 +223,9 @@ class Transformer(nn.Module):
         body = torch.cat([grid, newline], dim=1).reshape(-1, rows.size(-1))  # [llm_h * (llm_w + 1), dim]
         return torch.cat([self.image_start[None], body, self.image_end[None]])
 
-    def embed_inputs(self, input_ids: torch.Tensor, images: Optional[list] = None,
-                     trace: Optional[dict] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def embed_inputs(
+        self, input_ids: torch.Tensor, images: list | None = None, trace: dict | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Token embeddings [B, S, dim] with image spans filled in, and the [B, S] int64 token types
         (-1 text, 0..3 the span's kinds) or None without images. `images`: (row, start, ImagePatches)
         triples, the span occupying positions start .. start + span_length - 1 of that row."""
@@ -226,11 +246,20 @@ class Transformer(nn.Module):
             types[row, start:end] = torch.tensor(image.token_types(), device=types.device)
         return x, types
 
-    def forward(self, input_ids: torch.Tensor, start_pos: int = 0, cache: Optional[ModelCache] = None,
-                last_only: bool = False, trace: Optional[dict] = None,
-                token_types: Optional[torch.Tensor] = None, train_options=None,
-                drafter_inputs: Optional[dict] = None, inputs_embeds: Optional[torch.Tensor] = None,
-                images: Optional[list] = None, routing: Optional[RoutingRecord] = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        start_pos: int = 0,
+        cache: ModelCache | None = None,
+        last_only: bool = False,
+        trace: dict | None = None,
+        token_types: torch.Tensor | None = None,
+        train_options=None,
+        drafter_inputs: dict | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        images: list | None = None,
+        routing: RoutingRecord | None = None,
+    ) -> torch.Tensor:
         """input_ids [B, S] int64 at positions start_pos..start_pos+S-1.
 
         cache: state from earlier calls (required when start_pos > 0); without one a temporary cache
@@ -315,8 +344,15 @@ class Transformer(nn.Module):
         self._need_drafter()
         dspark.prefill(self.mtp, main_hidden, start_pos, cache)
 
-    def draft(self, first: torch.Tensor, main_hidden: torch.Tensor, pos: int, cache: ModelCache,
-              trace: Optional[dict] = None, choose=None) -> "dspark.Draft":
+    def draft(
+        self,
+        first: torch.Tensor,
+        main_hidden: torch.Tensor,
+        pos: int,
+        cache: ModelCache,
+        trace: dict | None = None,
+        choose=None,
+    ) -> dspark.Draft:
         """Draft dspark_block_size tokens after backbone position `pos` (see dsv41.model.dspark.draft)."""
         self._need_drafter()
         return dspark.draft(self, first, main_hidden, pos, cache, trace, choose)
@@ -324,4 +360,3 @@ class Transformer(nn.Module):
     def _need_drafter(self) -> None:
         if not len(self.mtp):
             raise ValueError("this model has no DSpark drafter (config n_mtp_layers / dspark_block_size)")
-

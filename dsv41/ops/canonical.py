@@ -106,8 +106,9 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype = torch.float32) 
     return round_to(e / pairwise_sum(e, dim, keepdim=True), dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           dtype: torch.dtype | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias [N], added in float64) in float64 -> `dtype` (default x's) [..., N]."""
     out = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
     return round_to(out, x.dtype if dtype is None else dtype)

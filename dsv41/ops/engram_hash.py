@@ -13,8 +13,15 @@ import torch
 DEAD = -1  # compressed id of a token that takes part in no n-gram (image spans)
 
 
-def ngram_hash(history: torch.Tensor, start: int, length: int, multipliers: torch.Tensor, primes: torch.Tensor,
-               offsets: torch.Tensor, pad_id: int) -> torch.Tensor:
+def ngram_hash(
+    history: torch.Tensor,
+    start: int,
+    length: int,
+    multipliers: torch.Tensor,
+    primes: torch.Tensor,
+    offsets: torch.Tensor,
+    pad_id: int,
+) -> torch.Tensor:
     """Hash ids of the n-grams ending at positions start..start+length-1.
 
     history [B, >= start + length] int64: compressed ids from position 0 (DEAD for image tokens).

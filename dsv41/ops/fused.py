@@ -20,7 +20,7 @@ import atexit
 import os
 import threading
 import warnings
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -52,7 +52,9 @@ def agrees(fused: Callable, reference: Callable, cases: Iterable[tuple]) -> bool
                     if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
                         return False
     except Exception as err:  # no C++ compiler, an unsupported device: the eager reference is used
-        warnings.warn(f"fused kernel unavailable, using the eager reference ({type(err).__name__}: {err})")
+        warnings.warn(
+            f"fused kernel unavailable, using the eager reference ({type(err).__name__}: {err})", stacklevel=2
+        )
         return False
     return True
 
@@ -126,7 +128,10 @@ def settle_in_background(jobs: list[tuple[Verdict, tuple]]) -> threading.Thread:
                 verdict.known.setdefault(args, False)
                 verdict.pending.discard(args)
                 if not stopping.is_set():  # (at exit the compiler fails to register its own exit hooks)
-                    warnings.warn(f"fused kernel probe failed, using the eager reference ({type(err).__name__}: {err})")
+                    warnings.warn(
+                        f"fused kernel probe failed, using the eager reference ({type(err).__name__}: {err})",
+                        stacklevel=2,
+                    )
 
     def finish():
         # a compiler killed mid-build at interpreter exit aborts the process ("terminate called without an

@@ -10,7 +10,6 @@ rule, dsv41.ops.canonical).
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +28,7 @@ def is_fp4(weight: torch.Tensor) -> bool:
     return weight.dtype in PACKED_FP4_DTYPES
 
 
-def dequant_weight(weight: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+def dequant_weight(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """Any stored weight -> fp32 [N, K] (bf16/fp32 weights are just upcast)."""
     if is_fp8(weight):
         return dequant_fp8_weight(weight, scale)
@@ -38,8 +37,14 @@ def dequant_weight(weight: torch.Tensor, scale: Optional[torch.Tensor]) -> torch
     return weight.float()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None,
-           out_dtype: torch.dtype = torch.bfloat16, row_chunk: int = 0, reference: bool = False) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    row_chunk: int = 0,
+    reference: bool = False,
+) -> torch.Tensor:
     """y = x @ W^T.
 
     x: [..., K]. weight: [N, K] bf16/fp32 (plain `F.linear` in that dtype; x must match), or [N, K]
@@ -83,19 +88,24 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch
     n = flat.size(0)
     if n <= chunk:  # one chunk (decode): a GEMM of exactly `chunk` rows, or of the n real rows where
         # the probe showed this kernel gives those the same bits (a decode step then skips the padding)
-        if n < chunk and narrow_rows_agree(k, weight.size(0), weight.dtype, x.dtype, chunk, n,
-                                           torch.get_num_threads(), weight.device.type):
+        if n < chunk and narrow_rows_agree(
+            k, weight.size(0), weight.dtype, x.dtype, chunk, n, torch.get_num_threads(), weight.device.type
+        ):
             return F.linear(flat, weight).reshape(*lead, weight.size(0))
         return F.linear(F.pad(flat, (0, 0, 0, chunk - n)), weight)[:n].reshape(*lead, weight.size(0))
     if n % chunk:
         flat = torch.cat([flat, flat.new_zeros(chunk - n % chunk, k)])
     parts, done, rows = [], 0, flat.size(0)
     for wide in (*WIDE_ROWS, chunk):  # greedy: the widest calls that agree first, `chunk` rows last
-        if wide != chunk and (rows - done < wide or not wide_rows_agree(
-                k, weight.size(0), weight.dtype, chunk, wide, torch.get_num_threads(), weight.device.type)):
+        if wide != chunk and (
+            rows - done < wide
+            or not wide_rows_agree(
+                k, weight.size(0), weight.dtype, chunk, wide, torch.get_num_threads(), weight.device.type
+            )
+        ):
             continue
         bulk = (rows - done) // wide * wide
-        parts += [F.linear(part, weight) for part in flat[done:done + bulk].split(wide)]
+        parts += [F.linear(part, weight) for part in flat[done : done + bulk].split(wide)]
         done += bulk
     out = torch.cat(parts)
     return out[:n].reshape(*lead, weight.size(0))
@@ -120,7 +130,7 @@ def order_revealing(rows: int, k: int, n: int, trial: int) -> tuple[torch.Tensor
     w = torch.randn(n, k, generator=g).bfloat16().float()
     if k >= 2:
         a, b = (0, k - 1) if trial == 0 else sorted(torch.randperm(k, generator=g)[:2].tolist())
-        x[:, a] = x[:, b] = 2.0 ** 24
+        x[:, a] = x[:, b] = 2.0**24
         w[:, b] = -w[:, a]
     return x, w
 
@@ -142,8 +152,9 @@ def wide_rows_agree(k: int, n: int, dtype: torch.dtype, chunk: int, wide: int, t
 
 
 @functools.cache
-def narrow_rows_agree(k: int, n: int, dtype: torch.dtype, x_dtype: torch.dtype, chunk: int, rows: int, threads: int,
-                      device: str) -> bool:
+def narrow_rows_agree(
+    k: int, n: int, dtype: torch.dtype, x_dtype: torch.dtype, chunk: int, rows: int, threads: int, device: str
+) -> bool:
     """Does a `rows`-row GEMM [rows, k] x [k, n] (rows < chunk) give its rows the bits they get as the
     first rows of a `chunk`-row GEMM, whatever the other rows hold?
 

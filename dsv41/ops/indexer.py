@@ -91,8 +91,13 @@ def epilogue_fusion_agrees(heads: int, device: str) -> bool:
     """Is the compiled `score_epilogue` bit-identical to the eager one here, for this head count? Small
     calls (decode) stay eager: the compiled call's fixed cost is larger than what it saves there."""
     g = torch.Generator().manual_seed(0)
-    cases = [(torch.randn(s, heads, t, generator=g).bfloat16().to(device) * 4, torch.rand(s, heads, generator=g).bfloat16().to(device))
-             for s, t in ((1, 4096), (3, 1500), (64, 1024))]
+    cases = [
+        (
+            torch.randn(s, heads, t, generator=g).bfloat16().to(device) * 4,
+            torch.rand(s, heads, generator=g).bfloat16().to(device),
+        )
+        for s, t in ((1, 4096), (3, 1500), (64, 1024))
+    ]
     return fused.agrees(_compiled_epilogue(), score_epilogue, cases)
 
 
@@ -190,8 +195,9 @@ def _topk(scores: torch.Tensor, k: int, canonical: bool, positions: torch.Tensor
     return scores.topk(k, dim=-1).indices
 
 
-def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int, block_size: int,
-                     canonical: bool = True) -> torch.Tensor:
+def candidate_blocks(
+    scores: torch.Tensor, visible: torch.Tensor, n_blocks: int, block_size: int, canonical: bool = True
+) -> torch.Tensor:
     """Level one of the two-level top-k: the `n_blocks` best blocks of `block_size` positions, a block
     scored by its best position, as block ids int64 [B, S, min(n_blocks, blocks)] (-1: no visible entry).
 
@@ -206,8 +212,9 @@ def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int,
     return torch.where(block_scores.gather(-1, top) > -torch.inf, top, -1)
 
 
-def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int, block_size: int,
-                   canonical: bool = True) -> torch.Tensor:
+def candidate_pool(
+    scores: torch.Tensor, visible: torch.Tensor, n_blocks: int, block_size: int, canonical: bool = True
+) -> torch.Tensor:
     """The candidate pool as a boolean mask [B, S, T] over positions (see `candidate_blocks`); blocks with
     no visible entry are never kept."""
     blocks = candidate_blocks(scores, visible, n_blocks, block_size, canonical)
@@ -222,17 +229,21 @@ def blocks_to_mask(blocks: torch.Tensor, width: int, block_size: int) -> torch.T
     return keep[..., :n_total].repeat_interleave(block_size, dim=-1)[..., :width]
 
 
-def candidate_entries(blocks: torch.Tensor, visible: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def candidate_entries(
+    blocks: torch.Tensor, visible: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The positions inside candidate blocks [..., n] (-1: none): (entries int64 [..., n * block_size], usable
     bool, False for the padding of missing blocks and for positions at or past `visible` (broadcasting))."""
-    entries = (blocks.clamp_min(0).unsqueeze(-1) * block_size
-               + torch.arange(block_size, device=blocks.device)).flatten(-2)
+    entries = (blocks.clamp_min(0).unsqueeze(-1) * block_size + torch.arange(block_size, device=blocks.device)).flatten(
+        -2
+    )
     usable = (blocks >= 0).repeat_interleave(block_size, dim=-1) & (entries < visible)
     return entries, usable
 
 
-def merge_topk(kept_scores: torch.Tensor, kept_pos: torch.Tensor, scores: torch.Tensor, pos: torch.Tensor,
-               k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_topk(
+    kept_scores: torch.Tensor, kept_pos: torch.Tensor, scores: torch.Tensor, pos: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One step of a streaming top-k: the canonical top-k (score desc, ties to the lowest position) of the
     kept entries and a new block, returned in ascending position order.
 

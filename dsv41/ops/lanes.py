@@ -25,7 +25,7 @@ come from the reference mode's canonical numerics (dsv41.ops.canonical), which n
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,7 @@ FUNCTIONS = {"sigmoid": torch.sigmoid, "softplus": F.softplus, "silu": F.silu}
 PIECE = 1 << 14  # elements per vector call: below ATen's parallel grain, so no thread split adds a tail
 
 
-def per_call(name: str, x: torch.Tensor, calls: Optional[Sequence[int]] = None) -> torch.Tensor:
+def per_call(name: str, x: torch.Tensor, calls: Sequence[int] | None = None) -> torch.Tensor:
     """FUNCTIONS[name](x) as if the tokens of x [..., C] had gone through it in separate calls of
     `calls` tokens each (sum(calls) = the number of tokens; None or one call: the plain function).
     Differentiable through the function."""
@@ -82,7 +82,7 @@ def _scalar(fn, values: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def vector_step(name: str, dtype: torch.dtype, device: str) -> Optional[int]:
+def vector_step(name: str, dtype: torch.dtype, device: str) -> int | None:
     """The number of elements the kernel of FUNCTIONS[name] handles per vector iteration here: a call of
     n elements computes the first n // step * step in vectors and the rest scalar. 1 when both versions
     agree on the probe (nothing to emulate); None when no step explains the kernel's results."""
@@ -93,7 +93,9 @@ def vector_step(name: str, dtype: torch.dtype, device: str) -> Optional[int]:
     if torch.equal(vec, sca):
         return 1
     for step in (8, 16, 32, 64, 128, 256):
-        if all(torch.equal(fn(x[:n].clone()), torch.cat([vec[:n // step * step], sca[n // step * step:n]]))
-               for n in range(1, 3 * 256 + 1)):  # every residue of every candidate step, three times
+        if all(
+            torch.equal(fn(x[:n].clone()), torch.cat([vec[: n // step * step], sca[n // step * step : n]]))
+            for n in range(1, 3 * 256 + 1)
+        ):  # every residue of every candidate step, three times
             return step
     return None

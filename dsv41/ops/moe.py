@@ -25,8 +25,15 @@ def router_scores(logits: torch.Tensor, score_func: str, calls=None, reference: 
     return per_call("softplus", logits, calls).sqrt()
 
 
-def route(scores: torch.Tensor, bias: torch.Tensor, k: int, normalize: bool,
-          route_scale: float, canonical_ties: bool = True, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    scores: torch.Tensor,
+    bias: torch.Tensor,
+    k: int,
+    normalize: bool,
+    route_scale: float,
+    canonical_ties: bool = True,
+    reference: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick k experts per token by scores + bias; weight them by the unbiased scores.
 
     scores [T, E] fp32, bias [E] or [T, E] fp32. Returns (weights [T, k] fp32, indices [T, k] int64).
@@ -38,8 +45,9 @@ def route(scores: torch.Tensor, bias: torch.Tensor, k: int, normalize: bool,
     return route_weights(scores, indices, normalize, route_scale, reference), indices
 
 
-def route_weights(scores: torch.Tensor, indices: torch.Tensor, normalize: bool, route_scale: float,
-                  reference: bool = False) -> torch.Tensor:
+def route_weights(
+    scores: torch.Tensor, indices: torch.Tensor, normalize: bool, route_scale: float, reference: bool = False
+) -> torch.Tensor:
     """The weights of picked experts: their unbiased scores [T, E] at indices [T, k], normalised over the
     picks when `normalize` (and k > 1), times `route_scale` -> fp32 [T, k]. reference: the picks' sum in
     float64, rounded once."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -68,9 +67,16 @@ def block_keys(pages: PagedCache, blocks: torch.Tensor) -> torch.Tensor:
     return fp4_dequant_bf16(codes, scale, FP4_BLOCK).flatten(-3, -2)
 
 
-def paged_index_scores(q: torch.Tensor, weights: torch.Tensor, pages: PagedCache, tables: torch.Tensor,
-                       visible: torch.Tensor, entries: Optional[torch.Tensor] = None,
-                       usable: Optional[torch.Tensor] = None, fast: Optional[bool] = None) -> torch.Tensor:
+def paged_index_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    pages: PagedCache,
+    tables: torch.Tensor,
+    visible: torch.Tensor,
+    entries: torch.Tensor | None = None,
+    usable: torch.Tensor | None = None,
+    fast: bool | None = None,
+) -> torch.Tensor:
     """The indexer's decode scores read from the packed keys.
 
     q [B, 1, H, d] bf16 (RoPE'd, MXFP4-rounded); weights [B, 1, H] bf16 (scaled); tables [B, max_blocks]
@@ -89,14 +95,22 @@ def paged_index_scores(q: torch.Tensor, weights: torch.Tensor, pages: PagedCache
         kernels = _triton_kernels()
         if kernels is None:
             raise RuntimeError("paged_index_scores(fast=True) needs Triton (pip install dsv41[triton])")
-        scores = kernels.index_scores_paged(q[:, 0], weights[:, 0], pages.key_codes, pages.key_scale, tables,
-                                            pages.entries_per_block, visible, int(visible.max()))
+        scores = kernels.index_scores_paged(
+            q[:, 0],
+            weights[:, 0],
+            pages.key_codes,
+            pages.key_scale,
+            tables,
+            pages.entries_per_block,
+            visible,
+            int(visible.max()),
+        )
         return scores.unsqueeze(1)  # [B, 1, t]
     limit = visible.view(b, 1, 1)
     if entries is None:
         t = int(visible.max())
         per = pages.entries_per_block
-        keys = block_keys(pages, tables[:, :-(-t // per)])[:, :t]  # [B, t, d]
+        keys = block_keys(pages, tables[:, : -(-t // per)])[:, :t]  # [B, t, d]
         usable = torch.arange(t, device=q.device).view(1, 1, t) < limit
     else:
         last = (limit - 1).clamp_min(0)
@@ -105,10 +119,19 @@ def paged_index_scores(q: torch.Tensor, weights: torch.Tensor, pages: PagedCache
     return index_scores_mm(q, keys, weights).masked_fill(~usable, -torch.inf)
 
 
-def paged_sparse_attn(q: torch.Tensor, window: torch.Tensor, window_ids: torch.Tensor, pages: Optional[PagedCache],
-                      tables: torch.Tensor, picked: Optional[torch.Tensor], attn_sink: torch.Tensor,
-                      softmax_scale: float, widths: Optional[list] = None,
-                      selected: Optional[torch.Tensor] = None, heads_per_call: int = 0) -> torch.Tensor:
+def paged_sparse_attn(
+    q: torch.Tensor,
+    window: torch.Tensor,
+    window_ids: torch.Tensor,
+    pages: PagedCache | None,
+    tables: torch.Tensor,
+    picked: torch.Tensor | None,
+    attn_sink: torch.Tensor,
+    softmax_scale: float,
+    widths: list | None = None,
+    selected: torch.Tensor | None = None,
+    heads_per_call: int = 0,
+) -> torch.Tensor:
     """One decode query per sequence over its window rows and its selected compressed entries.
 
     q [B, 1, H, D] bf16; window [B, W+1, D] bf16 (the ring as it was, then the new token); window_ids
@@ -133,8 +156,9 @@ def paged_sparse_attn(q: torch.Tensor, window: torch.Tensor, window_ids: torch.T
     w = window_ids.size(-1)
     out = q.new_empty(q.shape)
     for k, group in widths:
-        out[group] = sparse_attn(q[group], rows[group], attn_sink, ids[group, :, :w + k], softmax_scale,
-                                 heads_per_call=heads_per_call)
+        out[group] = sparse_attn(
+            q[group], rows[group], attn_sink, ids[group, :, : w + k], softmax_scale, heads_per_call=heads_per_call
+        )
     return out
 
 

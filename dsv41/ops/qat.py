@@ -48,7 +48,9 @@ def fp8_fake_quant(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
     return straight_through(x, fp8_qdq(x, block))
 
 
-def fp4_fake_quant(x: torch.Tensor, block: int = FP4_BLOCK, scale_fmt: str = "ue8m0", clip: bool = False) -> torch.Tensor:
+def fp4_fake_quant(
+    x: torch.Tensor, block: int = FP4_BLOCK, scale_fmt: str = "ue8m0", clip: bool = False
+) -> torch.Tensor:
     """E2M1 rounding with a straight-through gradient. block 16 + 'e4m3': compressed main KV; block 32 +
     'ue8m0': indexer q/k. clip: zero the gradient of values that saturated at the block's maximum."""
     rounded = fp4_qdq(x, block, scale_fmt)

@@ -145,7 +145,9 @@ def fp4_quant(x: torch.Tensor, block: int = FP4_BLOCK, scale_fmt: str = "ue8m0")
     return pack_fp4(e2m1_codes(rounded).flatten(-2)), scale
 
 
-def fp4_quant_rounded(values: torch.Tensor, block: int = FP4_BLOCK, scale_fmt: str = "ue8m0") -> tuple[torch.Tensor, torch.Tensor]:
+def fp4_quant_rounded(
+    values: torch.Tensor, block: int = FP4_BLOCK, scale_fmt: str = "ue8m0"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pack values that are already `fp4_qdq` output, losslessly: `fp4_dequant` of the result gives back
     exactly `values` (the cache stores what the model computed, spec §8).
 
@@ -173,7 +175,9 @@ def fp4_quant_rounded(values: torch.Tensor, block: int = FP4_BLOCK, scale_fmt: s
         candidate = amax / top  # exact when the maximum is top x an E4M3 scale
         on_grid = e4m3_saturate(candidate).float() == candidate
         ratio = groups / candidate
-        fits = on_grid & ((ratio.abs() <= FP4_MAX) & (round_e2m1(ratio.clamp(-FP4_MAX, FP4_MAX)) == ratio)).all(-1, keepdim=True)
+        fits = on_grid & ((ratio.abs() <= FP4_MAX) & (round_e2m1(ratio.clamp(-FP4_MAX, FP4_MAX)) == ratio)).all(
+            -1, keepdim=True
+        )
         chosen = torch.where((chosen == 0) & fits, candidate, chosen)
     if bool((chosen == 0).any()):
         raise ValueError("fp4_quant_rounded: values are not on the E2M1 x E4M3 grid (not fp4_qdq output)")

@@ -18,14 +18,16 @@ import math
 import torch
 
 
-def rope_frequencies(dim: int, base: float, original_seq_len: int = 0, factor: float = 1.0,
-                     beta_fast: int = 32, beta_slow: int = 1) -> torch.Tensor:
+def rope_frequencies(
+    dim: int, base: float, original_seq_len: int = 0, factor: float = 1.0, beta_fast: int = 32, beta_slow: int = 1
+) -> torch.Tensor:
     """Per-pair angular frequencies, fp32 [dim/2]. With original_seq_len > 0 applies YaRN: pairs whose
     wavelength fits the training context keep their frequency, long ones are divided by `factor`, and
     the band between beta_fast and beta_slow rotations is blended with a linear ramp."""
     exponent = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim
     freqs = 1.0 / torch.pow(torch.tensor(base, dtype=torch.float64, device="cpu"), exponent.double()).float()  # [dim/2]
     if original_seq_len > 0:
+
         def pair_index_for(rotations: float) -> float:
             # the pair whose wavelength makes `rotations` turns over the original context
             return dim * math.log(original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
@@ -46,8 +48,15 @@ class RotaryTable:
     Row p does not depend on how many rows were built, so growing the table never changes a value.
     """
 
-    def __init__(self, dim: int, base: float, original_seq_len: int = 0, factor: float = 1.0,
-                 beta_fast: int = 32, beta_slow: int = 1):
+    def __init__(
+        self,
+        dim: int,
+        base: float,
+        original_seq_len: int = 0,
+        factor: float = 1.0,
+        beta_fast: int = 32,
+        beta_slow: int = 1,
+    ):
         self.freqs = rope_frequencies(dim, base, original_seq_len, factor, beta_fast, beta_slow)
         self.table = torch.empty(0, dim // 2, dtype=torch.complex64, device="cpu")
 
@@ -72,8 +81,9 @@ class RotaryTable:
         return rows if device is None else rows.to(device)
 
 
-def apply_rope(x: torch.Tensor, freqs: torch.Tensor, rope_dim: int, inverse: bool = False,
-               reference: bool = False) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, freqs: torch.Tensor, rope_dim: int, inverse: bool = False, reference: bool = False
+) -> torch.Tensor:
     """Rotate the last `rope_dim` channels of x; returns a new tensor of x's dtype.
 
     x: [B, S, D] or [B, S, H, D]; freqs: complex64 [S, rope_dim/2], or [B, S, rope_dim/2] when each row has

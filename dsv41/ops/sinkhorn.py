@@ -23,9 +23,16 @@ from dsv41.ops import canonical, fused
 from dsv41.ops.lanes import per_call
 
 
-def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
-                      iters: int, eps: float, calls=None, reference: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hc_split_sinkhorn(
+    mixes: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    hc: int,
+    iters: int,
+    eps: float,
+    calls=None,
+    reference: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mixes [..., (2 + hc) * hc] fp32; scale [3]; base [(2 + hc) * hc]; calls: the tokens' separate calls
     when several sequences' chunks share this one (`ops.lanes.per_call`), None for one call; reference:
     canonical numerics (sigmoid, exp and every row/column sum in float64, each rounded once).
@@ -36,17 +43,20 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
     m, scale, base = mixes.float(), scale.float(), base.float()
     if reference:
         pre = canonical.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
-        post = 2 * canonical.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
-        logits = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
+        post = 2 * canonical.sigmoid(m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+        logits = (m[..., 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc))
         comb = canonical.exp(logits - logits.amax(dim=-1, keepdim=True))
         return pre, post, sinkhorn_normalize(comb, iters, eps, reference=True)
     # as if each call ran alone (dsv41.ops.lanes): the sigmoid's scalar tail depends on the call's size
     pre = per_call("sigmoid", m[..., :hc] * scale[0] + base[:hc], calls) + eps
-    post = 2 * per_call("sigmoid", m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc], calls)
-    logits = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
+    post = 2 * per_call("sigmoid", m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc], calls)
+    logits = (m[..., 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc))
     comb = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
-    if (fused.enabled() and not (torch.is_grad_enabled() and comb.requires_grad)
-            and fused_normalize_agrees(hc, iters, eps, comb.device.type)):
+    if (
+        fused.enabled()
+        and not (torch.is_grad_enabled() and comb.requires_grad)
+        and fused_normalize_agrees(hc, iters, eps, comb.device.type)
+    ):
         lead = comb.shape[:-2]
         return pre, post, _compiled_normalize()(comb.reshape(-1, hc, hc), iters, eps).reshape(*lead, hc, hc)
     return pre, post, sinkhorn_normalize(comb, iters, eps)
@@ -55,6 +65,7 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
 def sinkhorn_normalize(comb: torch.Tensor, iters: int, eps: float, reference: bool = False) -> torch.Tensor:
     """The eager form: comb [..., hc, hc] positive (exp of centred logits) -> the normalised mixing.
     reference: every row and column sum in float64, rounded once (the divisions stay fp32)."""
+
     def total(x: torch.Tensor, dim: int) -> torch.Tensor:
         return canonical.sum(x, dim, keepdim=True) if reference else x.sum(dim=dim, keepdim=True)
 

@@ -19,8 +19,15 @@ from dsv41.ops import canonical
 BLOCK = 64  # indices per online-softmax step, as in the reference kernel
 
 
-def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, indices: torch.Tensor,
-                softmax_scale: float, reference: bool = False, heads_per_call: int = 0) -> torch.Tensor:
+def sparse_attn(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    attn_sink: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    reference: bool = False,
+    heads_per_call: int = 0,
+) -> torch.Tensor:
     """q [B, M, H, D] bf16; kv [B, N, D] bf16; attn_sink [H] fp32; indices [B, M, K] int (-1 = unused).
 
     Returns bf16 [B, M, H, D]: sum_k softmax_k(scale * q.kv[idx_k]) * kv[idx_k], sink in the denominator.
@@ -43,7 +50,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, indi
     # of place, since backward needs the values the in-place versions overwrite
     inplace = not (torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad or attn_sink.requires_grad))
     for start in range(0, indices.size(-1), BLOCK):
-        idx = indices[:, :, start:start + BLOCK].long()  # [B, M, k]
+        idx = indices[:, :, start : start + BLOCK].long()  # [B, M, k]
         valid = idx != -1
         rows = kvf[batch, idx.clamp_min(0)]  # [B, M, k, D], empty slots zeroed
         rows = rows.mul_(valid.unsqueeze(-1)) if inplace else rows * valid.unsqueeze(-1)
@@ -74,8 +81,9 @@ def _per_heads(equation: str, per_head: torch.Tensor, rows: torch.Tensor, heads:
     return torch.cat([torch.einsum(equation, part, rows) for part in per_head.split(heads, dim=2)], dim=2)
 
 
-def sparse_attn_canonical(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, indices: torch.Tensor,
-                          softmax_scale: float) -> torch.Tensor:
+def sparse_attn_canonical(
+    q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, indices: torch.Tensor, softmax_scale: float
+) -> torch.Tensor:
     """`sparse_attn` under canonical numerics (dsv41.ops.canonical): the same online softmax over blocks of
     64 indices and the same roundings (bf16 probabilities for P.V, fp32 running state), with the dot
     products q.k and P.V, every exp and each block's denominator sum in float64, each rounded once to fp32.
@@ -87,7 +95,7 @@ def sparse_attn_canonical(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Te
     running_max = torch.full((b, m, h), -1e30, dtype=torch.float32, device=q.device)
     batch = torch.arange(b, device=q.device).view(b, 1, 1)
     for start in range(0, indices.size(-1), BLOCK):
-        idx = indices[:, :, start:start + BLOCK].long()  # [B, M, k]
+        idx = indices[:, :, start : start + BLOCK].long()  # [B, M, k]
         valid = idx != -1
         rows = kv.float()[batch, idx.clamp_min(0)] * valid.unsqueeze(-1)  # [B, M, k, D], empty slots zeroed
         logits = canonical.einsum("bmhd,bmkd->bmhk", q, rows)
@@ -103,8 +111,9 @@ def sparse_attn_canonical(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Te
     return (out / denom.unsqueeze(-1)).to(torch.bfloat16)
 
 
-def dense_reference_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, indices: torch.Tensor,
-                         softmax_scale: float) -> torch.Tensor:
+def dense_reference_attn(
+    q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, indices: torch.Tensor, softmax_scale: float
+) -> torch.Tensor:
     """The same attention written as one plain fp32 softmax (no blocks, no bf16 probabilities).
 
     An independent formulation for tests: it differs from `sparse_attn` only by the bf16 rounding of

@@ -48,13 +48,16 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _fp4_dequant_kernel(codes_ptr, scale_ptr, out_ptr, n_rows, HALF: tl.constexpr, BLOCK: tl.constexpr,
-                        ROWS: tl.constexpr):
+def _fp4_dequant_kernel(
+    codes_ptr, scale_ptr, out_ptr, n_rows, HALF: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr
+):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, HALF)  # byte index: values 2i (low nibble) and 2i + 1 (high nibble)
     live = rows[:, None] < n_rows
     byte = tl.load(codes_ptr + rows[:, None] * HALF + cols[None, :], mask=live, other=0).to(tl.int32)
-    scale = tl.load(scale_ptr + rows[:, None] * (2 * HALF // BLOCK) + (2 * cols[None, :]) // BLOCK, mask=live, other=0.0)
+    scale = tl.load(
+        scale_ptr + rows[:, None] * (2 * HALF // BLOCK) + (2 * cols[None, :]) // BLOCK, mask=live, other=0.0
+    )
     low = (_e2m1_value(byte & 15) * scale).to(tl.bfloat16)
     high = (_e2m1_value(byte >> 4) * scale).to(tl.bfloat16)
     base = out_ptr + rows[:, None] * (2 * HALF) + 2 * cols[None, :]
@@ -69,14 +72,28 @@ def fp4_dequant_bf16(packed: torch.Tensor, scale: torch.Tensor, block: int = FP4
     scales = scale.reshape(-1, scale.size(-1)).float().contiguous()
     out = torch.empty(codes.size(0), 2 * half, dtype=torch.bfloat16, device=packed.device)
     rows = 16
-    _fp4_dequant_kernel[(triton.cdiv(codes.size(0), rows),)](codes, scales, out, codes.size(0), HALF=half,
-                                                             BLOCK=block, ROWS=rows)
+    _fp4_dequant_kernel[(triton.cdiv(codes.size(0), rows),)](
+        codes, scales, out, codes.size(0), HALF=half, BLOCK=block, ROWS=rows
+    )
     return out.view(*packed.shape[:-1], 2 * half)
 
 
 @triton.jit
-def _index_scores_kernel(q_ptr, w_ptr, codes_ptr, scale_ptr, table_ptr, visible_ptr, out_ptr, max_blocks, n_out,
-                         H: tl.constexpr, HALF: tl.constexpr, PER: tl.constexpr, TILE: tl.constexpr):
+def _index_scores_kernel(
+    q_ptr,
+    w_ptr,
+    codes_ptr,
+    scale_ptr,
+    table_ptr,
+    visible_ptr,
+    out_ptr,
+    max_blocks,
+    n_out,
+    H: tl.constexpr,
+    HALF: tl.constexpr,
+    PER: tl.constexpr,
+    TILE: tl.constexpr,
+):
     seq = tl.program_id(0)
     entries = tl.program_id(1) * TILE + tl.arange(0, TILE)
     visible = tl.load(visible_ptr + seq)
@@ -102,8 +119,16 @@ def _index_scores_kernel(q_ptr, w_ptr, codes_ptr, scale_ptr, table_ptr, visible_
     tl.store(out_ptr + seq * n_out + entries, score.to(tl.bfloat16), mask=entries < n_out)
 
 
-def index_scores_paged(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
-                       tables: torch.Tensor, entries_per_block: int, visible: torch.Tensor, n_out: int) -> torch.Tensor:
+def index_scores_paged(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    key_codes: torch.Tensor,
+    key_scale: torch.Tensor,
+    tables: torch.Tensor,
+    entries_per_block: int,
+    visible: torch.Tensor,
+    n_out: int,
+) -> torch.Tensor:
     """Decode index scores from the packed pool.
 
     q [B, H, D] bf16 (FP4-rounded, RoPE'd); weights [B, H] bf16 (already scaled); key_codes uint8
@@ -115,14 +140,37 @@ def index_scores_paged(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.
     out = torch.empty(b, n_out, dtype=torch.bfloat16, device=q.device)
     tile = 32
     _index_scores_kernel[(b, triton.cdiv(n_out, tile))](
-        q.contiguous(), weights.contiguous(), key_codes, key_scale, tables.contiguous(), visible.contiguous(), out,
-        tables.size(1), n_out, H=h, HALF=d // 2, PER=entries_per_block, TILE=tile)
+        q.contiguous(),
+        weights.contiguous(),
+        key_codes,
+        key_scale,
+        tables.contiguous(),
+        visible.contiguous(),
+        out,
+        tables.size(1),
+        n_out,
+        H=h,
+        HALF=d // 2,
+        PER=entries_per_block,
+        TILE=tile,
+    )
     return out
 
 
 @triton.jit
-def _sparse_attn_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, out_ptr, n_rows, scale,
-                        N_IDX: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+def _sparse_attn_kernel(
+    q_ptr,
+    kv_ptr,
+    sink_ptr,
+    idx_ptr,
+    out_ptr,
+    n_rows,
+    scale,
+    N_IDX: tl.constexpr,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     dims = tl.arange(0, D)
@@ -134,8 +182,11 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, out_ptr, n_rows, scale
         slots = start + tl.arange(0, BLOCK)
         idx = tl.load(idx_ptr + seq * N_IDX + slots, mask=slots < N_IDX, other=-1)
         valid = idx != -1
-        rows = tl.load(kv_ptr + (seq * n_rows + tl.where(valid, idx, 0))[:, None] * D + dims[None, :],
-                       mask=valid[:, None], other=0.0).to(tl.float32)  # [BLOCK, D]
+        rows = tl.load(
+            kv_ptr + (seq * n_rows + tl.where(valid, idx, 0))[:, None] * D + dims[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        ).to(tl.float32)  # [BLOCK, D]
         logits = tl.sum(rows * q[None, :], axis=1)
         logits = tl.where(valid, logits, float("-inf")) * scale
         new_max = tl.maximum(running_max, tl.max(logits, axis=0))
@@ -150,15 +201,26 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, out_ptr, n_rows, scale
     tl.store(out_ptr + (seq * H + head) * D + dims, _round_bf16(out / denom).to(tl.bfloat16))
 
 
-def sparse_attn_decode(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, indices: torch.Tensor,
-                       softmax_scale: float) -> torch.Tensor:
+def sparse_attn_decode(
+    q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, indices: torch.Tensor, softmax_scale: float
+) -> torch.Tensor:
     """q [B, 1, H, D] bf16; kv [B, N, D] bf16; attn_sink [H] fp32; indices [B, 1, K] (-1 unused) ->
     bf16 [B, 1, H, D], like ops.sparse_attn for one query per sequence."""
     b, m, h, d = q.shape
     if m != 1:
         raise ValueError(f"sparse_attn_decode takes one query per sequence, got {m}")
     out = torch.empty(b, 1, h, d, dtype=torch.bfloat16, device=q.device)
-    _sparse_attn_kernel[(b, h)](q.contiguous(), kv.contiguous(), attn_sink.float().contiguous(),
-                                indices.to(torch.int32).contiguous(), out, kv.size(1), softmax_scale,
-                                N_IDX=indices.size(-1), H=h, D=d, BLOCK=64)
+    _sparse_attn_kernel[(b, h)](
+        q.contiguous(),
+        kv.contiguous(),
+        attn_sink.float().contiguous(),
+        indices.to(torch.int32).contiguous(),
+        out,
+        kv.size(1),
+        softmax_scale,
+        N_IDX=indices.size(-1),
+        H=h,
+        D=d,
+        BLOCK=64,
+    )
     return out

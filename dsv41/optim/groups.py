@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,8 +48,13 @@ from dsv41.optim.muon import MUON_RMS, Muon
 from dsv41.optim.sink import SINK_ITERS, SINK_RMS, SINK_TAU, SinkMomentum
 
 GROUP_OPTIMIZER = {
-    "muon": "muon", "muon_q": "muon", "muon_index_q": "muon", "muon_wo_a": "muon",
-    "sink": "sink", "sink_engram": "sink", "adamw": "adamw",
+    "muon": "muon",
+    "muon_q": "muon",
+    "muon_index_q": "muon",
+    "muon_wo_a": "muon",
+    "sink": "sink",
+    "sink_engram": "sink",
+    "adamw": "adamw",
 }
 
 
@@ -56,27 +62,27 @@ GROUP_OPTIMIZER = {
 class OptimConfig:
     """Learning rates, betas and weight decay per optimizer group (training.md §1, §10; spec §5, §7)."""
 
-    lr: float = 3e-3                      # base lr shared by Muon, AdamW and SinkMomentum
-    muon_lr: Optional[float] = None       # None -> lr
-    adamw_lr: Optional[float] = None      # None -> lr
-    sink_lr: Optional[float] = None       # None -> lr
-    engram_lr_mult: float = 5.0           # Engram tables (spec §5)
+    lr: float = 3e-3  # base lr shared by Muon, AdamW and SinkMomentum
+    muon_lr: float | None = None  # None -> lr
+    adamw_lr: float | None = None  # None -> lr
+    sink_lr: float | None = None  # None -> lr
+    engram_lr_mult: float = 5.0  # Engram tables (spec §5)
     # Muon (spec §7, training.md §1.1)
     muon_momentum: float = 0.95
     muon_nesterov: bool = True
     muon_weight_decay: float = 0.1
     muon_rms: float = MUON_RMS
-    ns_schedule: Any = "v4"               # "v4" (8+2 hybrid), "keller", or a list of (a, b, c)
+    ns_schedule: Any = "v4"  # "v4" (8+2 hybrid), "keller", or a list of (a, b, c)
     ns_dtype: torch.dtype = torch.float32  # Newton-Schulz matmul dtype; bf16 halves the cost (training.md §1.1)
-    headwise: bool = True                 # head-wise Muon for the query projections (training.md §1.2)
-    grouped_wo_a: bool = True             # per-group Muon for the grouped output LoRA wo_a [D]
-    hc_fn_muon: bool = True               # hc_*_fn on Muon (default, training.md §1.4) or AdamW
+    headwise: bool = True  # head-wise Muon for the query projections (training.md §1.2)
+    grouped_wo_a: bool = True  # per-group Muon for the grouped output LoRA wo_a [D]
+    hc_fn_muon: bool = True  # hc_*_fn on Muon (default, training.md §1.4) or AdamW
     # AdamW (spec §7)
     adamw_betas: tuple[float, float] = (0.9, 0.95)
     adamw_eps: float = 1e-20
     adamw_weight_decay: float = 0.1
     # SinkMomentum (spec §7, training.md §1.3)
-    sink_momentum: float = 0.95           # 0 = stateless SinkGD
+    sink_momentum: float = 0.95  # 0 = stateless SinkGD
     sink_nesterov: bool = True
     sink_weight_decay: float = 0.0
     sink_rms: float = SINK_RMS
@@ -84,10 +90,10 @@ class OptimConfig:
     sink_tau: float = SINK_TAU
     sink_row_mask: str = "both"
     # ablation switches (training.md §10 grid)
-    use_muon: bool = True                 # False: every Muon parameter goes to AdamW
-    use_sink: bool = True                 # False: embedding/head/Engram tables go to AdamW
+    use_muon: bool = True  # False: every Muon parameter goes to AdamW
+    use_sink: bool = True  # False: embedding/head/Engram tables go to AdamW
 
-    def replace(self, **changes: Any) -> "OptimConfig":
+    def replace(self, **changes: Any) -> OptimConfig:
         return dataclasses.replace(self, **changes)
 
 
@@ -100,7 +106,7 @@ _MAIN_Q = re.compile(r"(^|\.)attn\.wq_b\.weight$")
 _WO_A = re.compile(r"(^|\.)attn\.wo_a\.weight$")
 
 
-def classify_param(name: str, param: torch.Tensor, cfg: Optional[OptimConfig] = None) -> Optional[str]:
+def classify_param(name: str, param: torch.Tensor, cfg: OptimConfig | None = None) -> str | None:
     """The group name of a parameter (see the module table), or None when it is not trainable."""
     cfg = cfg or OptimConfig()
     if not param.requires_grad:
@@ -122,7 +128,7 @@ def classify_param(name: str, param: torch.Tensor, cfg: Optional[OptimConfig] = 
     return "muon"
 
 
-def group_params(model: nn.Module, cfg: Optional[OptimConfig] = None) -> dict[str, list[tuple[str, nn.Parameter]]]:
+def group_params(model: nn.Module, cfg: OptimConfig | None = None) -> dict[str, list[tuple[str, nn.Parameter]]]:
     """{group name: [(param name, param), ...]} over the model's trainable parameters, each once."""
     cfg = cfg or OptimConfig()
     groups: dict[str, list[tuple[str, nn.Parameter]]] = {}
@@ -183,8 +189,9 @@ class OptimizerSet:
             opt.load_state_dict(state[name])
 
 
-def build_optimizers(model: nn.Module, cfg: Optional[OptimConfig] = None,
-                     model_cfg: Optional[ModelConfig] = None) -> OptimizerSet:
+def build_optimizers(
+    model: nn.Module, cfg: OptimConfig | None = None, model_cfg: ModelConfig | None = None
+) -> OptimizerSet:
     """Group the model's trainable parameters (module table) and build Muon, SinkMomentum and AdamW.
 
     `model_cfg` defaults to `model.cfg`; it gives the head counts of the head-wise groups.
@@ -214,15 +221,35 @@ def build_optimizers(model: nn.Module, cfg: Optional[OptimConfig] = None,
 
     optimizers: dict[str, torch.optim.Optimizer] = {}
     if per_opt["muon"]:
-        optimizers["muon"] = Muon(per_opt["muon"], lr=muon_lr, weight_decay=cfg.muon_weight_decay,
-                                  momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, rms=cfg.muon_rms,
-                                  ns_schedule=cfg.ns_schedule, ns_dtype=cfg.ns_dtype)
+        optimizers["muon"] = Muon(
+            per_opt["muon"],
+            lr=muon_lr,
+            weight_decay=cfg.muon_weight_decay,
+            momentum=cfg.muon_momentum,
+            nesterov=cfg.muon_nesterov,
+            rms=cfg.muon_rms,
+            ns_schedule=cfg.ns_schedule,
+            ns_dtype=cfg.ns_dtype,
+        )
     if per_opt["sink"]:
-        optimizers["sink"] = SinkMomentum(per_opt["sink"], lr=sink_lr, weight_decay=cfg.sink_weight_decay,
-                                          momentum=cfg.sink_momentum, nesterov=cfg.sink_nesterov, rms=cfg.sink_rms,
-                                          iters=cfg.sink_iters, tau=cfg.sink_tau, row_mask=cfg.sink_row_mask)
+        optimizers["sink"] = SinkMomentum(
+            per_opt["sink"],
+            lr=sink_lr,
+            weight_decay=cfg.sink_weight_decay,
+            momentum=cfg.sink_momentum,
+            nesterov=cfg.sink_nesterov,
+            rms=cfg.sink_rms,
+            iters=cfg.sink_iters,
+            tau=cfg.sink_tau,
+            row_mask=cfg.sink_row_mask,
+        )
     if per_opt["adamw"]:
-        optimizers["adamw"] = torch.optim.AdamW(per_opt["adamw"], lr=adamw_lr, betas=cfg.adamw_betas,
-                                                eps=cfg.adamw_eps, weight_decay=cfg.adamw_weight_decay,
-                                                foreach=False)
+        optimizers["adamw"] = torch.optim.AdamW(
+            per_opt["adamw"],
+            lr=adamw_lr,
+            betas=cfg.adamw_betas,
+            eps=cfg.adamw_eps,
+            weight_decay=cfg.adamw_weight_decay,
+            foreach=False,
+        )
     return OptimizerSet(optimizers)

@@ -12,8 +12,9 @@ def momentum_direction(state: dict, param: torch.Tensor, grad: torch.Tensor, mu:
         return grad
     buf = state.get("momentum_buffer")
     if buf is None:
-        buf = state["momentum_buffer"] = torch.zeros_like(param, dtype=torch.float32,
-                                                          memory_format=torch.preserve_format)
+        buf = state["momentum_buffer"] = torch.zeros_like(
+            param, dtype=torch.float32, memory_format=torch.preserve_format
+        )
     elif buf.dtype != torch.float32:  # load_state_dict casts state to the param dtype
         buf = state["momentum_buffer"] = buf.to(torch.float32)
     buf.mul_(mu).add_(grad)

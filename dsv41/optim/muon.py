@@ -21,17 +21,18 @@ assumes CUDA. The optimizer does not modify `p.grad`.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
-from dsv41.optim.newton_schulz import newton_schulz, resolve_schedule
 from dsv41.optim.momentum import momentum_direction
+from dsv41.optim.newton_schulz import newton_schulz, resolve_schedule
 
 MUON_RMS = 0.18  # update RMS γ of V4/V4.1 (spec §7, training.md §1.1)
 
 
-def row_blocks(shape: torch.Size | tuple[int, ...], heads: int = 1, head_dim: Optional[int] = None) -> tuple[int, ...]:
+def row_blocks(shape: torch.Size | tuple[int, ...], heads: int = 1, head_dim: int | None = None) -> tuple[int, ...]:
     """The batched matrix shape NS sees for a parameter of `shape`: (..., heads, rows/heads, cols)."""
     if len(shape) < 2:
         raise ValueError(f"Muon needs parameters with >= 2 dims, got shape {tuple(shape)}")
@@ -51,7 +52,7 @@ def row_blocks(shape: torch.Size | tuple[int, ...], heads: int = 1, head_dim: Op
 def muon_direction(
     u: torch.Tensor,
     heads: int = 1,
-    head_dim: Optional[int] = None,
+    head_dim: int | None = None,
     rms: float = MUON_RMS,
     schedule: Any = "v4",
     ns_dtype: torch.dtype = torch.float32,
@@ -84,13 +85,23 @@ class Muon(torch.optim.Optimizer):
         ns_dtype: torch.dtype = torch.float32,
         eps: float = 1e-7,
         heads: int = 1,
-        head_dim: Optional[int] = None,
+        head_dim: int | None = None,
     ) -> None:
         if lr < 0 or weight_decay < 0 or not 0 <= momentum < 1 or rms <= 0:
             raise ValueError("Muon: need lr >= 0, weight_decay >= 0, 0 <= momentum < 1, rms > 0")
         resolve_schedule(ns_schedule)
-        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, rms=rms,
-                        ns_schedule=ns_schedule, ns_dtype=ns_dtype, eps=eps, heads=heads, head_dim=head_dim)
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            rms=rms,
+            ns_schedule=ns_schedule,
+            ns_dtype=ns_dtype,
+            eps=eps,
+            heads=heads,
+            head_dim=head_dim,
+        )
         super().__init__(params, defaults)
         for group in self.param_groups:
             for p in group["params"]:
@@ -120,8 +131,15 @@ class Muon(torch.optim.Optimizer):
                 u = momentum_direction(self.state[p] if mu > 0 else {}, p, g, mu, group["nesterov"])
                 owner = split[2][id(p)] if split else 0
                 if split is None or owner == split[0]:
-                    o = muon_direction(u, group["heads"], group["head_dim"], group["rms"], group["ns_schedule"],
-                                       group["ns_dtype"], group["eps"])
+                    o = muon_direction(
+                        u,
+                        group["heads"],
+                        group["head_dim"],
+                        group["rms"],
+                        group["ns_schedule"],
+                        group["ns_dtype"],
+                        group["eps"],
+                    )
                 else:
                     o = torch.empty_like(u)  # filled by the owner's broadcast below
                 pending.append((p, o, group, owner))
@@ -129,8 +147,15 @@ class Muon(torch.optim.Optimizer):
             import torch.distributed as dist
 
             process_group = split[1]
-            works = [dist.broadcast(o, src=dist.get_global_rank(process_group, owner) if process_group else owner,
-                                    group=process_group, async_op=True) for _, o, _, owner in pending]
+            works = [
+                dist.broadcast(
+                    o,
+                    src=dist.get_global_rank(process_group, owner) if process_group else owner,
+                    group=process_group,
+                    async_op=True,
+                )
+                for _, o, _, owner in pending
+            ]
             for work in works:
                 work.wait()
         for p, o, group, _ in pending:
@@ -141,7 +166,7 @@ class Muon(torch.optim.Optimizer):
         return loss
 
 
-def ns_cost(shape: torch.Size | tuple[int, ...], heads: int = 1, head_dim: Optional[int] = None) -> int:
+def ns_cost(shape: torch.Size | tuple[int, ...], heads: int = 1, head_dim: int | None = None) -> int:
     """Multiply-adds of one Newton-Schulz step on a parameter (for balancing owners)."""
     blocks = row_blocks(shape, heads, head_dim)
     rows, cols = blocks[-2], blocks[-1]
@@ -150,8 +175,10 @@ def ns_cost(shape: torch.Size | tuple[int, ...], heads: int = 1, head_dim: Optio
 
 def owner_map(param_groups: list[dict], world: int) -> dict[int, int]:
     """id(param) -> owning rank: largest cost first onto the least-loaded rank (ties: parameter order)."""
-    items = [(ns_cost(p.shape, g["heads"], g["head_dim"]), index, id(p))
-             for index, (g, p) in enumerate((g, p) for g in param_groups for p in g["params"])]
+    items = [
+        (ns_cost(p.shape, g["heads"], g["head_dim"]), index, id(p))
+        for index, (g, p) in enumerate((g, p) for g in param_groups for p in g["params"])
+    ]
     load = [0] * world
     owners: dict[int, int] = {}
     for cost, _, key in sorted(items, key=lambda item: (-item[0], item[1])):

@@ -17,7 +17,7 @@ Schedules:
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -49,7 +49,7 @@ def newton_schulz(
     u: torch.Tensor,
     schedule: str | Sequence[Coefficients] = "v4",
     eps: float = 1e-7,
-    dtype: Optional[torch.dtype] = torch.float32,
+    dtype: torch.dtype | None = torch.float32,
 ) -> torch.Tensor:
     """Orthogonalise each matrix in the last two dims of `u`; returns a tensor of u's shape in `dtype`.
 

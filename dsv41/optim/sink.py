@@ -23,9 +23,11 @@ not assume CUDA. Under FSDP row sharding the column statistics would need an all
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
+
 from dsv41.optim.momentum import momentum_direction
 
 SINK_RMS = 0.18
@@ -35,7 +37,9 @@ ROW_MASKS = ("none", "grad", "tau", "both")
 _TINY = 1e-30
 
 
-def active_rows(u: torch.Tensor, grad: torch.Tensor | None = None, mode: str = "both", tau: float = SINK_TAU) -> torch.Tensor:
+def active_rows(
+    u: torch.Tensor, grad: torch.Tensor | None = None, mode: str = "both", tau: float = SINK_TAU
+) -> torch.Tensor:
     """Boolean [rows] mask of the rows that get an update (step 2 of the module docstring)."""
     if mode not in ROW_MASKS:
         raise ValueError(f"row_mask must be one of {ROW_MASKS}, got {mode!r}")
@@ -101,8 +105,16 @@ class SinkMomentum(torch.optim.Optimizer):
             raise ValueError("SinkMomentum: need lr, weight_decay, tau >= 0, 0 <= momentum < 1, rms > 0, iters >= 1")
         if row_mask not in ROW_MASKS:
             raise ValueError(f"row_mask must be one of {ROW_MASKS}, got {row_mask!r}")
-        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, rms=rms,
-                        iters=iters, tau=tau, row_mask=row_mask)
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            rms=rms,
+            iters=iters,
+            tau=tau,
+            row_mask=row_mask,
+        )
         super().__init__(params, defaults)
         for group in self.param_groups:
             for p in group["params"]:

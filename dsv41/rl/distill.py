@@ -13,7 +13,7 @@ The RL view (the same gradient in expectation over the student's samples): a per
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -29,8 +29,9 @@ def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tempe
     return (log_s.exp() * (log_s - log_t)).sum(-1)
 
 
-def opd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,
-             temperature: float = 1.0) -> torch.Tensor:
+def opd_loss(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """Mean reverse KL over the completion tokens: logits [N, L, V], mask [N, L] bool."""
     kl = reverse_kl(student_logits, teacher_logits, temperature)
     return (kl * mask).sum() / mask.sum().clamp_min(1)
@@ -41,8 +42,9 @@ def token_advantages(student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> 
     return -(student_logp - teacher_logp).detach()
 
 
-def teacher_logits(teachers: Mapping[str, Transformer], samples: Sequence[Sample], domains: Sequence[str],
-                   row_chunk: int = 16) -> torch.Tensor:
+def teacher_logits(
+    teachers: Mapping[str, Transformer], samples: Sequence[Sample], domains: Sequence[str], row_chunk: int = 16
+) -> torch.Tensor:
     """[N, L, V] logits of each sample's own teacher (domains[i] names it) over its completion positions,
     without gradient. A teacher computes with its own routing (it is another model; the student's
     recorded expert ids are not its own)."""
@@ -61,10 +63,15 @@ def teacher_logits(teachers: Mapping[str, Transformer], samples: Sequence[Sample
     return out
 
 
-def distill_step(student: ReplayPolicy, teachers: Mapping[str, Transformer], samples: Sequence[Sample],
-                 domains: Optional[Sequence[str]] = None, temperature: float = 1.0) -> torch.Tensor:
+def distill_step(
+    student: ReplayPolicy,
+    teachers: Mapping[str, Transformer],
+    samples: Sequence[Sample],
+    domains: Sequence[str] | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
     """The OPD loss of one batch of the student's own samples (call backward on it)."""
     domains = list(domains) if domains is not None else [next(iter(teachers))] * len(samples)
     target = teacher_logits(teachers, samples, domains, student.row_chunk)
     logits, mask = sequence_logits(student.policy, samples, student.row_chunk, student.cast_weights())
-    return opd_loss(logits, target[:, :logits.size(1)], mask, temperature)
+    return opd_loss(logits, target[:, : logits.size(1)], mask, temperature)

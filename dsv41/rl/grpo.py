@@ -25,8 +25,8 @@ Everything here is plain tensor math on per-token log-probabilities; the learner
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 import torch
 
@@ -35,23 +35,41 @@ ADVANTAGE_SCALES = ("group", "none")  # (r - mean) / std per subgroup (GRPO), or
 
 @dataclass
 class GRPOConfig:
-    efforts: tuple[int, ...] = field(default=(25, 50, 75, 100), metadata={"help": (
-        "reasoning efforts sampled for every prompt; advantages are normalised within each (prompt, effort)")})
+    efforts: tuple[int, ...] = field(
+        default=(25, 50, 75, 100),
+        metadata={
+            "help": (
+                "reasoning efforts sampled for every prompt; advantages are normalised within each (prompt, effort)"
+            )
+        },
+    )
     group_size: int = field(default=8, metadata={"help": "responses sampled per (prompt, effort) subgroup"})
     k0: float = field(default=0.5, metadata={"help": "length-penalty strength at the lowest effort, k(b_min)"})
-    tau: float = field(default=25.0, metadata={"help": (
-        "effort scale of the length penalty: k(b) = k0 * exp(-(b - b_min) / tau)")})
+    tau: float = field(
+        default=25.0, metadata={"help": ("effort scale of the length penalty: k(b) = k0 * exp(-(b - b_min) / tau)")}
+    )
     c_max: float = field(default=0.5, metadata={"help": "cap of the length penalty, C_max"})
     l_norm: float = field(default=64.0, metadata={"help": "response length (tokens) that costs k(b), L_norm"})
     clip_low: float = field(default=0.2, metadata={"help": "PPO clip below: rho >= 1 - clip_low"})
     clip_high: float = field(default=0.2, metadata={"help": "PPO clip above: rho <= 1 + clip_high"})
     kl_coef: float = field(default=0.01, metadata={"help": "beta: weight of the KL to the reference policy"})
-    offpolicy_kl: float = field(default=0.5, metadata={"help": (
-        "off-policy sequence masking: drop negative-advantage responses whose mean per-token "
-        "log pi_old - log pi exceeds this (<= 0 disables)")})
+    offpolicy_kl: float = field(
+        default=0.5,
+        metadata={
+            "help": (
+                "off-policy sequence masking: drop negative-advantage responses whose mean per-token "
+                "log pi_old - log pi exceeds this (<= 0 disables)"
+            )
+        },
+    )
     adv_eps: float = field(default=1e-4, metadata={"help": "added to the subgroup's reward std"})
-    scale_rewards: str = field(default="group", metadata={"choices": ADVANTAGE_SCALES, "help": (
-        "group: advantages (r - mean) / (std + eps) within each subgroup; none: r - mean (Dr. GRPO)")})
+    scale_rewards: str = field(
+        default="group",
+        metadata={
+            "choices": ADVANTAGE_SCALES,
+            "help": ("group: advantages (r - mean) / (std + eps) within each subgroup; none: r - mean (Dr. GRPO)"),
+        },
+    )
 
     def validate(self) -> None:
         if not self.efforts or any(not 1 <= int(b) <= 100 for b in self.efforts):
@@ -89,8 +107,9 @@ def style_gaps(reasoning: tuple[float, float], direct: tuple[float, float], cfg:
     """{b: reward of a reply that reasons - reward of one that answers directly} at every effort of `cfg`,
     for replies of the given (mean grade, mean length): what the penalty asks of the choice of style at each
     effort (> 0: reasoning pays). Means in, so a capped penalty is approximated by the cap at the mean length."""
-    return {int(b): reward(reasoning[0], reasoning[1], b, cfg) - reward(direct[0], direct[1], b, cfg)
-            for b in cfg.efforts}
+    return {
+        int(b): reward(reasoning[0], reasoning[1], b, cfg) - reward(direct[0], direct[1], b, cfg) for b in cfg.efforts
+    }
 
 
 def shared_push(gaps: dict, reasoning_share: dict) -> float:
@@ -102,8 +121,9 @@ def shared_push(gaps: dict, reasoning_share: dict) -> float:
     return float(sum(reasoning_share[b] * (1 - reasoning_share[b]) * gap for b, gap in gaps.items()))
 
 
-def subgroup_advantages(rewards: Sequence[float], groups: Sequence, eps: float = 1e-4,
-                        scale: str = "group") -> torch.Tensor:
+def subgroup_advantages(
+    rewards: Sequence[float], groups: Sequence, eps: float = 1e-4, scale: str = "group"
+) -> torch.Tensor:
     """(r - mean) / (std + eps) within each subgroup (responses with equal `groups` key, e.g.
     (prompt id, effort)); std is the population std of the subgroup. scale="none": r - mean.
     Returns fp32 [N]."""
@@ -132,8 +152,14 @@ class LossParts:
     tokens: int  # tokens counted
 
 
-def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: Optional[torch.Tensor],
-              advantages: torch.Tensor, mask: torch.Tensor, cfg: GRPOConfig) -> LossParts:
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: GRPOConfig,
+) -> LossParts:
     """The GRPO objective over a padded batch of responses.
 
     logp [N, L] (current policy, differentiable), old_logp [N, L] (the rollout's, the sampling

@@ -21,8 +21,8 @@ per decode step) are computed together, padded at the end.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -47,13 +47,13 @@ class Sample:
 
     prompt_ids: list[int]
     completion_ids: list[int]
-    spans: Optional[list[tuple[int, int]]]
-    routed_experts: Optional[torch.Tensor]  # [len(prompt) + len(completion) - 1, n_layers, k]
+    spans: list[tuple[int, int]] | None
+    routed_experts: torch.Tensor | None  # [len(prompt) + len(completion) - 1, n_layers, k]
     temperature: float
-    supports: Optional[list[Optional[torch.Tensor]]] = None
+    supports: list[torch.Tensor | None] | None = None
 
 
-def split_schedule(spans: Sequence[tuple[int, int]], prompt_len: int) -> Optional[list[tuple[int, int]]]:
+def split_schedule(spans: Sequence[tuple[int, int]], prompt_len: int) -> list[tuple[int, int]] | None:
     """The prefill spans when the schedule is prefill chunks covering the prompt then one position per
     decode step (a request that was never preempted), else None."""
     prefill = []
@@ -70,13 +70,14 @@ class ReplayPolicy(nn.Module):
     """fp32 masters (`self.master`, a copy of the model) of the trainable parameters, computing through
     `policy` (the serving model, not a submodule). forward(samples) -> per-token log-probs [N, L]."""
 
-    def __init__(self, policy: Transformer, trainable: Callable[[str], bool] = default_trainable,
-                 row_chunk: int = 16):
+    def __init__(self, policy: Transformer, trainable: Callable[[str], bool] = default_trainable, row_chunk: int = 16):
         super().__init__()
         for name, p in policy.named_parameters():
             if p.requires_grad and p.dtype not in (torch.bfloat16, torch.float32) and trainable(name):
-                raise ValueError(f"{name} is stored as {p.dtype}: the RL learner trains bf16/fp32 weights only "
-                                 "(dequantise an FP8/FP4 checkpoint first)")
+                raise ValueError(
+                    f"{name} is stored as {p.dtype}: the RL learner trains bf16/fp32 weights only "
+                    "(dequantise an FP8/FP4 checkpoint first)"
+                )
         self._policy = [policy]  # a list: not registered, so its bf16 weights are not parameters here
         self.row_chunk = row_chunk
         self.master = copy.deepcopy(policy)
@@ -118,11 +119,17 @@ class ReplayPolicy(nn.Module):
         return sequence_logprobs(self.policy, samples, self.row_chunk, self.cast_weights(), replay)
 
 
-def sequence_logprobs(model: Transformer, samples: Sequence[Sample], row_chunk: int = 16,
-                      weights: Optional[dict] = None, replay: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logprobs(
+    model: Transformer,
+    samples: Sequence[Sample],
+    row_chunk: int = 16,
+    weights: dict | None = None,
+    replay: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(logp [N, L], mask [N, L]) of the samples' completion tokens under `model` (with `weights`
     substituted through functional_call when given), under each sample's processed sampling distribution
     (temperature, support), grouped by span schedule. Differentiable when the weights are."""
+
     def per_group(group: list[Sample], logits: torch.Tensor) -> torch.Tensor:
         out = []
         for row, s in enumerate(group):  # each row at its own sampling temperature and support
@@ -134,17 +141,23 @@ def sequence_logprobs(model: Transformer, samples: Sequence[Sample], row_chunk: 
     return _per_sample(model, samples, row_chunk, weights, replay, per_group, ())
 
 
-def sequence_logits(model: Transformer, samples: Sequence[Sample], row_chunk: int = 16,
-                    weights: Optional[dict] = None, replay: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logits(
+    model: Transformer,
+    samples: Sequence[Sample],
+    row_chunk: int = 16,
+    weights: dict | None = None,
+    replay: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits [N, L, vocab] fp32, mask [N, L]) at the positions that predict each completion token (for
     on-policy distillation's full-vocabulary KL)."""
+
     def per_group(group: list[Sample], logits: torch.Tensor) -> torch.Tensor:
-        return [logits[row, :len(s.completion_ids)] for row, s in enumerate(group)]
+        return [logits[row, : len(s.completion_ids)] for row, s in enumerate(group)]
 
     return _per_sample(model, samples, row_chunk, weights, replay, per_group, (model.cfg.vocab_size,))
 
 
-def _support_mask(s: Sample, m: int, vocab: int) -> Optional[torch.Tensor]:
+def _support_mask(s: Sample, m: int, vocab: int) -> torch.Tensor | None:
     """bool [m, vocab] of the ids each completion token could have been drawn from, or None (every id)."""
     if not s.supports or all(x is None for x in s.supports):
         return None
@@ -156,7 +169,9 @@ def _support_mask(s: Sample, m: int, vocab: int) -> Optional[torch.Tensor]:
     return mask
 
 
-def _per_sample(model, samples, row_chunk, weights, replay, per_group, tail: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+def _per_sample(
+    model, samples, row_chunk, weights, replay, per_group, tail: tuple
+) -> tuple[torch.Tensor, torch.Tensor]:
     n = len(samples)
     width = max([len(s.completion_ids) for s in samples] + [1])
     values = torch.zeros(n, width, *tail)
@@ -192,8 +207,15 @@ def _groups(samples: Sequence[Sample]):
             yield members, list(key[1]), key[0]
 
 
-def _group_logits(model: Transformer, group: list[Sample], prefill, prompt_len: int, row_chunk: int,
-                  weights: Optional[dict], replay: bool) -> torch.Tensor:
+def _group_logits(
+    model: Transformer,
+    group: list[Sample],
+    prefill,
+    prompt_len: int,
+    row_chunk: int,
+    weights: dict | None,
+    replay: bool,
+) -> torch.Tensor:
     """fp32 logits [B, m_max, vocab] at the positions predicting one group's completions."""
     cfg = model.cfg
     m_max = max(len(s.completion_ids) for s in group)
@@ -201,7 +223,7 @@ def _group_logits(model: Transformer, group: list[Sample], prefill, prompt_len: 
     ids = torch.zeros(len(group), total, dtype=torch.int64)
     for row, s in enumerate(group):
         seq = (list(s.prompt_ids) + list(s.completion_ids))[:total]
-        ids[row, :len(seq)] = torch.tensor(seq)
+        ids[row, : len(seq)] = torch.tensor(seq)
     spans = list(group[0].spans) if prefill is None else decode_spans(prefill, total)
     routing = None
     if replay and all(s.routed_experts is not None for s in group):

@@ -11,7 +11,7 @@ without sampling noise. docs/rl-effort.md uses it to judge warm starts and RL ch
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -30,9 +30,17 @@ def choice_prompt(tokenizer, task, effort: int, with_line: bool = True) -> list[
 
 
 @torch.no_grad()
-def direct_probabilities(model, tokenizer, efforts: Sequence[int] = (1, 25, 50, 75, 100), prompts: int = 16,
-                         min_digits: int = 2, max_digits: int = 2, seed: int = 0, first: int = 1000,
-                         with_line: bool = True) -> dict[int, float]:
+def direct_probabilities(
+    model,
+    tokenizer,
+    efforts: Sequence[int] = (1, 25, 50, 75, 100),
+    prompts: int = 16,
+    min_digits: int = 2,
+    max_digits: int = 2,
+    seed: int = 0,
+    first: int = 1000,
+    with_line: bool = True,
+) -> dict[int, float]:
     """{b: mean over `prompts` held-out tasks (eval split, indices first..first+prompts-1) of
     P(`</think>` | prompt at effort b [+ effort line])}. The model runs one prompt at a time in eval mode."""
     if prompts < 1:

@@ -19,8 +19,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -48,22 +49,23 @@ class Rollout:
     completion_ids: list[int]
     text: str
     logprobs: list[float]  # per completion token, under the processed sampling distribution
-    supports: list[Optional[torch.Tensor]]  # per completion token: the ids it could be drawn from, or None
-    routed_experts: Optional[torch.Tensor]  # [len(prompt) + len(completion) - 1, n_layers, k]
-    spans: Optional[list[tuple[int, int]]]
+    supports: list[torch.Tensor | None]  # per completion token: the ids it could be drawn from, or None
+    routed_experts: torch.Tensor | None  # [len(prompt) + len(completion) - 1, n_layers, k]
+    spans: list[tuple[int, int]] | None
     temperature: float
-    finish_reason: Optional[str]
+    finish_reason: str | None
     preemptions: int = 0
     tag: Any = None
     request_index: int = 0
     values: dict = field(default_factory=dict)  # grade, reward, advantage, ... filled by the trainer
 
     def sample(self) -> Sample:
-        return Sample(self.prompt_ids, self.completion_ids, self.spans, self.routed_experts, self.temperature,
-                      self.supports)
+        return Sample(
+            self.prompt_ids, self.completion_ids, self.spans, self.routed_experts, self.temperature, self.supports
+        )
 
 
-def chat_prompt(tokenizer, messages: list[dict], effort: Optional[int]) -> list[int]:
+def chat_prompt(tokenizer, messages: list[dict], effort: int | None) -> list[int]:
     """Token ids of a thinking-mode V4.1 prompt at reasoning effort `effort` (spec §10: the effort line at
     index 0), ending with `<｜Assistant｜><think>`; effort None renders a non-thinking prompt."""
     parts = prompt_parts(messages, thinking=effort is not None, reasoning_effort=effort)
@@ -81,9 +83,17 @@ def rollout_engine_config(max_len: int, max_num_seqs: int = 64, **overrides) -> 
     cache, and a pool that holds max_num_seqs sequences of max_len tokens (so nothing is preempted)."""
     block = overrides.pop("block_size", 16)
     pool = overrides.pop("kv_pool_tokens", max_num_seqs * (-(-max_len // block) + 1) * block)
-    settings = dict(block_size=block, kv_pool_tokens=pool, max_num_seqs=max_num_seqs, prefill_mode="full",
-                    enable_prefix_caching=False, record_routing=True, logprobs_mode="processed",
-                    max_num_batched_tokens=1024, prefill_chunk_size=256)
+    settings = dict(
+        block_size=block,
+        kv_pool_tokens=pool,
+        max_num_seqs=max_num_seqs,
+        prefill_mode="full",
+        enable_prefix_caching=False,
+        record_routing=True,
+        logprobs_mode="processed",
+        max_num_batched_tokens=1024,
+        prefill_chunk_size=256,
+    )
     settings.update(overrides)
     return EngineConfig(**settings)
 
@@ -92,16 +102,18 @@ class RolloutWorker:
     """Sampling from one engine over `model` (shared, not copied: a learner that writes new weights into
     the model is sampled from at once)."""
 
-    def __init__(self, model: Transformer, tokenizer, config: Optional[EngineConfig] = None, max_len: int = 1024):
+    def __init__(self, model: Transformer, tokenizer, config: EngineConfig | None = None, max_len: int = 1024):
         config = config or rollout_engine_config(max_len)
         if not (config.record_routing and config.logprobs_mode == "processed"):
-            raise ValueError("a rollout engine needs record_routing=True and logprobs_mode='processed' "
-                             "(see rollout_engine_config)")
+            raise ValueError(
+                "a rollout engine needs record_routing=True and logprobs_mode='processed' (see rollout_engine_config)"
+            )
         self.model, self.tokenizer = model, tokenizer
         self.engine = LLMEngine(model, tokenizer, config, model_name="dsv41-rl")
 
-    def generate(self, requests: Sequence[RolloutRequest], seed: int = 0,
-                 indices: Optional[Sequence[int]] = None) -> list[Rollout]:
+    def generate(
+        self, requests: Sequence[RolloutRequest], seed: int = 0, indices: Sequence[int] | None = None
+    ) -> list[Rollout]:
         """All samples of all requests, in request order (each request's n samples together). `indices`:
         each request's place in the whole rollout batch (default 0..), which its samples' seeds derive from."""
         indices = list(range(len(requests))) if indices is None else list(indices)
@@ -113,8 +125,14 @@ class RolloutWorker:
                 req.params.logprobs = 0
             for j in range(req.n):
                 rid = f"rl-{seed}-{indices[r]}-{j}"
-                params = SamplingParams(**{**req.params.__dict__, "seed": request_seed(seed, indices[r], j),
-                                           "stop": list(req.params.stop), "stop_token_ids": list(req.params.stop_token_ids)})
+                params = SamplingParams(
+                    **{
+                        **req.params.__dict__,
+                        "seed": request_seed(seed, indices[r], j),
+                        "stop": list(req.params.stop),
+                        "stop_token_ids": list(req.params.stop_token_ids),
+                    }
+                )
                 engine.add_request(rid, list(req.prompt_ids), params)
                 ids.append((r, j, rid))
         lps: dict[str, list] = {rid: [] for _, _, rid in ids}
@@ -125,18 +143,32 @@ class RolloutWorker:
                 if out.finished:
                     final[out.request_id] = out
         if engine.counters["preemptions_total"] != before:
-            log.warning("rollouts were preempted (%d times): their early tokens' log-probabilities came from "
-                        "a computation the learner does not replay; enlarge kv_pool_tokens",
-                        engine.counters["preemptions_total"] - before)
+            log.warning(
+                "rollouts were preempted (%d times): their early tokens' log-probabilities came from "
+                "a computation the learner does not replay; enlarge kv_pool_tokens",
+                engine.counters["preemptions_total"] - before,
+            )
         rollouts = []
-        for r, j, rid in ids:
+        for r, _j, rid in ids:
             out, req = final[rid], requests[r]
             if out.finish_reason == "error":
                 raise RuntimeError(f"rollout request {rid} failed in the engine: {out.error}")
-            rollouts.append(Rollout(list(req.prompt_ids), list(out.token_ids), out.text,
-                                    [lp.logprob for lp in lps[rid]], [lp.support for lp in lps[rid]],
-                                    out.routed_experts, out.spans, req.params.temperature, out.finish_reason,
-                                    out.preemptions, req.tag, indices[r]))
+            rollouts.append(
+                Rollout(
+                    list(req.prompt_ids),
+                    list(out.token_ids),
+                    out.text,
+                    [lp.logprob for lp in lps[rid]],
+                    [lp.support for lp in lps[rid]],
+                    out.routed_experts,
+                    out.spans,
+                    req.params.temperature,
+                    out.finish_reason,
+                    out.preemptions,
+                    req.tag,
+                    indices[r],
+                )
+            )
         return rollouts
 
     @torch.no_grad()
@@ -195,7 +227,7 @@ def _from_bytes(data: bytes) -> dict[str, torch.Tensor]:
     from safetensors.torch import load
 
     header_len = int.from_bytes(data[:8], "little")
-    kinds = json.loads(json.loads(data[8:8 + header_len]).get("__metadata__", {}).get("byte_dtypes", "{}"))
+    kinds = json.loads(json.loads(data[8 : 8 + header_len]).get("__metadata__", {}).get("byte_dtypes", "{}"))
     state = load(data)
     for k, dtype in kinds.items():
         state[k] = state[k].view(_BYTE_DTYPES[dtype])
@@ -207,32 +239,50 @@ class RayRolloutWorkers:
     requests over them (each request's samples on one actor, so a subgroup batches together) and returns
     the rollouts in request order, as `RolloutWorker.generate` does."""
 
-    def __init__(self, model: Transformer, tokenizer, num_workers: int = 2, engine_config: Optional[EngineConfig] = None,
-                 threads_per_worker: int = 1, address: Optional[str] = None, max_len: int = 1024):
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer,
+        num_workers: int = 2,
+        engine_config: EngineConfig | None = None,
+        threads_per_worker: int = 1,
+        address: str | None = None,
+        max_len: int = 1024,
+    ):
         from dsv41.rl.sandbox import _import_ray  # one place for the "pip install -e '.[rl]'" message
 
         ray = _import_ray()
         self.ray = ray
         if not ray.is_initialized():
-            ray.init(address=address, num_cpus=None if address else max(num_workers, 2), include_dashboard=False,
-                     log_to_driver=False, ignore_reinit_error=True)
+            ray.init(
+                address=address,
+                num_cpus=None if address else max(num_workers, 2),
+                include_dashboard=False,
+                log_to_driver=False,
+                ignore_reinit_error=True,
+            )
         config = engine_config or rollout_engine_config(max_len)
         state = ray.put(_to_bytes(model.state_dict()))
         actor = ray.remote(num_cpus=threads_per_worker)(_RolloutActor)
-        self.workers = [actor.options(scheduling_strategy="SPREAD").remote(model.cfg, state, tokenizer, config,
-                                                                           threads_per_worker)
-                        for _ in range(num_workers)]
+        self.workers = [
+            actor.options(scheduling_strategy="SPREAD").remote(model.cfg, state, tokenizer, config, threads_per_worker)
+            for _ in range(num_workers)
+        ]
 
-    def generate(self, requests: Sequence[RolloutRequest], seed: int = 0,
-                 indices: Optional[Sequence[int]] = None) -> list[Rollout]:
+    def generate(
+        self, requests: Sequence[RolloutRequest], seed: int = 0, indices: Sequence[int] | None = None
+    ) -> list[Rollout]:
         indices = list(range(len(requests))) if indices is None else list(indices)
         shares: list[list[int]] = [[] for _ in self.workers]
         for r in range(len(requests)):
             shares[r % len(self.workers)].append(r)
         # one call per actor with all its requests (they batch together in its engine); seeds follow each
         # request's index in the whole batch, so the samples do not depend on the number of workers
-        calls = [w.generate.remote([requests[i] for i in idx], seed, [indices[i] for i in idx])
-                 for w, idx in zip(self.workers, shares) if idx]
+        calls = [
+            w.generate.remote([requests[i] for i in idx], seed, [indices[i] for i in idx])
+            for w, idx in zip(self.workers, shares)
+            if idx
+        ]
         by_request: dict[int, list[Rollout]] = {}
         for future in calls:
             for ro in self.ray.get(future):

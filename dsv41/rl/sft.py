@@ -35,8 +35,8 @@ exact-reply accuracy per style) and checkpointing apply unchanged.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional
 
 import torch
 
@@ -59,18 +59,29 @@ class TextSample:
 @dataclass
 class TextBatch:
     """x, y [B, L] (y: next-token targets, IGNORE outside the replies); tasks: each row's style."""
+
     x: torch.Tensor
     y: torch.Tensor
     tasks: list[str]
-    images: Optional[list] = None
+    images: list | None = None
 
 
 class EffortTaskText:
     """The warm-start set of one split ("train" or "val", drawn from the tasks' train / eval streams)."""
 
-    def __init__(self, split: str, tokenizer: ByteTokenizer, task: str = "arithmetic", min_digits: int = 2,
-                 max_digits: int = 4, echo: float = 0.0, style_slope: float = 0.0, effort_line: bool = False,
-                 effort_set: tuple[int, ...] = (), effort_set_share: float = 0.0):
+    def __init__(
+        self,
+        split: str,
+        tokenizer: ByteTokenizer,
+        task: str = "arithmetic",
+        min_digits: int = 2,
+        max_digits: int = 4,
+        echo: float = 0.0,
+        style_slope: float = 0.0,
+        effort_line: bool = False,
+        effort_set: tuple[int, ...] = (),
+        effort_set_share: float = 0.0,
+    ):
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         if task not in SFT_TASKS:
@@ -106,14 +117,15 @@ class EffortTaskText:
             prompt = chat_prompt(self.tokenizer, [{"role": "user", "content": ECHO_QUESTION}], effort)
             reply = self.tokenizer.encode(f"{effort}{THINK_END_TOKEN}{effort}", add_bos=False)
             return TextSample(prompt + reply + [self.tokenizer.eos_id], len(prompt), "echo", str(effort))
-        task = arithmetic_task("train" if self.split == "train" else "eval", seed, index, self.min_digits,
-                               self.max_digits)
+        task = arithmetic_task(
+            "train" if self.split == "train" else "eval", seed, index, self.min_digits, self.max_digits
+        )
         prompt = chat_prompt(self.tokenizer, task.messages(), effort)
         reply = self.tokenizer.encode(demonstration(task, style, effort if self.effort_line else None), add_bos=False)
         reply += [self.tokenizer.eos_id]
         return TextSample(prompt + reply, len(prompt), style, task.answer)
 
-    def collate(self, samples: list[TextSample], max_len: Optional[int] = None) -> TextBatch:
+    def collate(self, samples: list[TextSample], max_len: int | None = None) -> TextBatch:
         length = max(len(s.ids) for s in samples) - 1
         if max_len is not None and length > max_len:
             raise ValueError(f"a sample needs {length} positions, more than seq_len {max_len}")
@@ -121,16 +133,24 @@ class EffortTaskText:
         y = torch.full((len(samples), length), IGNORE, dtype=torch.long)
         for row, s in enumerate(samples):
             ids = torch.tensor(s.ids)
-            x[row, :len(ids) - 1] = ids[:-1]
-            y[row, s.answer_start - 1:len(ids) - 1] = ids[s.answer_start:]
+            x[row, : len(ids) - 1] = ids[:-1]
+            y[row, s.answer_start - 1 : len(ids) - 1] = ids[s.answer_start :]
         return TextBatch(x, y, [s.task for s in samples], [])
 
-    def batch(self, index: int, batch_size: int, seq_len: Optional[int] = None, seed: int = 0, rank: int = 0,
-              world_size: int = 1) -> TextBatch:
+    def batch(
+        self,
+        index: int,
+        batch_size: int,
+        seq_len: int | None = None,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> TextBatch:
         first = (index * world_size + rank) * batch_size
         return self.collate([self.sample(first + j, seed) for j in range(batch_size)], seq_len)
 
-    def sequential_batches(self, batch_size: int, seq_len: Optional[int], n_batches: int, rank: int = 0,
-                           world_size: int = 1) -> Iterator[TextBatch]:
+    def sequential_batches(
+        self, batch_size: int, seq_len: int | None, n_batches: int, rank: int = 0, world_size: int = 1
+    ) -> Iterator[TextBatch]:
         for i in range(n_batches):
             yield self.batch(i, batch_size, seq_len, 0, rank, world_size)

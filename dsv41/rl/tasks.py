@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 from dsv41.tokenizer import THINK_END_TOKEN
 
@@ -55,7 +55,7 @@ def arithmetic_task(split: str, seed: int, index: int, min_digits: int = 2, max_
     if not 1 <= min_digits <= max_digits:
         raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
     rng = _rng(split, seed, index, "arithmetic")
-    a, b = (rng.randint(10 ** (n - 1), 10 ** n - 1) for n in (rng.randint(min_digits, max_digits) for _ in range(2)))
+    a, b = (rng.randint(10 ** (n - 1), 10**n - 1) for n in (rng.randint(min_digits, max_digits) for _ in range(2)))
     return Task("arithmetic", f"{split}:{seed}:{index}", f"What is {a} + {b}?", str(a + b), operands=(a, b))
 
 
@@ -80,7 +80,7 @@ def effort_line(effort: int) -> str:
     return f"{int(effort):03d}\n"
 
 
-def demonstration(task: Task, style: str, effort: Optional[int] = None) -> str:
+def demonstration(task: Task, style: str, effort: int | None = None) -> str:
     """The assistant's reply after the `<think>` header: [the effort line,] reasoning, `</think>`, the answer."""
     if task.kind != "arithmetic":
         raise ValueError("demonstrations exist for arithmetic tasks only")
@@ -91,7 +91,7 @@ def demonstration(task: Task, style: str, effort: Optional[int] = None) -> str:
     return f"{budget}{reasoning}{THINK_END_TOKEN}{task.answer}"
 
 
-def final_answer(text: str) -> Optional[str]:
+def final_answer(text: str) -> str | None:
     """The content after the reasoning (`</think>`), or None when the response never closed it."""
     if THINK_END_TOKEN not in text:
         return None
@@ -107,7 +107,7 @@ def reasons(text: str) -> bool:
     thought = text.split(THINK_END_TOKEN, 1)[0]
     line = EFFORT_LINE.match(thought)
     if THINK_END_TOKEN in text and line:
-        thought = thought[line.end():]
+        thought = thought[line.end() :]
     return thought.strip() != ""
 
 
@@ -135,8 +135,11 @@ def arithmetic_tests(answer: str) -> list[str]:
 PROGRAMS = (  # (description, reference, test inputs)
     ("returns x squared plus {c}", "x * x + {c}", (0, 1, 2, -3, 7)),
     ("returns {c} times x minus 1", "{c} * x - 1", (0, 1, 5, -2)),
-    ("returns the sum of the digits of the non-negative integer x, plus {c}", "sum(map(int, str(x))) + {c}",
-     (0, 7, 123, 4096)),
+    (
+        "returns the sum of the digits of the non-negative integer x, plus {c}",
+        "sum(map(int, str(x))) + {c}",
+        (0, 7, 123, 4096),
+    ),
     ("returns True when x is divisible by {c}, else False", "x % {c} == 0", (0, 1, 12, 35, 42)),
 )
 
@@ -175,7 +178,7 @@ def grade_responses(tasks: Sequence[Task], texts: Sequence[str], pool=None) -> l
 
     if len(tasks) != len(texts):
         raise ValueError(f"{len(tasks)} tasks, {len(texts)} responses")
-    grades: list[Optional[float]] = [None] * len(tasks)
+    grades: list[float | None] = [None] * len(tasks)
     items, where = [], []
     for i, (task, text) in enumerate(zip(tasks, texts)):
         if task.kind == "arithmetic" and pool is None:

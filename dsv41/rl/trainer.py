@@ -32,7 +32,6 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -52,39 +51,92 @@ TASK_KINDS = ("arithmetic", "program", "mixed")
 @dataclass
 class RLConfig:
     # Each field is a `dsv41 rl grpo|distill --field-name` option with this help text (dsv41.cli).
-    model: str = field(default="tiny", metadata={"metavar": "PATH", "help": (
-        "the policy to start from: a checkpoint folder (e.g. one `dsv41 rl sft` wrote) or a preset name "
-        "(random weights, for tests)")})
-    out: str = field(default="runs/rl", metadata={"metavar": "DIR", "help": (
-        "run folder: metrics.jsonl, effort.png, effort.md, checkpoint/, train_state/ (a run resumes from it)")})
-    algorithm: str = field(default="grpo", metadata={"choices": ("grpo", "distill"), "help": (
-        "grpo: graded GRPO with reasoning effort; distill: on-policy distillation from --teachers")})
-    teachers: str = field(default="", metadata={"metavar": "DOMAIN=PATH,...", "help": (
-        "distill: the teacher checkpoint of each task domain (arithmetic, program), e.g. "
-        "'arithmetic=runs/rl/checkpoint'; one PATH without a domain serves all")})
-    task: str = field(default="arithmetic", metadata={"choices": TASK_KINDS, "help": (
-        "verifiable tasks to train on: additions (partial credit per digit), small Python functions "
-        "graded by their tests in the sandbox, or both")})
+    model: str = field(
+        default="tiny",
+        metadata={
+            "metavar": "PATH",
+            "help": (
+                "the policy to start from: a checkpoint folder (e.g. one `dsv41 rl sft` wrote) or a preset name "
+                "(random weights, for tests)"
+            ),
+        },
+    )
+    out: str = field(
+        default="runs/rl",
+        metadata={
+            "metavar": "DIR",
+            "help": (
+                "run folder: metrics.jsonl, effort.png, effort.md, checkpoint/, train_state/ (a run resumes from it)"
+            ),
+        },
+    )
+    algorithm: str = field(
+        default="grpo",
+        metadata={
+            "choices": ("grpo", "distill"),
+            "help": ("grpo: graded GRPO with reasoning effort; distill: on-policy distillation from --teachers"),
+        },
+    )
+    teachers: str = field(
+        default="",
+        metadata={
+            "metavar": "DOMAIN=PATH,...",
+            "help": (
+                "distill: the teacher checkpoint of each task domain (arithmetic, program), e.g. "
+                "'arithmetic=runs/rl/checkpoint'; one PATH without a domain serves all"
+            ),
+        },
+    )
+    task: str = field(
+        default="arithmetic",
+        metadata={
+            "choices": TASK_KINDS,
+            "help": (
+                "verifiable tasks to train on: additions (partial credit per digit), small Python functions "
+                "graded by their tests in the sandbox, or both"
+            ),
+        },
+    )
     min_digits: int = field(default=2, metadata={"metavar": "N", "help": "arithmetic: fewest digits per operand"})
     max_digits: int = field(default=4, metadata={"metavar": "N", "help": "arithmetic: most digits per operand"})
     steps: int = field(default=50, metadata={"metavar": "N", "help": "RL steps (rollout batch + updates)"})
-    prompts_per_step: int = field(default=4, metadata={"metavar": "N", "help": (
-        "tasks per step and process; each is asked at every effort, group-size times")})
-    efforts: str = field(default="25,50,75,100", metadata={"metavar": "B,...", "help": (
-        "reasoning efforts (1-100) every prompt is asked at")})
+    prompts_per_step: int = field(
+        default=4,
+        metadata={
+            "metavar": "N",
+            "help": ("tasks per step and process; each is asked at every effort, group-size times"),
+        },
+    )
+    efforts: str = field(
+        default="25,50,75,100",
+        metadata={"metavar": "B,...", "help": ("reasoning efforts (1-100) every prompt is asked at")},
+    )
     group_size: int = field(default=8, metadata={"metavar": "G", "help": "samples per (prompt, effort) subgroup"})
     k0: float = field(default=0.5, metadata={"help": "length penalty at the lowest effort, k(b_min)"})
-    tau: float = field(default=25.0, metadata={"help": "effort scale of the penalty: k(b) = k0 exp(-(b - b_min) / tau)"})
+    tau: float = field(
+        default=25.0, metadata={"help": "effort scale of the penalty: k(b) = k0 exp(-(b - b_min) / tau)"}
+    )
     c_max: float = field(default=0.5, metadata={"help": "cap of the length penalty"})
     l_norm: float = field(default=64.0, metadata={"help": "response tokens that cost k(b)"})
-    scale_rewards: str = field(default="group", metadata={"choices": ADVANTAGE_SCALES, "help": (
-        "group: advantages (r - mean) / std within each (prompt, effort) subgroup (GRPO); none: r - mean "
-        "(Dr. GRPO), so subgroups push in proportion to their reward differences")})
+    scale_rewards: str = field(
+        default="group",
+        metadata={
+            "choices": ADVANTAGE_SCALES,
+            "help": (
+                "group: advantages (r - mean) / std within each (prompt, effort) subgroup (GRPO); none: r - mean "
+                "(Dr. GRPO), so subgroups push in proportion to their reward differences"
+            ),
+        },
+    )
     clip_low: float = field(default=0.2, metadata={"help": "PPO clip: ratio >= 1 - clip_low"})
     clip_high: float = field(default=0.28, metadata={"help": "PPO clip: ratio <= 1 + clip_high"})
     kl_coef: float = field(default=0.0, metadata={"help": "weight of the K3 KL to the starting policy (0: none)"})
-    offpolicy_kl: float = field(default=0.5, metadata={"help": (
-        "drop negative-advantage responses whose mean per-token KL from the rollout policy exceeds this")})
+    offpolicy_kl: float = field(
+        default=0.5,
+        metadata={
+            "help": ("drop negative-advantage responses whose mean per-token KL from the rollout policy exceeds this")
+        },
+    )
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature of rollouts and evaluations"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (the learner applies the same support)"})
     top_k: int = field(default=0, metadata={"help": "top-k sampling, 0 off (the learner applies the same support)"})
@@ -93,23 +145,48 @@ class RLConfig:
     ppo_epochs: int = field(default=1, metadata={"metavar": "N", "help": "passes over each rollout batch"})
     minibatches: int = field(default=2, metadata={"metavar": "N", "help": "optimizer steps per pass"})
     grad_clip: float = field(default=1.0, metadata={"help": "clip the global gradient norm to this"})
-    eval_every: int = field(default=10, metadata={"metavar": "STEPS", "help": "evaluate every this many steps (and at the end)"})
+    eval_every: int = field(
+        default=10, metadata={"metavar": "STEPS", "help": "evaluate every this many steps (and at the end)"}
+    )
     eval_prompts: int = field(default=32, metadata={"metavar": "N", "help": "held-out tasks per evaluation"})
     eval_samples: int = field(default=2, metadata={"metavar": "N", "help": "samples per held-out task and effort"})
-    grader: str = field(default="sandbox", metadata={"choices": ("sandbox", "local"), "help": (
-        "sandbox: every grade comes from running tests in the sandbox orchestrator; local: arithmetic graded "
-        "in-process (program tasks always need the sandbox)")})
+    grader: str = field(
+        default="sandbox",
+        metadata={
+            "choices": ("sandbox", "local"),
+            "help": (
+                "sandbox: every grade comes from running tests in the sandbox orchestrator; local: arithmetic graded "
+                "in-process (program tasks always need the sandbox)"
+            ),
+        },
+    )
     sandbox_workers: int = field(default=2, metadata={"metavar": "N", "help": "concurrent sandbox processes"})
-    rollout_workers: int = field(default=0, metadata={"metavar": "N", "help": (
-        "0: the rollout engine and sandboxes run in this process; N: N Ray actors with an engine each, and "
-        "the sandboxes on Ray too")})
-    ray_address: Optional[str] = field(default=None, metadata={"metavar": "ADDR", "help": (
-        "a running Ray cluster to join (default: start a local one)")})
-    max_num_seqs: int = field(default=64, metadata={"metavar": "N", "help": "rollout engine: sequences decoded together"})
+    rollout_workers: int = field(
+        default=0,
+        metadata={
+            "metavar": "N",
+            "help": (
+                "0: the rollout engine and sandboxes run in this process; N: N Ray actors with an engine each, and "
+                "the sandboxes on Ray too"
+            ),
+        },
+    )
+    ray_address: str | None = field(
+        default=None,
+        metadata={"metavar": "ADDR", "help": ("a running Ray cluster to join (default: start a local one)")},
+    )
+    max_num_seqs: int = field(
+        default=64, metadata={"metavar": "N", "help": "rollout engine: sequences decoded together"}
+    )
     seed: int = field(default=0, metadata={"help": "seed of the task stream and of the sampling"})
     threads: int = field(default=0, metadata={"metavar": "N", "help": "torch threads (0: torch's default)"})
-    save_every: int = field(default=0, metadata={"metavar": "STEPS", "help": (
-        "write checkpoint/ and train_state/ every this many steps (0: at the end only)")})
+    save_every: int = field(
+        default=0,
+        metadata={
+            "metavar": "STEPS",
+            "help": ("write checkpoint/ and train_state/ every this many steps (0: at the end only)"),
+        },
+    )
 
     def effort_list(self) -> tuple[int, ...]:
         try:
@@ -119,15 +196,34 @@ class RLConfig:
         return efforts
 
     def grpo(self) -> GRPOConfig:
-        return GRPOConfig(efforts=self.effort_list(), group_size=self.group_size, k0=self.k0, tau=self.tau,
-                          c_max=self.c_max, l_norm=self.l_norm, clip_low=self.clip_low, clip_high=self.clip_high,
-                          kl_coef=self.kl_coef, offpolicy_kl=self.offpolicy_kl,
-                          scale_rewards=self.scale_rewards)
+        return GRPOConfig(
+            efforts=self.effort_list(),
+            group_size=self.group_size,
+            k0=self.k0,
+            tau=self.tau,
+            c_max=self.c_max,
+            l_norm=self.l_norm,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            kl_coef=self.kl_coef,
+            offpolicy_kl=self.offpolicy_kl,
+            scale_rewards=self.scale_rewards,
+        )
 
     def validate(self) -> None:
         self.grpo().validate()
-        for name in ("steps", "prompts_per_step", "max_new_tokens", "ppo_epochs", "minibatches", "eval_every",
-                     "eval_prompts", "eval_samples", "sandbox_workers", "max_num_seqs"):
+        for name in (
+            "steps",
+            "prompts_per_step",
+            "max_new_tokens",
+            "ppo_epochs",
+            "minibatches",
+            "eval_every",
+            "eval_prompts",
+            "eval_samples",
+            "sandbox_workers",
+            "max_num_seqs",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RLConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.rollout_workers < 0 or self.save_every < 0 or self.threads < 0:
@@ -170,8 +266,11 @@ class RLTrainer:
         model, self.tokenizer, self.name = build_model(cfg.model, seed=cfg.seed)
         model.eval()
         self.model_cfg = model.cfg
-        self.tokenizer_file = os.path.join(cfg.model, "tokenizer.json") if os.path.isfile(
-            os.path.join(cfg.model, "tokenizer.json")) else None
+        self.tokenizer_file = (
+            os.path.join(cfg.model, "tokenizer.json")
+            if os.path.isfile(os.path.join(cfg.model, "tokenizer.json"))
+            else None
+        )
         self.reference = None
         if cfg.algorithm == "grpo" and cfg.kl_coef > 0:
             self.reference = copy.deepcopy(model).requires_grad_(False)
@@ -191,21 +290,30 @@ class RLTrainer:
             frozen += [f"master.{n}" for n, _ in self.policy.master.named_buffers()]
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self.policy, frozen)
             self.learner = DistributedDataParallel(self.policy, broadcast_buffers=False)
-        self.optimizer = build_optimizers(self.policy.master, OptimConfig(lr=cfg.lr, ns_dtype=torch.bfloat16),
-                                          self.model_cfg)
+        self.optimizer = build_optimizers(
+            self.policy.master, OptimConfig(lr=cfg.lr, ns_dtype=torch.bfloat16), self.model_cfg
+        )
         max_len = 512 + cfg.max_new_tokens
         if cfg.rollout_workers:
             from dsv41.rl.sandbox import RaySandboxPool, _import_ray
 
             ray = _import_ray()
             if not ray.is_initialized():  # a local cluster with a (logical) CPU for every actor of both kinds
-                ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=False,
-                         num_cpus=None if cfg.ray_address else cfg.rollout_workers + cfg.sandbox_workers)
+                ray.init(
+                    address=cfg.ray_address,
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    num_cpus=None if cfg.ray_address else cfg.rollout_workers + cfg.sandbox_workers,
+                )
 
-            self.workers = RayRolloutWorkers(model, self.tokenizer, cfg.rollout_workers,
-                                             rollout_engine_config(max_len, cfg.max_num_seqs), address=cfg.ray_address)
-            self.pool = RaySandboxPool(cfg.sandbox_workers, address=cfg.ray_address,
-                                       slot_offset=1000 + 100 * self.rank)
+            self.workers = RayRolloutWorkers(
+                model,
+                self.tokenizer,
+                cfg.rollout_workers,
+                rollout_engine_config(max_len, cfg.max_num_seqs),
+                address=cfg.ray_address,
+            )
+            self.pool = RaySandboxPool(cfg.sandbox_workers, address=cfg.ray_address, slot_offset=1000 + 100 * self.rank)
         else:
             from dsv41.rl.sandbox import SandboxPool
 
@@ -226,20 +334,27 @@ class RLTrainer:
 
     def _params(self) -> SamplingParams:
         c = self.cfg
-        return SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_tokens=c.max_new_tokens,
-                              logprobs=0)
+        return SamplingParams(
+            temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_tokens=c.max_new_tokens, logprobs=0
+        )
 
     def _rollouts(self, tasks: list, efforts, samples: int, seed: int, first: int = 0):
         """Rollouts of every task at every effort, `samples` each; each rollout's tag is (task, effort).
         `first`: the global index of tasks[0]: each sample's seed derives from (seed, global task, effort,
         sample), so a run on several processes samples what one process would."""
-        requests = [RolloutRequest(chat_prompt(self.tokenizer, t.messages(), b), samples, self._params(), (k, b))
-                    for k, t in enumerate(tasks) for b in efforts]
+        requests = [
+            RolloutRequest(chat_prompt(self.tokenizer, t.messages(), b), samples, self._params(), (k, b))
+            for k, t in enumerate(tasks)
+            for b in efforts
+        ]
         indices = [(first + k) * len(efforts) + j for k in range(len(tasks)) for j in range(len(efforts))]
         rollouts = self.workers.generate(requests, seed=seed, indices=indices)
         texts = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in rollouts]
-        grades = grade_responses([tasks[r.tag[0]] for r in rollouts], texts,
-                                 self.pool if self.cfg.grader == "sandbox" or self.cfg.task != "arithmetic" else None)
+        grades = grade_responses(
+            [tasks[r.tag[0]] for r in rollouts],
+            texts,
+            self.pool if self.cfg.grader == "sandbox" or self.cfg.task != "arithmetic" else None,
+        )
         for r, g, text in zip(rollouts, grades, texts):
             r.values["grade"] = g
             r.values["reasons"] = reasons(text)
@@ -256,9 +371,12 @@ class RLTrainer:
         for r in rollouts:
             r.values["length"] = len(r.completion_ids)
             r.values["reward"] = reward(r.values["grade"], len(r.completion_ids), r.tag[1], g)
-        adv = subgroup_advantages([r.values["reward"] for r in rollouts],
-                                  [(tasks[r.tag[0]].uid, r.tag[1]) for r in rollouts], g.adv_eps,
-                                  g.scale_rewards)
+        adv = subgroup_advantages(
+            [r.values["reward"] for r in rollouts],
+            [(tasks[r.tag[0]].uid, r.tag[1]) for r in rollouts],
+            g.adv_eps,
+            g.scale_rewards,
+        )
         rollouts = [r for r in rollouts if r.completion_ids]
         samples = [r.sample() for r in rollouts]
         old = _padded([r.logprobs for r in rollouts])
@@ -280,8 +398,14 @@ class RLTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 if cfg.algorithm == "grpo":
                     logp, mask = self.learner(sub)
-                    parts = grpo_loss(logp, old[part, :logp.size(1)], None if ref is None else ref[part, :logp.size(1)],
-                                      adv[part], mask, g)
+                    parts = grpo_loss(
+                        logp,
+                        old[part, : logp.size(1)],
+                        None if ref is None else ref[part, : logp.size(1)],
+                        adv[part],
+                        mask,
+                        g,
+                    )
                     share = self._token_share(parts.tokens)
                     loss = parts.loss * share
                     if first_deviation is None:
@@ -294,9 +418,10 @@ class RLTrainer:
                 else:
                     domains = [d if d in self.teachers else "*" for d in (teacher_domains[i] for i in part)]
                     target = teacher_logits(self.teachers, sub, domains, self.policy.row_chunk)
-                    logits, mask = sequence_logits(self.policy.policy, sub, self.policy.row_chunk,
-                                                   self.policy.cast_weights())
-                    kl = opd_loss(logits, target[:, :logits.size(1)], mask)
+                    logits, mask = sequence_logits(
+                        self.policy.policy, sub, self.policy.row_chunk, self.policy.cast_weights()
+                    )
+                    kl = opd_loss(logits, target[:, : logits.size(1)], mask)
                     share = self._token_share(int(mask.sum()))
                     stats["distill_kl"].append(float(kl.detach()) * share)
                     loss = kl * share
@@ -306,21 +431,30 @@ class RLTrainer:
                         if p.grad is not None:
                             dist.all_reduce(p.grad)
                             p.grad /= self.world
-                torch.nn.utils.clip_grad_norm_([p for p in self.policy.master.parameters() if p.requires_grad],
-                                               cfg.grad_clip)
+                torch.nn.utils.clip_grad_norm_(
+                    [p for p in self.policy.master.parameters() if p.requires_grad], cfg.grad_clip
+                )
                 self.optimizer.step()
                 stats["loss"].append(float(loss.detach()))
         self.policy.sync_policy()
         if isinstance(self.workers, RayRolloutWorkers):
             self.workers.load_weights(self.policy.serving_state())
         self.step += 1
-        row = {"step": self.step, "rollout_s": t_roll - t0, "step_s": time.perf_counter() - t0,
-               "rollouts": len(rollouts), "loss": self._batch_mean(stats["loss"])}
+        row = {
+            "step": self.step,
+            "rollout_s": t_roll - t0,
+            "step_s": time.perf_counter() - t0,
+            "rollouts": len(rollouts),
+            "loss": self._batch_mean(stats["loss"]),
+        }
         if cfg.algorithm == "grpo":
-            row.update(policy_loss=self._batch_mean(stats["policy_loss"]), kl=self._batch_mean(stats["kl"]),
-                       clip_fraction=self._batch_mean(stats["clip_fraction"]),
-                       masked_sequences=int(self._reduced(stats["masked"], dist.ReduceOp.SUM)),
-                       first_ratio_max_deviation=self._reduced(first_deviation, dist.ReduceOp.MAX))
+            row.update(
+                policy_loss=self._batch_mean(stats["policy_loss"]),
+                kl=self._batch_mean(stats["kl"]),
+                clip_fraction=self._batch_mean(stats["clip_fraction"]),
+                masked_sequences=int(self._reduced(stats["masked"], dist.ReduceOp.SUM)),
+                first_ratio_max_deviation=self._reduced(first_deviation, dist.ReduceOp.MAX),
+            )
         else:
             row["distill_kl"] = self._batch_mean(stats["distill_kl"])
         row.update(self._effort_summary(rollouts, "train"))
@@ -339,7 +473,7 @@ class RLTrainer:
         dist.all_reduce(present)
         return float(t) if float(present) > 0 else None
 
-    def _batch_mean(self, values: list) -> Optional[float]:
+    def _batch_mean(self, values: list) -> float | None:
         """The whole batch's figure from this rank's per-minibatch figures scaled by `_token_share`: the
         mean over ranks of their means (rank 0 writes the row; alone, it would log its own share only)."""
         total = self._reduced(_mean(values), dist.ReduceOp.SUM)
@@ -361,11 +495,18 @@ class RLTrainer:
         rows = []
         for b in keys:
             rs = [r for r in rollouts if r.tag[1] == b]
-            rows.append([len(rs), sum(r.values["grade"] >= 1.0 for r in rs), sum(r.values["grade"] for r in rs),
-                         sum(len(r.completion_ids) for r in rs), sum(r.values.get("reward", 0.0) for r in rs),
-                         sum(bool(r.values.get("reasons")) for r in rs),
-                         sum(r.values["grade"] for r in rs if r.values.get("reasons")),
-                         sum(len(r.completion_ids) for r in rs if r.values.get("reasons"))])
+            rows.append(
+                [
+                    len(rs),
+                    sum(r.values["grade"] >= 1.0 for r in rs),
+                    sum(r.values["grade"] for r in rs),
+                    sum(len(r.completion_ids) for r in rs),
+                    sum(r.values.get("reward", 0.0) for r in rs),
+                    sum(bool(r.values.get("reasons")) for r in rs),
+                    sum(r.values["grade"] for r in rs if r.values.get("reasons")),
+                    sum(len(r.completion_ids) for r in rs if r.values.get("reasons")),
+                ]
+            )
         t = torch.tensor(rows, dtype=torch.float64)
         if self.distributed and prefix == "train":
             dist.all_reduce(t)
@@ -433,10 +574,23 @@ class RLTrainer:
         if self.rank == 0:
             with open(os.path.join(self.cfg.out, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(row) + "\n")
-            shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
-                     if k in ("step", "loss", "train_accuracy", "train_length", "train_reasoning", "eval_accuracy",
-                              "eval_length", "eval_reasoning",
-                              "first_ratio_max_deviation", "step_s")}
+            shown = {
+                k: (round(v, 3) if isinstance(v, float) else v)
+                for k, v in row.items()
+                if k
+                in (
+                    "step",
+                    "loss",
+                    "train_accuracy",
+                    "train_length",
+                    "train_reasoning",
+                    "eval_accuracy",
+                    "eval_length",
+                    "eval_reasoning",
+                    "first_ratio_max_deviation",
+                    "step_s",
+                )
+            }
             print(json.dumps(shown), flush=True)
 
     def save(self) -> None:
@@ -444,10 +598,21 @@ class RLTrainer:
 
         if self.rank == 0:
             info = {"name": f"{self.name}-rl", "rl_step": self.step, "algorithm": self.cfg.algorithm}
-            save_checkpoint(os.path.join(self.cfg.out, "checkpoint"), self.policy.policy, self.model_cfg,
-                            self.tokenizer_file, inference_state(self.policy.policy, self.model_cfg), info)
-            save_train_state(os.path.join(self.cfg.out, "train_state"), self.policy.master, self.optimizer, self.step,
-                             {"rl_config": dataclasses.asdict(self.cfg)})
+            save_checkpoint(
+                os.path.join(self.cfg.out, "checkpoint"),
+                self.policy.policy,
+                self.model_cfg,
+                self.tokenizer_file,
+                inference_state(self.policy.policy, self.model_cfg),
+                info,
+            )
+            save_train_state(
+                os.path.join(self.cfg.out, "train_state"),
+                self.policy.master,
+                self.optimizer,
+                self.step,
+                {"rl_config": dataclasses.asdict(self.cfg)},
+            )
         if self.distributed:
             dist.barrier()
 
@@ -484,16 +649,16 @@ def _padded(rows: list[list[float]]) -> torch.Tensor:
     width = max([len(r) for r in rows] + [1])
     out = torch.zeros(len(rows), width)
     for i, r in enumerate(rows):
-        out[i, :len(r)] = torch.tensor(r, dtype=torch.float32)
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
     return out
 
 
 def _split(items: list, parts: int) -> list[list]:
     size = math.ceil(len(items) / parts) if items else 0
-    return [items[i:i + size] for i in range(0, len(items), size)] if size else []
+    return [items[i : i + size] for i in range(0, len(items), size)] if size else []
 
 
-def _mean(values: list) -> Optional[float]:
+def _mean(values: list) -> float | None:
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
 
@@ -506,21 +671,28 @@ def write_effort_report(history: list[dict], out: str, efforts) -> None:
         return
     first, last = evals[0], evals[-1]
     a, z = first["step"], last["step"]
-    lines = [f"| effort | accuracy (step {a}) | accuracy (step {z}) | mean grade (step {a}) | mean grade (step {z}) | "
-             f"mean length (step {a}) | mean length (step {z}) | reasoning share (step {a}) | "
-             f"reasoning share (step {z}) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| effort | accuracy (step {a}) | accuracy (step {z}) | mean grade (step {a}) | mean grade (step {z}) | "
+        f"mean length (step {a}) | mean length (step {z}) | reasoning share (step {a}) | "
+        f"reasoning share (step {z}) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
 
     def share(row: dict, key: str) -> str:  # runs logged before the reasoning share existed lack it
         return f"{row[key]:.2f}" if key in row else "-"
 
     for b in efforts:
-        lines.append(f"| {b} | {first[f'eval_accuracy_{b}']:.3f} | {last[f'eval_accuracy_{b}']:.3f} | "
-                     f"{first[f'eval_grade_{b}']:.3f} | {last[f'eval_grade_{b}']:.3f} | "
-                     f"{first[f'eval_length_{b}']:.1f} | {last[f'eval_length_{b}']:.1f} | "
-                     f"{share(first, f'eval_reasoning_{b}')} | {share(last, f'eval_reasoning_{b}')} |")
-    lines.append(f"| all | {first['eval_accuracy']:.3f} | {last['eval_accuracy']:.3f} | {first['eval_grade']:.3f} | "
-                 f"{last['eval_grade']:.3f} | {first['eval_length']:.1f} | {last['eval_length']:.1f} | "
-                 f"{share(first, 'eval_reasoning')} | {share(last, 'eval_reasoning')} |")
+        lines.append(
+            f"| {b} | {first[f'eval_accuracy_{b}']:.3f} | {last[f'eval_accuracy_{b}']:.3f} | "
+            f"{first[f'eval_grade_{b}']:.3f} | {last[f'eval_grade_{b}']:.3f} | "
+            f"{first[f'eval_length_{b}']:.1f} | {last[f'eval_length_{b}']:.1f} | "
+            f"{share(first, f'eval_reasoning_{b}')} | {share(last, f'eval_reasoning_{b}')} |"
+        )
+    lines.append(
+        f"| all | {first['eval_accuracy']:.3f} | {last['eval_accuracy']:.3f} | {first['eval_grade']:.3f} | "
+        f"{last['eval_grade']:.3f} | {first['eval_length']:.1f} | {last['eval_length']:.1f} | "
+        f"{share(first, 'eval_reasoning')} | {share(last, 'eval_reasoning')} |"
+    )
     with open(os.path.join(out, "effort.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     import matplotlib
@@ -536,8 +708,14 @@ def write_effort_report(history: list[dict], out: str, efforts) -> None:
         axes[0].plot(steps, [h[f"eval_accuracy_{b}"] for h in evals], "o-", color=colour, ms=3, label=f"effort {b}")
         axes[1].plot(steps, [h[f"eval_grade_{b}"] for h in evals], "o-", color=colour, ms=3, label=f"effort {b}")
         axes[2].plot(steps, [h[f"eval_length_{b}"] for h in evals], "o-", color=colour, ms=3, label=f"effort {b}")
-        axes[3].plot(steps, [h.get(f"eval_reasoning_{b}", float("nan")) for h in evals], "o-", color=colour, ms=3,
-                     label=f"effort {b}")
+        axes[3].plot(
+            steps,
+            [h.get(f"eval_reasoning_{b}", float("nan")) for h in evals],
+            "o-",
+            color=colour,
+            ms=3,
+            label=f"effort {b}",
+        )
     axes[0].set(xlabel="RL step", ylabel="held-out accuracy (exact answer)", ylim=(0, 1.02))
     axes[1].set(xlabel="RL step", ylabel="held-out mean grade (partial credit)", ylim=(0, 1.02))
     axes[2].set(xlabel="RL step", ylabel="mean response length (tokens)")

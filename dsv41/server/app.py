@@ -31,7 +31,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any, Optional
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,21 +39,59 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsv41.engine import AsyncEngine, RequestOutput, TokenLogprob
-from dsv41.server.chat import (ChatStreamSplitter, build_chat_prompt, check_text_fits,
-                               parse_chat_output, parse_tool_calls, resolve_thinking)
+from dsv41.server.chat import (
+    ChatStreamSplitter,
+    build_chat_prompt,
+    check_text_fits,
+    parse_chat_output,
+    parse_tool_calls,
+    resolve_thinking,
+)
 from dsv41.server.metrics import CONTENT_TYPE, ServerMetrics
-from dsv41.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                   TokenizeRequest, bad_request, error_body)
+from dsv41.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    bad_request,
+    error_body,
+)
 from dsv41.server.responses import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from dsv41.server.responses_api import add_responses_routes
-from dsv41.server.serving import (DEFAULT_MAX_CHOICES, MIN_REQUEST_BYTES, SAMPLING_FIELDS, ClientGone,  # noqa: F401
-                                  ServerState, _check_model, _choice_params, _choices, _disconnected_response,
-                                  _last, _model_card, _off_loop, _run_to_end, _sampling_params, _sse_response,
-                                  _start, _stream_body, _Timer, _usage, internal_error_message)
+from dsv41.server.serving import (
+    DEFAULT_MAX_CHOICES,
+    MIN_REQUEST_BYTES,
+    ClientGone,  # noqa: F401
+    ServerState,
+    _check_model,
+    _choice_params,
+    _choices,
+    _disconnected_response,
+    _last,
+    _model_card,
+    _off_loop,
+    _run_to_end,
+    _sampling_params,
+    _sse_response,
+    _start,
+    _stream_body,
+    _Timer,
+    _usage,
+    internal_error_message,
+)
 from dsv41.server.structured import chat_constraint, output_constraint
 
-ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize",
-             "/health", "/metrics")
+ENDPOINTS = (
+    "/v1/models",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/tokenize",
+    "/detokenize",
+    "/health",
+    "/metrics",
+)
 KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/internal")  # routes that need the API key when one is set
 UNCAPPED_PATHS = ("/internal/handoff",)  # a KV hand-off grows with the prompt: the route applies its own cap
 MAX_HEADER_BYTES = 64 << 10  # all header lines together; nginx's default allows 32 KiB
@@ -68,11 +106,19 @@ def default_max_request_bytes(max_model_len: int) -> int:
     return max(MIN_REQUEST_BYTES, REQUEST_BYTES_PER_TOKEN * max_model_len)
 
 
-def create_app(engine, async_engine=None, *, served_model_name: Optional[str] = None, max_waiting: int = 64,
-               retry_after_s: int = 1, api_key: Optional[str] = None,
-               max_request_bytes: Optional[int] = None, max_choices: int = DEFAULT_MAX_CHOICES,
-               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
-               disaggregation_mode: Optional[str] = None) -> FastAPI:
+def create_app(
+    engine,
+    async_engine=None,
+    *,
+    served_model_name: str | None = None,
+    max_waiting: int = 64,
+    retry_after_s: int = 1,
+    api_key: str | None = None,
+    max_request_bytes: int | None = None,
+    max_choices: int = DEFAULT_MAX_CHOICES,
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
+    disaggregation_mode: str | None = None,
+) -> FastAPI:
     """Build the app over a built `LLMEngine`. Without `async_engine`, one is made (queue bound
     `max_waiting`) and started/stopped with the app; a given one is left to its owner. With `api_key`,
     every /v1 route needs `Authorization: Bearer <api_key>`. Bodies over `max_request_bytes` (default
@@ -88,10 +134,17 @@ def create_app(engine, async_engine=None, *, served_model_name: Optional[str] = 
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     if max_choices < 1:
         raise ValueError(f"max_choices must be >= 1, got {max_choices}")
-    state = ServerState(engine, async_engine, served_model_name or engine.model_name, retry_after_s,
-                        metrics=ServerMetrics(async_engine.metrics), api_key=api_key or None,
-                        max_request_bytes=max_request_bytes, max_choices=max_choices,
-                        responses=ResponseStore(max_stored_responses))
+    state = ServerState(
+        engine,
+        async_engine,
+        served_model_name or engine.model_name,
+        retry_after_s,
+        metrics=ServerMetrics(async_engine.metrics),
+        api_key=api_key or None,
+        max_request_bytes=max_request_bytes,
+        max_choices=max_choices,
+        responses=ResponseStore(max_stored_responses),
+    )
     if engine.model_config.vision_enabled:
         from dsv41.vision.inputs import ImageLoader
 
@@ -171,7 +224,6 @@ class _ErrorResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
-
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request, exc: APIError):
@@ -184,32 +236,48 @@ def _install_error_handlers(app: FastAPI) -> None:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         if err.get("type") == "json_invalid":
             detail = (err.get("ctx") or {}).get("error", err.get("msg"))
-            return _ErrorResponse(error_body(f"malformed JSON body: {detail}", "invalid_request_error", None,
-                                             "invalid_json"), status_code=400)
+            return _ErrorResponse(
+                error_body(f"malformed JSON body: {detail}", "invalid_request_error", None, "invalid_json"),
+                status_code=400,
+            )
         where = ".".join(loc) or "body"
-        return _ErrorResponse(error_body(f"{where}: {err.get('msg')}", "invalid_request_error",
-                                         loc[0] if loc else None, "invalid_value"), status_code=400)
+        return _ErrorResponse(
+            error_body(f"{where}: {err.get('msg')}", "invalid_request_error", loc[0] if loc else None, "invalid_value"),
+            status_code=400,
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc: StarletteHTTPException):
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return _ErrorResponse(error_body(str(exc.detail), type_, None, code), status_code=exc.status_code,
-                              headers=getattr(exc, "headers", None))
+        return _ErrorResponse(
+            error_body(str(exc.detail), type_, None, code),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     @app.exception_handler(Exception)
     async def internal_error(request, exc: Exception):
         request_id = f"err-{uuid.uuid4().hex}"
-        log.error("internal error, request id %s: %s %s", request_id, request.method, request.url.path,
-                  exc_info=(type(exc), exc, exc.__traceback__))
-        return _ErrorResponse(error_body(internal_error_message(request_id), "server_error", None, "internal_error"),
-                              status_code=500, headers={"X-Request-Id": request_id})
+        log.error(
+            "internal error, request id %s: %s %s",
+            request_id,
+            request.method,
+            request.url.path,
+            exc_info=(type(exc), exc, exc.__traceback__),
+        )
+        return _ErrorResponse(
+            error_body(internal_error_message(request_id), "server_error", None, "internal_error"),
+            status_code=500,
+            headers={"X-Request-Id": request_id},
+        )
 
 
-async def _send_error(send, status: int, message: str, code: str, headers: Optional[dict] = None) -> None:
+async def _send_error(send, status: int, message: str, code: str, headers: dict | None = None) -> None:
     """Answer from ASGI middleware, before the app has seen the request."""
-    response = _ErrorResponse(error_body(message, "invalid_request_error", None, code), status_code=status,
-                              headers=headers)
+    response = _ErrorResponse(
+        error_body(message, "invalid_request_error", None, code), status_code=status, headers=headers
+    )
     await response({"type": "http"}, None, send)
 
 
@@ -218,7 +286,7 @@ class _RequireKey:
     otherwise, as OpenAI and vLLM answer): they cost the server work; /health and /metrics stay open for
     probes and scrapers. Compared in constant time."""
 
-    def __init__(self, app, api_key: Optional[str]):
+    def __init__(self, app, api_key: str | None):
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
 
@@ -226,8 +294,13 @@ class _RequireKey:
         if self.expected is not None and scope["type"] == "http" and scope.get("path", "").startswith(KEYED_PREFIXES):
             given = dict(scope.get("headers") or ()).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
-                return await _send_error(send, 401, "Invalid or missing API key: send `Authorization: Bearer "
-                                         "<key>`.", "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+                return await _send_error(
+                    send,
+                    401,
+                    "Invalid or missing API key: send `Authorization: Bearer <key>`.",
+                    "invalid_api_key",
+                    {"WWW-Authenticate": "Bearer"},
+                )
         return await self.app(scope, receive, send)
 
 
@@ -248,8 +321,12 @@ class _LimitSize:
             return await self.app(scope, receive, send)
         headers = scope.get("headers") or ()
         if sum(len(k) + len(v) + 4 for k, v in headers) > MAX_HEADER_BYTES:
-            return await _send_error(send, 431, f"The request headers are larger than this server accepts "
-                                     f"({MAX_HEADER_BYTES} bytes).", "headers_too_large")
+            return await _send_error(
+                send,
+                431,
+                f"The request headers are larger than this server accepts ({MAX_HEADER_BYTES} bytes).",
+                "headers_too_large",
+            )
         if scope.get("path") in UNCAPPED_PATHS:
             return await self.app(scope, receive, send)
         declared = dict(headers).get(b"content-length")
@@ -337,6 +414,7 @@ class _CompletionLogprobs:
 def _rank_best(outs: list[list[RequestOutput]], n: int) -> list[int]:
     """best_of: the indices of the n choices with the highest mean log-probability per token (OpenAI's
     "highest log probability per token"), best first; ties keep the generation order."""
+
     def score(o: list[RequestOutput]) -> float:
         lps = [x.logprob for out in o for x in out.new_logprobs]
         return sum(lps) / len(lps) if lps else float("-inf")
@@ -352,11 +430,18 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
         raise bad_request("suffix is not supported", "suffix")
     n, generated = _choices(state, req.n, req.best_of, bool(req.stream))
     prompt_ids = await _completion_prompt(state, req.prompt)
-    structured = await _off_loop(state, lambda: output_constraint(state, req.response_format, req.structured_outputs),
-                                 "structured_outputs")
-    params = _sampling_params(state, req, prompt_len=len(prompt_ids),
-                              max_tokens=16 if req.max_tokens is None else req.max_tokens,
-                              logprobs=req.logprobs, prompt_param="prompt", structured=structured)
+    structured = await _off_loop(
+        state, lambda: output_constraint(state, req.response_format, req.structured_outputs), "structured_outputs"
+    )
+    params = _sampling_params(
+        state,
+        req,
+        prompt_len=len(prompt_ids),
+        max_tokens=16 if req.max_tokens is None else req.max_tokens,
+        logprobs=req.logprobs,
+        prompt_param="prompt",
+        structured=structured,
+    )
     want_lp = req.logprobs is not None
     if generated > n and not want_lp:  # ranking needs each token's logprob; not sent back
         params = dataclasses.replace(params, logprobs=0)
@@ -371,8 +456,13 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
         return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def body(choices: list[dict]) -> dict:
-        return {"id": base_id, "object": "text_completion", "created": created, "model": state.model_name,
-                "choices": choices}
+        return {
+            "id": base_id,
+            "object": "text_completion",
+            "created": created,
+            "model": state.model_name,
+            "choices": choices,
+        }
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -384,8 +474,16 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
         def on_output(i: int, out: RequestOutput):
             if not (out.new_text or out.finished or out.new_logprobs or (req.return_token_ids and out.new_token_ids)):
                 return []
-            c = body([choice(i, out.new_text, out.finish_reason if out.finished else None,
-                             lps[i].block(out.new_logprobs) if want_lp else None)])
+            c = body(
+                [
+                    choice(
+                        i,
+                        out.new_text,
+                        out.finish_reason if out.finished else None,
+                        lps[i].block(out.new_logprobs) if want_lp else None,
+                    )
+                ]
+            )
             if req.return_token_ids:
                 c["choices"][0]["token_ids"] = list(out.new_token_ids)
             if include_usage:
@@ -404,9 +502,15 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
         return _disconnected_response()
     lasts = [_last(o, rid) for o, rid in zip(outs, request_ids)]
     order = _rank_best(outs, n) if generated > n else list(range(n))
-    choices = [choice(k, lasts[i].text, lasts[i].finish_reason,
-                      lps[i].block([x for o in outs[i] for x in o.new_logprobs]) if want_lp else None)
-               for k, i in enumerate(order)]
+    choices = [
+        choice(
+            k,
+            lasts[i].text,
+            lasts[i].finish_reason,
+            lps[i].block([x for o in outs[i] for x in o.new_logprobs]) if want_lp else None,
+        )
+        for k, i in enumerate(order)
+    ]
     if req.return_token_ids:
         for c, i in zip(choices, order):
             c["token_ids"] = list(lasts[i].token_ids)
@@ -421,12 +525,15 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
 
 
 def _chat_logprob(lp: TokenLogprob, top_n: int) -> dict:
-    return {"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token.encode("utf-8")),
-            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))}
-                             for _, t, v in lp.top[:top_n]]}
+    return {
+        "token": lp.token,
+        "logprob": lp.logprob,
+        "bytes": list(lp.token.encode("utf-8")),
+        "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))} for _, t, v in lp.top[:top_n]],
+    }
 
 
-def _chat_tools(req: ChatCompletionRequest) -> tuple[Optional[list[dict]], bool]:
+def _chat_tools(req: ChatCompletionRequest) -> tuple[list[dict] | None, bool]:
     """(tools to render, whether to parse tool calls) from `tools` and `tool_choice`.
     `required` and a named function are enforced by constrained decoding (dsv41.server.structured); a
     named function renders only that tool."""
@@ -446,8 +553,9 @@ def _chat_tools(req: ChatCompletionRequest) -> tuple[Optional[list[dict]], bool]
         if not chosen:
             raise bad_request(f"tool_choice names a function that is not in tools: {name!r}", "tool_choice")
         return chosen, True
-    raise bad_request(f"tool_choice must be 'none', 'auto', 'required' or a function object, got {choice!r}",
-                      "tool_choice")
+    raise bad_request(
+        f"tool_choice must be 'none', 'auto', 'required' or a function object, got {choice!r}", "tool_choice"
+    )
 
 
 async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request):
@@ -462,15 +570,32 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
         param = "chat_template_kwargs" if "chat_template_kwargs" in str(exc) else "reasoning_effort"
         raise bad_request(str(exc), param) from None
     images: list = []  # (start, ImagePatches) of each image part, filled while the prompt is built
-    prompt_ids = await _off_loop(state, lambda: build_chat_prompt(
-        state.engine.tokenizer, req.messages, thinking=thinking, effort=effort, tools=tools,
-        token_limit=state.max_model_len - 1, image_loader=state.image_loader, spans=images), "messages")
+    prompt_ids = await _off_loop(
+        state,
+        lambda: build_chat_prompt(
+            state.engine.tokenizer,
+            req.messages,
+            thinking=thinking,
+            effort=effort,
+            tools=tools,
+            token_limit=state.max_model_len - 1,
+            image_loader=state.image_loader,
+            spans=images,
+        ),
+        "messages",
+    )
     structured = await _off_loop(state, lambda: chat_constraint(state, req, tools, thinking), "response_format")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
-    params = _sampling_params(state, req, prompt_len=len(prompt_ids), max_tokens=max_tokens,
-                              logprobs=top_n if req.logprobs else None, prompt_param="messages",
-                              structured=structured)
+    params = _sampling_params(
+        state,
+        req,
+        prompt_len=len(prompt_ids),
+        max_tokens=max_tokens,
+        logprobs=top_n if req.logprobs else None,
+        prompt_param="messages",
+        structured=structured,
+    )
     plist = _choice_params(params, n)
     base_id = f"chatcmpl-{uuid.uuid4().hex}"
     request_ids = [base_id] + [f"{base_id}-{i}" for i in range(1, n)]
@@ -478,8 +603,20 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
     timers = [_Timer(state.metrics) for _ in range(n)]
 
     if req.stream:
-        return await _chat_stream(state, req, request, request_ids, created, prompt_ids, plist, timers,
-                                  thinking=thinking, parse_tools=parse_tools, top_n=top_n, images=images)
+        return await _chat_stream(
+            state,
+            req,
+            request,
+            request_ids,
+            created,
+            prompt_ids,
+            plist,
+            timers,
+            thinking=thinking,
+            parse_tools=parse_tools,
+            top_n=top_n,
+            images=images,
+        )
 
     outs = await _run_to_end(state, request, request_ids, prompt_ids, plist, timers, images)
     if outs is None:
@@ -501,15 +638,23 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
         choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
         if req.return_token_ids:
             choices[-1]["token_ids"] = list(last.token_ids)
-    result = {"id": base_id, "object": "chat.completion", "created": created, "model": state.model_name,
-              "choices": choices, "usage": _usage(len(prompt_ids), lasts), "system_fingerprint": None}
+    result = {
+        "id": base_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": state.model_name,
+        "choices": choices,
+        "usage": _usage(len(prompt_ids), lasts),
+        "system_fingerprint": None,
+    }
     if req.return_token_ids:
         result["prompt_token_ids"] = list(prompt_ids)
     return result
 
 
-async def _chat_stream(state, req, request, request_ids, created, prompt_ids, params, timers, *, thinking,
-                       parse_tools, top_n, images=None):
+async def _chat_stream(
+    state, req, request, request_ids, created, prompt_ids, params, timers, *, thinking, parse_tools, top_n, images=None
+):
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     try:
         started = await _start(state, request, request_ids, prompt_ids, params, images)
@@ -519,8 +664,13 @@ async def _chat_stream(state, req, request, request_ids, created, prompt_ids, pa
     splitters = [ChatStreamSplitter(thinking=thinking, tools=parse_tools) for _ in range(n)]
 
     def chunk(i: int, delta: dict, finish_reason=None, logprobs=None) -> dict:
-        c = {"id": request_ids[0], "object": "chat.completion.chunk", "created": created, "model": state.model_name,
-             "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+        c = {
+            "id": request_ids[0],
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": state.model_name,
+            "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+        }
         if include_usage:
             c["usage"] = None
         return c
@@ -545,24 +695,40 @@ async def _chat_stream(state, req, request, request_ids, created, prompt_ids, pa
                 payloads[-1]["choices"][0]["token_ids"] = list(out.new_token_ids) if k == 0 else []
         return payloads
 
-    def on_end(lasts: list[Optional[RequestOutput]]):
+    def on_end(lasts: list[RequestOutput | None]):
         payloads = []
         for i, (splitter, last) in enumerate(zip(splitters, lasts)):
             payloads += [chunk(i, d) for d in deltas(splitter.finish())]
             finish = last.finish_reason if last else "abort"
             if splitter.tool_text:
-                calls = parse_tool_calls(splitter.tool_text)[:1 if req.parallel_tool_calls is False else None]
+                calls = parse_tool_calls(splitter.tool_text)[: 1 if req.parallel_tool_calls is False else None]
                 if calls:
                     finish = "tool_calls"
-                    payloads.append(chunk(i, {"tool_calls": [
-                        {"index": k, "id": c["id"], "type": "function", "function": c["function"]}
-                        for k, c in enumerate(calls)]}))
+                    payloads.append(
+                        chunk(
+                            i,
+                            {
+                                "tool_calls": [
+                                    {"index": k, "id": c["id"], "type": "function", "function": c["function"]}
+                                    for k, c in enumerate(calls)
+                                ]
+                            },
+                        )
+                    )
                 else:
                     payloads.append(chunk(i, {"content": splitter.tool_text}))
             payloads.append(chunk(i, {}, finish_reason=finish))
         if include_usage:
-            payloads.append({"id": request_ids[0], "object": "chat.completion.chunk", "created": created,
-                             "model": state.model_name, "choices": [], "usage": _usage(len(prompt_ids), lasts)})
+            payloads.append(
+                {
+                    "id": request_ids[0],
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": state.model_name,
+                    "choices": [],
+                    "usage": _usage(len(prompt_ids), lasts),
+                }
+            )
         return payloads
 
     return _sse_response(_stream_body(state, request_ids, started, timers, on_output, on_end))
@@ -596,9 +762,21 @@ async def _tokenize(state: ServerState, req: TokenizeRequest) -> dict:
         except ValueError as exc:
             param = "chat_template_kwargs" if "chat_template_kwargs" in str(exc) else "reasoning_effort"
             raise bad_request(str(exc), param) from None
-        ids = await _off_loop(state, lambda: build_chat_prompt(
-            tokenizer, req.messages, thinking=thinking, effort=effort, tools=tools, token_limit=state.max_model_len,
-            image_loader=state.image_loader, spans=[], add_generation_prompt=req.add_generation_prompt), "messages")
+        ids = await _off_loop(
+            state,
+            lambda: build_chat_prompt(
+                tokenizer,
+                req.messages,
+                thinking=thinking,
+                effort=effort,
+                tools=tools,
+                token_limit=state.max_model_len,
+                image_loader=state.image_loader,
+                spans=[],
+                add_generation_prompt=req.add_generation_prompt,
+            ),
+            "messages",
+        )
     strs = [tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None
     return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}
 

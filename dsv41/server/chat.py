@@ -12,15 +12,14 @@ Shared by the server and `dsv41 chat`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from dsv41.chat.dsml import CALLS_OPEN, parse_assistant_output, parse_tool_calls_block
 from dsv41.chat.encoding import encode_prompt, image_slots, parse_reasoning_effort, prompt_parts
 from dsv41.tokenizer import EOS_TOKEN, THINK_END_TOKEN
 
 
-def resolve_thinking(chat_template_kwargs: Optional[dict[str, Any]],
-                     reasoning_effort: Any) -> tuple[bool, Optional[int]]:
+def resolve_thinking(chat_template_kwargs: dict[str, Any] | None, reasoning_effort: Any) -> tuple[bool, int | None]:
     """(thinking, effort). Thinking is off unless `chat_template_kwargs` turns it on (`thinking` or
     `enable_thinking`) or a reasoning effort is given without an explicit `thinking: false`.
     The effort (1-100 or low/high/max) is validated by `parse_reasoning_effort` (ValueError)."""
@@ -44,7 +43,7 @@ class PromptTooLong(ValueError):
         self.min_tokens, self.token_limit = min_tokens, token_limit
 
 
-def check_text_fits(tokenizer, num_chars: int, token_limit: Optional[int]) -> None:
+def check_text_fits(tokenizer, num_chars: int, token_limit: int | None) -> None:
     """Raise PromptTooLong when `num_chars` characters cannot fit `token_limit` tokens: no token decodes
     to more than `tokenizer.max_token_chars` characters. Costs nothing, so a huge body is refused before
     its tokenization is paid for."""
@@ -54,17 +53,32 @@ def check_text_fits(tokenizer, num_chars: int, token_limit: Optional[int]) -> No
             raise PromptTooLong(min_tokens, token_limit)
 
 
-def build_chat_prompt(tokenizer, messages: list[dict[str, Any]], *, thinking: bool, effort: Optional[int],
-                      tools: Optional[list[dict[str, Any]]], token_limit: Optional[int] = None,
-                      image_loader=None, spans: Optional[list] = None, add_generation_prompt: bool = True) -> list[int]:
+def build_chat_prompt(
+    tokenizer,
+    messages: list[dict[str, Any]],
+    *,
+    thinking: bool,
+    effort: int | None,
+    tools: list[dict[str, Any]] | None,
+    token_limit: int | None = None,
+    image_loader=None,
+    spans: list | None = None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
     """Render with the V4.1 encoder (ValueError on malformed messages) and tokenize. Control tokens come
     only from the template: message content and tool definitions are tokenized as text, so marker strings
     inside them stay text (`encode_prompt`). The rendered text starts with the BOS marker. With
     `token_limit`, a prompt that cannot fit is refused (PromptTooLong) before it is tokenized. Image parts
     need `image_loader` (dsv41.vision.ImageLoader); each image's (start, ImagePatches) goes to `spans`.
     Without `add_generation_prompt` the assistant turn's opening is left off (`/tokenize`)."""
-    parts = prompt_parts(messages, thinking=thinking, reasoning_effort=effort, tools=tools or None,
-                         add_generation_prompt=add_generation_prompt, drop_thinking=True)
+    parts = prompt_parts(
+        messages,
+        thinking=thinking,
+        reasoning_effort=effort,
+        tools=tools or None,
+        add_generation_prompt=add_generation_prompt,
+        drop_thinking=True,
+    )
     slots = image_slots(parts)
     images = None
     if slots:  # image_url parts: decoded and preprocessed here, laid out as spans by encode_prompt
@@ -113,7 +127,7 @@ class ChatStreamSplitter:
                 self._flush(out, _held_back(self.buffer, THINK_END_TOKEN))
                 return out
             self._emit(out, "reasoning", self.buffer[:i])
-            self.buffer, self.mode = self.buffer[i + len(THINK_END_TOKEN):], "content"
+            self.buffer, self.mode = self.buffer[i + len(THINK_END_TOKEN) :], "content"
         i = self.buffer.find(CALLS_OPEN) if self.tools else -1
         if i >= 0:
             content = self.buffer[:i]
@@ -152,8 +166,8 @@ class ChatStreamSplitter:
 
 @dataclass
 class ChatOutput:
-    reasoning_content: Optional[str]
-    content: Optional[str]
+    reasoning_content: str | None
+    content: str | None
     tool_calls: list[dict[str, Any]]
 
 

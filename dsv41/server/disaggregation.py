@@ -31,7 +31,6 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from typing import Optional
 
 import anyio
 from fastapi import FastAPI, Request
@@ -86,8 +85,12 @@ class HandoffStore:
             if item is not None:
                 self._bytes -= item[1].nbytes()
         if item is None:
-            raise APIError(422, f"no KV hand-off {key!r} on this decode worker (never sent, already used, or "
-                           f"expired after {self.ttl_s:g} s)", code="handoff_missing")
+            raise APIError(
+                422,
+                f"no KV hand-off {key!r} on this decode worker (never sent, already used, or "
+                f"expired after {self.ttl_s:g} s)",
+                code="handoff_missing",
+            )
         return item[1]
 
     def __len__(self) -> int:
@@ -102,7 +105,7 @@ class HandoffStore:
 class Disaggregation:
     """A worker's role; `create_app` keeps one on its ServerState, and its `_start` asks `engine_kwargs`."""
 
-    def __init__(self, mode: str, store: Optional[HandoffStore] = None):
+    def __init__(self, mode: str, store: HandoffStore | None = None):
         if mode not in MODES:
             raise ValueError(f"disaggregation mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
@@ -110,8 +113,9 @@ class Disaggregation:
         self.exported = 0
         self.imported = 0
 
-    async def engine_kwargs(self, state, request: Request, request_ids: list[str], prompt_ids: list[int],
-                            params: list, images) -> dict:
+    async def engine_kwargs(
+        self, state, request: Request, request_ids: list[str], prompt_ids: list[int], params: list, images
+    ) -> dict:
         """What the engine requests of this HTTP request get: on an internal prefill route, the prompt is
         computed here and HandoffReady raised; with a hand-off header, the checked hand-off; else nothing
         (an ordinary colocated request)."""
@@ -135,8 +139,9 @@ class Disaggregation:
         from dsv41.server.serving import _guarded
 
         async def run():
-            stream = state.async_engine.generate(f"prefill-{request_id}", prompt_ids, params, images,
-                                                 export_handoff=True)
+            stream = state.async_engine.generate(
+                f"prefill-{request_id}", prompt_ids, params, images, export_handoff=True
+            )
             try:
                 async for out in stream:
                     if out.finished:
@@ -148,8 +153,11 @@ class Disaggregation:
         out = await _guarded(state, request, [f"prefill-{request_id}"], run())
         if out is None or out.finish_reason != "handoff" or out.handoff is None:
             reason = None if out is None else out.finish_reason
-            raise APIError(500, f"the prefill of {request_id} ended without a hand-off (finish reason {reason})",
-                           code="prefill_failed")
+            raise APIError(
+                500,
+                f"the prefill of {request_id} ended without a hand-off (finish reason {reason})",
+                code="prefill_failed",
+            )
         self.exported += 1
         return out.handoff
 
@@ -169,16 +177,22 @@ def install_routes(app: FastAPI, disagg: Disaggregation) -> None:
     state = app.state.server
     state.engine.identity()  # computed now (it reads every non-expert weight), not on the first request's loop
     if disagg.mode == "prefill":
+
         async def respond(call):
             try:
                 await call
             except HandoffReady as ready:
                 t0 = time.perf_counter()
                 data = await anyio.to_thread.run_sync(ready.handoff.to_bytes)
-                return Response(data, media_type=HANDOFF_MEDIA_TYPE, headers={
-                    "X-DSV41-Handoff-Kv-Bytes": str(ready.handoff.kv_bytes()),
-                    "X-DSV41-Handoff-Tokens": str(len(ready.handoff.prompt_ids)),
-                    "X-DSV41-Serialize-Ms": f"{(time.perf_counter() - t0) * 1e3:.3f}"})
+                return Response(
+                    data,
+                    media_type=HANDOFF_MEDIA_TYPE,
+                    headers={
+                        "X-DSV41-Handoff-Kv-Bytes": str(ready.handoff.kv_bytes()),
+                        "X-DSV41-Handoff-Tokens": str(len(ready.handoff.prompt_ids)),
+                        "X-DSV41-Serialize-Ms": f"{(time.perf_counter() - t0) * 1e3:.3f}",
+                    },
+                )
             raise APIError(500, "the prefill route returned without a hand-off", code="prefill_failed")
 
         @app.post("/internal/prefill/v1/completions")
@@ -201,8 +215,9 @@ def install_routes(app: FastAPI, disagg: Disaggregation) -> None:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
-                    raise APIError(413, f"a KV hand-off for this engine is at most {limit} bytes",
-                                   code="request_too_large")
+                    raise APIError(
+                        413, f"a KV hand-off for this engine is at most {limit} bytes", code="request_too_large"
+                    )
                 chunks.append(chunk)
             data = b"".join(chunks)
             identity = state.engine.identity()
@@ -215,5 +230,9 @@ def install_routes(app: FastAPI, disagg: Disaggregation) -> None:
     @app.get("/internal/disaggregation")
     async def info():
         await asyncio.sleep(0)
-        return {"mode": disagg.mode, "handoffs_exported": disagg.exported, "handoffs_imported": disagg.imported,
-                "handoffs_pending": len(disagg.store)}
+        return {
+            "mode": disagg.mode,
+            "handoffs_exported": disagg.exported,
+            "handoffs_imported": disagg.imported,
+            "handoffs_pending": len(disagg.store),
+        }

@@ -9,7 +9,7 @@ take vLLM's bodies. Unknown fields are ignored, as OpenAI-style servers do, so c
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -17,8 +17,16 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 class APIError(Exception):
     """An error answered as `{"error": {"message", "type", "param", "code"}}` with `status`."""
 
-    def __init__(self, status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
-                 type: Optional[str] = None, headers: Optional[dict[str, str]] = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
@@ -28,11 +36,11 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def error_body(message: str, type: str, param: Optional[str] = None, code: Optional[str] = None) -> dict[str, Any]:
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
@@ -40,7 +48,7 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-def find_invalid_text(value: Any, where: str = "body") -> Optional[str]:
+def find_invalid_text(value: Any, where: str = "body") -> str | None:
     """The path of the first string (or dict key) that is not valid Unicode: JSON's `\\ud800` escapes
     decode to lone surrogates, which no tokenizer or UTF-8 encoder accepts. None when all is well."""
     stack = [(value, where)]
@@ -67,9 +75,9 @@ class StreamOptions(_Request):
 
 class FunctionDef(_Request):
     name: str = Field(min_length=1)
-    description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = None
-    strict: Optional[bool] = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
 class Tool(_Request):
@@ -93,47 +101,47 @@ class _TextRequest(_Request):
 class _Sampling(_TextRequest):
     """Fields shared by both endpoints."""
 
-    model: Optional[str] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None  # extension; 0 or -1 disables
-    seed: Optional[int] = None
-    max_tokens: Optional[int] = None
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: Optional[list[int]] = None  # extension
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension; 0 or -1 disables
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension
     ignore_eos: bool = False  # extension
-    n: Optional[int] = 1
-    stream: Optional[bool] = False
-    stream_options: Optional[StreamOptions] = None
-    presence_penalty: Optional[float] = 0.0
-    frequency_penalty: Optional[float] = 0.0
-    logit_bias: Optional[dict[str, float]] = None
-    repetition_penalty: Optional[float] = None  # extension
-    min_p: Optional[float] = None  # extension
-    min_tokens: Optional[int] = None  # extension
-    return_token_ids: Optional[bool] = False  # extension: each choice carries its token ids
-    response_format: Optional[dict[str, Any]] = None  # text, json_object, json_schema (dsv41.server.structured)
-    structured_outputs: Optional[dict[str, Any]] = None  # extension (vLLM): json, regex, choice, grammar, json_object
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None  # extension
+    min_p: float | None = None  # extension
+    min_tokens: int | None = None  # extension
+    return_token_ids: bool | None = False  # extension: each choice carries its token ids
+    response_format: dict[str, Any] | None = None  # text, json_object, json_schema (dsv41.server.structured)
+    structured_outputs: dict[str, Any] | None = None  # extension (vLLM): json, regex, choice, grammar, json_object
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = None
-    logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = None
-    reasoning_effort: Union[int, str, None] = None
-    chat_template_kwargs: Optional[dict[str, Any]] = None  # {"thinking": bool} (vLLM style)
-    tools: Optional[list[Tool]] = None
-    tool_choice: Union[str, dict[str, Any], None] = None
-    parallel_tool_calls: Optional[bool] = None  # false: at most one tool call
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    reasoning_effort: int | str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # {"thinking": bool} (vLLM style)
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one tool call
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
-    logprobs: Optional[int] = None
-    echo: Optional[bool] = False
-    best_of: Optional[int] = None
-    suffix: Optional[str] = None
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
 
 
 class TokenizeRequest(_TextRequest):
@@ -141,20 +149,20 @@ class TokenizeRequest(_TextRequest):
     `add_special_tokens` is false) or `messages` (rendered as `/v1/chat/completions` would, with the
     assistant turn's opening when `add_generation_prompt`)."""
 
-    model: Optional[str] = None
-    prompt: Optional[str] = None
-    messages: Optional[list[dict[str, Any]]] = None
-    add_special_tokens: Optional[bool] = None  # prompt: default true; chat: the template has its own BOS
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None  # prompt: default true; chat: the template has its own BOS
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    return_token_strs: Optional[bool] = False
-    chat_template_kwargs: Optional[dict[str, Any]] = None
-    reasoning_effort: Union[int, str, None] = None
-    tools: Optional[list[Tool]] = None
+    return_token_strs: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: int | str | None = None
+    tools: list[Tool] | None = None
 
 
 class DetokenizeRequest(_Request):
     """vLLM's `/detokenize`: token ids -> text."""
 
-    model: Optional[str] = None
+    model: str | None = None
     tokens: list[int]

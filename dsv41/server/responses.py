@@ -24,7 +24,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any
 
 from pydantic import Field
 
@@ -46,42 +46,42 @@ class ResponsesRequest(_TextRequest):
     `logit_bias`, `min_p` and `min_tokens` are the chat endpoint's (vLLM) extensions; other unknown fields
     (`include`, `prompt_cache_key`, ...) are ignored."""
 
-    model: Optional[str] = None
-    input: Union[str, list[Any]]
-    instructions: Optional[str] = None
-    max_output_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    stream: Optional[bool] = False
-    tools: Optional[list[Any]] = None
-    tool_choice: Union[str, dict[str, Any], None] = None
-    parallel_tool_calls: Optional[bool] = None
-    reasoning: Optional[dict[str, Any]] = None
-    store: Optional[bool] = True
-    previous_response_id: Optional[str] = Field(default=None, min_length=1)
-    text: Optional[dict[str, Any]] = None
-    background: Optional[bool] = None
-    metadata: Optional[dict[str, Any]] = None
-    user: Optional[str] = None
-    truncation: Optional[str] = None
+    model: str | None = None
+    input: str | list[Any]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = False
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: dict[str, Any] | None = None
+    store: bool | None = True
+    previous_response_id: str | None = Field(default=None, min_length=1)
+    text: dict[str, Any] | None = None
+    background: bool | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    truncation: str | None = None
     # extensions (vLLM), as on /v1/chat/completions
-    top_k: Optional[int] = None
-    seed: Optional[int] = None
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: Optional[list[int]] = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    presence_penalty: Optional[float] = 0.0
-    frequency_penalty: Optional[float] = 0.0
-    repetition_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
-    min_p: Optional[float] = None
-    min_tokens: Optional[int] = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------- request
 
 
-def resolve_reasoning(reasoning: Optional[dict[str, Any]]) -> tuple[bool, Optional[int]]:
+def resolve_reasoning(reasoning: dict[str, Any] | None) -> tuple[bool, int | None]:
     """`reasoning` -> (thinking, effort). Thinking mode is on when an effort other than "none" is given
     (as `reasoning_effort` turns it on for chat); ValueError for an unknown effort."""
     effort = (reasoning or {}).get("effort")
@@ -91,11 +91,12 @@ def resolve_reasoning(reasoning: Optional[dict[str, Any]]) -> tuple[bool, Option
         return True, RESPONSES_EFFORTS[effort]
     if isinstance(effort, int) and not isinstance(effort, bool):
         return True, parse_reasoning_effort(effort)
-    raise ValueError(f"reasoning.effort must be one of none, {', '.join(RESPONSES_EFFORTS)} or an int in "
-                     f"1..100, got {effort!r}")
+    raise ValueError(
+        f"reasoning.effort must be one of none, {', '.join(RESPONSES_EFFORTS)} or an int in 1..100, got {effort!r}"
+    )
 
 
-def chat_tools(tools: Optional[list[Any]], tool_choice: Any) -> tuple[Optional[list[dict]], bool]:
+def chat_tools(tools: list[Any] | None, tool_choice: Any) -> tuple[list[dict] | None, bool]:
     """Responses function tools `{type, name, description, parameters}` and `tool_choice` -> (chat tools to
     render, whether to parse tool calls), as `/v1/chat/completions` treats its own: "none" renders none,
     a named function renders only that one; "required" and a named function are not enforced while
@@ -130,11 +131,14 @@ def chat_tools(tools: Optional[list[Any]], tool_choice: Any) -> tuple[Optional[l
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
         chosen = [t for t in out if t["function"]["name"] == tool_choice.get("name")]
         if not chosen:
-            raise bad_request(f"tool_choice names a function that is not in tools: {tool_choice.get('name')!r}",
-                              "tool_choice")
+            raise bad_request(
+                f"tool_choice names a function that is not in tools: {tool_choice.get('name')!r}", "tool_choice"
+            )
         return chosen, True
-    raise bad_request(f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', 'name': ...}}, "
-                      f"got {tool_choice!r}", "tool_choice")
+    raise bad_request(
+        f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', 'name': ...}}, got {tool_choice!r}",
+        "tool_choice",
+    )
 
 
 def _text_of(value: Any, where: str, kinds: tuple[str, ...]) -> str:
@@ -165,12 +169,14 @@ def _message_content(content: Any, role: str, where: str) -> Any:
         elif kind == "input_image" and role == "user" and isinstance(part.get("image_url"), str):
             parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
         else:
-            raise ValueError(f"{where}[{k}]: unsupported content part {kind!r} for role {role!r} (input_text, "
-                             f"output_text; input_image with an image_url for user messages)")
+            raise ValueError(
+                f"{where}[{k}]: unsupported content part {kind!r} for role {role!r} (input_text, "
+                f"output_text; input_image with an image_url for user messages)"
+            )
     return parts
 
 
-def input_messages(value: Union[str, list[Any]]) -> list[dict[str, Any]]:
+def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
     """`input` -> chat messages. A message item keeps its role (developer is read as system by the
     encoder); `function_call` items join the assistant turn they follow (or start one); a `reasoning`
     item's text becomes the `reasoning_content` of the assistant turn after it; `function_call_output`
@@ -180,8 +186,8 @@ def input_messages(value: Union[str, list[Any]]) -> list[dict[str, Any]]:
     if not value:
         raise ValueError("input must be a string or a non-empty list of items")
     messages: list[dict[str, Any]] = []
-    reasoning: Optional[str] = None
-    open_turn: Optional[dict] = None  # the assistant message function_call items would join
+    reasoning: str | None = None
+    open_turn: dict | None = None  # the assistant message function_call items would join
 
     def assistant() -> dict:
         nonlocal reasoning, open_turn
@@ -203,8 +209,11 @@ def input_messages(value: Union[str, list[Any]]) -> list[dict[str, Any]]:
                 raise ValueError(f"{where}.role must be user, system, developer or assistant, got {role!r}")
             content = _message_content(item.get("content"), role, f"{where}.content")
             if role == "assistant":
-                msg = open_turn if open_turn is not None and open_turn["content"] is None \
-                    and not open_turn.get("tool_calls") else assistant()
+                msg = (
+                    open_turn
+                    if open_turn is not None and open_turn["content"] is None and not open_turn.get("tool_calls")
+                    else assistant()
+                )
                 msg["content"] = content
             else:
                 reasoning, open_turn = None, None
@@ -216,7 +225,8 @@ def input_messages(value: Union[str, list[Any]]) -> list[dict[str, Any]]:
                     raise ValueError(f"{where}.{field_name} must be a non-empty string")
             msg = open_turn if open_turn is not None and reasoning is None else assistant()
             msg.setdefault("tool_calls", []).append(
-                {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            )
         elif kind == "function_call_output":
             call_id = item.get("call_id")
             if not isinstance(call_id, str) or not call_id:
@@ -229,8 +239,9 @@ def input_messages(value: Union[str, list[Any]]) -> list[dict[str, Any]]:
             reasoning = _text_of(content, f"{where}.content", ("reasoning_text", "summary_text"))
             open_turn = None
         else:
-            raise ValueError(f"{where}.type: unsupported input item type {kind!r} (supported: "
-                             f"{', '.join(INPUT_ITEM_TYPES)})")
+            raise ValueError(
+                f"{where}.type: unsupported input item type {kind!r} (supported: {', '.join(INPUT_ITEM_TYPES)})"
+            )
     for msg in messages:
         if msg["role"] == "assistant" and msg["content"] is None and not msg.get("tool_calls"):
             msg["content"] = ""  # a reasoning item alone
@@ -251,8 +262,8 @@ class StoredResponse:
     conversation: list[dict[str, Any]]
     prompt_ids: list[int]
     output_ids: list[int]
-    finish_reason: Optional[str]
-    rendered_ids: Optional[list[int]] = None
+    finish_reason: str | None
+    rendered_ids: list[int] | None = None
 
 
 class ResponseStore:
@@ -275,7 +286,7 @@ class ResponseStore:
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
 
-    def get(self, response_id: str) -> Optional[StoredResponse]:
+    def get(self, response_id: str) -> StoredResponse | None:
         with self._lock:
             entry = self._entries.get(response_id)
             if entry is not None:
@@ -293,10 +304,19 @@ class ResponseStore:
 # ---------------------------------------------------------------------------------------------- prompt
 
 
-def continued_prompt(tokenizer, messages: list[dict], head: list[dict], previous: StoredResponse, *,
-                     thinking: bool, effort: Optional[int], tools: Optional[list[dict]],
-                     token_limit: Optional[int], image_loader=None,
-                     spans: Optional[list] = None) -> tuple[list[int], list[int]]:
+def continued_prompt(
+    tokenizer,
+    messages: list[dict],
+    head: list[dict],
+    previous: StoredResponse,
+    *,
+    thinking: bool,
+    effort: int | None,
+    tools: list[dict] | None,
+    token_limit: int | None,
+    image_loader=None,
+    spans: list | None = None,
+) -> tuple[list[int], list[int]]:
     """(prompt ids, plain rendering) of `messages` = `head` + the new input, where `head` is the
     instructions and the stored conversation ending with the earlier output turn. When the rendering of
     `head` starts with the earlier prompt's rendering (same instructions, tools, effort) and the new
@@ -317,9 +337,9 @@ def continued_prompt(tokenizer, messages: list[dict], head: list[dict], previous
         return full, full
     rendered = build_chat_prompt(tokenizer, head, add_generation_prompt=False, **kw)
     earlier = previous.rendered_ids
-    if rendered[:len(earlier)] != earlier or full[:len(rendered)] != rendered:
+    if rendered[: len(earlier)] != earlier or full[: len(rendered)] != rendered:
         return full, full
-    return previous.prompt_ids + generated + full[len(rendered):], full
+    return previous.prompt_ids + generated + full[len(rendered) :], full
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -333,13 +353,16 @@ def usage(last, prompt_len: int, reasoning_tokens: int) -> dict[str, Any]:
     """The Responses `usage` object of one finished engine request."""
     prompt = last.num_prompt_tokens if last is not None and last.num_prompt_tokens else prompt_len
     output = len(last.token_ids) if last is not None else 0
-    return {"input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": last.num_cached_tokens if last is not None else 0},
-            "output_tokens": output, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-            "total_tokens": prompt + output}
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": last.num_cached_tokens if last is not None else 0},
+        "output_tokens": output,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": prompt + output,
+    }
 
 
-def reasoning_token_count(token_ids: list[int], thinking: bool, think_end_id: Optional[int]) -> int:
+def reasoning_token_count(token_ids: list[int], thinking: bool, think_end_id: int | None) -> int:
     """Output tokens before `</think>` in thinking mode (all of them when it never came)."""
     if not thinking:
         return 0
@@ -348,7 +371,7 @@ def reasoning_token_count(token_ids: list[int], thinking: bool, think_end_id: Op
     return len(token_ids)
 
 
-def think_end_id(tokenizer) -> Optional[int]:
+def think_end_id(tokenizer) -> int | None:
     return tokenizer.token_to_id(THINK_END_TOKEN)
 
 
@@ -365,8 +388,8 @@ class ResponseBuilder:
     output: list[dict[str, Any]] = field(default_factory=list)
     sequence: int = 0
     started: bool = False
-    splitter: Optional[ChatStreamSplitter] = None
-    current: Optional[dict[str, Any]] = None  # the reasoning or message item whose text is streaming
+    splitter: ChatStreamSplitter | None = None
+    current: dict[str, Any] | None = None  # the reasoning or message item whose text is streaming
 
     def __post_init__(self):
         self.splitter = ChatStreamSplitter(thinking=self.thinking, tools=self.tools)
@@ -376,17 +399,24 @@ class ResponseBuilder:
         self.sequence += 1
         return event
 
-    def response(self, status: str, usage_: Optional[dict] = None, incomplete: Optional[str] = None) -> dict:
-        return {**self.base, "status": status, "output": [dict(item) for item in self.output], "usage": usage_,
-                "incomplete_details": {"reason": incomplete} if incomplete else None}
+    def response(self, status: str, usage_: dict | None = None, incomplete: str | None = None) -> dict:
+        return {
+            **self.base,
+            "status": status,
+            "output": [dict(item) for item in self.output],
+            "usage": usage_,
+            "incomplete_details": {"reason": incomplete} if incomplete else None,
+        }
 
     def start(self) -> list[dict]:
         if self.started:
             return []
         self.started = True
         snapshot = self.response("in_progress")
-        return [self._event("response.created", response=snapshot),
-                self._event("response.in_progress", response=snapshot)]
+        return [
+            self._event("response.created", response=snapshot),
+            self._event("response.in_progress", response=snapshot),
+        ]
 
     def feed(self, delta: str) -> list[dict]:
         events = self.start()
@@ -398,9 +428,12 @@ class ResponseBuilder:
         self.output.append(item)
         self.current = item
         index = len(self.output) - 1
-        return [self._event("response.output_item.added", output_index=index, item=dict(item, content=[])),
-                self._event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
-                            part=dict(part))]
+        return [
+            self._event("response.output_item.added", output_index=index, item=dict(item, content=[])),
+            self._event(
+                "response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=dict(part)
+            ),
+        ]
 
     def _piece(self, kind: str, text: str) -> list[dict]:
         events: list[dict] = []
@@ -408,19 +441,30 @@ class ResponseBuilder:
         if self.current is None or self.current["type"] != want:
             events += self._close("in_progress")
             if want == "reasoning":
-                item = {"id": _item_id("rs"), "type": "reasoning", "summary": [], "status": "in_progress",
-                        "content": [{"type": "reasoning_text", "text": ""}]}
+                item = {
+                    "id": _item_id("rs"),
+                    "type": "reasoning",
+                    "summary": [],
+                    "status": "in_progress",
+                    "content": [{"type": "reasoning_text", "text": ""}],
+                }
             else:
-                item = {"id": _item_id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
-                        "content": [{"type": "output_text", "text": "", "annotations": []}]}
+                item = {
+                    "id": _item_id("msg"),
+                    "type": "message",
+                    "role": "assistant",
+                    "status": "in_progress",
+                    "content": [{"type": "output_text", "text": "", "annotations": []}],
+                }
             events += self._open(item, item["content"][0])
         item, index = self.current, len(self.output) - 1
         item["content"][0]["text"] += text
         if text:
             name = "response.reasoning_text.delta" if want == "reasoning" else "response.output_text.delta"
             extra = {} if want == "reasoning" else {"logprobs": []}
-            events.append(self._event(name, item_id=item["id"], output_index=index, content_index=0, delta=text,
-                                      **extra))
+            events.append(
+                self._event(name, item_id=item["id"], output_index=index, content_index=0, delta=text, **extra)
+            )
         return events
 
     def _close(self, status: str) -> list[dict]:
@@ -432,16 +476,31 @@ class ResponseBuilder:
         part = item["content"][0]
         item["status"] = "completed" if status == "in_progress" else status
         if item["type"] == "reasoning":
-            done = self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
-                               content_index=0, text=part["text"])
+            done = self._event(
+                "response.reasoning_text.done",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                text=part["text"],
+            )
         else:
-            done = self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                               text=part["text"], logprobs=[])
-        return [done, self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                  content_index=0, part=dict(part)),
-                self._event("response.output_item.done", output_index=index, item=_copy_item(item))]
+            done = self._event(
+                "response.output_text.done",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                text=part["text"],
+                logprobs=[],
+            )
+        return [
+            done,
+            self._event(
+                "response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=dict(part)
+            ),
+            self._event("response.output_item.done", output_index=index, item=_copy_item(item)),
+        ]
 
-    def finish(self, status: str, usage_: dict, incomplete: Optional[str] = None) -> list[dict]:
+    def finish(self, status: str, usage_: dict, incomplete: str | None = None) -> list[dict]:
         """Flush held-back text, close the open item, add the function calls; then the final event
         (`response.completed`, or `response.incomplete` with `incomplete` as the reason)."""
         events = self.start()
@@ -459,21 +518,40 @@ class ResponseBuilder:
         # the last text item ends as the response does (cut off by max_output_tokens: incomplete)
         events += self._close(item_status if not calls else "completed")
         for call in calls:
-            item = {"id": _item_id("fc"), "type": "function_call", "call_id": call["id"],
-                    "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-                    "status": "completed"}
+            item = {
+                "id": _item_id("fc"),
+                "type": "function_call",
+                "call_id": call["id"],
+                "name": call["function"]["name"],
+                "arguments": call["function"]["arguments"],
+                "status": "completed",
+            }
             self.output.append(item)
             index = len(self.output) - 1
-            events += [self._event("response.output_item.added", output_index=index,
-                                   item=dict(item, arguments="", status="in_progress")),
-                       self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                   delta=item["arguments"]),
-                       self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                   arguments=item["arguments"]),
-                       self._event("response.output_item.done", output_index=index, item=dict(item))]
+            events += [
+                self._event(
+                    "response.output_item.added",
+                    output_index=index,
+                    item=dict(item, arguments="", status="in_progress"),
+                ),
+                self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=index,
+                    delta=item["arguments"],
+                ),
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    arguments=item["arguments"],
+                ),
+                self._event("response.output_item.done", output_index=index, item=dict(item)),
+            ]
         final = self.response(status, usage_, incomplete)
-        events.append(self._event("response.completed" if status == "completed" else "response.incomplete",
-                                  response=final))
+        events.append(
+            self._event("response.completed" if status == "completed" else "response.incomplete", response=final)
+        )
         return events
 
     def assistant_message(self) -> dict[str, Any]:
@@ -486,8 +564,13 @@ class ResponseBuilder:
             elif item["type"] == "message":
                 msg["content"] = item["content"][0]["text"]
             else:
-                calls.append({"id": item["call_id"], "type": "function",
-                              "function": {"name": item["name"], "arguments": item["arguments"]}})
+                calls.append(
+                    {
+                        "id": item["call_id"],
+                        "type": "function",
+                        "function": {"name": item["name"], "arguments": item["arguments"]},
+                    }
+                )
         if calls:
             msg["tool_calls"] = calls
         return msg

@@ -11,16 +11,38 @@ import json
 import time
 import uuid
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any
 
 from fastapi import FastAPI, Request
 
 from dsv41.server.chat import build_chat_prompt
 from dsv41.server.protocol import APIError, bad_request
-from dsv41.server.responses import (ResponseBuilder, ResponsesRequest, StoredResponse, chat_tools, continued_prompt,
-                                    input_messages, reasoning_token_count, resolve_reasoning, think_end_id, usage)
-from dsv41.server.serving import (ClientGone, ServerState, _check_model, _disconnected_response, _last, _off_loop,
-                                  _run_to_end, _sampling_params, _sse_response, _start, _stream_body, _Timer)
+from dsv41.server.responses import (
+    ResponseBuilder,
+    ResponsesRequest,
+    StoredResponse,
+    chat_tools,
+    continued_prompt,
+    input_messages,
+    reasoning_token_count,
+    resolve_reasoning,
+    think_end_id,
+    usage,
+)
+from dsv41.server.serving import (
+    ClientGone,
+    ServerState,
+    _check_model,
+    _disconnected_response,
+    _last,
+    _off_loop,
+    _run_to_end,
+    _sampling_params,
+    _sse_response,
+    _start,
+    _stream_body,
+    _Timer,
+)
 from dsv41.server.structured import chat_constraint
 
 
@@ -66,7 +88,7 @@ def _check(state: ServerState, req: ResponsesRequest) -> None:
         raise bad_request(f"truncation must be 'auto' or 'disabled', got {req.truncation!r}", "truncation")
 
 
-def _response_format(req: ResponsesRequest) -> Optional[dict]:
+def _response_format(req: ResponsesRequest) -> dict | None:
     """The Responses `text.format` ({type: text | json_object | json_schema, name, schema, strict}) as chat's
     `response_format`, or None for plain text."""
     fmt = (req.text or {}).get("format")
@@ -84,11 +106,15 @@ def _response_format(req: ResponsesRequest) -> Optional[dict]:
     raise bad_request(f"text.format type must be text, json_object or json_schema, got {kind!r}", "text.format")
 
 
-def _constraint(state: ServerState, req: ResponsesRequest, tools: Optional[list[dict]], thinking: bool):
+def _constraint(state: ServerState, req: ResponsesRequest, tools: list[dict] | None, thinking: bool):
     """The request's grammar (dsv41.server.structured), as for chat: an enforced function call for
     tool_choice "required" or a named function, else text.format, else None. Call it off the event loop."""
-    asked = SimpleNamespace(tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
-                            response_format=_response_format(req), structured_outputs=None)
+    asked = SimpleNamespace(
+        tool_choice=req.tool_choice,
+        parallel_tool_calls=req.parallel_tool_calls,
+        response_format=_response_format(req),
+        structured_outputs=None,
+    )
     return chat_constraint(state, asked, tools, thinking)
 
 
@@ -103,8 +129,12 @@ async def _create(state: ServerState, req: ResponsesRequest, request: Request):
     if req.previous_response_id is not None:
         previous = state.responses.get(req.previous_response_id)
         if previous is None:
-            raise APIError(400, f"Previous response with id '{req.previous_response_id}' not found.",
-                           param="previous_response_id", code="previous_response_not_found")
+            raise APIError(
+                400,
+                f"Previous response with id '{req.previous_response_id}' not found.",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
     try:
         new_messages = input_messages(req.input)
     except ValueError as exc:
@@ -114,17 +144,27 @@ async def _create(state: ServerState, req: ResponsesRequest, request: Request):
     messages = system + earlier + new_messages
     images: list = []
     tokenizer, limit = state.engine.tokenizer, state.max_model_len - 1
-    kw = dict(thinking=thinking, effort=effort, tools=tools, token_limit=limit, image_loader=state.image_loader,
-              spans=images)
+    kw = dict(
+        thinking=thinking, effort=effort, tools=tools, token_limit=limit, image_loader=state.image_loader, spans=images
+    )
     if previous is not None:
         prompt_ids, rendered_ids = await _off_loop(
-            state, lambda: continued_prompt(tokenizer, messages, system + earlier, previous, **kw), "input")
+            state, lambda: continued_prompt(tokenizer, messages, system + earlier, previous, **kw), "input"
+        )
     else:
-        prompt_ids = rendered_ids = await _off_loop(state, lambda: build_chat_prompt(tokenizer, messages, **kw),
-                                                    "input")
+        prompt_ids = rendered_ids = await _off_loop(
+            state, lambda: build_chat_prompt(tokenizer, messages, **kw), "input"
+        )
     structured = await _off_loop(state, lambda: _constraint(state, req, tools, thinking), "text.format")
-    params = _sampling_params(state, req, prompt_len=len(prompt_ids), max_tokens=req.max_output_tokens,
-                              logprobs=None, prompt_param="input", structured=structured)
+    params = _sampling_params(
+        state,
+        req,
+        prompt_len=len(prompt_ids),
+        max_tokens=req.max_output_tokens,
+        logprobs=None,
+        prompt_param="input",
+        structured=structured,
+    )
     response_id = f"resp_{uuid.uuid4().hex}"
     builder = ResponseBuilder(_base(state, req, response_id), thinking=thinking, tools=parse_tools)
     end_id = think_end_id(tokenizer)
@@ -135,12 +175,20 @@ async def _create(state: ServerState, req: ResponsesRequest, request: Request):
         incomplete = last is not None and last.finish_reason == "length"
         token_ids = list(last.token_ids) if last is not None else []
         use = usage(last, len(prompt_ids), reasoning_token_count(token_ids, thinking, end_id))
-        events = builder.finish("incomplete" if incomplete else "completed", use,
-                                "max_output_tokens" if incomplete else None)
+        events = builder.finish(
+            "incomplete" if incomplete else "completed", use, "max_output_tokens" if incomplete else None
+        )
         if req.store is not False and last is not None and last.finish_reason in ("stop", "length"):
-            state.responses.put(StoredResponse(
-                events[-1]["response"], earlier + new_messages + [builder.assistant_message()], list(prompt_ids),
-                token_ids, last.finish_reason, list(rendered_ids)))
+            state.responses.put(
+                StoredResponse(
+                    events[-1]["response"],
+                    earlier + new_messages + [builder.assistant_message()],
+                    list(prompt_ids),
+                    token_ids,
+                    last.finish_reason,
+                    list(rendered_ids),
+                )
+            )
         return events
 
     if req.stream:
@@ -168,15 +216,27 @@ async def _create(state: ServerState, req: ResponsesRequest, request: Request):
 def _base(state: ServerState, req: ResponsesRequest, response_id: str) -> dict[str, Any]:
     """The response object's fields that do not depend on the output."""
     return {
-        "id": response_id, "object": "response", "created_at": int(time.time()), "model": state.model_name,
-        "status": "in_progress", "error": None, "incomplete_details": None, "instructions": req.instructions,
-        "max_output_tokens": req.max_output_tokens, "output": [], "usage": None,
+        "id": response_id,
+        "object": "response",
+        "created_at": int(time.time()),
+        "model": state.model_name,
+        "status": "in_progress",
+        "error": None,
+        "incomplete_details": None,
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "output": [],
+        "usage": None,
         "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
         "previous_response_id": req.previous_response_id,
         "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
-        "store": req.store is not False, "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p, "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
+        "store": req.store is not False,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
         "tools": [dict(t, type="function") for t in (req.tools or [])],
-        "truncation": req.truncation or "disabled", "metadata": req.metadata or {}, "user": req.user,
+        "truncation": req.truncation or "disabled",
+        "metadata": req.metadata or {},
+        "user": req.user,
     }

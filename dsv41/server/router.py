@@ -30,9 +30,9 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional
 
 import httpx
 from fastapi import FastAPI, Request
@@ -118,8 +118,9 @@ class HttpTransport(HandoffTransport):
 
     async def deliver(self, worker: str, handoff: bytes, headers: dict) -> str:
         auth = {k: v for k, v in headers.items() if k == "authorization"}
-        r = await self._post(f"{worker}/internal/handoff", content=handoff,
-                             headers={**auth, "content-type": HANDOFF_MEDIA_TYPE})
+        r = await self._post(
+            f"{worker}/internal/handoff", content=handoff, headers={**auth, "content-type": HANDOFF_MEDIA_TYPE}
+        )
         if r.status_code == 422:
             raise HandoffRejected(_message(r.content))
         if r.status_code != 200:
@@ -143,8 +144,10 @@ def _message(body: bytes) -> str:
 
 
 def _error(status: int, message: str, code: str) -> JSONResponse:
-    return JSONResponse(error_body(message, "server_error" if status >= 500 else "invalid_request_error", None, code),
-                        status_code=status)
+    return JSONResponse(
+        error_body(message, "server_error" if status >= 500 else "invalid_request_error", None, code),
+        status_code=status,
+    )
 
 
 @dataclass
@@ -164,7 +167,7 @@ class WorkerPool:
     `affinity` the worker whose record matches the longest start of the prompt (`pick(keys=)`), else the one
     with the fewest requests in flight (`load`, kept by the caller)."""
 
-    def __init__(self, urls: list[str], retry_down_s: float, affinity: Optional[PrefixAffinity] = None):
+    def __init__(self, urls: list[str], retry_down_s: float, affinity: PrefixAffinity | None = None):
         self.urls = [u.rstrip("/") for u in urls]
         self.down_until = {u: 0.0 for u in self.urls}
         self.retry_down_s = retry_down_s
@@ -172,7 +175,7 @@ class WorkerPool:
         self.load = {u: 0 for u in self.urls}
         self._next = 0
 
-    def pick(self, exclude: set, keys: Optional[list] = None) -> Optional[str]:
+    def pick(self, exclude: set, keys: list | None = None) -> str | None:
         now = time.monotonic()
         live = [self.urls[(self._next + k) % len(self.urls)] for k in range(len(self.urls))]
         live = [u for u in live if u not in exclude and self.down_until[u] <= now]
@@ -191,7 +194,7 @@ class WorkerPool:
         self.down_until[url] = 0.0
 
 
-def create_router(config: RouterConfig, transport: Optional[HandoffTransport] = None) -> FastAPI:
+def create_router(config: RouterConfig, transport: HandoffTransport | None = None) -> FastAPI:
     config.validate()
     # the prefill worker is where a prompt's prefix cache pays (it computes prompts); the decode side starts
     # every request from its hand-off and reads no prefix cache, so decode stays round robin
@@ -202,6 +205,7 @@ def create_router(config: RouterConfig, transport: Optional[HandoffTransport] = 
     timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
     client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=256))
     transport = transport or HttpTransport(client)
+
     @asynccontextmanager
     async def lifespan(app):
         try:
@@ -257,7 +261,9 @@ def create_router(config: RouterConfig, transport: Optional[HandoffTransport] = 
                 stats.handoff_rejections += 1
                 log.warning("decode worker %s rejected a KV hand-off: %s", target, exc)
                 if rejections > config.handoff_retries:
-                    return _error(502, f"the KV hand-off was rejected {rejections} times; last: {exc}", "handoff_failed")
+                    return _error(
+                        502, f"the KV hand-off was rejected {rejections} times; last: {exc}", "handoff_failed"
+                    )
                 stats.reprefills += 1
                 handoff = None  # prefill it again
                 continue
@@ -274,15 +280,19 @@ def create_router(config: RouterConfig, transport: Optional[HandoffTransport] = 
                 await upstream.aclose()
                 return Response(data, status_code=upstream.status_code, headers=_relayed_headers(upstream))
             if streamed:
-                return StreamingResponse(_relay(upstream, target, decode), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                return StreamingResponse(
+                    _relay(upstream, target, decode),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                )
             try:
                 data = await upstream.aread()
             except httpx.HTTPError as exc:
                 decode.mark_down(target)
                 stats.worker_failures += 1
-                return _error(502, f"decode worker {target} failed before answering: {type(exc).__name__}",
-                              "decode_worker_failed")
+                return _error(
+                    502, f"decode worker {target} failed before answering: {type(exc).__name__}", "decode_worker_failed"
+                )
             finally:
                 await upstream.aclose()
             return Response(data, status_code=200, media_type="application/json")
@@ -321,8 +331,12 @@ def create_router(config: RouterConfig, transport: Optional[HandoffTransport] = 
         body = {"status": "ok", "prefill": list(p), "decode": list(d)}
         if not any(w["healthy"] for w in p) or not any(w["healthy"] for w in d):
             body["status"] = "unhealthy"
-            body["error"] = error_body("no healthy " + ("prefill" if not any(w["healthy"] for w in p) else "decode")
-                                       + " worker", "server_error", None, "no_worker")["error"]
+            body["error"] = error_body(
+                "no healthy " + ("prefill" if not any(w["healthy"] for w in p) else "decode") + " worker",
+                "server_error",
+                None,
+                "no_worker",
+            )["error"]
             return JSONResponse(body, status_code=503)
         return body
 
@@ -380,8 +394,8 @@ async def _relay(upstream: httpx.Response, worker: str, pool: WorkerPool) -> Asy
             pending += chunk
             cut = pending.rfind(b"\n\n")
             if cut >= 0:
-                yield pending[:cut + 2]
-                pending = pending[cut + 2:]
+                yield pending[: cut + 2]
+                pending = pending[cut + 2 :]
         if pending:
             yield pending
     except httpx.HTTPError as exc:

@@ -13,7 +13,6 @@ import socket
 import sys
 import threading
 import time
-from typing import Optional
 
 import uvicorn
 
@@ -21,7 +20,6 @@ from dsv41.server.app import create_app
 
 # h11 buffers a request's head up to this; the app refuses anything over app.MAX_HEADER_BYTES with 431
 H11_MAX_HEADER_BYTES = 4 << 20
-
 
 
 class PortUnavailable(OSError):
@@ -37,8 +35,9 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise PortUnavailable(f"cannot listen on {host}:{port}: {exc.strerror or exc} "
-                              f"(is another server there? pick another --port)") from None
+        raise PortUnavailable(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc} (is another server there? pick another --port)"
+        ) from None
     return sock
 
 
@@ -52,32 +51,57 @@ def is_loopback(host: str) -> bool:
 
 
 def uvicorn_config(app, log_level: str = "info", **kw) -> uvicorn.Config:
-    return uvicorn.Config(app, log_level=log_level, lifespan="on", http="h11",
-                          h11_max_incomplete_event_size=H11_MAX_HEADER_BYTES, **kw)
+    return uvicorn.Config(
+        app, log_level=log_level, lifespan="on", http="h11", h11_max_incomplete_event_size=H11_MAX_HEADER_BYTES, **kw
+    )
 
 
-def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, engine_config=None, seed: int = 0,
-          max_waiting: int = 64, served_model_name: Optional[str] = None, log_level: str = "info",
-          api_key: Optional[str] = None, max_request_bytes: Optional[int] = None, max_choices: int = 16,
-          max_stored_responses: int = 256, disaggregation_mode: Optional[str] = None) -> None:
+def serve(
+    model: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    engine_config=None,
+    seed: int = 0,
+    max_waiting: int = 64,
+    served_model_name: str | None = None,
+    log_level: str = "info",
+    api_key: str | None = None,
+    max_request_bytes: int | None = None,
+    max_choices: int = 16,
+    max_stored_responses: int = 256,
+    disaggregation_mode: str | None = None,
+) -> None:
     """Build the engine for `model` (preset name or checkpoint folder) and serve it until interrupted.
     The port is bound first: a clash fails in a second, not after the weights have loaded."""
     from dsv41.engine import build_engine
 
     sock = bind(host, port)
     if not api_key and not is_loopback(host):
-        print(f"dsv41: WARNING: serving on {host}, reachable from other machines, without an API key; "
-              f"anyone who can reach it can use it. Set --api-key or DSV41_API_KEY.", file=sys.stderr, flush=True)
+        print(
+            f"dsv41: WARNING: serving on {host}, reachable from other machines, without an API key; "
+            f"anyone who can reach it can use it. Set --api-key or DSV41_API_KEY.",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         engine = build_engine(model, engine_config=engine_config, seed=seed)
-        app = create_app(engine, served_model_name=served_model_name, max_waiting=max_waiting, api_key=api_key,
-                         max_request_bytes=max_request_bytes, max_choices=max_choices,
-                         max_stored_responses=max_stored_responses,
-                         disaggregation_mode=disaggregation_mode)
+        app = create_app(
+            engine,
+            served_model_name=served_model_name,
+            max_waiting=max_waiting,
+            api_key=api_key,
+            max_request_bytes=max_request_bytes,
+            max_choices=max_choices,
+            max_stored_responses=max_stored_responses,
+            disaggregation_mode=disaggregation_mode,
+        )
         role = f" as a {disaggregation_mode} worker" if disaggregation_mode else ""
-        print(f"dsv41: serving {app.state.server.model_name}{role} (max_model_len {engine.max_model_len}) "
-              f"on http://{host}:{sock.getsockname()[1]}/v1" + (" (API key required)" if api_key else ""),
-              flush=True)
+        print(
+            f"dsv41: serving {app.state.server.model_name}{role} (max_model_len {engine.max_model_len}) "
+            f"on http://{host}:{sock.getsockname()[1]}/v1" + (" (API key required)" if api_key else ""),
+            flush=True,
+        )
         server = uvicorn.Server(uvicorn_config(app, log_level, timeout_graceful_shutdown=5))
         try:
             server.run(sockets=[sock])
@@ -95,14 +119,15 @@ class ServerThread:
         self._sock = bind(host, port)
         self.host, self.port = host, self._sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn_config(app, log_level, timeout_graceful_shutdown=2))
-        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
-                                        name="dsv41-server", daemon=True)
+        self._thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self._sock]}, name="dsv41-server", daemon=True
+        )
 
     @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> "ServerThread":
+    def start(self, timeout: float = 30.0) -> ServerThread:
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
@@ -137,8 +162,9 @@ def _while_ranks_live(work, children: list, what: str) -> None:
     def check() -> None:
         for rank, child in enumerate(children, start=1):
             if child.exitcode is not None:
-                raise ChildProcessError(f"data-parallel rank {rank} exited (code {child.exitcode}) while {what}; "
-                                        f"its error is printed above")
+                raise ChildProcessError(
+                    f"data-parallel rank {rank} exited (code {child.exitcode}) while {what}; its error is printed above"
+                )
 
     thread = threading.Thread(target=run, name="dsv41-rendezvous", daemon=True)
     thread.start()
@@ -161,11 +187,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_data_parallel(model: str, parallel, *, host: str = "127.0.0.1", port: int = 8000, engine_config=None,
-                        seed: int = 0, max_waiting: int = 64, served_model_name: Optional[str] = None,
-                        log_level: str = "info", api_key: Optional[str] = None,
-                        max_request_bytes: Optional[int] = None, threads: Optional[int] = None,
-                        disaggregation_mode: Optional[str] = None) -> None:
+def serve_data_parallel(
+    model: str,
+    parallel,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    engine_config=None,
+    seed: int = 0,
+    max_waiting: int = 64,
+    served_model_name: str | None = None,
+    log_level: str = "info",
+    api_key: str | None = None,
+    max_request_bytes: int | None = None,
+    threads: int | None = None,
+    disaggregation_mode: str | None = None,
+) -> None:
     """`dsv41 serve --data-parallel-size D [--expert-parallel-size D]`: D engine ranks in lockstep
     (dsv41.distributed.data_parallel) behind one HTTP front on rank 0. With `disaggregation_mode` the front
     is a prefill or decode worker (dsv41.server.disaggregation): a hand-off is exported by, or imported
@@ -179,8 +216,13 @@ def serve_data_parallel(model: str, parallel, *, host: str = "127.0.0.1", port: 
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    from dsv41.distributed.data_parallel import (DataParallelFront, RankEngine, build_rank_engine, init_group,
-                                                 worker_main)
+    from dsv41.distributed.data_parallel import (
+        DataParallelFront,
+        RankEngine,
+        build_rank_engine,
+        init_group,
+        worker_main,
+    )
     from dsv41.engine import EngineConfig
 
     parallel.validate()
@@ -196,8 +238,10 @@ def serve_data_parallel(model: str, parallel, *, host: str = "127.0.0.1", port: 
     if under_torchrun:
         rank = int(os.environ["RANK"])
         if int(os.environ["WORLD_SIZE"]) != world:
-            raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes; --data-parallel-size x "
-                             f"--tensor-parallel-size is {world}")
+            raise ValueError(
+                f"torchrun started {os.environ['WORLD_SIZE']} processes; --data-parallel-size x "
+                f"--tensor-parallel-size is {world}"
+            )
         if rank != 0:  # a worker rank: no HTTP
             worker_main(rank, world, "env://", model, engine_config, seed, parallel, threads)
             return
@@ -206,8 +250,12 @@ def serve_data_parallel(model: str, parallel, *, host: str = "127.0.0.1", port: 
         init_method = f"tcp://127.0.0.1:{_free_port()}"
     sock = bind(host, port)
     if not api_key and not is_loopback(host):
-        print(f"dsv41: WARNING: serving on {host}, reachable from other machines, without an API key; "
-              f"anyone who can reach it can use it. Set --api-key or DSV41_API_KEY.", file=sys.stderr, flush=True)
+        print(
+            f"dsv41: WARNING: serving on {host}, reachable from other machines, without an API key; "
+            f"anyone who can reach it can use it. Set --api-key or DSV41_API_KEY.",
+            file=sys.stderr,
+            flush=True,
+        )
     children: list = []
     front = None
     torch.set_num_threads(threads)
@@ -215,26 +263,43 @@ def serve_data_parallel(model: str, parallel, *, host: str = "127.0.0.1", port: 
         if not under_torchrun:
             context = mp.get_context("spawn")  # gloo under fork has deadlocked in other projects
             for r in range(1, world):
-                child = context.Process(target=worker_main, name=f"dsv41-rank{r}",
-                                        args=(r, world, init_method, model, engine_config, seed, parallel, threads))
+                child = context.Process(
+                    target=worker_main,
+                    name=f"dsv41-rank{r}",
+                    args=(r, world, init_method, model, engine_config, seed, parallel, threads),
+                )
                 child.start()
                 children.append(child)
         _while_ranks_live(lambda: init_group(0, world, init_method), children, "joining the process group")
         engine = build_rank_engine(model, engine_config, seed, parallel)
         _while_ranks_live(dist.barrier, children, "building its engine")
         front = DataParallelFront(RankEngine(engine), parallel, max_waiting=max_waiting)
-        app = create_app(engine, front, served_model_name=served_model_name, max_waiting=max_waiting,
-                         api_key=api_key, max_request_bytes=max_request_bytes,
-                         disaggregation_mode=disaggregation_mode)
+        app = create_app(
+            engine,
+            front,
+            served_model_name=served_model_name,
+            max_waiting=max_waiting,
+            api_key=api_key,
+            max_request_bytes=max_request_bytes,
+            disaggregation_mode=disaggregation_mode,
+        )
         front.start()
         dp = parallel.data_parallel_size
-        layout = (f"{dp} data-parallel ranks" + (f", experts split {dp} ways" if parallel.expert_parallel else "")
-                  + (f", attention heads split {parallel.tensor_parallel_size} ways in each"
-                     if parallel.tensor_parallel_size > 1 else ""))
+        layout = (
+            f"{dp} data-parallel ranks"
+            + (f", experts split {dp} ways" if parallel.expert_parallel else "")
+            + (
+                f", attention heads split {parallel.tensor_parallel_size} ways in each"
+                if parallel.tensor_parallel_size > 1
+                else ""
+            )
+        )
         layout += f", as a {disaggregation_mode} worker" if disaggregation_mode else ""
-        print(f"dsv41: serving {app.state.server.model_name} on {layout} (max_model_len {engine.max_model_len}) "
-              f"on http://{host}:{sock.getsockname()[1]}/v1" + (" (API key required)" if api_key else ""),
-              flush=True)
+        print(
+            f"dsv41: serving {app.state.server.model_name} on {layout} (max_model_len {engine.max_model_len}) "
+            f"on http://{host}:{sock.getsockname()[1]}/v1" + (" (API key required)" if api_key else ""),
+            flush=True,
+        )
         server = uvicorn.Server(uvicorn_config(app, log_level, timeout_graceful_shutdown=5))
         try:
             server.run(sockets=[sock])

@@ -12,8 +12,9 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import Any
 
 import anyio
 from fastapi import Request
@@ -24,8 +25,22 @@ from dsv41.server.chat import PromptTooLong
 from dsv41.server.metrics import ServerMetrics
 from dsv41.server.protocol import APIError, bad_request, error_body
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "logprobs", "seed", "stop", "stop_token_ids",
-                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias")
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "logprobs",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "min_tokens",
+    "logit_bias",
+)
 DEFAULT_MAX_CHOICES = 16  # n and best_of: each choice is an engine request of its own
 MIN_REQUEST_BYTES = 8 << 20
 
@@ -44,7 +59,7 @@ class ServerState:
     retry_after_s: int = 1
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
-    api_key: Optional[str] = None
+    api_key: str | None = None
     max_request_bytes: int = MIN_REQUEST_BYTES
     image_loader: Any = None  # dsv41.vision.ImageLoader when the model has a vision tower
     max_choices: int = DEFAULT_MAX_CHOICES  # the cap on n and best_of
@@ -64,19 +79,27 @@ def internal_error_message(request_id: str) -> str:
     return f"internal error (request id {request_id}); the details are in the server log"
 
 
-
 def _model_card(state: ServerState) -> dict:
-    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "dsv41",
-            "max_model_len": state.max_model_len}
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "dsv41",
+        "max_model_len": state.max_model_len,
+    }
 
 
-def _check_model(state: ServerState, model: Optional[str]) -> None:
+def _check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model not in (state.model_name, state.engine.model_name):
-        raise APIError(404, f"The model `{model}` does not exist; this server serves `{state.model_name}`.",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist; this server serves `{state.model_name}`.",
+            param="model",
+            code="model_not_found",
+        )
 
 
-def _logit_bias(bias: Optional[dict[str, float]]) -> dict[int, float]:
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     """OpenAI's logit_bias (token ids as JSON object keys) -> {id: bias}; ranges are checked by
     SamplingParams.validate against the model's vocabulary."""
     out = {}
@@ -89,8 +112,7 @@ def _logit_bias(bias: Optional[dict[str, float]]) -> dict[int, float]:
     return out
 
 
-def _choices(state: ServerState, n: Optional[int], best_of: Optional[int] = None,
-             stream: bool = False) -> tuple[int, int]:
+def _choices(state: ServerState, n: int | None, best_of: int | None = None, stream: bool = False) -> tuple[int, int]:
     """(choices returned, sequences generated) from n and best_of, checked against the server's cap."""
     n = 1 if n is None else n
     if not (1 <= n <= state.max_choices):
@@ -112,8 +134,16 @@ def _choice_params(params: SamplingParams, count: int) -> list[SamplingParams]:
     return [dataclasses.replace(params, seed=(params.seed + i) % 2**63) for i in range(count)]
 
 
-def _sampling_params(state: ServerState, req, *, prompt_len: int, max_tokens: Optional[int],
-                     logprobs: Optional[int], prompt_param: str, structured=None) -> SamplingParams:
+def _sampling_params(
+    state: ServerState,
+    req,
+    *,
+    prompt_len: int,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_param: str,
+    structured=None,
+) -> SamplingParams:
     if prompt_len >= state.max_model_len:
         raise _too_long(state, prompt_len, max_tokens or 0, prompt_param)
     if max_tokens is None:  # like vLLM: the rest of the context
@@ -122,12 +152,22 @@ def _sampling_params(state: ServerState, req, *, prompt_len: int, max_tokens: Op
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     params = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k, seed=req.seed, max_tokens=max_tokens,
-        stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
-        presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=top_k,
+        seed=req.seed,
+        max_tokens=max_tokens,
+        stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=bool(req.ignore_eos),
+        logprobs=logprobs,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        min_p=req.min_p or 0.0, min_tokens=req.min_tokens or 0, logit_bias=_logit_bias(req.logit_bias),
-        structured=structured)
+        min_p=req.min_p or 0.0,
+        min_tokens=req.min_tokens or 0,
+        logit_bias=_logit_bias(req.logit_bias),
+        structured=structured,
+    )
     try:
         params.validate(state.vocab_size)
     except ValueError as exc:
@@ -146,7 +186,10 @@ async def _off_loop(state: ServerState, fn, param: str):
     except PromptTooLong as exc:
         raise bad_request(
             f"This model's maximum context length is {state.max_model_len} tokens, but the prompt alone has at "
-            f"least {exc.min_tokens} tokens. Shorten the prompt.", param, "context_length_exceeded") from None
+            f"least {exc.min_tokens} tokens. Shorten the prompt.",
+            param,
+            "context_length_exceeded",
+        ) from None
     except ValueError as exc:
         raise bad_request(str(exc), param) from None
 
@@ -155,7 +198,10 @@ def _too_long(state: ServerState, prompt_len: int, max_tokens: int, param: str) 
     return bad_request(
         f"This model's maximum context length is {state.max_model_len} tokens, but {prompt_len + max_tokens} were "
         f"requested ({prompt_len} in the prompt, {max_tokens} for the completion). Shorten the prompt or "
-        f"lower max_tokens.", param, "context_length_exceeded")
+        f"lower max_tokens.",
+        param,
+        "context_length_exceeded",
+    )
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -189,22 +235,32 @@ async def _guarded(state: ServerState, request: Request, request_ids: list[str],
         return task.result()
     except EngineBusy as exc:
         state.metrics.rejected_queue_full.inc()
-        raise APIError(429, f"The server's request queue is full; retry later ({exc}).".replace(" ()", ""),
-                       type="rate_limit_error", code="queue_full",
-                       headers={"Retry-After": str(state.retry_after_s)}) from None
+        raise APIError(
+            429,
+            f"The server's request queue is full; retry later ({exc}).".replace(" ()", ""),
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": str(state.retry_after_s)},
+        ) from None
     except ValueError as exc:
         raise bad_request(str(exc)) from None
 
 
-async def _first(stream) -> Optional[RequestOutput]:
+async def _first(stream) -> RequestOutput | None:
     try:
         return await stream.__anext__()
     except StopAsyncIteration:
         return None
 
 
-async def _start(state: ServerState, request: Request, request_ids: list[str], prompt_ids: list[int],
-                 params: list[SamplingParams], images: Optional[list] = None) -> list[tuple[Any, Any]]:
+async def _start(
+    state: ServerState,
+    request: Request,
+    request_ids: list[str],
+    prompt_ids: list[int],
+    params: list[SamplingParams],
+    images: list | None = None,
+) -> list[tuple[Any, Any]]:
     """Submit one engine request per choice and wait for each one's first output; returns (stream, first
     output or None) per choice. With several choices (and prefix caching on) the first runs alone until its
     first token: its prompt is then in the prefix cache (exact reuse keeps the logits of the prompt's last position), so
@@ -214,17 +270,20 @@ async def _start(state: ServerState, request: Request, request_ids: list[str], p
     if state.disaggregation is not None:
         extra = await state.disaggregation.engine_kwargs(state, request, request_ids, prompt_ids, params, images)
     # without a prefix cache there is nothing to share: every choice starts at once (nor from a hand-off)
-    share = len(request_ids) > 1 and not extra and getattr(getattr(state.engine, "config", None),
-                                                             "enable_prefix_caching", False)
+    share = (
+        len(request_ids) > 1
+        and not extra
+        and getattr(getattr(state.engine, "config", None), "enable_prefix_caching", False)
+    )
 
     async def begin():
         firsts = []
         if share:
             streams.append(state.async_engine.generate(request_ids[0], prompt_ids, params[0], images))
             firsts.append(await _first(streams[0]))
-        for request_id, p in zip(request_ids[len(streams):], params[len(streams):]):
+        for request_id, p in zip(request_ids[len(streams) :], params[len(streams) :]):
             streams.append(state.async_engine.generate(request_id, prompt_ids, p, images, **extra))
-        rest = await asyncio.gather(*(_first(s) for s in streams[len(firsts):]), return_exceptions=True)
+        rest = await asyncio.gather(*(_first(s) for s in streams[len(firsts) :]), return_exceptions=True)
         for item in rest:
             if isinstance(item, BaseException):
                 raise item
@@ -247,7 +306,7 @@ async def _close(stream) -> None:
             pass
 
 
-async def _outputs(stream, first: Optional[RequestOutput]) -> AsyncIterator[RequestOutput]:
+async def _outputs(stream, first: RequestOutput | None) -> AsyncIterator[RequestOutput]:
     out = first
     while out is not None:
         yield out
@@ -259,15 +318,19 @@ async def _outputs(stream, first: Optional[RequestOutput]) -> AsyncIterator[Requ
             return
 
 
-def _usage(prompt_len: int, lasts: list[Optional[RequestOutput]]) -> dict:
+def _usage(prompt_len: int, lasts: list[RequestOutput | None]) -> dict:
     """Usage over a request's choices: the prompt once (the first choice's cache hits: the later choices
     reuse the first's prompt and are not counted again), completion tokens of every choice."""
     completion = sum(len(last.token_ids) for last in lasts if last)
     last = lasts[0]
     prompt = last.num_prompt_tokens if last and last.num_prompt_tokens else prompt_len
     cached = last.num_cached_tokens if last else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def _sse(obj: Any) -> str:
@@ -280,8 +343,9 @@ def _disconnected_response() -> JSONResponse:
 
 
 def _sse_response(body: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(body, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
 
 
 class _Timer:
@@ -302,11 +366,15 @@ class _Timer:
                 self.metrics.inter_token.observe(gap)
         self.last = now
 
-    def done(self, last: Optional[RequestOutput]):
+    def done(self, last: RequestOutput | None):
         if last is None or last.finish_reason in ("abort", "error"):
             return
-        self.metrics.finished(e2e_s=time.perf_counter() - self.t0, queue_time_s=last.queue_time_s,
-                              prompt_tokens=last.num_prompt_tokens, generation_tokens=len(last.token_ids))
+        self.metrics.finished(
+            e2e_s=time.perf_counter() - self.t0,
+            queue_time_s=last.queue_time_s,
+            prompt_tokens=last.num_prompt_tokens,
+            generation_tokens=len(last.token_ids),
+        )
 
 
 async def _merged(started: list) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -337,8 +405,9 @@ async def _merged(started: list) -> AsyncIterator[tuple[int, RequestOutput]]:
             await it.aclose()
 
 
-async def _stream_body(state: ServerState, request_ids: list[str], started: list, timers: list["_Timer"],
-                       on_output, on_end, frame=None):
+async def _stream_body(
+    state: ServerState, request_ids: list[str], started: list, timers: list[_Timer], on_output, on_end, frame=None
+):
     """The SSE body shared by both endpoints, over one engine request per choice: `on_output(i, out)` and
     `on_end(lasts)` return lists of payloads. Aborts the requests that did not finish; an engine failure
     mid-stream becomes an error event (and ends the other choices). `frame(payload)` writes one payload
@@ -346,7 +415,7 @@ async def _stream_body(state: ServerState, request_ids: list[str], started: list
     frame = frame or _sse
     n = len(started)
     finished = [False] * n
-    lasts: list[Optional[RequestOutput]] = [None] * n
+    lasts: list[RequestOutput | None] = [None] * n
     source = _merged(started)
     try:
         async for i, out in source:
@@ -383,17 +452,24 @@ async def _stream_body(state: ServerState, request_ids: list[str], started: list
             await _close(stream)
 
 
-async def _run_to_end(state: ServerState, request: Request, request_ids: list[str], prompt_ids,
-                      params: list[SamplingParams], timers: list["_Timer"],
-                      images: Optional[list] = None) -> Optional[list[list[RequestOutput]]]:
+async def _run_to_end(
+    state: ServerState,
+    request: Request,
+    request_ids: list[str],
+    prompt_ids,
+    params: list[SamplingParams],
+    timers: list[_Timer],
+    images: list | None = None,
+) -> list[list[RequestOutput]] | None:
     """Every output of each choice of a non-streamed request, or None when the client went away first."""
     try:
         started = await _start(state, request, request_ids, prompt_ids, params, images)
     except ClientGone:
         return None
     try:
-        outs = await _guarded(state, request, request_ids,
-                              asyncio.gather(*(_collect(s, f, t) for (s, f), t in zip(started, timers))))
+        outs = await _guarded(
+            state, request, request_ids, asyncio.gather(*(_collect(s, f, t) for (s, f), t in zip(started, timers)))
+        )
     except ClientGone:
         return None
     finally:
@@ -404,7 +480,7 @@ async def _run_to_end(state: ServerState, request: Request, request_ids: list[st
     return list(outs)
 
 
-async def _collect(stream, first: Optional[RequestOutput], timer: "_Timer") -> list[RequestOutput]:
+async def _collect(stream, first: RequestOutput | None, timer: _Timer) -> list[RequestOutput]:
     """Every output of one started choice (run inside `_guarded`)."""
     outs = []
     try:
@@ -421,8 +497,9 @@ def _last(outs: list[RequestOutput], request_id: str) -> RequestOutput:
         raise APIError(500, "the engine returned no output")
     last = outs[-1]
     if last.finish_reason == "error":  # failed in the engine, which logged it under request_id
-        raise APIError(500, internal_error_message(request_id), code="internal_error",
-                       headers={"X-Request-Id": request_id})
+        raise APIError(
+            500, internal_error_message(request_id), code="internal_error", headers={"X-Request-Id": request_id}
+        )
     if last.finish_reason == "abort":
         raise APIError(503, "the request was aborted by the engine", code="aborted")
     return last

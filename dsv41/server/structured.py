@@ -28,7 +28,7 @@ schema does not declare (any JSON).
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any
 
 from dsv41.chat.dsml import CALLS_CLOSE, CALLS_OPEN, INVOKE_CLOSE, PARAM_CLOSE
 from dsv41.engine.types import GrammarSpec
@@ -79,8 +79,12 @@ def _compile(compiler, kind: str, value: Any, param: str) -> str:
                 raise ValueError("a regex must be a string")
             return compiler.regex(value)
         if kind == "choice":
-            if (not isinstance(value, list) or not value or len(value) > MAX_CHOICES
-                    or not all(isinstance(c, str) and c for c in value)):
+            if (
+                not isinstance(value, list)
+                or not value
+                or len(value) > MAX_CHOICES
+                or not all(isinstance(c, str) and c for c in value)
+            ):
                 raise ValueError(f"choice must be a list of 1 to {MAX_CHOICES} non-empty strings")
             return compiler.lark("start: " + " | ".join(_lit(c) for c in value))
         if kind == "grammar":
@@ -92,7 +96,7 @@ def _compile(compiler, kind: str, value: Any, param: str) -> str:
     raise bad_request(f"unknown constraint kind {kind!r}", param)
 
 
-def _requested(response_format: Optional[dict], structured: Optional[dict]) -> Optional[tuple[str, Any, str]]:
+def _requested(response_format: dict | None, structured: dict | None) -> tuple[str, Any, str] | None:
     """(kind, value, param) of the one output constraint asked for, or None."""
     asked = []
     if response_format is not None:
@@ -105,17 +109,22 @@ def _requested(response_format: Optional[dict], structured: Optional[dict]) -> O
                 raise bad_request("response_format json_schema needs json_schema.schema", "response_format")
             asked.append(("json", spec["schema"], "response_format.json_schema.schema"))
         elif kind != "text":
-            raise bad_request(f"response_format type must be text, json_object or json_schema, got {kind!r}",
-                              "response_format")
+            raise bad_request(
+                f"response_format type must be text, json_object or json_schema, got {kind!r}", "response_format"
+            )
     if structured is not None:
         given = [k for k in structured if structured[k] not in (None, False)]
         unknown = [k for k in given if k not in STRUCTURED_KEYS]
         if unknown:
-            raise bad_request(f"structured_outputs: unsupported field(s) {unknown}; supported: "
-                              f"{', '.join(STRUCTURED_KEYS)}", "structured_outputs")
+            raise bad_request(
+                f"structured_outputs: unsupported field(s) {unknown}; supported: {', '.join(STRUCTURED_KEYS)}",
+                "structured_outputs",
+            )
         if len(given) != 1:
-            raise bad_request(f"structured_outputs needs exactly one of {', '.join(STRUCTURED_KEYS)}, got "
-                              f"{given or 'none'}", "structured_outputs")
+            raise bad_request(
+                f"structured_outputs needs exactly one of {', '.join(STRUCTURED_KEYS)}, got {given or 'none'}",
+                "structured_outputs",
+            )
         key = given[0]
         if key == "json_object":
             asked.append(("json", {"type": "object"}, "structured_outputs.json_object"))
@@ -126,8 +135,9 @@ def _requested(response_format: Optional[dict], structured: Optional[dict]) -> O
     return asked[0] if asked else None
 
 
-def output_constraint(state, response_format: Optional[dict], structured: Optional[dict], *,
-                      start_after: Optional[int] = None) -> Optional[GrammarSpec]:
+def output_constraint(
+    state, response_format: dict | None, structured: dict | None, *, start_after: int | None = None
+) -> GrammarSpec | None:
     """The GrammarSpec for response_format / structured_outputs (call it off the event loop), or None."""
     asked = _requested(response_format, structured)
     if asked is None:
@@ -137,14 +147,17 @@ def output_constraint(state, response_format: Optional[dict], structured: Option
     return GrammarSpec(grammar, start_after, kind)
 
 
-def thinking_start(tokenizer, thinking: bool) -> Optional[int]:
+def thinking_start(tokenizer, thinking: bool) -> int | None:
     """The token after which a thinking-mode constraint starts (`</think>`), None outside thinking mode."""
     if not thinking:
         return None
     token = tokenizer.token_to_id(THINK_END_TOKEN)
     if token is None:
-        raise bad_request(f"this tokenizer has no {THINK_END_TOKEN} token: structured outputs in thinking mode "
-                          "cannot find the end of the reasoning", "chat_template_kwargs")
+        raise bad_request(
+            f"this tokenizer has no {THINK_END_TOKEN} token: structured outputs in thinking mode "
+            "cannot find the end of the reasoning",
+            "chat_template_kwargs",
+        )
     return token
 
 
@@ -160,15 +173,19 @@ def _is_raw_string(schema: dict) -> bool:
     return schema.get("type") == "string" and set(schema) <= _PLAIN_STRING_KEYS
 
 
-def _raw_enum(schema: dict) -> Optional[list[str]]:
+def _raw_enum(schema: dict) -> list[str] | None:
     values = schema.get("enum")
-    if (set(schema) <= _PLAIN_STRING_KEYS | {"enum"} and isinstance(values, list) and values
-            and all(isinstance(v, str) and not any(c in v for c in _RAW_FORBIDDEN) for v in values)):
+    if (
+        set(schema) <= _PLAIN_STRING_KEYS | {"enum"}
+        and isinstance(values, list)
+        and values
+        and all(isinstance(v, str) and not any(c in v for c in _RAW_FORBIDDEN) for v in values)
+    ):
         return values
     return None
 
 
-def tool_call_lark(tools: list[dict], dsml_id: Optional[int], *, parallel: bool) -> str:
+def tool_call_lark(tools: list[dict], dsml_id: int | None, *, parallel: bool) -> str:
     """The Lark grammar of a DSML calls block invoking `tools` (OpenAI tool dicts) with arguments that
     follow their `parameters` schemas; one invocation unless `parallel`."""
     d = f"<[{dsml_id}]>" if dsml_id is not None else _lit(DSML_TOKEN)
@@ -197,8 +214,11 @@ def tool_call_lark(tools: list[dict], dsml_id: Optional[int], *, parallel: bool)
                 value, is_string = "(" + " | ".join(_lit(v) for v in enum) + ")", True
             else:
                 # the separators the template writes (json.dumps defaults), no other whitespace
-                sub = {**defs, **sub, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ",
-                                                     "key_separator": ": "}}
+                sub = {
+                    **defs,
+                    **sub,
+                    "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
+                }
                 rules.append(f"value_{k}_{j}: %json {json.dumps(sub)}")
                 value, is_string = f"value_{k}_{j}", False
             open_tag = tag("\n<", f' parameter name="{key}" string="{"true" if is_string else "false"}">')
@@ -213,8 +233,10 @@ def tool_call_lark(tools: list[dict], dsml_id: Optional[int], *, parallel: bool)
         invokes.append(f"invoke_{k}")
     calls_open = tag("\n\n<", CALLS_OPEN.split(DSML_TOKEN)[1])
     calls_close = tag("\n</", CALLS_CLOSE.split(DSML_TOKEN)[1])
-    head = [f"start: {calls_open} {'invoke+' if parallel else 'invoke'} {calls_close}",
-            "invoke: " + " | ".join(invokes)]
+    head = [
+        f"start: {calls_open} {'invoke+' if parallel else 'invoke'} {calls_close}",
+        "invoke: " + " | ".join(invokes),
+    ]
     return "\n".join(head + rules)
 
 
@@ -228,14 +250,17 @@ def _check_tool_names(tools: list[dict]) -> None:
         if params is None:
             continue
         _check_schema(params, f"{where}.parameters")
-        for key in (params.get("properties") or {}):
+        for key in params.get("properties") or {}:
             if any(c in key for c in ('"', "\n", "<")) or DSML_TOKEN in key:
-                raise bad_request(f"{where}.parameters: property {key!r} cannot hold a double quote, '<', a newline "
-                                  f"or {DSML_TOKEN}", "tools")
+                raise bad_request(
+                    f"{where}.parameters: property {key!r} cannot hold a double quote, '<', a newline or {DSML_TOKEN}",
+                    "tools",
+                )
 
 
-def tool_constraint(state, tools: list[dict], *, named: bool, parallel: Optional[bool],
-                    start_after: Optional[int] = None) -> GrammarSpec:
+def tool_constraint(
+    state, tools: list[dict], *, named: bool, parallel: bool | None, start_after: int | None = None
+) -> GrammarSpec:
     """tool_choice "required" (any offered tool) or a named function (`tools` is that one): the GrammarSpec
     of a DSML calls block whose arguments follow the schemas (call it off the event loop)."""
     _check_tool_names(tools)
@@ -249,7 +274,7 @@ def tool_constraint(state, tools: list[dict], *, named: bool, parallel: Optional
     return GrammarSpec(grammar, start_after, "tool_call")
 
 
-def chat_constraint(state, req, tools: Optional[list[dict]], thinking: bool) -> Optional[GrammarSpec]:
+def chat_constraint(state, req, tools: list[dict] | None, thinking: bool) -> GrammarSpec | None:
     """The GrammarSpec of a chat request (call it off the event loop): an enforced tool call for
     tool_choice "required" or a named function, else response_format / structured_outputs, else None."""
     choice = req.tool_choice
@@ -260,8 +285,12 @@ def chat_constraint(state, req, tools: Optional[list[dict]], thinking: bool) -> 
     start = thinking_start(state.engine.tokenizer, thinking)
     if forced:
         if asked is not None:
-            raise bad_request("response_format / structured_outputs cannot be combined with tool_choice "
-                              "'required' or a named function: the output is the tool call", "tool_choice")
-        return tool_constraint(state, tools, named=isinstance(choice, dict), parallel=req.parallel_tool_calls,
-                               start_after=start)
+            raise bad_request(
+                "response_format / structured_outputs cannot be combined with tool_choice "
+                "'required' or a named function: the output is the tool call",
+                "tool_choice",
+            )
+        return tool_constraint(
+            state, tools, named=isinstance(choice, dict), parallel=req.parallel_tool_calls, start_after=start
+        )
     return output_constraint(state, req.response_format, req.structured_outputs, start_after=start)

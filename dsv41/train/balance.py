@@ -52,8 +52,9 @@ def decorrelate_router(weight: torch.Tensor, direction: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def solve_balancing_bias(scores: torch.Tensor, bias: torch.Tensor, k: int, iters: int = 64,
-                         reduce=None, canonical: bool = True) -> torch.Tensor:
+def solve_balancing_bias(
+    scores: torch.Tensor, bias: torch.Tensor, k: int, iters: int = 64, reduce=None, canonical: bool = True
+) -> torch.Tensor:
     """The selection bias that balances this step's routing: b' such that top-k(scores + b') gives every
     expert as close to the mean load as the search finds, starting from b and returning the best b' seen.
 
@@ -74,8 +75,7 @@ def solve_balancing_bias(scores: torch.Tensor, bias: torch.Tensor, k: int, iters
             reduce(load)
         return load
 
-    moments = torch.tensor([scores.numel(), scores.double().sum(), scores.double().square().sum()],
-                           dtype=torch.float64)
+    moments = torch.tensor([scores.numel(), scores.double().sum(), scores.double().square().sum()], dtype=torch.float64)
     if reduce is not None:
         reduce(moments)
     n, total, sq = moments.tolist()

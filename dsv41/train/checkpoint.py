@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -77,7 +77,7 @@ def _swap_in(tmp: str, final: str) -> None:
         shutil.rmtree(old)
 
 
-def recover_folder(final: str, required: tuple[str, ...]) -> Optional[str]:
+def recover_folder(final: str, required: tuple[str, ...]) -> str | None:
     """Undo a kill during a save of `final`: make the newest complete copy `final` and drop the others.
 
     A `.tmp` is complete only with its marker (its files may be cut short otherwise); `final` and `.old`
@@ -89,8 +89,11 @@ def recover_folder(final: str, required: tuple[str, ...]) -> Optional[str]:
     tmp, old = final + ".tmp", final + ".old"
 
     def complete(folder: str, marker: bool) -> bool:
-        return (os.path.isdir(folder) and all(os.path.isfile(os.path.join(folder, n)) for n in required)
-                and (not marker or os.path.isfile(os.path.join(folder, COMPLETE))))
+        return (
+            os.path.isdir(folder)
+            and all(os.path.isfile(os.path.join(folder, n)) for n in required)
+            and (not marker or os.path.isfile(os.path.join(folder, COMPLETE)))
+        )
 
     name = os.path.basename(final)
     if complete(tmp, True):
@@ -151,13 +154,22 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
     return full_tensor(t).detach().to("cpu", copy=True).contiguous()
 
 
-def save_checkpoint(folder: str, model: Transformer, cfg: ModelConfig, tokenizer_file: Optional[str],
-                    state: Optional[dict] = None, run_info: Optional[dict] = None) -> None:
+def save_checkpoint(
+    folder: str,
+    model: Transformer,
+    cfg: ModelConfig,
+    tokenizer_file: str | None,
+    state: dict | None = None,
+    run_info: dict | None = None,
+) -> None:
     """Write the release-layout folder (`state`: a precomputed `inference_state`, e.g. gathered on all
     ranks of a sharded run; `run_info`: written as `RUN_FILE`, e.g. the training step and model name)."""
     tmp = _fresh_tmp(folder)
-    save_file(state if state is not None else inference_state(model, cfg), os.path.join(tmp, "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        state if state is not None else inference_state(model, cfg),
+        os.path.join(tmp, "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     cfg.to_json(os.path.join(tmp, "config.json"))
     if tokenizer_file:
         shutil.copy(tokenizer_file, os.path.join(tmp, "tokenizer.json"))
@@ -181,8 +193,9 @@ def _write_tokenizer_config(folder: str, tokenizer_file: str) -> None:
     from dsv41.tokenizer import HFTokenizer
 
     source_config = os.path.join(os.path.dirname(os.path.abspath(tokenizer_file)), "tokenizer_config.json")
-    write_hf_tokenizer_files(folder, HFTokenizer.from_file(tokenizer_file),
-                             source_config if os.path.isfile(source_config) else None)
+    write_hf_tokenizer_files(
+        folder, HFTokenizer.from_file(tokenizer_file), source_config if os.path.isfile(source_config) else None
+    )
 
 
 # ---------------------------------------------------------------------- training state
@@ -195,8 +208,10 @@ def _flatten(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(obj, dict):
         return {"__dict__": [[_key(k), _flatten(v, f"{prefix}.{k}", tensors)] for k, v in obj.items()]}
     if isinstance(obj, (list, tuple)):
-        return {"__list__": [_flatten(v, f"{prefix}.{i}", tensors) for i, v in enumerate(obj)],
-                "tuple": isinstance(obj, tuple)}
+        return {
+            "__list__": [_flatten(v, f"{prefix}.{i}", tensors) for i, v in enumerate(obj)],
+            "tuple": isinstance(obj, tuple),
+        }
     if isinstance(obj, torch.dtype):
         return {"__dtype__": str(obj).removeprefix("torch.")}
     if obj is None or isinstance(obj, (bool, int, float, str)):
@@ -231,8 +246,9 @@ def train_state_payload(model: torch.nn.Module, optimizer) -> tuple[dict, dict, 
     return weights, tensors, tree
 
 
-def save_train_state(folder: str, model: torch.nn.Module, optimizer, step: int, extra: dict,
-                     payload: Optional[tuple] = None) -> None:
+def save_train_state(
+    folder: str, model: torch.nn.Module, optimizer, step: int, extra: dict, payload: tuple | None = None
+) -> None:
     weights, tensors, tree = payload if payload is not None else train_state_payload(model, optimizer)
     tmp = _fresh_tmp(folder)
     save_file(weights, os.path.join(tmp, "weights.safetensors"))
@@ -259,14 +275,18 @@ def load_train_state(folder: str, model: torch.nn.Module, optimizer) -> dict:
     weights = load_file(os.path.join(folder, "weights.safetensors"))
     params = dict(model.named_parameters())
     if set(weights) != set(params):
-        raise ValueError(f"{folder}: the saved weights do not match this model "
-                         f"(missing {sorted(set(params) - set(weights))[:4]}, extra {sorted(set(weights) - set(params))[:4]})")
+        raise ValueError(
+            f"{folder}: the saved weights do not match this model "
+            f"(missing {sorted(set(params) - set(weights))[:4]}, extra {sorted(set(weights) - set(params))[:4]})"
+        )
     with torch.no_grad():
         for name, p in params.items():
             _copy_into(p, weights[name])
     with open(os.path.join(folder, "state.json")) as f:
         state = json.load(f)
-    optimizer.load_state_dict(_unflatten(state.pop("optimizer"), load_file(os.path.join(folder, "optimizer.safetensors"))))
+    optimizer.load_state_dict(
+        _unflatten(state.pop("optimizer"), load_file(os.path.join(folder, "optimizer.safetensors")))
+    )
     return state
 
 

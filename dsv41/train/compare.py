@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Optional
 
 
 def read_metrics(run: str) -> list[dict]:
@@ -42,7 +41,7 @@ def read_metrics(run: str) -> list[dict]:
     return [latest[s] for s in sorted(latest)]
 
 
-def load_runs(runs: list[str], names: Optional[list[str]] = None) -> dict[str, list[dict]]:
+def load_runs(runs: list[str], names: list[str] | None = None) -> dict[str, list[dict]]:
     """{label: metrics rows}; labels default to the folder names."""
     names = names or [os.path.basename(os.path.normpath(r)) for r in runs]
     if len(names) != len(runs):
@@ -50,7 +49,7 @@ def load_runs(runs: list[str], names: Optional[list[str]] = None) -> dict[str, l
     return {name: read_metrics(run) for name, run in zip(names, runs)}
 
 
-def routing_summary(rows: list[dict], start: int) -> Optional[dict]:
+def routing_summary(rows: list[dict], start: int) -> dict | None:
     """Routing from step `start` on, for runs that logged per-layer load ratios (None otherwise)."""
     rows = [r for r in rows if r["step"] >= start and r.get("load_ratio")]
     if not rows:
@@ -58,21 +57,28 @@ def routing_summary(rows: list[dict], start: int) -> Optional[dict]:
     worst = [max(r["load_ratio"]) for r in rows]
     pairs = [x for r in rows for x in r["load_ratio"]]
     shared = [x for r in rows for x in r.get("gate_shared", [])]
-    return {"from_step": start, "steps": len(rows), "worst_load_ratio": max(worst),
-            "mean_worst_layer_load_ratio": sum(worst) / len(worst),
-            "mean_load_ratio": sum(pairs) / len(pairs),
-            "share_above_1_5": sum(x > 1.5 for x in pairs) / len(pairs),
-            "mean_gate_shared": sum(shared) / len(shared) if shared else None,
-            "natural": _natural_summary(rows)}
+    return {
+        "from_step": start,
+        "steps": len(rows),
+        "worst_load_ratio": max(worst),
+        "mean_worst_layer_load_ratio": sum(worst) / len(worst),
+        "mean_load_ratio": sum(pairs) / len(pairs),
+        "share_above_1_5": sum(x > 1.5 for x in pairs) / len(pairs),
+        "mean_gate_shared": sum(shared) / len(shared) if shared else None,
+        "natural": _natural_summary(rows),
+    }
 
 
-def _natural_summary(rows: list[dict]) -> Optional[dict]:
+def _natural_summary(rows: list[dict]) -> dict | None:
     """Under --capacity-factor: the router's own picks before the bound (None for runs without one)."""
     pairs = [x for r in rows for x in r.get("load_ratio_natural", [])]
     if not pairs:
         return None
-    return {"worst_load_ratio": max(pairs), "mean_load_ratio": sum(pairs) / len(pairs),
-            "share_above_1_5": sum(x > 1.5 for x in pairs) / len(pairs)}
+    return {
+        "worst_load_ratio": max(pairs),
+        "mean_load_ratio": sum(pairs) / len(pairs),
+        "share_above_1_5": sum(x > 1.5 for x in pairs) / len(pairs),
+    }
 
 
 def summarize(metrics: dict[str, list[dict]], balanced_from: int = 50) -> dict:
@@ -130,35 +136,53 @@ def add_served(summary: dict, runs: list[str], names: list[str], batches: int) -
         except (OSError, ValueError, KeyError) as err:
             raise ValueError(f"{run}: cannot read the run's config from {state}/state.json ({err})") from None
         if not cfg.get("data"):
-            raise ValueError(f"{run}: trained on the default corpus (no --data folder recorded); --served needs "
-                             "a run trained with --data")
-        summary["runs"][name].update(served_val_loss(os.path.join(run, "checkpoint"), cfg["data"], cfg["seq_len"],
-                                                     cfg["batch_size"], batches))
+            raise ValueError(
+                f"{run}: trained on the default corpus (no --data folder recorded); --served needs "
+                "a run trained with --data"
+            )
+        summary["runs"][name].update(
+            served_val_loss(os.path.join(run, "checkpoint"), cfg["data"], cfg["seq_len"], cfg["batch_size"], batches)
+        )
 
 
 def markdown_table(summary: dict) -> str:
     steps = summary["eval_steps"]
     served = all("served_val_loss" in r for r in summary["runs"].values())
-    head = ("| run | " + " | ".join(f"val @ {s}" for s in steps) + " | train (last 10) | tok/s | max/mean load |"
-            + (" val as served |" if served else ""))
+    head = (
+        "| run | "
+        + " | ".join(f"val @ {s}" for s in steps)
+        + " | train (last 10) | tok/s | max/mean load |"
+        + (" val as served |" if served else "")
+    )
     lines = [head, "|" + "---|" * (len(steps) + 4 + served)]
     for name, r in summary["runs"].items():
         vals = " | ".join(f"{v:.3f}" for v in r["val_loss"])
-        lines.append(f"| {name} | {vals} | {r['final_train_loss_last10']:.3f} | {r['tokens_per_s_median']:.0f} | "
-                     f"{r['max_load_ratio_last']:.2f} |" + (f" {r['served_val_loss']:.3f} |" if served else ""))
+        lines.append(
+            f"| {name} | {vals} | {r['final_train_loss_last10']:.3f} | {r['tokens_per_s_median']:.0f} | "
+            f"{r['max_load_ratio_last']:.2f} |" + (f" {r['served_val_loss']:.3f} |" if served else "")
+        )
     routed = {name: r["routing"] for name, r in summary["runs"].items() if r.get("routing")}
     if routed:
         start = next(iter(routed.values()))["from_step"]
-        lines += ["", f"| run (steps >= {start}) | worst layer max/mean, worst step | mean over steps | "
-                      "mean of all layers | (step, layer) > 1.5 | router input shared | before the capacity bound: "
-                      "worst, mean, > 1.5 |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"| run (steps >= {start}) | worst layer max/mean, worst step | mean over steps | "
+            "mean of all layers | (step, layer) > 1.5 | router input shared | before the capacity bound: "
+            "worst, mean, > 1.5 |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for name, r in routed.items():
             shared = "-" if r["mean_gate_shared"] is None else f"{r['mean_gate_shared']:.2f}"
             n = r.get("natural")
-            natural = "-" if n is None else (f"{n['worst_load_ratio']:.2f}, {n['mean_load_ratio']:.2f}, "
-                                             f"{100 * n['share_above_1_5']:.1f}%")
-            lines.append(f"| {name} | {r['worst_load_ratio']:.2f} | {r['mean_worst_layer_load_ratio']:.2f} | "
-                         f"{r['mean_load_ratio']:.2f} | {100 * r['share_above_1_5']:.1f}% | {shared} | {natural} |")
+            natural = (
+                "-"
+                if n is None
+                else (f"{n['worst_load_ratio']:.2f}, {n['mean_load_ratio']:.2f}, {100 * n['share_above_1_5']:.1f}%")
+            )
+            lines.append(
+                f"| {name} | {r['worst_load_ratio']:.2f} | {r['mean_worst_layer_load_ratio']:.2f} | "
+                f"{r['mean_load_ratio']:.2f} | {100 * r['share_above_1_5']:.1f}% | {shared} | {natural} |"
+            )
     return "\n".join(lines)
 
 
@@ -183,8 +207,9 @@ def plot(summary: dict, runs: dict[str, list[dict]], path: str) -> None:
         right.plot([t / 1e3 for t in r["tokens"]], r["val_loss"], marker="o", label=name)
         if routed:
             logged = [row for row in rows if row.get("load_ratio")]
-            axes[2].plot([row["step"] for row in logged], [max(row["load_ratio"]) for row in logged], lw=0.8,
-                         label=name)
+            axes[2].plot(
+                [row["step"] for row in logged], [max(row["load_ratio"]) for row in logged], lw=0.8, label=name
+            )
     left.set(title="train loss (EMA 0.8)", xlabel="tokens (thousands)", ylabel="loss")
     right.set(title="validation loss", xlabel="tokens (thousands)", ylabel="loss")
     if routed:
@@ -203,12 +228,25 @@ def main(argv=None) -> int:
     parser.add_argument("runs", nargs="+", help="run folders (dsv41 train --out)")
     parser.add_argument("--names", nargs="+", help="labels, one per run (default: folder names)")
     parser.add_argument("--out", help="write OUT.json and OUT.png")
-    parser.add_argument("--balanced-from", type=int, default=50, metavar="STEP",
-                        help="the routing table covers steps from this one on (default 50)")
-    parser.add_argument("--served", action="store_true",
-                        help="also score each run's checkpoint/ through the inference forward, as served")
-    parser.add_argument("--served-batches", type=int, default=8, metavar="N",
-                        help="validation batches for --served (default 8, the trainer's default)")
+    parser.add_argument(
+        "--balanced-from",
+        type=int,
+        default=50,
+        metavar="STEP",
+        help="the routing table covers steps from this one on (default 50)",
+    )
+    parser.add_argument(
+        "--served",
+        action="store_true",
+        help="also score each run's checkpoint/ through the inference forward, as served",
+    )
+    parser.add_argument(
+        "--served-batches",
+        type=int,
+        default=8,
+        metavar="N",
+        help="validation batches for --served (default 8, the trainer's default)",
+    )
     args = parser.parse_args(argv)
     metrics = load_runs(args.runs, args.names)
     summary = summarize(metrics, args.balanced_from)

@@ -55,23 +55,38 @@ class DrafterConfig:
     grad_clip: float = field(default=1.0, metadata={"help": "clip the global gradient norm to this value"})
     stages: int = field(default=3, metadata={"help": "drafter blocks (the release: 3)"})
     block_size: int = field(default=5, metadata={"help": "tokens drafted per pass, k (the release: 5)"})
-    target_layers: str = field(default="", metadata={"help": (
-        "backbone layers whose mean-over-copies inputs feed the drafter, comma-separated "
-        "(default: the last three, as the release's 37, 38, 39 of 40)")})
+    target_layers: str = field(
+        default="",
+        metadata={
+            "help": (
+                "backbone layers whose mean-over-copies inputs feed the drafter, comma-separated "
+                "(default: the last three, as the release's 37, 38, 39 of 40)"
+            )
+        },
+    )
     markov_rank: int = field(default=64, metadata={"help": "rank of the Markov head (the release: 256)"})
     experts: int = field(default=0, metadata={"help": "routed experts per drafter block (0: the backbone's)"})
     experts_per_token: int = field(default=0, metadata={"help": "experts per token (0: the backbone's)"})
     position_decay: float = field(default=0.8, metadata={"help": "loss weight of draft position i: decay^i"})
     confidence_weight: float = field(default=0.1, metadata={"help": "weight of the confidence head's loss"})
     qat: bool = field(default=True, metadata={"help": "straight-through FP8 rounding of the drafter's ring rows"})
-    self_distill: int = field(default=0, metadata={"help": (
-        "windows of the backbone's own text to generate first (the engine continues a short data prompt "
-        "to --seq-len tokens); training then mixes them with data windows. The drafter is judged on the "
-        "backbone's own outputs, so this moves training to the distribution it is used on")})
-    self_distill_temperature: float = field(default=0.0, metadata={"help": (
-        "sampling temperature of the generated windows (0: greedy, what greedy serving produces)")})
-    self_distill_fraction: float = field(default=0.5, metadata={"help": (
-        "fraction of each batch drawn from the generated windows")})
+    self_distill: int = field(
+        default=0,
+        metadata={
+            "help": (
+                "windows of the backbone's own text to generate first (the engine continues a short data prompt "
+                "to --seq-len tokens); training then mixes them with data windows. The drafter is judged on the "
+                "backbone's own outputs, so this moves training to the distribution it is used on"
+            )
+        },
+    )
+    self_distill_temperature: float = field(
+        default=0.0,
+        metadata={"help": ("sampling temperature of the generated windows (0: greedy, what greedy serving produces)")},
+    )
+    self_distill_fraction: float = field(
+        default=0.5, metadata={"help": ("fraction of each batch drawn from the generated windows")}
+    )
     eval_every: int = field(default=25, metadata={"help": "steps between validation measurements"})
     eval_batches: int = field(default=4, metadata={"help": "validation batches per measurement"})
     seed: int = field(default=0, metadata={"help": "data order, anchors and drafter initialisation"})
@@ -92,13 +107,20 @@ class DrafterConfig:
 def drafter_config(base: ModelConfig, cfg: DrafterConfig, noise_token: int) -> ModelConfig:
     """The backbone's config plus a DSpark drafter."""
     n = base.n_layers
-    targets = (tuple(int(x) for x in cfg.target_layers.split(",")) if cfg.target_layers
-               else tuple(range(max(0, n - 3), n)))
+    targets = (
+        tuple(int(x) for x in cfg.target_layers.split(",")) if cfg.target_layers else tuple(range(max(0, n - 3), n))
+    )
     out = dataclasses.replace(
-        base, n_mtp_layers=cfg.stages, compress_ratios=tuple(base.compress_ratios[:n]) + (0,) * cfg.stages,
-        dspark_block_size=cfg.block_size, dspark_noise_token_id=noise_token, dspark_target_layer_ids=targets,
-        dspark_markov_rank=cfg.markov_rank, dspark_n_routed_experts=cfg.experts or base.n_routed_experts,
-        dspark_n_activated_experts=cfg.experts_per_token or base.n_activated_experts)
+        base,
+        n_mtp_layers=cfg.stages,
+        compress_ratios=tuple(base.compress_ratios[:n]) + (0,) * cfg.stages,
+        dspark_block_size=cfg.block_size,
+        dspark_noise_token_id=noise_token,
+        dspark_target_layer_ids=targets,
+        dspark_markov_rank=cfg.markov_rank,
+        dspark_n_routed_experts=cfg.experts or base.n_routed_experts,
+        dspark_n_activated_experts=cfg.experts_per_token or base.n_activated_experts,
+    )
     out.validate()
     return out
 
@@ -131,10 +153,20 @@ def generate_windows(net: Transformer, cfg: DrafterConfig, data: TokenDataset, t
 
     prompt_len = min(32, cfg.seq_len // 2)
     x, _ = data.batch(0, cfg.self_distill, prompt_len, cfg.seed + 4242)
-    engine = LLMEngine(net, tokenizer, EngineConfig(enable_prefix_caching=False, max_num_seqs=32,
-                                                    kv_pool_tokens=max(65536, 32 * cfg.seq_len * 2)))
-    params = [SamplingParams(temperature=cfg.self_distill_temperature, max_tokens=cfg.seq_len - prompt_len,
-                             ignore_eos=True, seed=cfg.seed + i) for i in range(cfg.self_distill)]
+    engine = LLMEngine(
+        net,
+        tokenizer,
+        EngineConfig(enable_prefix_caching=False, max_num_seqs=32, kv_pool_tokens=max(65536, 32 * cfg.seq_len * 2)),
+    )
+    params = [
+        SamplingParams(
+            temperature=cfg.self_distill_temperature,
+            max_tokens=cfg.seq_len - prompt_len,
+            ignore_eos=True,
+            seed=cfg.seed + i,
+        )
+        for i in range(cfg.self_distill)
+    ]
     outs = engine.generate(x.tolist(), params)
     return torch.tensor([p + o.token_ids for p, o in zip(x.tolist(), outs)], dtype=torch.int64)
 
@@ -164,8 +196,14 @@ def backbone_pass(net: Transformer, x: torch.Tensor) -> tuple[torch.Tensor, torc
     return inputs["main_hidden"], logits
 
 
-def draft_losses(net: Transformer, cfg: DrafterConfig, x: torch.Tensor, hidden: torch.Tensor,
-                 target_logits: torch.Tensor, gen: torch.Generator) -> dict:
+def draft_losses(
+    net: Transformer,
+    cfg: DrafterConfig,
+    x: torch.Tensor,
+    hidden: torch.Tensor,
+    target_logits: torch.Tensor,
+    gen: torch.Generator,
+) -> dict:
     """One batch's losses and greedy agreement per draft position (teacher-forced prefixes)."""
     k = net.cfg.dspark_block_size
     b, t = x.shape
@@ -182,9 +220,14 @@ def draft_losses(net: Transformer, cfg: DrafterConfig, x: torch.Tensor, hidden: 
     conf_loss = F.binary_cross_entropy_with_logits(out.confidence, match.float())
     accepted = match.int().cumprod(-1)  # a position counts only with every earlier one accepted
     entropy = -(soft * torch.log_softmax(target, -1)).sum(-1)  # [A, k]: the floor of the cross-entropy
-    return {"loss": draft_loss + cfg.confidence_weight * conf_loss, "draft_loss": draft_loss,
-            "kl": ((ce - entropy).mean(0) * weights).sum() / weights.sum(),
-            "confidence_loss": conf_loss, "match": match.float().mean(0), "accepted": accepted.float().mean(0)}
+    return {
+        "loss": draft_loss + cfg.confidence_weight * conf_loss,
+        "draft_loss": draft_loss,
+        "kl": ((ce - entropy).mean(0) * weights).sum() / weights.sum(),
+        "confidence_loss": conf_loss,
+        "match": match.float().mean(0),
+        "accepted": accepted.float().mean(0),
+    }
 
 
 def train_drafter(cfg: DrafterConfig, progress: bool = True) -> dict:
@@ -205,8 +248,11 @@ def train_drafter(cfg: DrafterConfig, progress: bool = True) -> dict:
     params = [p for p in net.mtp.parameters()]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
     train_set = TokenDataset.from_dir(cfg.data, "train")
     val_set = TokenDataset.from_dir(cfg.data, "val")
     os.makedirs(cfg.out, exist_ok=True)
@@ -216,8 +262,10 @@ def train_drafter(cfg: DrafterConfig, progress: bool = True) -> dict:
 
         t0 = time.perf_counter()
         generated = generate_windows(net, cfg, train_set, load_tokenizer(cfg.model, net.cfg.vocab_size))
-        print(f"[dsv41] generated {generated.numel():,} tokens of the backbone's own text "
-              f"({generated.size(0)} windows) in {time.perf_counter() - t0:.0f} s")
+        print(
+            f"[dsv41] generated {generated.numel():,} tokens of the backbone's own text "
+            f"({generated.size(0)} windows) in {time.perf_counter() - t0:.0f} s"
+        )
         held = max(1, generated.size(0) // 10)  # held out: the acceptance on the backbone's own text
         generated, generated_val = generated[:-held], generated[-held:]
     log_path = os.path.join(cfg.out, "metrics.jsonl")
@@ -226,6 +274,7 @@ def train_drafter(cfg: DrafterConfig, progress: bool = True) -> dict:
     bar = None
     if progress:
         from tqdm import tqdm
+
         bar = tqdm(total=cfg.steps, desc="drafter", dynamic_ncols=True)
     with open(log_path, "w") as log:
         for step in range(cfg.steps):
@@ -239,11 +288,17 @@ def train_drafter(cfg: DrafterConfig, progress: bool = True) -> dict:
             losses["loss"].backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
-            record = {"step": step + 1, "loss": float(losses["loss"].detach()), "draft_loss": float(losses["draft_loss"].detach()),
-                      "kl": float(losses["kl"].detach()),
-                      "confidence_loss": float(losses["confidence_loss"].detach()), "grad_norm": float(grad_norm),
-                      "accepted_at": [round(float(v), 4) for v in losses["accepted"]],
-                      "lr": opt.param_groups[0]["lr"], "step_s": time.perf_counter() - t0}
+            record = {
+                "step": step + 1,
+                "loss": float(losses["loss"].detach()),
+                "draft_loss": float(losses["draft_loss"].detach()),
+                "kl": float(losses["kl"].detach()),
+                "confidence_loss": float(losses["confidence_loss"].detach()),
+                "grad_norm": float(grad_norm),
+                "accepted_at": [round(float(v), 4) for v in losses["accepted"]],
+                "lr": opt.param_groups[0]["lr"],
+                "step_s": time.perf_counter() - t0,
+            }
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 record["val"] = evaluate(net, cfg, val_set)
                 if generated is not None:
@@ -252,8 +307,7 @@ def train_drafter(cfg: DrafterConfig, progress: bool = True) -> dict:
             log.flush()
             history.append(record)
             if bar is not None:
-                bar.set_postfix(kl=f"{record['kl']:.3f}",
-                                acc=f"{sum(record['accepted_at']):.2f}")
+                bar.set_postfix(kl=f"{record['kl']:.3f}", acc=f"{sum(record['accepted_at']):.2f}")
                 bar.update(1)
     if bar is not None:
         bar.close()
@@ -266,8 +320,14 @@ def train_drafter(cfg: DrafterConfig, progress: bool = True) -> dict:
     for file in checkpoint_files(cfg.model):
         state.update(load_file(file))
     state.update({name: t for name, t in inference_state(net, dcfg).items() if name.startswith("mtp.")})
-    save_checkpoint(folder, net, dcfg, tokenizer if os.path.exists(tokenizer) else None, state=state,
-                    run_info={**info, "name": name, "drafter_steps": cfg.steps, "backbone": os.path.abspath(cfg.model)})
+    save_checkpoint(
+        folder,
+        net,
+        dcfg,
+        tokenizer if os.path.exists(tokenizer) else None,
+        state=state,
+        run_info={**info, "name": name, "drafter_steps": cfg.steps, "backbone": os.path.abspath(cfg.model)},
+    )
     _plot(history, os.path.join(cfg.out, "acceptance.png"))
     return history[-1]
 
@@ -290,13 +350,18 @@ def evaluate(net: Transformer, cfg: DrafterConfig, val_set: TokenDataset, window
         kl += float(out["kl"])
         accepted = out["accepted"] if accepted is None else accepted + out["accepted"]
     accepted = accepted / cfg.eval_batches
-    return {"draft_loss": totals / cfg.eval_batches, "kl": kl / cfg.eval_batches, "accepted_at": [round(float(v), 4) for v in accepted],
-            "mean_accepted": float(accepted.sum())}
+    return {
+        "draft_loss": totals / cfg.eval_batches,
+        "kl": kl / cfg.eval_batches,
+        "accepted_at": [round(float(v), 4) for v in accepted],
+        "mean_accepted": float(accepted.sum()),
+    }
 
 
 def _plot(history: list[dict], path: str) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -313,7 +378,9 @@ def _plot(history: list[dict], path: str) -> None:
         key = "val_generated" if "val_generated" in evals[0] else "val"
         k = len(evals[0][key]["accepted_at"])
         for i in range(k):
-            ax2.plot([r["step"] for r in evals], [r[key]["accepted_at"][i] for r in evals], "o-", label=f"position {i + 1}")
+            ax2.plot(
+                [r["step"] for r in evals], [r[key]["accepted_at"][i] for r in evals], "o-", label=f"position {i + 1}"
+            )
         ax2.set_title("held-out generated text" if key == "val_generated" else "held-out data")
     ax2.set_xlabel("step")
     ax2.set_ylabel("greedy acceptance (validation, with earlier positions)")

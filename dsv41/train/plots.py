@@ -70,13 +70,24 @@ def plot_accuracy(history: list[dict], path: str) -> None:
     tasks = sorted(k.removeprefix("val_accuracy_") for k in rows[-1] if k.startswith("val_accuracy_"))
     cmap = plt.get_cmap("tab10")
     for j, task in enumerate(tasks):
-        line, = ax.plot(steps, [h.get(f"val_accuracy_{task}", float("nan")) for h in rows], "o-", color=cmap(j),
-                        lw=1, ms=3, label=task)
+        (line,) = ax.plot(
+            steps,
+            [h.get(f"val_accuracy_{task}", float("nan")) for h in rows],
+            "o-",
+            color=cmap(j),
+            lw=1,
+            ms=3,
+            label=task,
+        )
         if task in CHANCE:
             ax.axhline(CHANCE[task], color=line.get_color(), ls=":", lw=0.8)
     ax.plot(steps, [h["val_accuracy"] for h in rows], "k-", lw=2, label="all")
-    ax.set(xlabel="step", ylabel="held-out exact-answer accuracy", ylim=(0, 1.02),
-           title="image-text training (dotted: chance per task)")
+    ax.set(
+        xlabel="step",
+        ylabel="held-out exact-answer accuracy",
+        ylim=(0, 1.02),
+        title="image-text training (dotted: chance per task)",
+    )
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path + ".part.png", dpi=100)

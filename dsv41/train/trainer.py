@@ -22,7 +22,6 @@ import math
 import os
 import sys
 import time
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -34,16 +33,23 @@ from dsv41.model.init import init_random_weights
 from dsv41.model.training import TrainOptions, gate_input_shared_fraction, prepare_for_training
 from dsv41.model.transformer import Transformer
 from dsv41.optim import OptimConfig, build_optimizers
-from dsv41.train.checkpoint import (CHECKPOINT_FILES, TRAIN_STATE_FILES, full_tensor,
-                                    inference_state, load_train_state, read_train_state_json, recover_folder,
-                                    save_checkpoint, save_train_state, train_state_payload)
-from dsv41.train.balance import (decorrelate_router, load_ratio, proportional_bias_update,
-                                 solve_balancing_bias)
+from dsv41.train.balance import decorrelate_router, load_ratio, proportional_bias_update, solve_balancing_bias
+from dsv41.train.checkpoint import (
+    CHECKPOINT_FILES,
+    TRAIN_STATE_FILES,
+    full_tensor,
+    inference_state,
+    load_train_state,
+    read_train_state_json,
+    recover_folder,
+    save_checkpoint,
+    save_train_state,
+    train_state_payload,
+)
 from dsv41.train.compare import read_metrics
 from dsv41.train.config import NS_DTYPES, TrainConfig, parse_mix_weights, run_changes
 from dsv41.train.plots import plot_accuracy, plot_losses, plot_routing
 from dsv41.weights import checkpoint_run_info
-
 
 PROBE_SEED_OFFSET = 7919  # the look-ahead probe batches: the run's data order under seed + this
 
@@ -72,9 +78,12 @@ def default_data(cfg: TrainConfig, vocab_size: int) -> str:
     root = sysconfig.get_paths()["stdlib"]
     # filter on the path below the root: a root that itself contains "test" (a venv under a tests folder)
     # must not exclude every file
-    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs
-                   if f.endswith(".py") and "site-packages" not in (rel := os.path.relpath(d, root))
-                   and "test" not in rel)[:400]
+    files = sorted(
+        os.path.join(d, f)
+        for d, _, fs in os.walk(root)
+        for f in fs
+        if f.endswith(".py") and "site-packages" not in (rel := os.path.relpath(d, root)) and "test" not in rel
+    )[:400]
     docs = []
     for path in files:
         with open(path, encoding="utf-8", errors="replace") as fh:
@@ -84,17 +93,19 @@ def default_data(cfg: TrainConfig, vocab_size: int) -> str:
 
 
 def resolve_device(name: str) -> torch.device:
-    """"auto" -> CUDA when available, else CPU; "cuda" without a GPU is an error, not a silent CPU run."""
+    """ "auto" -> CUDA when available, else CPU; "cuda" without a GPU is an error, not a silent CPU run."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("TrainConfig.device is 'cuda' but torch sees no CUDA device "
-                           f"(torch {torch.__version__}; the pinned wheel on CPU machines has no CUDA)")
+        raise RuntimeError(
+            "TrainConfig.device is 'cuda' but torch sees no CUDA device "
+            f"(torch {torch.__version__}; the pinned wheel on CPU machines has no CUDA)"
+        )
     return torch.device(name)
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, datasets: Optional[tuple] = None):
+    def __init__(self, cfg: TrainConfig, datasets: tuple | None = None):
         """datasets: optional (train, val) sets with the interface of `dsv41.vision.synthetic.SyntheticImageText`
         (batch, sequential_batches; batches with x, y (-100 outside the targets), images, tasks) over a byte
         tokenizer (`.tokenizer`, whose size becomes the vocabulary), replacing --data (`dsv41 rl sft`)."""
@@ -122,8 +133,10 @@ class Trainer:
             from dsv41.vision.synthetic import SyntheticImageText, synthetic_model_fields
 
             self.data_dir = None
-            self.model_cfg = base.replace(**synthetic_model_fields(base.vocab_size),
-                                          max_position_embeddings=max(base.max_position_embeddings, cfg.seq_len))
+            self.model_cfg = base.replace(
+                **synthetic_model_fields(base.vocab_size),
+                max_position_embeddings=max(base.max_position_embeddings, cfg.seq_len),
+            )
             self.model_cfg.validate()
             self.tokenizer_file = None  # checkpoints then load with the byte tokenizer
             self.train_set = SyntheticImageText.from_config("train", self.model_cfg)
@@ -131,8 +144,9 @@ class Trainer:
         elif datasets is not None:
             self.data_dir = None
             vocab = datasets[0].tokenizer.vocab_size  # the sets' byte tokenizer sizes the vocabulary
-            self.model_cfg = base.replace(vocab_size=vocab,
-                                          max_position_embeddings=max(base.max_position_embeddings, cfg.seq_len))
+            self.model_cfg = base.replace(
+                vocab_size=vocab, max_position_embeddings=max(base.max_position_embeddings, cfg.seq_len)
+            )
             self.model_cfg.validate()
             self.tokenizer_file = None  # checkpoints then load with the byte tokenizer
             self.train_set, self.val_set = datasets
@@ -145,8 +159,11 @@ class Trainer:
             self.data_dir = data
             meta = read_meta(data)
             token_map, compressed = load_engram_map(data)
-            self.model_cfg = base.replace(vocab_size=meta["vocab_size"], engram_compressed_vocab_size=compressed,
-                                          max_position_embeddings=max(base.max_position_embeddings, cfg.seq_len))
+            self.model_cfg = base.replace(
+                vocab_size=meta["vocab_size"],
+                engram_compressed_vocab_size=compressed,
+                max_position_embeddings=max(base.max_position_embeddings, cfg.seq_len),
+            )
             self.tokenizer_file = os.path.join(data, meta["tokenizer_path"]) if meta.get("tokenizer_path") else None
             self.train_set = TokenDataset.from_dir(data, "train")
             self.val_set = TokenDataset.from_dir(data, "val")
@@ -154,19 +171,27 @@ class Trainer:
                 from dsv41.data.retrieval_tasks import RetrievalMix
                 from dsv41.tokenizer import load_tokenizer
 
-                tokenizer = load_tokenizer(os.path.dirname(self.tokenizer_file) if self.tokenizer_file else None,
-                                           self.model_cfg.vocab_size)
+                tokenizer = load_tokenizer(
+                    os.path.dirname(self.tokenizer_file) if self.tokenizer_file else None, self.model_cfg.vocab_size
+                )
                 options = dict(text_fraction=cfg.mix_text_fraction, min_len=cfg.mix_min_len)
                 weights = parse_mix_weights(cfg.mix_weights) if cfg.mix_weights else None
-                self.train_set = RetrievalMix(self.train_set, tokenizer, "train", weights=weights,
-                                              curriculum=cfg.curriculum_steps * cfg.grad_accum, **options)
+                self.train_set = RetrievalMix(
+                    self.train_set,
+                    tokenizer,
+                    "train",
+                    weights=weights,
+                    curriculum=cfg.curriculum_steps * cfg.grad_accum,
+                    **options,
+                )
                 self.val_set = RetrievalMix(self.val_set, tokenizer, "val", **options)
         if cfg.swa_only:  # the baseline without the compressed path: every layer a window-only layer
             n_all = self.model_cfg.n_layers + self.model_cfg.n_mtp_layers
-            self.model_cfg = self.model_cfg.replace(compress_ratios=(0,) * n_all, kv_source_layers=(),
-                                                    index_source_layers=(), candidate_source_layer=-1)
+            self.model_cfg = self.model_cfg.replace(
+                compress_ratios=(0,) * n_all, kv_source_layers=(), index_source_layers=(), candidate_source_layer=-1
+            )
             self.model_cfg.validate()
-        self.tokens_seen: Optional[int] = None  # tokens trained on so far (set at the first step)
+        self.tokens_seen: int | None = None  # tokens trained on so far (set at the first step)
         self.last_eval: dict = {}  # the latest evaluation's extra figures (answer accuracy with --images)
 
         torch.manual_seed(cfg.seed)
@@ -184,8 +209,9 @@ class Trainer:
             for block in self.model.layers:
                 fully_shard(block)
             fully_shard(self.model)
-        optim_cfg = OptimConfig(lr=cfg.lr, use_muon=cfg.use_muon, use_sink=cfg.use_sink,
-                                ns_dtype=getattr(torch, NS_DTYPES[cfg.ns_dtype]))
+        optim_cfg = OptimConfig(
+            lr=cfg.lr, use_muon=cfg.use_muon, use_sink=cfg.use_sink, ns_dtype=getattr(torch, NS_DTYPES[cfg.ns_dtype])
+        )
         self.replicas = MatrixReplicas(self.model, optim_cfg) if self.distributed else None
         target = self.replicas.view() if self.replicas else self.model
         self.optimizer = build_optimizers(target, optim_cfg, self.model_cfg)
@@ -223,8 +249,7 @@ class Trainer:
 
     def _check_resume_config(self, state_dir: str, saved: dict) -> None:
         """Refuse to resume under flags that change the run (listing them), unless allowed."""
-        changes = run_changes(saved.get("config", {}), dict(self.cfg.__dict__), saved.get("world_size", 1),
-                              self.world)
+        changes = run_changes(saved.get("config", {}), dict(self.cfg.__dict__), saved.get("world_size", 1), self.world)
         if not changes:
             return
         listed = "; ".join(changes)
@@ -233,7 +258,8 @@ class Trainer:
                 f"{state_dir} was saved by a run with other settings ({listed}); resuming under these would "
                 f"silently train a mix of two runs. Give the saved values, use another --out, or pass "
                 f"--allow-config-change to resume anyway (extending --steps needs it too: it stretches the "
-                f"learning-rate schedule)")
+                f"learning-rate schedule)"
+            )
         self._log(f"resuming with changed settings (--allow-config-change): {listed}")
 
     def _checkpoint_info(self) -> dict:
@@ -246,8 +272,9 @@ class Trainer:
         """checkpoint/ at the current step (every rank calls this: gathering `weights` is collective)."""
         weights = weights if weights is not None else inference_state(self.model, self.model_cfg)
         if self.rank == 0:
-            save_checkpoint(self._checkpoint_dir, self.model, self.model_cfg, self.tokenizer_file, weights,
-                            self._checkpoint_info())
+            save_checkpoint(
+                self._checkpoint_dir, self.model, self.model_cfg, self.tokenizer_file, weights, self._checkpoint_info()
+            )
 
     def _sync_checkpoint(self) -> None:
         """After loading the training state: a kill between the two writes of a save leaves checkpoint/ at
@@ -259,10 +286,17 @@ class Trainer:
             found = holder[0]
         if found == self.step:
             return
-        where = (f"step {found}" if found is not None
-                 else "an unknown step" if os.path.isdir(self._checkpoint_dir) else "nowhere (it is absent)")
-        self._log(f"{self._checkpoint_dir} is from {where}, the training state from step {self.step}: "
-                  f"rewriting it from the training state")
+        where = (
+            f"step {found}"
+            if found is not None
+            else "an unknown step"
+            if os.path.isdir(self._checkpoint_dir)
+            else "nowhere (it is absent)"
+        )
+        self._log(
+            f"{self._checkpoint_dir} is from {where}, the training state from step {self.step}: "
+            f"rewriting it from the training state"
+        )
         self._write_checkpoint()
         if self.distributed:
             dist.barrier()
@@ -280,10 +314,9 @@ class Trainer:
                 window = self.model_cfg.window_size
                 start = int(torch.randint(window, max(cfg.seq_len, window + 1), (), generator=g))
         dense = cfg.dense_attention or step < cfg.dense_steps  # --dense-steps: the dense warm-up
-        return TrainOptions(qat=cfg.qat, dense_indexer=dense, replay_start=start,
-                            capacity_factor=cfg.capacity_factor)
+        return TrainOptions(qat=cfg.qat, dense_indexer=dense, replay_start=start, capacity_factor=cfg.capacity_factor)
 
-    def _losses(self, x: torch.Tensor, y: torch.Tensor, opts: TrainOptions, images: Optional[list] = None):
+    def _losses(self, x: torch.Tensor, y: torch.Tensor, opts: TrainOptions, images: list | None = None):
         """LM loss over the trained targets (image-text batches mark the rest IGNORE = -100, the
         default ignore_index) and the forward's outputs."""
         # through the module call: FSDP2 unshards around it (the vision tower's too)
@@ -304,12 +337,15 @@ class Trainer:
     def evaluate(self) -> float:
         cfg = self.cfg
         total, count = 0.0, 0
-        batches = list(self.val_set.sequential_batches(cfg.batch_size, cfg.seq_len, cfg.eval_batches,
-                                                       rank=self.rank, world_size=self.world))
+        batches = list(
+            self.val_set.sequential_batches(
+                cfg.batch_size, cfg.seq_len, cfg.eval_batches, rank=self.rank, world_size=self.world
+            )
+        )
         if self.distributed:  # every rank must run the same number of (collective) forwards
             n = torch.tensor(len(batches), device=self.device)
             dist.all_reduce(n, op=dist.ReduceOp.MIN)
-            batches = batches[:int(n)]
+            batches = batches[: int(n)]
         right: dict[str, list[int]] = {}  # task -> [correct, seen] (image-text batches)
         # task -> [answer-token loss sum, answer tokens]; "text" for plain text batches (--mix retrieval)
         nats: dict[str, list[float]] = {}
@@ -382,8 +418,11 @@ class Trainer:
             sums["kl"] += float(out.indexer_kl.detach()) / cfg.grad_accum
             sums["balance"] += float(out.balance_loss.detach()) / cfg.grad_accum
             # "natural": the router's own picks before the capacity bound (what the bias must correct)
-            for name, per_layer in (("bias", out.expert_load), ("bias_vl", out.expert_load_vl),
-                                    ("natural", out.expert_load_natural)):
+            for name, per_layer in (
+                ("bias", out.expert_load),
+                ("bias_vl", out.expert_load_vl),
+                ("natural", out.expert_load_natural),
+            ):
                 for layer, load in per_layer.items():
                     loads[name, layer] = loads.get((name, layer), 0) + load
             for layer, stats in out.gate_stats.items():
@@ -412,13 +451,21 @@ class Trainer:
             self.tokens_seen = step * tokens
         self.tokens_seen += tokens
         self.step += 1
-        return {"step": self.step, "loss": sums["lm"], "indexer_kl": sums["kl"], "balance": sums["balance"],
-                "lr_scale": lr_scale(step, cfg), "grad_norm": float(full_tensor(grad_norm)), "tokens": self.tokens_seen,
-                "tokens_per_s": tokens / seconds, "max_load_ratio": max(ratios.values(), default=0.0),
-                "load_ratio": [round(ratios[layer], 4) for layer in sorted(ratios)],
-                "gate_shared": [round(shared[layer][0], 4) for layer in sorted(shared)],
-                "gate_shared_seq": [round(shared[layer][1], 4) for layer in sorted(shared)],
-                **({"load_ratio_natural": [round(natural[layer], 4) for layer in sorted(natural)]} if natural else {})}
+        return {
+            "step": self.step,
+            "loss": sums["lm"],
+            "indexer_kl": sums["kl"],
+            "balance": sums["balance"],
+            "lr_scale": lr_scale(step, cfg),
+            "grad_norm": float(full_tensor(grad_norm)),
+            "tokens": self.tokens_seen,
+            "tokens_per_s": tokens / seconds,
+            "max_load_ratio": max(ratios.values(), default=0.0),
+            "load_ratio": [round(ratios[layer], 4) for layer in sorted(ratios)],
+            "gate_shared": [round(shared[layer][0], 4) for layer in sorted(shared)],
+            "gate_shared_seq": [round(shared[layer][1], 4) for layer in sorted(shared)],
+            **({"load_ratio_natural": [round(natural[layer], 4) for layer in sorted(natural)]} if natural else {}),
+        }
 
     def _lookahead_balance(self) -> None:
         """Balance the routers for the weights this step will use (dsv41.train.balance): route a probe batch
@@ -426,12 +473,21 @@ class Trainer:
         decorrelate every router from the probe's mean router input, then set each text bias to the one
         that balances the probe's routing under the (decorrelated) router."""
         cfg = self.cfg
-        got = self.train_set.batch(self.step, cfg.probe_sequences or cfg.batch_size, cfg.seq_len,
-                                   cfg.seed + PROBE_SEED_OFFSET, rank=self.rank, world_size=self.world)
+        got = self.train_set.batch(
+            self.step,
+            cfg.probe_sequences or cfg.batch_size,
+            cfg.seq_len,
+            cfg.seed + PROBE_SEED_OFFSET,
+            rank=self.rank,
+            world_size=self.world,
+        )
         x, images = (got[0], None) if isinstance(got, tuple) else (got.x, got.images)
         with torch.no_grad():  # image spans route with bias_vl and stay out of the text bias's probe
-            out = self.model(x.to(self.device), images=images,
-                             train_options=TrainOptions(qat=cfg.qat, dense_indexer=cfg.dense_attention))
+            out = self.model(
+                x.to(self.device),
+                images=images,
+                train_options=TrainOptions(qat=cfg.qat, dense_indexer=cfg.dense_attention),
+            )
         if self.distributed:
             for stats in out.gate_stats.values():
                 dist.all_reduce(stats)
@@ -445,8 +501,9 @@ class Trainer:
             weight = full_tensor(masters[f"layers.{layer}.ffn.gate.weight"].data).float()
             scores = ops.router_scores(inputs.float() @ weight.T / gate.temperature, gate.score_func)
             with torch.no_grad():
-                new = solve_balancing_bias(scores, full_tensor(gate.bias.data), gate.topk,
-                                           reduce=dist.all_reduce if self.distributed else None)
+                new = solve_balancing_bias(
+                    scores, full_tensor(gate.bias.data), gate.topk, reduce=dist.all_reduce if self.distributed else None
+                )
                 _assign(gate.bias, new)
 
     def _decorrelate_routers(self, moments: dict[int, torch.Tensor]) -> None:
@@ -459,7 +516,9 @@ class Trainer:
                 weight = weight.to_local()  # rows (experts), so every local row is whole
             decorrelate_router(weight, stats[:-4])
 
-    def _update_router_bias(self, loads: dict[tuple[str, int], torch.Tensor]) -> tuple[dict[int, float], dict[int, float]]:
+    def _update_router_bias(
+        self, loads: dict[tuple[str, int], torch.Tensor]
+    ) -> tuple[dict[int, float], dict[int, float]]:
         """The load-driven bias step per router and modality (--bias-update: b += rate * sign(mean - load), or
         rate * (mean - load) / mean; under 'lookahead' the text bias was already set before the step): text
         tokens move `gate.bias`, image-span tokens `gate.bias_vl`; loads are summed over ranks in place.
@@ -499,8 +558,9 @@ class Trainer:
             # world_size: batch_size is per process, so a resume compares global batches.
             # tokens_seen: with --mix the batch length varies, so a resume cannot rebuild the count from the step
             extra = {"config": dict(cfg.__dict__), "world_size": self.world, "tokens_seen": self.tokens_seen}
-            save_train_state(os.path.join(cfg.out, "train_state"), self.model, self.optimizer, self.step, extra,
-                             payload)
+            save_train_state(
+                os.path.join(cfg.out, "train_state"), self.model, self.optimizer, self.step, extra, payload
+            )
         # after the state: a kill between the two leaves checkpoint/ behind, which a resume rewrites
         self._write_checkpoint(weights)
         if self.distributed:
@@ -595,8 +655,12 @@ class MatrixReplicas:
         if adamw is not None:
             for p, state in adamw.state.items():
                 for key, value in list(state.items()):
-                    if hasattr(p, "device_mesh") and isinstance(value, torch.Tensor) and value.shape == p.shape \
-                            and not hasattr(value, "device_mesh"):
+                    if (
+                        hasattr(p, "device_mesh")
+                        and isinstance(value, torch.Tensor)
+                        and value.shape == p.shape
+                        and not hasattr(value, "device_mesh")
+                    ):
                         state[key] = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
 
 
@@ -643,5 +707,5 @@ def truncate_metrics(path: str, step: int) -> None:
     os.replace(path + ".tmp", path)
 
 
-def train(cfg: TrainConfig, datasets: Optional[tuple] = None) -> dict:
+def train(cfg: TrainConfig, datasets: tuple | None = None) -> dict:
     return Trainer(cfg, datasets).run()

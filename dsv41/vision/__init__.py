@@ -4,8 +4,30 @@ The modules live on the Transformer under their checkpoint names (`vision.*`, `a
 this package holds their code, the preprocessing and the span layout, with no import from dsv41.model.
 """
 
-from dsv41.vision.processor import (IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START, TEXT, ImageError, ImagePatches,
-                                    ImageProcessor, image_token_types, plan_size, span_length)
+from dsv41.vision.processor import (
+    IMAGE,
+    IMAGE_END,
+    IMAGE_NEW_LINE,
+    IMAGE_START,
+    TEXT,
+    ImageError,
+    ImagePatches,
+    ImageProcessor,
+    image_token_types,
+    plan_size,
+    span_length,
+)
 
-__all__ = ["IMAGE", "IMAGE_END", "IMAGE_NEW_LINE", "IMAGE_START", "TEXT", "ImageError", "ImagePatches",
-           "ImageProcessor", "image_token_types", "plan_size", "span_length"]
+__all__ = [
+    "IMAGE",
+    "IMAGE_END",
+    "IMAGE_NEW_LINE",
+    "IMAGE_START",
+    "TEXT",
+    "ImageError",
+    "ImagePatches",
+    "ImageProcessor",
+    "image_token_types",
+    "plan_size",
+    "span_length",
+]

@@ -15,8 +15,9 @@ import re
 
 from dsv41.vision.processor import ImageError, ImagePatches, ImageProcessor
 
-DATA_URL = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[^;,]*)*)(?P<b64>;base64)?,",
-                      re.IGNORECASE)
+DATA_URL = re.compile(
+    r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[^;,]*)*)(?P<b64>;base64)?,", re.IGNORECASE
+)
 DEFAULT_MAX_IMAGES = 16
 
 
@@ -25,14 +26,16 @@ def decode_data_url(url: str, max_bytes: int) -> bytes:
     match = DATA_URL.match(url)
     if match is None:
         scheme = url.split(":", 1)[0][:16] if ":" in url else "no scheme"
-        raise ImageError(f"image_url must be a data: URL with the image inline (data:image/png;base64,...); "
-                         f"this server does not fetch URLs ({scheme!r} given)")
+        raise ImageError(
+            f"image_url must be a data: URL with the image inline (data:image/png;base64,...); "
+            f"this server does not fetch URLs ({scheme!r} given)"
+        )
     if not match.group("b64"):
         raise ImageError("image data URLs must be base64-encoded (data:image/...;base64,...)")
     mime = (match.group("mime") or "").lower()
     if mime and not mime.startswith("image/"):
         raise ImageError(f"image_url has media type {mime!r}; expected image/png, image/jpeg, image/webp, ...")
-    payload = url[match.end():]
+    payload = url[match.end() :]
     if len(payload) * 3 // 4 > max_bytes + 3:
         raise ImageError(f"image is about {len(payload) * 3 // 4:,} bytes; the limit is {max_bytes:,}")
     try:
@@ -48,7 +51,7 @@ class ImageLoader:
         self.processor, self.image_token_id, self.max_images = processor, image_token_id, max_images
 
     @classmethod
-    def from_config(cls, cfg, **limits) -> "ImageLoader":
+    def from_config(cls, cfg, **limits) -> ImageLoader:
         return cls(ImageProcessor.from_config(cfg, **limits), cfg.image_token_id)
 
     def __call__(self, slots: list) -> list[ImagePatches]:

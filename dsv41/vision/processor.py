@@ -53,8 +53,15 @@ def image_token_types(llm_h: int, llm_w: int) -> list[int]:
     return [IMAGE_START] + ([IMAGE] * llm_w + [IMAGE_NEW_LINE]) * llm_h + [IMAGE_END]
 
 
-def plan_size(width: int, height: int, patch: int, downsample: int, max_tokens: int, min_pixels: int,
-              max_wh_ratio: float | None = None) -> tuple[int, int]:
+def plan_size(
+    width: int,
+    height: int,
+    patch: int,
+    downsample: int,
+    max_tokens: int,
+    min_pixels: int,
+    max_wh_ratio: float | None = None,
+) -> tuple[int, int]:
     """(width, height) in pixels, multiples of `patch`, that the image is padded or resized to."""
     if width <= 0 or height <= 0:
         raise ImageError(f"image has no pixels ({width}x{height})")
@@ -94,6 +101,7 @@ def _cells(side: int, patch: int, downsample: int) -> int:
 @dataclass
 class ImagePatches:
     """One preprocessed image: what the ViT reads and how its span is laid out."""
+
     patches: torch.Tensor  # [vit_h * vit_w, 3, p, p] bf16, row-major patches, each (channel, y, x)
     vit_h: int
     vit_w: int
@@ -112,19 +120,32 @@ class ImagePatches:
 class ImageProcessor:
     """PIL image or encoded bytes -> `ImagePatches`, with the model config's vision settings."""
 
-    def __init__(self, patch: int, downsample: int, max_tokens: int, min_pixels: int,
-                 max_wh_ratio: float | None = None, max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
-                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
+    def __init__(
+        self,
+        patch: int,
+        downsample: int,
+        max_tokens: int,
+        min_pixels: int,
+        max_wh_ratio: float | None = None,
+        max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+        max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    ):
         self.patch, self.downsample, self.max_tokens = patch, downsample, max_tokens
         self.min_pixels, self.max_wh_ratio = min_pixels, max_wh_ratio
         self.max_image_bytes, self.max_image_pixels = max_image_bytes, max_image_pixels
 
     @classmethod
-    def from_config(cls, cfg, **limits) -> "ImageProcessor":
+    def from_config(cls, cfg, **limits) -> ImageProcessor:
         if not cfg.vision_enabled:
             raise ValueError("this model has no vision tower (vision_n_layers = 0)")
-        return cls(cfg.vision_patch_size, cfg.vision_downsample_ratio, cfg.vision_max_n_token,
-                   cfg.vision_min_pixels, cfg.vision_max_wh_ratio, **limits)
+        return cls(
+            cfg.vision_patch_size,
+            cfg.vision_downsample_ratio,
+            cfg.vision_max_n_token,
+            cfg.vision_min_pixels,
+            cfg.vision_max_wh_ratio,
+            **limits,
+        )
 
     def decode(self, data: bytes):
         """Encoded image bytes (PNG, JPEG, WebP, ... whatever Pillow reads) -> an RGB PIL image, refusing
@@ -139,8 +160,9 @@ class ImageProcessor:
                 image = Image.open(io.BytesIO(data))
                 width, height = image.size
                 if width * height > self.max_image_pixels:
-                    raise ImageError(f"image is {width}x{height} = {width * height:,} pixels; the limit is "
-                                     f"{self.max_image_pixels:,}")
+                    raise ImageError(
+                        f"image is {width}x{height} = {width * height:,} pixels; the limit is {self.max_image_pixels:,}"
+                    )
                 with warnings.catch_warnings():  # palette transparency given as bytes: ignored, like convert()
                     warnings.filterwarnings("ignore", message="Palette images with Transparency")
                     return image.convert("RGB")
@@ -167,8 +189,7 @@ class ImageProcessor:
         if image.mode != "RGB":
             image = image.convert("RGB")
         p, r = self.patch, self.downsample
-        best_w, best_h = plan_size(image.width, image.height, p, r, self.max_tokens, self.min_pixels,
-                                   self.max_wh_ratio)
+        best_w, best_h = plan_size(image.width, image.height, p, r, self.max_tokens, self.min_pixels, self.max_wh_ratio)
         if self.max_wh_ratio is not None and image.width >= self.max_wh_ratio * image.height:
             image = image.resize((best_w, best_h))
         else:

@@ -22,8 +22,8 @@ read from another. `same` interleaves two images with text, as a multi-image cha
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional
 
 import torch
 from PIL import Image, ImageDraw
@@ -36,20 +36,38 @@ SHAPES = ("circle", "square", "triangle")
 COLOURS = {"red": (215, 40, 40), "green": (40, 160, 60), "blue": (45, 75, 215), "yellow": (225, 195, 30)}
 COUNTS = ("one", "two", "three", "four")
 TASKS = ("shape", "colour", "count", "digit", "same")
-QUESTIONS = {"shape": "shape?", "colour": "colour?", "count": "how many?", "digit": "digit?",
-             "same": "same colour?"}
+QUESTIONS = {"shape": "shape?", "colour": "colour?", "count": "how many?", "digit": "digit?", "same": "same colour?"}
 CHANCE = {"shape": 1 / 3, "colour": 1 / 4, "count": 1 / 4, "digit": 1 / 10, "same": 1 / 2}
 IGNORE = -100  # targets that are not trained (F.cross_entropy's default ignore_index)
 
 # The backbone-independent ViT of the synthetic runs: small enough to train on a CPU in minutes.
-SMALL_VISION = dict(vision_n_layers=4, vision_dim=128, vision_n_heads=4, vision_inter_dim=256,
-                    vision_patch_size=14, vision_rope_theta=10000.0, vision_downsample_ratio=3,
-                    vision_max_n_token=64, vision_min_pixels=IMAGE_SIZE * IMAGE_SIZE, vision_max_wh_ratio=None)
+SMALL_VISION = dict(
+    vision_n_layers=4,
+    vision_dim=128,
+    vision_n_heads=4,
+    vision_inter_dim=256,
+    vision_patch_size=14,
+    vision_rope_theta=10000.0,
+    vision_downsample_ratio=3,
+    vision_max_n_token=64,
+    vision_min_pixels=IMAGE_SIZE * IMAGE_SIZE,
+    vision_max_wh_ratio=None,
+)
 
 # Seven-segment digits: segments a (top), b (top right), c (bottom right), d (bottom), e (bottom left),
 # f (top left), g (middle).
-SEGMENTS = {0: "abcdef", 1: "bc", 2: "abged", 3: "abgcd", 4: "fgbc", 5: "afgcd", 6: "afgedc", 7: "abc",
-            8: "abcdefg", 9: "abcdfg"}
+SEGMENTS = {
+    0: "abcdef",
+    1: "bc",
+    2: "abged",
+    3: "abgcd",
+    4: "fgbc",
+    5: "afgcd",
+    6: "afgedc",
+    7: "abc",
+    8: "abcdefg",
+    9: "abcdfg",
+}
 
 
 def synthetic_model_fields(vocab_size: int) -> dict:
@@ -103,9 +121,15 @@ def render_digit(rng: random.Random, digit: int, colour: str) -> Image.Image:
     x0 = rng.uniform(6, IMAGE_SIZE - 6 - w)
     y0 = rng.uniform(6, IMAGE_SIZE - 6 - h)
     x1, ym, y1 = x0 + w, y0 + h / 2, y0 + h
-    ends = {"a": ((x0, y0), (x1, y0)), "b": ((x1, y0), (x1, ym)), "c": ((x1, ym), (x1, y1)),
-            "d": ((x0, y1), (x1, y1)), "e": ((x0, ym), (x0, y1)), "f": ((x0, y0), (x0, ym)),
-            "g": ((x0, ym), (x1, ym))}
+    ends = {
+        "a": ((x0, y0), (x1, y0)),
+        "b": ((x1, y0), (x1, ym)),
+        "c": ((x1, ym), (x1, y1)),
+        "d": ((x0, y1), (x1, y1)),
+        "e": ((x0, ym), (x0, y1)),
+        "f": ((x0, y0), (x0, ym)),
+        "g": ((x0, ym), (x1, ym)),
+    }
     fill = _jitter(rng, COLOURS[colour])
     for seg in SEGMENTS[digit]:
         draw.line(ends[seg], fill=fill, width=stroke)
@@ -115,6 +139,7 @@ def render_digit(rng: random.Random, digit: int, colour: str) -> Image.Image:
 @dataclass
 class Sample:
     """ids: prompt + answer + EOS; the answer starts at `answer_start`; images: (start, ImagePatches)."""
+
     ids: list[int]
     answer_start: int
     images: list[tuple[int, ImagePatches]]
@@ -126,6 +151,7 @@ class Sample:
 class ImageTextBatch:
     """x, y [B, L] int64 (y: next-token targets, IGNORE outside the answers); images: (row, start,
     ImagePatches) for `Transformer.embed_inputs`; tasks: each row's task."""
+
     x: torch.Tensor
     y: torch.Tensor
     images: list[tuple[int, int, ImagePatches]]
@@ -135,8 +161,14 @@ class ImageTextBatch:
 class SyntheticImageText:
     """The set for one split ("train" or "val"); `batch` mirrors `TokenDataset.batch`."""
 
-    def __init__(self, split: str, processor: ImageProcessor, tokenizer: ByteTokenizer, image_token_id: int,
-                 tasks: tuple[str, ...] = TASKS):
+    def __init__(
+        self,
+        split: str,
+        processor: ImageProcessor,
+        tokenizer: ByteTokenizer,
+        image_token_id: int,
+        tasks: tuple[str, ...] = TASKS,
+    ):
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         unknown = set(tasks) - set(TASKS)
@@ -148,7 +180,7 @@ class SyntheticImageText:
         self.image_token_id, self.tasks = image_token_id, tuple(tasks)
 
     @classmethod
-    def from_config(cls, split: str, cfg, tasks: tuple[str, ...] = TASKS) -> "SyntheticImageText":
+    def from_config(cls, split: str, cfg, tasks: tuple[str, ...] = TASKS) -> SyntheticImageText:
         return cls(split, ImageProcessor.from_config(cfg), ByteTokenizer(cfg.vocab_size), cfg.image_token_id, tasks)
 
     def _text(self, text: str) -> list[int]:
@@ -184,7 +216,7 @@ class SyntheticImageText:
         ids += self._text(answer) + [self.tokenizer.eos_id]
         return Sample(ids, answer_start, placed, task, answer)
 
-    def collate(self, samples: list[Sample], max_len: Optional[int] = None) -> ImageTextBatch:
+    def collate(self, samples: list[Sample], max_len: int | None = None) -> ImageTextBatch:
         """Right-padded rows; the targets of the prompt and the padding are IGNORE."""
         length = max(len(s.ids) for s in samples) - 1
         if max_len is not None and length > max_len:
@@ -195,18 +227,26 @@ class SyntheticImageText:
         for row, s in enumerate(samples):
             ids = torch.tensor(s.ids)
             x[row, : len(ids) - 1] = ids[:-1]
-            y[row, s.answer_start - 1: len(ids) - 1] = ids[s.answer_start:]
+            y[row, s.answer_start - 1 : len(ids) - 1] = ids[s.answer_start :]
             images += [(row, start, patches) for start, patches in s.images]
         return ImageTextBatch(x, y, images, [s.task for s in samples])
 
-    def batch(self, index: int, batch_size: int, seq_len: Optional[int] = None, seed: int = 0,
-              rank: int = 0, world_size: int = 1) -> ImageTextBatch:
+    def batch(
+        self,
+        index: int,
+        batch_size: int,
+        seq_len: int | None = None,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> ImageTextBatch:
         """Batch number `index` of this process: samples index*B*world + rank*B + 0..B-1."""
         first = (index * world_size + rank) * batch_size
         return self.collate([self.sample(first + j, seed) for j in range(batch_size)], seq_len)
 
-    def sequential_batches(self, batch_size: int, seq_len: Optional[int], n_batches: int, rank: int = 0,
-                           world_size: int = 1) -> Iterator[ImageTextBatch]:
+    def sequential_batches(
+        self, batch_size: int, seq_len: int | None, n_batches: int, rank: int = 0, world_size: int = 1
+    ) -> Iterator[ImageTextBatch]:
         """The held-out batches, the same at every evaluation (seed 0 of this split)."""
         for i in range(n_batches):
             yield self.batch(i, batch_size, seq_len, 0, rank, world_size)

@@ -13,8 +13,13 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "bench_numerics.py")
 
 @pytest.mark.slow
 def test_bench_numerics_quick_run(tmp_path):
-    run = subprocess.run([sys.executable, SCRIPT, "--quick", "--presets", "tiny", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=600, cwd=os.path.join(ROOT, "benchmarks"))
+    run = subprocess.run(
+        [sys.executable, SCRIPT, "--quick", "--presets", "tiny", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=os.path.join(ROOT, "benchmarks"),
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.startswith("CPU: ")
     result = json.loads((tmp_path / "numerics.json").read_text())

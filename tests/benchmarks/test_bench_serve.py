@@ -13,8 +13,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.mark.slow
 def test_bench_serve_quick_run(tmp_path):
     script = os.path.join(ROOT, "benchmarks", "bench_serve.py")
-    run = subprocess.run([sys.executable, script, "--quick", "--out", str(tmp_path)], capture_output=True, text=True,
-                         timeout=600)
+    run = subprocess.run(
+        [sys.executable, script, "--quick", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads((tmp_path / "serve_tiny.json").read_text())
     assert (tmp_path / "serve_tiny.png").stat().st_size > 10_000
@@ -30,6 +31,8 @@ def test_bench_serve_quick_run(tmp_path):
     assert turns["no prefix cache"]["hit_rate"] == 0
     if "structured_decode" in result:  # with the structured extra: both step times measured, per batch
         assert [r["batch"] for r in result["structured_decode"]] == [1, 8]
-        assert all(r["free_step_ms"] > 0 and r["json_schema_step_ms"] > 0 and r["mask_only_ms_per_step"] > 0
-                   for r in result["structured_decode"])
+        assert all(
+            r["free_step_ms"] > 0 and r["json_schema_step_ms"] > 0 and r["mask_only_ms_per_step"] > 0
+            for r in result["structured_decode"]
+        )
     assert "decode step time vs context" in run.stdout

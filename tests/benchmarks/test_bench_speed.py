@@ -14,8 +14,12 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "bench_speed.py")
 
 @pytest.mark.slow
 def test_bench_speed_quick_run(tmp_path):
-    run = subprocess.run([sys.executable, SCRIPT, "--quick", "--preset", "tiny", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=900)
+    run = subprocess.run(
+        [sys.executable, SCRIPT, "--quick", "--preset", "tiny", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads((tmp_path / "speed_tiny.json").read_text())
     assert (tmp_path / "speed_tiny.png").stat().st_size > 10_000
@@ -31,16 +35,24 @@ def test_bench_speed_quick_run(tmp_path):
 
 @pytest.mark.slow
 def test_bench_speed_prefill_curve(tmp_path):
-    run = subprocess.run([sys.executable, SCRIPT, "--preset", "tiny", "--out", str(tmp_path), "--prefill-curve", "3000"],
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, SCRIPT, "--preset", "tiny", "--out", str(tmp_path), "--prefill-curve", "3000"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads((tmp_path / "prefill_curve_tiny_3000.json").read_text())
     positions = [p["position"] for p in result["points"]]
     assert positions[-1] >= 3000 and positions == sorted(positions)
     assert len(result["decode_step_s"]) == 5 and result["resident_kv_bytes"] > 0
     curve = str(tmp_path / "prefill_curve_tiny_3000.json")
-    run = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path), "--plot-curve", curve],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, SCRIPT, "--out", str(tmp_path), "--plot-curve", curve],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     fit = json.loads((tmp_path / "prefill_curve_tiny_3000.json").read_text())["extrapolation"]
     assert fit["target"] == 1 << 20 and fit["prefill_s"] > result["prefill_s"]
@@ -85,9 +97,15 @@ def test_extrapolation_never_goes_negative_on_a_noisy_short_curve():
     # CI's failure: a 3,000-token prompt leaves two chunks to fit, the second a short one; timed as cheap
     # full chunks they gave a negative slope and a negative 1M-token prefill
     bench = _load_bench_speed()
-    result = {"prompt": 3000, "prefill_s": 2.42,
-              "points": [{"position": 1024, "chunk_s": 1.3}, {"position": 2048, "chunk_s": 0.70},
-                         {"position": 3000, "chunk_s": 0.42}]}
+    result = {
+        "prompt": 3000,
+        "prefill_s": 2.42,
+        "points": [
+            {"position": 1024, "chunk_s": 1.3},
+            {"position": 2048, "chunk_s": 0.70},
+            {"position": 3000, "chunk_s": 0.42},
+        ],
+    }
     fit = bench.extrapolate_curve(result, 1 << 20)
     assert min(fit["fit_token_s"]) >= 0
     assert fit["prefill_s"] > result["prefill_s"]

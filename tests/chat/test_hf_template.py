@@ -23,14 +23,24 @@ CONVERSATIONS = [
     [m(U, "Hello")],
     [m(S, "You are terse."), m(U, "Hi there!")],
     [m("developer", "Be kind."), m(U, "Q1"), m(A, "A1"), m(U, "Q2")],
-    [m(U, "first"), m(U, "second, merged"), m(A, "ok"), m(U, [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}])],
+    [
+        m(U, "first"),
+        m(U, "second, merged"),
+        m(A, "ok"),
+        m(U, [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]),
+    ],
     [m(S, "sys"), m(U, "q"), m(A, "a", reasoning_content="why"), m(U, "q2"), m(A, "a2", reasoning_content="because")],
     [m(U, "q"), m(A, "a"), m(S, "a later system message"), m(U, "q3")],
     [m(U, "q"), m("latest_reminder", "remember"), m(A, "a")],
     [m(S, ""), m(U, "  spaces  and\nnewlines\n\n"), m(A, "héllo — ✓")],
 ]
-OPTIONS = [dict(), dict(add_generation_prompt=False), dict(thinking=True), dict(thinking=True, reasoning_effort=40),
-           dict(thinking=True, reasoning_effort="max", add_generation_prompt=False)]
+OPTIONS = [
+    dict(),
+    dict(add_generation_prompt=False),
+    dict(thinking=True),
+    dict(thinking=True, reasoning_effort=40),
+    dict(thinking=True, reasoning_effort="max", add_generation_prompt=False),
+]
 
 
 def _render(messages, **kw):
@@ -48,8 +58,11 @@ def _render(messages, **kw):
 
 
 def _ours(messages, **kw):
-    return dict(thinking=kw.get("thinking", False), reasoning_effort=kw.get("reasoning_effort"),
-                add_generation_prompt=kw.get("add_generation_prompt", True))
+    return dict(
+        thinking=kw.get("thinking", False),
+        reasoning_effort=kw.get("reasoning_effort"),
+        add_generation_prompt=kw.get("add_generation_prompt", True),
+    )
 
 
 @pytest.mark.parametrize("conv", range(len(CONVERSATIONS)))
@@ -59,13 +72,22 @@ def test_template_renders_the_encoder_text(conv, opt):
     assert _render(messages, **kw) == encode_messages(messages, **_ours(messages, **kw))
 
 
-@pytest.mark.parametrize("messages,kw", [
-    ([m("tool", "42", tool_call_id="c1")], {}),
-    ([m(U, "q"), m(A, None, tool_calls=[{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}])], {}),
-    ([m(U, [{"type": "image_url", "image_url": {"url": "data:,"}}])], {}),
-    ([m(U, "q")], {"tools": [{"type": "function", "function": {"name": "f"}}]}),
-    ([m("robot", "q")], {}),
-])
+@pytest.mark.parametrize(
+    "messages,kw",
+    [
+        ([m("tool", "42", tool_call_id="c1")], {}),
+        (
+            [
+                m(U, "q"),
+                m(A, None, tool_calls=[{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]),
+            ],
+            {},
+        ),
+        ([m(U, [{"type": "image_url", "image_url": {"url": "data:,"}}])], {}),
+        ([m(U, "q")], {"tools": [{"type": "function", "function": {"name": "f"}}]}),
+        ([m("robot", "q")], {}),
+    ],
+)
 def test_template_refuses_what_it_cannot_render(messages, kw):
     jinja2 = optional_import("jinja2")
     with pytest.raises(jinja2.exceptions.TemplateError):

@@ -88,8 +88,9 @@ def test_autotokenizer_encodes_and_decodes_as_dsv41(kind):
         assert hf.encode(text) == want  # add_bos_token is off: a rendered prompt carries its own BOS
         assert hf.decode(want) == ours.decode(want) == text, (name, text)
         with_specials = ours.encode(text, add_bos=True) + [ours.eos_id, ours.pad_id]
-        assert hf.decode(with_specials, skip_special_tokens=True) == ours.decode(with_specials,
-                                                                                 skip_special_tokens=True)
+        assert hf.decode(with_specials, skip_special_tokens=True) == ours.decode(
+            with_specials, skip_special_tokens=True
+        )
         assert hf.decode(with_specials) == ours.decode(with_specials)
 
 
@@ -130,8 +131,9 @@ def test_save_checkpoint_writes_byte_tokenizer_files_that_dsv41_still_serves_nat
     assert isinstance(served, ByteTokenizer) and served.vocab_size == tiny_model.cfg.vocab_size
     hf = transformers.AutoTokenizer.from_pretrained(str(folder))
     messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "hé 😀"}]
-    assert _ids(hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)) == \
-        encode_prompt(served, prompt_parts(messages))
+    assert _ids(hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)) == encode_prompt(
+        served, prompt_parts(messages)
+    )
     with pytest.raises(ValueError, match="byte tokenizer of 1024 ids"):
         load_tokenizer(str(folder), 2048)  # the files are for another vocabulary
     # a run that starts from this checkpoint (rl, train-drafter) passes its tokenizer.json on: still bytes
@@ -165,8 +167,9 @@ def test_export_tokenizer_adds_the_files_to_an_older_folder(tmp_path, tiny_model
     assert (bpe / "tokenizer.json").read_bytes() == before
     hf = transformers.AutoTokenizer.from_pretrained(str(bpe))
     messages = [{"role": "user", "content": "q"}]
-    assert _ids(hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)) == \
-        encode_prompt(tok, prompt_parts(messages))
+    assert _ids(hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)) == encode_prompt(
+        tok, prompt_parts(messages)
+    )
 
     # bad input: one line on stderr, exit 2
     empty = tmp_path / "empty"

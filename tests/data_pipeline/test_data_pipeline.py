@@ -12,21 +12,23 @@ import torch
 
 from dsv41.data.bpe import train_bpe
 from dsv41.data.build import build_dataset, load_engram_map, main
-from dsv41.data.shards import (TokenDataset, chunk_document, read_meta, shard_dtype, split_documents,
-                               verify_shards)
+from dsv41.data.shards import TokenDataset, chunk_document, read_meta, shard_dtype, split_documents, verify_shards
 from dsv41.data.sources import Document, split_kjv_books, strip_gutenberg
 from dsv41.tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, HFTokenizer, load_tokenizer
 
-WORDS = ("the king queen love night sword crown heart fair sweet death lord lady honour speak thou thee "
-         "hath doth shall never ever gentle noble fortune heaven earth blood tears grace ").split()
+WORDS = (
+    "the king queen love night sword crown heart fair sweet death lord lady honour speak thou thee "
+    "hath doth shall never ever gentle noble fortune heaven earth blood tears grace "
+).split()
 
 
 def make_docs(n=40, seed=0, words=200):
     rnd = random.Random(seed)
     docs = []
     for i in range(n):
-        lines = [" ".join(rnd.choice(WORDS) for _ in range(rnd.randint(4, 12))).capitalize() + "."
-                 for _ in range(words // 8)]
+        lines = [
+            " ".join(rnd.choice(WORDS) for _ in range(rnd.randint(4, 12))).capitalize() + "." for _ in range(words // 8)
+        ]
         docs.append(Document("synth", f"work_{i:03d}", f"WORK {i}\n\n" + "\n".join(lines) + "\nÉ fin — ✓"))
     return docs
 
@@ -124,7 +126,7 @@ def test_shards_bos_eos_and_round_trip(built, docs):
         assert set(np.flatnonzero(toks == 0)) == set(starts)  # BOS exactly at document starts
         assert set(np.flatnonzero(toks == 1)) == set(ends)  # EOS exactly at document ends
         for e in entries:
-            piece = toks[e["offset"] + 1:e["offset"] + e["tokens"] - 1]
+            piece = toks[e["offset"] + 1 : e["offset"] + e["tokens"] - 1]
             assert tok.decode(piece) == by_key[f"{e['source']}/{e['name']}"].text
     val_keys = {f"{e['source']}/{e['name']}" for e in meta["documents"] if e["split"] == "val"}
     train_keys = {f"{e['source']}/{e['name']}" for e in meta["documents"] if e["split"] == "train"}
@@ -191,7 +193,7 @@ def test_sequential_val_batches(built):
     n = (len(ds) - 1) // T
     assert sum(x.shape[0] for x, _ in batches) == n == ds.num_sequential_windows(T)
     ys = torch.cat([y for _, y in batches]).flatten()
-    assert torch.equal(ys, torch.from_numpy(np.asarray(ds.tokens[1:n * T + 1], dtype=np.int64)))
+    assert torch.equal(ys, torch.from_numpy(np.asarray(ds.tokens[1 : n * T + 1], dtype=np.int64)))
     assert [x.tolist() for x, _ in ds.sequential_batches(3, T)] == [x.tolist() for x, _ in batches]
     assert len(list(ds.sequential_batches(3, T, max_batches=1))) == 1
     with pytest.raises(ValueError):
@@ -199,12 +201,13 @@ def test_sequential_val_batches(built):
 
 
 def test_strip_gutenberg_and_kjv_books():
-    text = ("Title\r\n*** START OF THE PROJECT GUTENBERG EBOOK X ***\r\n\r\nBody line\r\n"
-            "*** END OF THE PROJECT GUTENBERG EBOOK X ***\r\nlicence")
+    text = (
+        "Title\r\n*** START OF THE PROJECT GUTENBERG EBOOK X ***\r\n\r\nBody line\r\n"
+        "*** END OF THE PROJECT GUTENBERG EBOOK X ***\r\nlicence"
+    )
     assert strip_gutenberg(text) == "Body line"
     assert strip_gutenberg("\ufeffplain\r\ntext\n") == "plain\ntext"
-    kjv = ("Genesis 1\n\n  1 In the beginning.\nmore\n\nGenesis 2\n\n  1 Thus.\n\n"
-           "1 John 1\n\n  1 That which was.\n")
+    kjv = "Genesis 1\n\n  1 In the beginning.\nmore\n\nGenesis 2\n\n  1 Thus.\n\n1 John 1\n\n  1 That which was.\n"
     books = split_kjv_books(kjv)
     assert [b for b, _ in books] == ["01_genesis", "02_1_john"]
     assert books[0][1].startswith("Genesis 1") and "Genesis 2" in books[0][1]

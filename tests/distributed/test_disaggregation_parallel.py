@@ -81,8 +81,9 @@ def test_single_device_prefill_to_data_parallel_decode(colocated):
     hand-off is imported by the rank the decode front placed its request on (both ranks get some)."""
     prefill = ServerThread(create_app(_engine(), disaggregation_mode="prefill")).start()
     try:
-        with serve_layout(("--data-parallel-size", "2", "--expert-parallel-size", "2",
-                           "--disaggregation-mode", "decode")) as (_, decode):
+        with serve_layout(
+            ("--data-parallel-size", "2", "--expert-parallel-size", "2", "--disaggregation-mode", "decode")
+        ) as (_, decode):
             _check(_through_router(prefill.base_url, decode), colocated)
             assert _metric(decode, "dp_rank0_requests_assigned_total") >= 2
             assert _metric(decode, "dp_rank1_requests_assigned_total") >= 2
@@ -96,9 +97,12 @@ def test_single_device_prefill_to_data_parallel_decode(colocated):
 
 @pytest.mark.slow  # four server processes
 def test_tensor_parallel_prefill_to_data_parallel_decode(colocated):
-    with serve_layout(("--tensor-parallel-size", "2", "--disaggregation-mode", "prefill")) as (_, prefill), \
-            serve_layout(("--data-parallel-size", "2", "--expert-parallel-size", "2",
-                          "--disaggregation-mode", "decode")) as (_, decode):
+    with (
+        serve_layout(("--tensor-parallel-size", "2", "--disaggregation-mode", "prefill")) as (_, prefill),
+        serve_layout(
+            ("--data-parallel-size", "2", "--expert-parallel-size", "2", "--disaggregation-mode", "decode")
+        ) as (_, decode),
+    ):
         _check(_through_router(prefill, decode), colocated)
         assert _metric(prefill, "handoffs_exported_total") == len(NAMES)
         assert _metric(prefill, "generation_tokens_total") == 0
@@ -108,9 +112,12 @@ def test_tensor_parallel_prefill_to_data_parallel_decode(colocated):
 
 @pytest.mark.slow  # four server processes
 def test_data_parallel_prefill_to_tensor_parallel_decode(colocated):
-    with serve_layout(("--data-parallel-size", "2", "--expert-parallel-size", "2",
-                       "--disaggregation-mode", "prefill")) as (_, prefill), \
-            serve_layout(("--tensor-parallel-size", "2", "--disaggregation-mode", "decode")) as (_, decode):
+    with (
+        serve_layout(
+            ("--data-parallel-size", "2", "--expert-parallel-size", "2", "--disaggregation-mode", "prefill")
+        ) as (_, prefill),
+        serve_layout(("--tensor-parallel-size", "2", "--disaggregation-mode", "decode")) as (_, decode),
+    ):
         _check(_through_router(prefill, decode), colocated)
         assert _metric(prefill, "dp_rank1_requests_assigned_total") >= 2  # both prefill ranks exported some
         assert _metric(prefill, "handoffs_exported_total") == len(NAMES)
@@ -131,8 +138,12 @@ def test_images_to_a_data_parallel_decode_worker(one_thread):
         return build_engine(VISION, EngineConfig(**ENGINE_ARGS), seed=0)
 
     pictures = [Image.new("RGB", (100, 84), (200, 40, 10)), Image.new("RGB", (64, 96), (20, 140, 210))]
-    bodies = [dict(messages=messages(data_url(p)), max_tokens=6, temperature=0, logprobs=True,
-                   extra_body={"ignore_eos": True}) for p in pictures]
+    bodies = [
+        dict(
+            messages=messages(data_url(p)), max_tokens=6, temperature=0, logprobs=True, extra_body={"ignore_eos": True}
+        )
+        for p in pictures
+    ]
 
     def answers(base: str, model: str) -> list:
         client = _client(base)
@@ -144,10 +155,18 @@ def test_images_to_a_data_parallel_decode_worker(one_thread):
     with ServerThread(create_app(engine)) as colocated:
         want = answers(colocated.base_url, engine.model_name)
     assert want[0] != want[1]
-    with ServerThread(create_app(vision_engine(), disaggregation_mode="prefill")) as prefill, \
-            serve_layout(("--data-parallel-size", "2", "--expert-parallel-size", "2", "--disaggregation-mode",
-                          "decode"), model=VISION) as (_, decode), \
-            ServerThread(create_router(RouterConfig([prefill.base_url], [decode], timeout_s=300))) as router:
+    with (
+        ServerThread(create_app(vision_engine(), disaggregation_mode="prefill")) as prefill,
+        serve_layout(
+            ("--data-parallel-size", "2", "--expert-parallel-size", "2", "--disaggregation-mode", "decode"),
+            model=VISION,
+        ) as (_, decode),
+        ServerThread(create_router(RouterConfig([prefill.base_url], [decode], timeout_s=300))) as router,
+    ):
         assert answers(router.base_url, engine.model_name) == want
         assert _metric(decode, "handoffs_imported_total") == 2
-        assert _metric(decode, "dp_rank0_requests_assigned_total") == _metric(decode, "dp_rank1_requests_assigned_total") == 1
+        assert (
+            _metric(decode, "dp_rank0_requests_assigned_total")
+            == _metric(decode, "dp_rank1_requests_assigned_total")
+            == 1
+        )

@@ -70,8 +70,18 @@ def _rank(rank: int, world: int, port: int, mode: str, out_dir: str) -> None:
             with model.numerics(16), torch.inference_mode():
                 join_without_tokens(model)
         served = {k: rounds.served[k] - before.get(k, 0) for k in rounds.served}
-        torch.save({"prefill": prefill, "decode": decode, "second": second, "held": held, "stored": stored,
-                    "in_params": in_params, "served": served}, f"{out_dir}/rank{rank}.pt")
+        torch.save(
+            {
+                "prefill": prefill,
+                "decode": decode,
+                "second": second,
+                "held": held,
+                "stored": stored,
+                "in_params": in_params,
+                "served": served,
+            },
+            f"{out_dir}/rank{rank}.pt",
+        )
     finally:
         dist.destroy_process_group()
 
@@ -88,10 +98,16 @@ def _split(rows: int, world: int) -> list[tuple[int, int]]:
 
 # ~75 s each on the shared 2-core machine: the layout the release needs (experts and Engram rows split) in the
 # default tier, the rest in the slow tier
-@pytest.mark.parametrize("mode,world", [("experts", 2), pytest.param("engram-only", 2, marks=pytest.mark.slow),
-                                        pytest.param("host", 2, marks=pytest.mark.slow),
-                                        pytest.param("experts", 4, marks=pytest.mark.slow),
-                                        pytest.param("engram-only", 3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "mode,world",
+    [
+        ("experts", 2),
+        pytest.param("engram-only", 2, marks=pytest.mark.slow),
+        pytest.param("host", 2, marks=pytest.mark.slow),
+        pytest.param("experts", 4, marks=pytest.mark.slow),
+        pytest.param("engram-only", 3, marks=pytest.mark.slow),
+    ],
+)
 def test_sharded_engram_ranks_give_one_device_logits(tmp_path, mode, world):
     mp.start_processes(_rank, args=(world, _free_port(), mode, str(tmp_path)), nprocs=world, start_method="spawn")
     model = _model()
@@ -99,8 +115,12 @@ def test_sharded_engram_ranks_give_one_device_logits(tmp_path, mode, world):
     for rank in range(world):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         prefill, decode = _run(model, _prompt(rank, cfg.vocab_size))
-        assert torch.equal(got["prefill"], prefill), f"rank {rank}: prefill max diff {(got['prefill'] - prefill).abs().max()}"
-        assert torch.equal(got["decode"], decode), f"rank {rank}: decode max diff {(got['decode'] - decode).abs().max()}"
+        assert torch.equal(got["prefill"], prefill), (
+            f"rank {rank}: prefill max diff {(got['prefill'] - prefill).abs().max()}"
+        )
+        assert torch.equal(got["decode"], decode), (
+            f"rank {rank}: decode max diff {(got['decode'] - decode).abs().max()}"
+        )
         # its rows are its share of each table: the rows and their bytes (FP8 rows + one UE8M0 scale per 32)
         share = [_split(rows, world)[rank] for rows in cfg.engram_num_embeddings]
         assert list(got["held"].values()) == [[s] for s in share]
@@ -162,16 +182,19 @@ def test_a_rank_reads_exactly_its_rows_from_the_checkpoint(tmp_path, monkeypatch
 
                 class Part:
                     def __getitem__(self, rows):
-                        sliced[key] = (rows.start, rows.stop)
-                        return handle.get_slice(key)[rows]
+                        sliced[key] = (rows.start, rows.stop)  # noqa: B023 (rows: this method's argument)
+                        return handle.get_slice(key)[rows]  # noqa: B023
 
                 return Part()
 
         monkeypatch.setattr(dsv41.weights, "_open", lambda f: Spy(opened(f)))
         model = load_shard(str(tmp_path), engram_rank=rank, engram_world=2)
         share = [_split(rows, 2)[rank] for rows in cfg.engram_num_embeddings]
-        want = {f"layers.{layer}.engram.embed.{leaf}": rows
-                for layer, rows in zip(cfg.engram_layer_ids, share) for leaf in ("weight", "scale")}
+        want = {
+            f"layers.{layer}.engram.embed.{leaf}": rows
+            for layer, rows in zip(cfg.engram_layer_ids, share)
+            for leaf in ("weight", "scale")
+        }
         assert sliced == want
         others = sum(n - (b - a) for n, (a, b) in zip(cfg.engram_num_embeddings, share)) * row_bytes
         assert model.load_report.bytes_read == file_bytes - others

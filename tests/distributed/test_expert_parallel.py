@@ -69,9 +69,17 @@ def _rank(rank: int, world: int, port: int, name: str, out_dir: str) -> None:
                 token, slot = torch.where(indices == e)
                 single[token] += ref.experts[e](x[token], weights[token, slot, None])
             end_step(model)
-        torch.save({"logits": logits, "second": second, "total": total, "kept": kept, "served": served,
-                    "routed_equal": torch.equal(routed, single)},
-                   f"{out_dir}/rank{rank}.pt")
+        torch.save(
+            {
+                "logits": logits,
+                "second": second,
+                "total": total,
+                "kept": kept,
+                "served": served,
+                "routed_equal": torch.equal(routed, single),
+            },
+            f"{out_dir}/rank{rank}.pt",
+        )
     finally:
         dist.destroy_process_group()
 
@@ -82,8 +90,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("name,world", [("tiny", 2), pytest.param("small", 2, marks=pytest.mark.slow),
-                                        pytest.param("tiny", 4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "name,world",
+    [("tiny", 2), pytest.param("small", 2, marks=pytest.mark.slow), pytest.param("tiny", 4, marks=pytest.mark.slow)],
+)
 def test_expert_parallel_ranks_give_one_device_logits(tmp_path, name, world):
     mp.get_context("spawn")  # gloo under fork has deadlocked elsewhere
     mp.start_processes(_rank, args=(world, _free_port(), name, str(tmp_path)), nprocs=world, start_method="spawn")

@@ -73,8 +73,10 @@ def test_the_release_on_eight_devices(capsys):
     for memory, fits_on_device in ((141 * 10**9, True), (80 * 10**9, False)):
         usable = int(memory * 0.9)
         got = {r["layout"]: r for r in plan(preset("flash"), 8, memory)}
-        sharded, host = got["DP=8 EP=8, Engram rows sharded"], next(
-            r for name, r in got.items() if name.startswith("DP=8 EP=8, Engram rows sharded in host"))
+        sharded, host = (
+            got["DP=8 EP=8, Engram rows sharded"],
+            next(r for name, r in got.items() if name.startswith("DP=8 EP=8, Engram rows sharded in host")),
+        )
         assert sharded["built"] and host["built"]
         assert sharded["weight_bytes_per_rank"] == whole["weight_bytes_per_rank"] - tables + share
         assert host["weight_bytes_per_rank"] == whole["weight_bytes_per_rank"] - tables
@@ -89,7 +91,10 @@ def test_the_release_on_eight_devices(capsys):
         assert host["serve_flags"] == "--data-parallel-size 8 --expert-parallel-size 8 --engram-memory host"
     assert main(["plan", "--preset", "flash", "--devices", "8", "--device-memory", "80GB"]) == 0
     out = capsys.readouterr().out
-    assert "DP=8 EP=8, Engram rows sharded " in out and "refused: the weights exceed the 72.0 GB usable per device by" in out
+    assert (
+        "DP=8 EP=8, Engram rows sharded " in out
+        and "refused: the weights exceed the 72.0 GB usable per device by" in out
+    )
     assert "1 of 11 layouts fit: DP=8 EP=8, Engram rows sharded in host" in out
 
 

@@ -28,8 +28,13 @@ def _add(rid, prompt, max_tokens=2):
 def test_bad_input_is_rejected_and_a_failing_step_fails_its_requests(group, monkeypatch):
     engine = build_engine("tiny", EngineConfig(fused_kernels="off", kv_pool_tokens=4096))
     rank = RankEngine(engine)
-    reply = rank.round({"commands": [_add("bad", [engine.model_config.vocab_size + 5]), _add("ok", [5, 6, 7])],
-                        "step": True, "stop": False})
+    reply = rank.round(
+        {
+            "commands": [_add("bad", [engine.model_config.vocab_size + 5]), _add("ok", [5, 6, 7])],
+            "step": True,
+            "stop": False,
+        }
+    )
     assert [r for r, _ in reply["rejected"]] == ["bad"] and "prompt token ids" in reply["rejected"][0][1]
     assert reply["failed"] == [] and reply["unfinished"] and [o.request_id for o in reply["outputs"]] == ["ok"]
 
@@ -48,11 +53,28 @@ def test_bad_input_is_rejected_and_a_failing_step_fails_its_requests(group, monk
 
 
 def test_combined_metrics_sum_counts_and_recompute_ratios():
-    a = {"waiting": 1, "running": 2, "kv_blocks_used": 1, "kv_blocks_total": 4, "kv_usage": 0.25,
-         "prefix_cache_hit_tokens": 0, "prefix_cache_queried_tokens": 10, "prefix_cache_hit_rate": 0.0,
-         "requests_finished_total": 3, "kv_resident_bytes_per_token": 100.0}
-    b = dict(a, waiting=0, kv_blocks_used=3, kv_usage=0.75, prefix_cache_hit_tokens=10, prefix_cache_hit_rate=1.0,
-             requests_finished_total=1, kv_resident_bytes_per_token=300.0)
+    a = {
+        "waiting": 1,
+        "running": 2,
+        "kv_blocks_used": 1,
+        "kv_blocks_total": 4,
+        "kv_usage": 0.25,
+        "prefix_cache_hit_tokens": 0,
+        "prefix_cache_queried_tokens": 10,
+        "prefix_cache_hit_rate": 0.0,
+        "requests_finished_total": 3,
+        "kv_resident_bytes_per_token": 100.0,
+    }
+    b = dict(
+        a,
+        waiting=0,
+        kv_blocks_used=3,
+        kv_usage=0.75,
+        prefix_cache_hit_tokens=10,
+        prefix_cache_hit_rate=1.0,
+        requests_finished_total=1,
+        kv_resident_bytes_per_token=300.0,
+    )
     m = combine_metrics([a, b])
     assert m["waiting"] == 1 and m["running"] == 4 and m["requests_finished_total"] == 4
     assert m["kv_usage"] == 0.5 and m["prefix_cache_hit_rate"] == 0.5

@@ -26,7 +26,9 @@ WORLD = 2
 
 def _write_checkpoint(folder) -> Transformer:
     model = init_random_weights(Transformer(preset("tiny")), seed=7).eval()
-    save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, os.path.join(folder, "model.safetensors"))
+    save_file(
+        {n: p.detach().contiguous() for n, p in model.named_parameters()}, os.path.join(folder, "model.safetensors")
+    )
     model.cfg.to_json(os.path.join(folder, "config.json"))
     return model
 

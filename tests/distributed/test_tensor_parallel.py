@@ -60,8 +60,9 @@ def _rank(rank: int, world: int, port: int, name: str, out_dir: str, broken: boo
             gather = tp.gather
             tp.gather = lambda x: torch.cat(list(reversed(gather(x).chunk(world, dim=-1))), dim=-1)
         kept = sum(p.numel() for p in model.parameters())
-        torch.save({"logits": _run(model), "total": total, "kept": kept, "gathers": tp.gathers},
-                   f"{out_dir}/rank{rank}.pt")
+        torch.save(
+            {"logits": _run(model), "total": total, "kept": kept, "gathers": tp.gathers}, f"{out_dir}/rank{rank}.pt"
+        )
     finally:
         dist.destroy_process_group()
 
@@ -73,21 +74,30 @@ def _free_port() -> int:
 
 
 def _spawn(tmp_path, name: str, world: int, broken: bool = False, folder=None) -> list[dict]:
-    mp.start_processes(_rank, args=(world, _free_port(), name, str(tmp_path), broken, folder), nprocs=world,
-                       start_method="spawn")
+    mp.start_processes(
+        _rank, args=(world, _free_port(), name, str(tmp_path), broken, folder), nprocs=world, start_method="spawn"
+    )
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 
 def _write_checkpoint(folder) -> Transformer:
     model = _model("tiny")
-    save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, os.path.join(folder, "model.safetensors"))
+    save_file(
+        {n: p.detach().contiguous() for n, p in model.named_parameters()}, os.path.join(folder, "model.safetensors")
+    )
     model.cfg.to_json(os.path.join(folder, "config.json"))
     return model
 
 
 # loaded from a checkpoint: slow tier (the FP8 golden test below also loads sliced in the default tier)
-@pytest.mark.parametrize("name,loaded", [("tiny", False), pytest.param("tiny", True, marks=pytest.mark.slow),
-                                         pytest.param("small", False, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "name,loaded",
+    [
+        ("tiny", False),
+        pytest.param("tiny", True, marks=pytest.mark.slow),
+        pytest.param("small", False, marks=pytest.mark.slow),
+    ],
+)
 def test_tensor_parallel_ranks_give_one_device_logits(tmp_path, name, loaded):
     folder = None
     if loaded:
@@ -162,7 +172,7 @@ def test_a_rank_reads_only_its_head_rows(tmp_path, monkeypatch, rank):
     cfg = whole.cfg
     file_bytes = sum(p.numel() * p.element_size() for p in whole.parameters())
     split = 0
-    for i, layer in enumerate(whole.layers):
+    for i in range(len(whole.layers)):
         for leaf in ("wq_b.weight", "attn_sink", "wo_a.weight"):
             name = f"layers.{i}.attn.{leaf}"
             part = dict(whole.named_parameters())[name]
@@ -220,8 +230,10 @@ def _vision_rank(rank: int, world: int, port: int, folder: str, out_dir: str) ->
     try:
         model = load_shard(folder, tp_rank=rank, tp_world=world)
         install_gather(model, TensorParallel())
-        torch.save({"logits": _vision_logits(model, folder), "bytes_read": model.load_report.bytes_read},
-                   f"{out_dir}/rank{rank}.pt")
+        torch.save(
+            {"logits": _vision_logits(model, folder), "bytes_read": model.load_report.bytes_read},
+            f"{out_dir}/rank{rank}.pt",
+        )
     finally:
         dist.destroy_process_group()
 
@@ -230,9 +242,8 @@ def test_the_released_fp8_layout_with_images_splits_exactly(tmp_path):
     """The golden FP8 vision checkpoint (FP8 wq_b with its scale, FP8 wo_a + 32x32 scales dequantised on
     load, the vision tower replicated on both ranks): each TP rank reads its FP8 rows and scale rows, and
     the two give one device's logits for a prompt with images."""
-    from tests.conftest import GOLDEN_DIR
-
     from dsv41.weights import load_model
+    from tests.conftest import GOLDEN_DIR
 
     folder = os.path.join(GOLDEN_DIR, "v41-vision-fp8")
     mp.start_processes(_vision_rank, args=(2, _free_port(), folder, str(tmp_path)), nprocs=2, start_method="spawn")

@@ -71,10 +71,17 @@ def test_speculative_decoding_from_a_sharded_checkpoint(tmp_path):
     from tests.distributed.test_data_parallel import MAX_TOKENS
 
     base = preset("tiny")
-    cfg = dataclasses.replace(base, n_mtp_layers=2, compress_ratios=base.compress_ratios + (0, 0),
-                              dspark_block_size=4, dspark_noise_token_id=base.vocab_size - 1,
-                              dspark_target_layer_ids=(3, 6, 8), dspark_markov_rank=16, dspark_n_routed_experts=4,
-                              dspark_n_activated_experts=2)
+    cfg = dataclasses.replace(
+        base,
+        n_mtp_layers=2,
+        compress_ratios=base.compress_ratios + (0, 0),
+        dspark_block_size=4,
+        dspark_noise_token_id=base.vocab_size - 1,
+        dspark_target_layer_ids=(3, 6, 8),
+        dspark_markov_rank=16,
+        dspark_n_routed_experts=4,
+        dspark_n_activated_experts=2,
+    )
     model = init_random_weights(Transformer(cfg), seed=1)
     save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, str(tmp_path / "model.safetensors"))
     cfg.to_json(str(tmp_path / "config.json"))
@@ -85,8 +92,9 @@ def test_speculative_decoding_from_a_sharded_checkpoint(tmp_path):
         engine = build_engine(str(tmp_path), EngineConfig(speculative=True, **ENGINE_ARGS))
         want = {}
         for n in names:
-            engine.add_request(n, PROMPTS[n], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0,
-                                                             ignore_eos=True))
+            engine.add_request(
+                n, PROMPTS[n], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True)
+            )
             want[n] = []
         while engine.has_unfinished():
             for o in engine.step():
@@ -97,9 +105,26 @@ def test_speculative_decoding_from_a_sharded_checkpoint(tmp_path):
     with _serve("--tensor-parallel-size", "2", "--speculative", model=str(tmp_path)) as (_, base_url):
         client = _client(base_url)
         with ThreadPoolExecutor(len(names)) as pool:
-            got = dict(zip(names, pool.map(lambda n: client.completions.create(
-                model=os.path.basename(str(tmp_path)), prompt=PROMPTS[n], max_tokens=MAX_TOKENS, temperature=0,
-                logprobs=0, extra_body={"ignore_eos": True}).choices[0].logprobs.token_logprobs, names)))
+            got = dict(
+                zip(
+                    names,
+                    pool.map(
+                        lambda n: (
+                            client.completions.create(
+                                model=os.path.basename(str(tmp_path)),
+                                prompt=PROMPTS[n],
+                                max_tokens=MAX_TOKENS,
+                                temperature=0,
+                                logprobs=0,
+                                extra_body={"ignore_eos": True},
+                            )
+                            .choices[0]
+                            .logprobs.token_logprobs
+                        ),
+                        names,
+                    ),
+                )
+            )
         assert got == want
         assert _metric(base_url, "spec_decode_draft_tokens_total") == engine.metrics()["spec_decode_draft_tokens_total"]
 
@@ -113,8 +138,23 @@ def test_data_tensor_and_expert_parallel_together(reference):
 
 def test_a_tensor_parallel_size_that_splits_a_group_is_refused():
     # tiny: 4 heads in 2 output groups; 4 ranks would each hold half a group
-    done = subprocess.run([sys.executable, "-m", "dsv41.cli", "serve", "tiny", "--tensor-parallel-size", "4",
-                           "--port", str(_free_port())], env=_env(), capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dsv41.cli",
+            "serve",
+            "tiny",
+            "--tensor-parallel-size",
+            "4",
+            "--port",
+            str(_free_port()),
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr
     assert "--tensor-parallel-size 4 does not divide this model's 4 query heads in 2 output groups" in done.stderr
     assert "spawn_main" not in done.stderr  # refused before any rank started

@@ -8,8 +8,9 @@ from dsv41.tokenizer import ByteTokenizer
 
 def make(model, **overrides) -> LLMEngine:
     """An engine over `model` with a small paged pool and 16-token prefill chunks, prefix caching off."""
-    settings = dict(block_size=8, kv_pool_tokens=2048, prefill_chunk_size=16, max_num_batched_tokens=64,
-                    enable_prefix_caching=False)
+    settings = dict(
+        block_size=8, kv_pool_tokens=2048, prefill_chunk_size=16, max_num_batched_tokens=64, enable_prefix_caching=False
+    )
     settings.update(overrides)
     return LLMEngine(model, ByteTokenizer(model.cfg.vocab_size), EngineConfig(**settings))
 

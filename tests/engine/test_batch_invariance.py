@@ -8,7 +8,6 @@ token counts whose router scores, Engram gates and mHC mixes end in a vector ker
 (ops.lanes)."""
 
 import pytest
-import torch
 
 from dsv41.config import tiny
 from dsv41.engine import SamplingParams
@@ -19,8 +18,9 @@ from tests.engine.helpers import make, prompts
 LENGTHS = [3, 70, 9, 130, 2, 33]
 # wider than tiny: a window and a selection of 64 each, two 64-wide blocks of the sparse attention (where a
 # narrower selection list changes the second block's sums), 16 experts (router rows half a vector kernel step)
-WIDE = tiny().replace(window_size=64, index_topk=64, candidate_topk_blocks=20, n_routed_experts=16,
-                      n_activated_experts=2)
+WIDE = tiny().replace(
+    window_size=64, index_topk=64, candidate_topk_blocks=20, n_routed_experts=16, n_activated_experts=2
+)
 
 
 def _run(engine, batch, params):
@@ -40,8 +40,10 @@ def _run(engine, batch, params):
 def test_logprobs_alone_equal_logprobs_in_a_batch(cfg):
     model = init_random_weights(Transformer(cfg), seed=3).eval()
     batch = prompts(LENGTHS, seed=2)
-    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, ignore_eos=True, logprobs=0, seed=100 + i)
-              for i in range(len(batch))]
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, ignore_eos=True, logprobs=0, seed=100 + i)
+        for i in range(len(batch))
+    ]
     alone = [_run(make(model), [p], [q])[0] for p, q in zip(batch, params)]
     together = _run(make(model, max_num_seqs=8), batch, params)
     for (t1, l1), (t2, l2), n in zip(alone, together, LENGTHS):

@@ -76,12 +76,13 @@ def test_the_engine_leaves_the_callers_model_as_it_was():
     ids = torch.tensor(prompts([20], seed=7))
     with torch.inference_mode():
         before = model(ids)
-    settings = {name: [getattr(m, name) for m in model.modules() if hasattr(m, name)]
-                for name in ("row_chunk", "canonical_ties", "reference_numerics")}
+    settings = {
+        name: [getattr(m, name) for m in model.modules() if hasattr(m, name)]
+        for name in ("row_chunk", "canonical_ties", "reference_numerics")
+    }
     make(model).generate(prompts([15, 9]), GREEDY)
     assert model.training
-    assert settings == {name: [getattr(m, name) for m in model.modules() if hasattr(m, name)]
-                        for name in settings}
+    assert settings == {name: [getattr(m, name) for m in model.modules() if hasattr(m, name)] for name in settings}
     with torch.inference_mode():
         assert torch.equal(model(ids), before)
 

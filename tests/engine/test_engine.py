@@ -49,7 +49,7 @@ def test_runner_matches_the_model_forward(model):
     ids = torch.tensor([tokens])
     ref_cache = model.new_cache(1, 40)
     ref_prefill = model(ids[:, :26], 0, ref_cache)[0, -1]
-    ref_decode = [model(ids[:, p:p + 1], p, ref_cache)[0, -1] for p in range(26, 29)]
+    ref_decode = [model(ids[:, p : p + 1], p, ref_cache)[0, -1] for p in range(26, 29)]
 
     cache = SequenceCache(cfg, PagedKVPool(cfg, 8, 8), StatePool(cfg, 1), 0)
     cache.set_blocks([5, 2, 7, 0])
@@ -57,7 +57,7 @@ def test_runner_matches_the_model_forward(model):
     out = runner.forward([Chunk(cache, tokens[:26], 0, [])])
     assert torch.equal(out[0], ref_prefill)
     for p in range(26, 29):
-        out = runner.forward([Chunk(cache, tokens[p:p + 1], p, tokens[p - 3:p])])
+        out = runner.forward([Chunk(cache, tokens[p : p + 1], p, tokens[p - 3 : p])])
         assert torch.equal(out[0], ref_decode[p - 26])
 
 
@@ -87,9 +87,12 @@ def test_bounded_replay_runs_the_decoder_on_the_last_window_only(model):
     cfg = model.cfg
     boundary = max(cfg.kv_source_layers)
     seen = {"enc": 0, "dec": 0}
-    hooks = [model.layers[0].ffn.register_forward_hook(lambda m, i, o: seen.__setitem__("enc", seen["enc"] + o.shape[1])),
-             model.layers[boundary + 1].ffn.register_forward_hook(
-                 lambda m, i, o: seen.__setitem__("dec", seen["dec"] + o.shape[1]))]
+    hooks = [
+        model.layers[0].ffn.register_forward_hook(lambda m, i, o: seen.__setitem__("enc", seen["enc"] + o.shape[1])),
+        model.layers[boundary + 1].ffn.register_forward_hook(
+            lambda m, i, o: seen.__setitem__("dec", seen["dec"] + o.shape[1])
+        ),
+    ]
     try:
         (tokens,) = prompts([45], seed=4)
         bounded = make(model, prefill_mode="bounded", prefill_chunk_size=64).prompt_logits(tokens)
@@ -104,8 +107,9 @@ def test_bounded_replay_runs_the_decoder_on_the_last_window_only(model):
     assert 0 < gap < 1.0  # an approximation (spec §2.1), not a different model
     # with no more tokens than the window the replay is the full prefill
     (short,) = prompts([cfg.window_size], seed=5)
-    assert torch.equal(make(model, prefill_mode="bounded").prompt_logits(short),
-                       make(model, prefill_mode="full").prompt_logits(short))
+    assert torch.equal(
+        make(model, prefill_mode="bounded").prompt_logits(short), make(model, prefill_mode="full").prompt_logits(short)
+    )
 
 
 def test_preemption_loses_nothing(pinned_model):
@@ -123,7 +127,7 @@ def test_preemption_loses_nothing(pinned_model):
     for prompt, out in zip(batch, outs):
         assert len(out) == GREEDY.max_tokens
         with torch.inference_mode():
-            logits = model(torch.tensor([prompt + out]))[0, len(prompt) - 1:-1]  # [steps, vocab]
+            logits = model(torch.tensor([prompt + out]))[0, len(prompt) - 1 : -1]  # [steps, vocab]
         gaps = logits.max(-1).values - logits.gather(-1, torch.tensor(out)[:, None])[:, 0]
         assert gaps.max() < 0.05, gaps
 
@@ -223,7 +227,7 @@ def test_stop_ids_strings_logprobs_and_seeds(model):
     stop_id = free.token_ids[3]
     first_hit = free.token_ids.index(stop_id)
     out = engine.generate([tokens], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_id]))[0]
-    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[:first_hit + 1]
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: first_hit + 1]
     # logprobs: one entry per token (streamed in the deltas), greedy picks the best, top-3 sorted
     engine.add_request("lp", tokens, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3))
     entries = []
@@ -249,13 +253,14 @@ def test_stop_string_is_cut_from_the_text():
             return "".join(chr(97 + i % 26) for i in ids)
 
     m = init_random_weights(Transformer(tiny()), seed=1).eval()
-    engine = LLMEngine(m, Letters(), EngineConfig(block_size=8, kv_pool_tokens=512, prefill_chunk_size=16,
-                                                  max_num_batched_tokens=64))
+    engine = LLMEngine(
+        m, Letters(), EngineConfig(block_size=8, kv_pool_tokens=512, prefill_chunk_size=16, max_num_batched_tokens=64)
+    )
     (tokens,) = prompts([10])
     free = engine.generate([tokens], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     stop = free.text[3:5]
     out = engine.generate([tokens], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[stop]))[0]
-    assert out.finish_reason == "stop" and out.text == free.text[:free.text.index(stop)]
+    assert out.finish_reason == "stop" and out.text == free.text[: free.text.index(stop)]
 
 
 def test_bad_requests_are_refused(model):
@@ -331,8 +336,10 @@ def test_batched_decode_matches_the_model_per_sequence(model):
         model(torch.tensor([tokens[:n]]), 0, ref)
         expected.append([model(torch.tensor([[tokens[p]]]), p, ref)[0, -1] for p in range(n, n + 4)])
     for step in range(4):
-        chunks = [Chunk(c, [t[n + step]], n + step, t[n + step - 3:n + step], decode=True)
-                  for c, n, t in zip(caches, lengths, seqs)]
+        chunks = [
+            Chunk(c, [t[n + step]], n + step, t[n + step - 3 : n + step], decode=True)
+            for c, n, t in zip(caches, lengths, seqs)
+        ]
         out = runner.forward(chunks)
         for i in range(3):
             assert torch.equal(out[i], expected[i][step]), (step, i)
@@ -363,11 +370,11 @@ def test_snapshot_restore_is_lossless(model):
     runner = ModelRunner(model)
     for start in range(0, len(first), 16):
         end = min(start + 16, len(first))
-        runner.forward([Chunk(cache, first[start:end], start, first[max(0, start - 3):start], replay_from)])
+        runner.forward([Chunk(cache, first[start:end], start, first[max(0, start - 3) : start], replay_from)])
     for p in range(len(first), len(first) + 6):
-        runner.forward([Chunk(cache, [turn2[p]], p, turn2[p - 3:p], decode=True)])
+        runner.forward([Chunk(cache, [turn2[p]], p, turn2[p - 3 : p], decode=True)])
     p = len(first) + 6
-    continued = runner.forward([Chunk(cache, turn2[p:], p, turn2[p - 3:p], p)])[0]
+    continued = runner.forward([Chunk(cache, turn2[p:], p, turn2[p - 3 : p], p)])[0]
     assert torch.equal(restored, continued)
 
 
@@ -386,13 +393,20 @@ def test_small_latents_survive_the_packed_cache():
     tokens = torch.randint(3, 1000, (60,), generator=g).tolist()
     ids = torch.tensor([tokens])
     ref_cache = m.new_cache(1, 64)
-    expected = [m(ids[:, :30], 0, ref_cache)[0, -1]] + [m(ids[:, p:p + 1], p, ref_cache)[0, -1] for p in range(30, 60)]
+    expected = [m(ids[:, :30], 0, ref_cache)[0, -1]] + [
+        m(ids[:, p : p + 1], p, ref_cache)[0, -1] for p in range(30, 60)
+    ]
     cache = SequenceCache(cfg, PagedKVPool(cfg, 8, 10), StatePool(cfg, 1), 0)
     cache.set_blocks(list(range(9, -1, -1)))
     runner = ModelRunner(m)
     got = [runner.forward([Chunk(cache, tokens[:30], 0, [])])[0]]
-    got += [runner.forward([Chunk(cache, tokens[p:p + 1], p, tokens[p - 3:p], decode=True)])[0] for p in range(30, 60)]
-    subnormal = [(s.float() < 2**-6).float().mean().item() for s in (cache.pool.kv_scale[layer] for layer in cfg.kv_source_layers)]
+    got += [
+        runner.forward([Chunk(cache, tokens[p : p + 1], p, tokens[p - 3 : p], decode=True)])[0] for p in range(30, 60)
+    ]
+    subnormal = [
+        (s.float() < 2**-6).float().mean().item()
+        for s in (cache.pool.kv_scale[layer] for layer in cfg.kv_source_layers)
+    ]
     assert max(subnormal) > 0.01  # the weights did put blocks in the band this test is about
     for step, (a, b) in enumerate(zip(got, expected)):
         assert torch.equal(a, b), step

@@ -69,8 +69,11 @@ def test_a_failing_forward_is_found_and_fails_alone(model, when):
     def forward(chunks):
         bad = engine.requests.get("bad")
         for chunk in chunks:
-            if bad is not None and chunk.cache is bad.cache and (
-                    when == "prefill" or (chunk.decode and chunk.start >= len(bad_prompt) + 2)):
+            if (
+                bad is not None
+                and chunk.cache is bad.cache
+                and (when == "prefill" or (chunk.decode and chunk.start >= len(bad_prompt) + 2))
+            ):
                 raise RuntimeError("poisoned forward")
         return real_forward(chunks)
 

@@ -17,18 +17,29 @@ jsonschema = optional_import("jsonschema")
 from dsv41.engine import SamplingParams  # noqa: E402
 from dsv41.engine.grammar import GrammarCompiler  # noqa: E402
 from dsv41.engine.types import GrammarSpec  # noqa: E402
-from dsv41.tokenizer import BYTE_OFFSET, ByteTokenizer, THINK_END_TOKEN  # noqa: E402
+from dsv41.tokenizer import BYTE_OFFSET, THINK_END_TOKEN, ByteTokenizer  # noqa: E402
 from dsv41.weights import load_model  # noqa: E402
 from tests.engine.helpers import make, prompts  # noqa: E402
 from tests.engine.test_speculative import oracle  # noqa: E402
 
 EOS = 1
 # every part bounded, so that random weights finish well inside the token budget
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "kind", "tags", "at"],
-          "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9}, "kind": {"enum": ["cat", "dog"]},
-                         "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
-                         "at": {"type": "object", "required": ["x"], "additionalProperties": False,
-                                "properties": {"x": {"type": "string", "maxLength": 2}}}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["id", "kind", "tags", "at"],
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 9},
+        "kind": {"enum": ["cat", "dog"]},
+        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
+        "at": {
+            "type": "object",
+            "required": ["x"],
+            "additionalProperties": False,
+            "properties": {"x": {"type": "string", "maxLength": 2}},
+        },
+    },
+}
 
 
 def byte(c: str) -> int:
@@ -92,12 +103,25 @@ def test_tool_call_grammar_accepts_what_the_template_renders(compiler):
     from dsv41.chat.dsml import render_tool_calls
     from dsv41.server.structured import tool_call_lark
 
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "required": ["city", "days"],
-        "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 7},
-                       "unit": {"enum": ["c", "f"]}, "at": {"type": "object", "properties": {
-                           "lat": {"type": "number"}}, "required": ["lat"]}}}}},
-             {"type": "function", "function": {"name": "ping"}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "required": ["city", "days"],
+                    "properties": {
+                        "city": {"type": "string"},
+                        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                        "unit": {"enum": ["c", "f"]},
+                        "at": {"type": "object", "properties": {"lat": {"type": "number"}}, "required": ["lat"]},
+                    },
+                },
+            },
+        },
+        {"type": "function", "function": {"name": "ping"}},
+    ]
     tok = ByteTokenizer(1024)
     grammar = compiler.lark(tool_call_lark(tools, tok.token_to_id("｜DSML｜"), parallel=True))
     single = compiler.lark(tool_call_lark(tools, tok.token_to_id("｜DSML｜"), parallel=False))
@@ -113,14 +137,22 @@ def test_tool_call_grammar_accepts_what_the_template_renders(compiler):
     good = [call("get_weather", city="Paris 2", days=3), call("ping")]
     assert takes(grammar, good) and takes(grammar, [call("get_weather", city="", days=7, unit="f", at={"lat": 1.5})])
     assert takes(single, good[:1]) and not takes(single, good)
-    for bad in ([call("other")], [call("get_weather", city="Paris")], [call("get_weather", city="x", days=9)],
-                [call("get_weather", city="x", days=2, unit="k")]):
+    for bad in (
+        [call("other")],
+        [call("get_weather", city="Paris")],
+        [call("get_weather", city="x", days=9)],
+        [call("get_weather", city="x", days=2, unit="k")],
+    ):
         assert not takes(grammar, bad), bad
 
 
 def test_bad_grammars_raise_value_error(compiler):
-    for make_bad in (lambda: compiler.regex("a(b"), lambda: compiler.json_schema({"type": "foo"}),
-                     lambda: compiler.lark("start: nowhere"), lambda: compiler.json_schema([1])):
+    for make_bad in (
+        lambda: compiler.regex("a(b"),
+        lambda: compiler.json_schema({"type": "foo"}),
+        lambda: compiler.lark("start: nowhere"),
+        lambda: compiler.json_schema([1]),
+    ):
         with pytest.raises(ValueError):
             make_bad()
 
@@ -144,8 +176,9 @@ def test_constrained_output_from_random_weights_always_validates(model):
 def test_ignore_eos_still_ends_when_the_grammar_is_complete(model):
     engine = make(model)
     spec = GrammarSpec(engine.grammar_compiler.lark('start: "yes" | "no"'))
-    (out,) = engine.generate(prompts([6]), SamplingParams(temperature=1.0, seed=1, max_tokens=30, ignore_eos=True,
-                                                          structured=spec))
+    (out,) = engine.generate(
+        prompts([6]), SamplingParams(temperature=1.0, seed=1, max_tokens=30, ignore_eos=True, structured=spec)
+    )
     assert out.text in ("yes", "no") and out.finish_reason == "stop"
 
 
@@ -154,8 +187,10 @@ def test_thinking_is_not_constrained_before_think_end(model):
     think_end = engine.tokenizer.token_to_id(THINK_END_TOKEN)
     spec = json_spec(engine, start_after=think_end)
     # the bias puts </think> first; a mask from the first token would forbid it (it is no JSON)
-    (out,) = engine.generate(prompts([8]), SamplingParams(temperature=1.0, seed=3, max_tokens=100, structured=spec,
-                                                          logit_bias={think_end: 100.0}))
+    (out,) = engine.generate(
+        prompts([8]),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=100, structured=spec, logit_bias={think_end: 100.0}),
+    )
     assert out.token_ids[0] == think_end and out.finish_reason == "stop"
     assert valid(out.text.split(THINK_END_TOKEN, 1)[1]), out.text
     # a few free tokens before it: unconstrained there (the tiny model's greedy tokens are no JSON)
@@ -167,8 +202,9 @@ def test_preemption_keeps_the_grammar_state(model):
     batch = prompts([30, 5, 40, 12])
     engine = make(model, kv_pool_tokens=96)
     spec = json_spec(engine)
-    outs = engine.generate(batch, [SamplingParams(temperature=1.0, seed=s, max_tokens=100, structured=spec)
-                                   for s in range(len(batch))])
+    outs = engine.generate(
+        batch, [SamplingParams(temperature=1.0, seed=s, max_tokens=100, structured=spec) for s in range(len(batch))]
+    )
     assert engine.counters["preemptions_total"] > 0
     for o in outs:
         assert o.finish_reason == "stop" and valid(o.text), o.text

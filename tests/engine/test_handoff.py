@@ -52,8 +52,9 @@ def _lp(out):
     return [(x.token_id, x.logprob, [t[0] for t in x.top]) for x in out.new_logprobs] if out else []
 
 
-@pytest.mark.parametrize("prefill_mode,lengths", [
-    ("bounded", [5, 23]), pytest.param("full", [5, 23, 40], marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "prefill_mode,lengths", [("bounded", [5, 23]), pytest.param("full", [5, 23, 40], marks=pytest.mark.slow)]
+)
 def test_disaggregated_equals_colocated(model, prefill_mode, lengths):
     """Prompts of 5 (shorter than the 8-slot window, odd: a partial ratio-2 group), 23 (past the window,
     odd, two prefill chunks) and 40 tokens; the tiny preset has Engram at layers 1 and 4. Decode runs
@@ -76,7 +77,9 @@ def test_disaggregated_equals_colocated(model, prefill_mode, lengths):
     tokens = sum(len(p) for p in batch)
     assert d_engine.counters["handoffs_imported_total"] == len(batch)
     assert d_engine.counters["prompt_tokens_total"] == d_engine.counters["handoff_imported_tokens_total"] == tokens
-    assert p_engine.counters["prompt_tokens_total"] == tokens and p_engine.counters["handoff_imported_tokens_total"] == 0
+    assert (
+        p_engine.counters["prompt_tokens_total"] == tokens and p_engine.counters["handoff_imported_tokens_total"] == 0
+    )
     assert d_engine.counters["generation_tokens_total"] == len(batch) * GREEDY.max_tokens
     assert p_engine.counters["generation_tokens_total"] == 0
 

@@ -91,5 +91,6 @@ def test_block_key_reads_equal_entry_reads():
         assert torch.equal(pool.keys_of_blocks(layer, table.view(2, 2)), keys.view(2, n // 2, -1))
         for start, end in ((0, n), (1, n - 1), (3, 5), (n - 2, n)):
             assert torch.equal(pool.read_key_range(layer, table, start, end), keys[start:end]), (layer, start, end)
-            assert torch.equal(pool.read_key_range(layer, table, start, end),
-                               pool.read_keys(layer, table, torch.arange(start, end)))
+            assert torch.equal(
+                pool.read_key_range(layer, table, start, end), pool.read_keys(layer, table, torch.arange(start, end))
+            )

@@ -8,8 +8,15 @@ import random
 import pytest
 import torch
 
-from dsv41.engine.sampling import (TokenHistory, process_logits, sample, sampling_probs, sampling_support,
-                                   token_logprobs, verify_draft)
+from dsv41.engine.sampling import (
+    TokenHistory,
+    process_logits,
+    sample,
+    sampling_probs,
+    sampling_support,
+    token_logprobs,
+    verify_draft,
+)
 from dsv41.engine.types import SamplingParams
 
 
@@ -35,10 +42,14 @@ def test_process_logits_matches_the_elementwise_definition(case):
     logits = [rng.uniform(-4, 4) for _ in range(vocab)]
     prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 12))]
     output = [rng.randrange(vocab) for _ in range(rng.randrange(0, 15))]
-    params = SamplingParams(presence_penalty=rng.choice([0.0, 0.7, -1.5]), frequency_penalty=rng.choice([0.0, 0.4, -0.3, 2.0]),
-                            repetition_penalty=rng.choice([1.0, 1.3, 0.6]), min_tokens=rng.choice([0, 5, 30]),
-                            logit_bias={rng.randrange(vocab): rng.uniform(-100, 100) for _ in range(rng.randrange(0, 4))},
-                            max_tokens=64)
+    params = SamplingParams(
+        presence_penalty=rng.choice([0.0, 0.7, -1.5]),
+        frequency_penalty=rng.choice([0.0, 0.4, -0.3, 2.0]),
+        repetition_penalty=rng.choice([1.0, 1.3, 0.6]),
+        min_tokens=rng.choice([0, 5, 30]),
+        logit_bias={rng.randrange(vocab): rng.uniform(-100, 100) for _ in range(rng.randrange(0, 4))},
+        max_tokens=64,
+    )
     stop_ids = [3, 7]
     got = process_logits(torch.tensor(logits), params, TokenHistory(prompt, output, stop_ids)).tolist()
     want = reference(logits, params, prompt, output, stop_ids)
@@ -72,7 +83,8 @@ def test_penalised_greedy_and_processed_logprobs_follow_the_processing():
     assert sample(logits, params, g, TokenHistory([0], [1, 1, 2, 2], [3])) == 3  # reached: the bias wins
     tl = token_logprobs(logits, 2, 2, _Tok(), SamplingParams(temperature=1.0, min_tokens=4, max_tokens=8), hist)
     assert tl.support.tolist() == [0, 1, 2] and tl.logprob == pytest.approx(
-        float(torch.log_softmax(torch.tensor([1.0, 3.0, 2.5]), -1)[2]), abs=1e-6)
+        float(torch.log_softmax(torch.tensor([1.0, 3.0, 2.5]), -1)[2]), abs=1e-6
+    )
 
 
 class _Tok:
@@ -115,11 +127,19 @@ def test_sampled_verify_is_lossless_with_penalties():
     assert ((counts / trials - p).abs() <= 3 * sigma + 1e-3).all(), (counts / trials, p)
 
 
-@pytest.mark.parametrize("kw,msg", [
-    (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-2.01), "frequency_penalty"),
-    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(min_p=1.5), "min_p"),
-    (dict(min_tokens=20, max_tokens=10), "min_tokens"), (dict(logit_bias={5: 101.0}), "logit_bias"),
-    (dict(logit_bias={1000: 1.0}), "logit_bias"), (dict(presence_penalty=float("nan")), "presence_penalty")])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(frequency_penalty=-2.01), "frequency_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(min_tokens=20, max_tokens=10), "min_tokens"),
+        (dict(logit_bias={5: 101.0}), "logit_bias"),
+        (dict(logit_bias={1000: 1.0}), "logit_bias"),
+        (dict(presence_penalty=float("nan")), "presence_penalty"),
+    ],
+)
 def test_ranges_are_checked(kw, msg):
     with pytest.raises(ValueError, match=msg):
         SamplingParams(**kw).validate(1000)

@@ -21,8 +21,16 @@ def dspark():
     return load_model(DSPARK)
 
 
-PROCESSED = dict(temperature=0, max_tokens=16, frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3,
-                 logit_bias={40: 3.0, 41: -50.0}, min_tokens=6, stop_token_ids=[7])
+PROCESSED = dict(
+    temperature=0,
+    max_tokens=16,
+    frequency_penalty=1.5,
+    presence_penalty=0.5,
+    repetition_penalty=1.3,
+    logit_bias={40: 3.0, 41: -50.0},
+    min_tokens=6,
+    stop_token_ids=[7],
+)
 
 
 @pytest.mark.parametrize("wrong", [None, 0.2])
@@ -41,14 +49,27 @@ def test_greedy_speculative_with_penalties_equals_plain_decoding(dspark, monkeyp
 
 
 def test_penalised_sampling_does_not_depend_on_the_batch(tiny_model):
-    params = SamplingParams(temperature=1.0, top_p=0.95, min_p=0.02, seed=5, max_tokens=8, ignore_eos=True,
-                            frequency_penalty=0.8, repetition_penalty=1.2, logit_bias={100: 2.0}, min_tokens=3)
+    params = SamplingParams(
+        temperature=1.0,
+        top_p=0.95,
+        min_p=0.02,
+        seed=5,
+        max_tokens=8,
+        ignore_eos=True,
+        frequency_penalty=0.8,
+        repetition_penalty=1.2,
+        logit_bias={100: 2.0},
+        min_tokens=3,
+    )
     target = prompts([11])[0]
     alone = make(tiny_model).generate([target], params)[0].token_ids
     others = prompts([5, 17, 30], seed=1)
-    batch = make(tiny_model).generate([others[0], target, others[1], others[2]],
-                                      [SamplingParams(temperature=0.7, seed=k, max_tokens=8) for k in range(1)]
-                                      + [params] + [SamplingParams(temperature=0.9, max_tokens=8)] * 2)
+    batch = make(tiny_model).generate(
+        [others[0], target, others[1], others[2]],
+        [SamplingParams(temperature=0.7, seed=k, max_tokens=8) for k in range(1)]
+        + [params]
+        + [SamplingParams(temperature=0.9, max_tokens=8)] * 2,
+    )
     assert batch[1].token_ids == alone
 
 

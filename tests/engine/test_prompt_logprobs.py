@@ -39,8 +39,9 @@ def test_prompt_logprobs_equal_the_plain_forward(model, mode):
     for prompt, out in zip(batch, outs):
         check_against_plain_forward(model, prompt, out.prompt_logprobs, 2)
     # the tokens it generates are those of a full prefill without prompt logprobs
-    plain = make(model, prefill_mode="full").generate(batch, SamplingParams(temperature=0, max_tokens=3,
-                                                                            ignore_eos=True))
+    plain = make(model, prefill_mode="full").generate(
+        batch, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    )
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     # requests without the option get none
     assert make(model).generate(batch[:1], SamplingParams(max_tokens=1))[0].prompt_logprobs is None

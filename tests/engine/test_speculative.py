@@ -35,8 +35,8 @@ def oracle(monkeypatch, truth: dict, wrong: float, seed: int = 0):
         for seq in self.running:
             if not seq.draft_tokens:
                 continue
-            want = truth[tuple(seq.prompt_ids)][len(seq.output_ids):len(seq.output_ids) + len(seq.draft_tokens)]
-            draft = want + seq.draft_tokens[len(want):]
+            want = truth[tuple(seq.prompt_ids)][len(seq.output_ids) : len(seq.output_ids) + len(seq.draft_tokens)]
+            draft = want + seq.draft_tokens[len(want) :]
             for i in range(len(draft)):
                 if float(torch.rand((), generator=g)) < wrong:
                     draft[i] = (draft[i] + 1) % 1000 + 3
@@ -97,8 +97,11 @@ def test_mixed_acceptance_in_one_batch_and_late_arrivals(model, monkeypatch):
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.token_ids
-        grew = {s.request_id: len(s.output_ids) - before.get(s.request_id, 0) for s in engine.running
-                if s.request_id in before}
+        grew = {
+            s.request_id: len(s.output_ids) - before.get(s.request_id, 0)
+            for s in engine.running
+            if s.request_id in before
+        }
         accepted_per_step.append(set(grew.values()))
         step += 1
     assert [done[k] for k in "abcd"] == plain
@@ -114,8 +117,10 @@ def _readable_state(engine, seq):
     n, w = seq.num_computed, cfg.window_size
     lo = max(0, n - w)
     slots = torch.arange(lo, n) % w
-    state = {"codes": cache.window_codes[:cfg.n_layers, slots].view(torch.uint8).clone(),
-             "scale": cache.window_scale[:cfg.n_layers, slots].clone()}
+    state = {
+        "codes": cache.window_codes[: cfg.n_layers, slots].view(torch.uint8).clone(),
+        "scale": cache.window_scale[: cfg.n_layers, slots].clone(),
+    }
     for layer, (kv, score) in cache.group.items():
         pending = n % kv.size(1)
         state[f"group{layer}"] = (kv[:, :pending].clone(), score[:, :pending].clone())
@@ -153,7 +158,9 @@ def test_rollback_leaves_every_cache_as_plain_decoding_does(model, monkeypatch, 
         if seq is not None and seq.cache is not None and not seq.in_prefill:
             states[seq.num_computed] = (_readable_state(plain, seq), list(seq.block_hashes))
     while spec.has_unfinished():
-        before = spec.counters.get("spec_decode_draft_tokens_total", 0) - spec.counters.get("spec_decode_accepted_tokens_total", 0)
+        before = spec.counters.get("spec_decode_draft_tokens_total", 0) - spec.counters.get(
+            "spec_decode_accepted_tokens_total", 0
+        )
         spec.step()
         seq = spec.requests.get("x")
         after = spec.counters["spec_decode_draft_tokens_total"] - spec.counters["spec_decode_accepted_tokens_total"]
@@ -174,8 +181,9 @@ def test_verify_draft_keeps_the_target_distribution():
     distribution q far from the target p, the first token's frequencies over 20,000 trials match p after
     its top-5 cut (chi-square; the cut-off token never appears), and a second position (reached only
     after an acceptance) matches p there too."""
-    p_logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3], [0.1, 0.2, 2.5, 0.0, 1.0, -0.5],
-                             [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    p_logits = torch.tensor(
+        [[2.0, 1.0, 0.5, 0.0, -1.0, 0.3], [0.1, 0.2, 2.5, 0.0, 1.0, -0.5], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]]
+    )
     q_logits = torch.tensor([[0.0, 2.5, -0.3, 1.5, 0.2, -0.1], [1.5, 0.0, -0.2, 0.1, 2.0, 0.3]])
     params = SamplingParams(temperature=0.8, top_k=5)
 
@@ -270,7 +278,9 @@ def test_engine_drafts_equal_the_model_drafter(model):
             logits = model(ids, 0, cache, last_only=True, drafter_inputs=inputs)[:, -1]
             model.draft_prefill(inputs["main_hidden"][:, :-1], 0, cache)
             first = logits.argmax(-1)
-            want.append(model.draft(first, inputs["main_hidden"][:, -1:], len(prompt) - 1, cache).tokens[0, 1:].tolist())
+            want.append(
+                model.draft(first, inputs["main_hidden"][:, -1:], len(prompt) - 1, cache).tokens[0, 1:].tolist()
+            )
             firsts.append([int(first)])
     engine = make(model, speculative=True, prefill_mode="full")  # bounded replay changes the decoder's rows
     for i, prompt in enumerate(batch):
@@ -287,6 +297,7 @@ def test_speculative_needs_a_drafter():
     from dsv41.config import tiny
     from dsv41.model.init import init_random_weights
     from dsv41.model.transformer import Transformer
+
     m = init_random_weights(Transformer(tiny()), seed=1)
     with pytest.raises(ValueError, match="DSpark drafter"):
         LLMEngine(m, ByteTokenizer(m.cfg.vocab_size), EngineConfig(speculative=True))
@@ -321,10 +332,17 @@ def test_a_verified_token_gets_the_bits_of_a_decode_step_at_two_threads(monkeypa
     torch.set_num_threads(2)
     try:
         base = preset("small")
-        cfg = dataclasses.replace(base, n_mtp_layers=2, compress_ratios=base.compress_ratios + (0, 0),
-                                  dspark_block_size=4, dspark_noise_token_id=base.vocab_size - 1,
-                                  dspark_target_layer_ids=(4, 8, 10), dspark_markov_rank=32,
-                                  dspark_n_routed_experts=4, dspark_n_activated_experts=2)
+        cfg = dataclasses.replace(
+            base,
+            n_mtp_layers=2,
+            compress_ratios=base.compress_ratios + (0, 0),
+            dspark_block_size=4,
+            dspark_noise_token_id=base.vocab_size - 1,
+            dspark_target_layer_ids=(4, 8, 10),
+            dspark_markov_rank=32,
+            dspark_n_routed_experts=4,
+            dspark_n_activated_experts=2,
+        )
         model = init_random_weights(Transformer(cfg), seed=1).eval()
         params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
         batch = prompts([13, 30, 5, 9, 47, 21, 38, 17])  # batch 8, as in the benchmark

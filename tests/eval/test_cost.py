@@ -11,7 +11,6 @@ import torch
 
 from dsv41.config import tiny
 from dsv41.engine import EngineConfig, LLMEngine
-from dsv41.eval.common import EvalModel
 from dsv41.eval.cost import CostConfig, compare_logits, continuation_logits, kv_cost, kv_storage, run_cost
 from dsv41.model.init import init_random_weights
 from dsv41.model.transformer import Transformer
@@ -34,8 +33,10 @@ def invariant_model():
 
 def test_a_variant_against_itself_and_bounded_within_one_window_are_exactly_zero(tiny_eval):
     window = tiny_eval.cfg.window_size  # 8
-    seqs = {window - 2: [random_tokens(window - 2 + 6, seed=s) for s in range(2)],
-            45: [random_tokens(45 + 6, seed=s) for s in range(2)]}
+    seqs = {
+        window - 2: [random_tokens(window - 2 + 6, seed=s) for s in range(2)],
+        45: [random_tokens(45 + 6, seed=s) for s in range(2)],
+    }
     result = kv_cost(tiny_eval, seqs, [("full", "full"), ("bounded", "bounded"), ("bounded", "full")], 6, chunk=16)
     for r in result["summary"]:
         zero = r["compare"] != "bounded:full" or r["length"] <= window
@@ -54,8 +55,14 @@ def test_bounded_and_full_variants_match_the_engine(invariant_model):
     ours = continuation_logits(model, tokens, 45, ["full", "bounded"], chunk=16)
 
     def engine(mode):
-        config = EngineConfig(block_size=8, kv_pool_tokens=1024, prefill_chunk_size=64, max_num_batched_tokens=64,
-                              prefill_mode=mode, enable_prefix_caching=False)
+        config = EngineConfig(
+            block_size=8,
+            kv_pool_tokens=1024,
+            prefill_chunk_size=64,
+            max_num_batched_tokens=64,
+            prefill_mode=mode,
+            enable_prefix_caching=False,
+        )
         return LLMEngine(model, ByteTokenizer(1024), config).prompt_logits(prompt.tolist())
 
     bounded, full = engine("bounded"), engine("full")
@@ -71,8 +78,8 @@ def test_bf16_kv_keeps_unrounded_latents_and_costs_something(tiny_eval):
         cache = model.new_cache(1, 40)
         with kv_storage(model, fp4, fp4), torch.inference_mode():
             model(ids, 0, cache, last_only=True)
-        stored[fp4] = {k: v[0, :40 // cfg.compress_ratios[k]].float() for k, v in cache.compressed_kv.items()}
-    for layer, kv in stored[True].items():  # as served: every latent is on the E2M1 grid already
+        stored[fp4] = {k: v[0, : 40 // cfg.compress_ratios[k]].float() for k, v in cache.compressed_kv.items()}
+    for kv in stored[True].values():  # as served: every latent is on the E2M1 grid already
         assert torch.equal(fp4_qdq(kv, KV_FP4_BLOCK, "e4m3"), kv)
     assert any(not torch.equal(fp4_qdq(kv, KV_FP4_BLOCK, "e4m3"), kv) for kv in stored[False].values())
     assert all(layer.attn.fp4_kv for layer in model.layers)  # the switch is put back
@@ -98,11 +105,25 @@ def test_compare_logits_by_hand():
 
 def test_run_cost_writes_table_json_and_plot(tiny_eval, text_file, tmp_path, capsys):
     out = str(tmp_path)
-    run_cost(CostConfig(text=text_file, lengths="6,40", samples=2, continuation=8, chunk=16,
-                        compare="bounded:full,full:bf16kv", out=out), tiny_eval)
+    run_cost(
+        CostConfig(
+            text=text_file,
+            lengths="6,40",
+            samples=2,
+            continuation=8,
+            chunk=16,
+            compare="bounded:full,full:bf16kv",
+            out=out,
+        ),
+        tiny_eval,
+    )
     saved = json.load(open(os.path.join(out, "cost.json")))
     assert [(r["compare"], r["length"]) for r in saved["summary"]] == [
-        ("bounded:full", 6), ("full:bf16kv", 6), ("bounded:full", 40), ("full:bf16kv", 40)]
+        ("bounded:full", 6),
+        ("full:bf16kv", 6),
+        ("bounded:full", 40),
+        ("full:bf16kv", 40),
+    ]
     assert len(saved["per_sample"]) == 8 and saved["window_size"] == 8
     assert open(os.path.join(out, "cost.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert "bounded vs full" in capsys.readouterr().out

@@ -32,8 +32,14 @@ def model():
 @pytest.fixture(scope="module")
 def lm(model):
     """Small prefill chunks (several per prompt) and room for many requests at once."""
-    config = EngineConfig(block_size=8, kv_pool_tokens=8192, prefill_chunk_size=16, max_num_batched_tokens=128,
-                          max_num_seqs=16, max_model_len=CONTEXT_LIMIT)
+    config = EngineConfig(
+        block_size=8,
+        kv_pool_tokens=8192,
+        prefill_chunk_size=16,
+        max_num_batched_tokens=128,
+        max_num_seqs=16,
+        max_model_len=CONTEXT_LIMIT,
+    )
     return DSV41LM(engine=LLMEngine(model, ByteTokenizer(1024), config), max_gen_toks=24)
 
 
@@ -62,9 +68,14 @@ def reference_loglikelihood(model, context_ids, continuation_ids):
     return sum(picked), all(int(logp[p].argmax()) == tokens[p + 1] for p in rows)
 
 
-PAIRS = [("", "Hello"), ("The cat sat on the", " mat"), ("Question: 2 + 2 =", " 4"),
-         ("Trailing space ", "moves"), ("A much longer context that spans several prefill chunks of sixteen", " ok"),
-         ("x" * 90, " cut from the left")]
+PAIRS = [
+    ("", "Hello"),
+    ("The cat sat on the", " mat"),
+    ("Question: 2 + 2 =", " 4"),
+    ("Trailing space ", "moves"),
+    ("A much longer context that spans several prefill chunks of sixteen", " ok"),
+    ("x" * 90, " cut from the left"),
+]
 
 
 def test_loglikelihood_equals_the_plain_forward(lm, model):
@@ -73,7 +84,7 @@ def test_loglikelihood_equals_the_plain_forward(lm, model):
         if context.endswith(" "):  # lm-eval's convention: the space belongs to the continuation
             context, continuation = context[:-1], " " + continuation
         ids = [BOS] + encode(context) + encode(continuation)
-        ids = ids[-(CONTEXT_LIMIT - 1):]  # a context too long for the limit keeps its end
+        ids = ids[-(CONTEXT_LIMIT - 1) :]  # a context too long for the limit keeps its end
         n = len(encode(continuation))
         expected, expected_greedy = reference_loglikelihood(model, ids[:-n], ids[-n:])
         assert abs(logprob - expected) < 1e-4, (context, logprob, expected)
@@ -86,7 +97,7 @@ def test_is_greedy_for_the_models_own_argmax_tokens(lm, model):
     tokens = list(context)
     for _ in range(6):
         tokens.append(int(plain_logprobs(model, tokens + [0])[-1].argmax()))
-    greedy = tokens[len(context):]
+    greedy = tokens[len(context) :]
     other = greedy[:-1] + [(greedy[-1] + 1) % 1024]
     (lp, is_greedy), (lp_other, other_greedy) = lm._score([(context, greedy), (context, other)])
     assert is_greedy and not other_greedy
@@ -116,7 +127,7 @@ def rolling_reference(model, tokens, window):
     total, done = 0.0, 0
     while done < len(tokens):
         end = min(len(tokens), done + window)
-        inputs = [BOS] + tokens[:end - 1] if done == 0 else tokens[end - window - 1:end - 1]
+        inputs = [BOS] + tokens[: end - 1] if done == 0 else tokens[end - window - 1 : end - 1]
         logp = plain_logprobs(model, inputs + [tokens[end - 1]])
         offset = end - len(inputs)  # inputs[j] is tokens[offset + j - 1] for the blocks after the first
         total += sum(float(logp[i - offset, tokens[i]]) for i in range(done, end))
@@ -137,15 +148,19 @@ def test_generate_until_stops_at_the_until_strings(lm):
     before its first occurrence, also when it is the fifth string (past what the engine checks)."""
     contexts = ["Write something:", "Story:", "Hello there.", "Once upon a time", "Q: why? A:"]
     free = lm.generate_until([request("generate_until", c, {"until": [], "max_gen_toks": 24}) for c in contexts])
-    printable = [(c, f, next((ch for ch in f[1:] if ch.isprintable() and ch != "\ufffd"), None))
-                 for c, f in zip(contexts, free)]
+    printable = [
+        (c, f, next((ch for ch in f[1:] if ch.isprintable() and ch != "\ufffd"), None)) for c, f in zip(contexts, free)
+    ]
     context, free, stop = next(p for p in printable if p[2] is not None)
-    cut = free[:free.index(stop)]
+    cut = free[: free.index(stop)]
     many = ["never-1", "never-2", "never-3", "never-4", stop]  # the fifth is past what the engine checks
-    got = lm.generate_until([request("generate_until", context, {"until": [stop], "max_gen_toks": 24}),
-                             request("generate_until", context, {"until": many, "max_gen_toks": 24}),
-                             request("generate_until", context, {"until": stop, "do_sample": False,
-                                                                 "max_gen_toks": 3})])
+    got = lm.generate_until(
+        [
+            request("generate_until", context, {"until": [stop], "max_gen_toks": 24}),
+            request("generate_until", context, {"until": many, "max_gen_toks": 24}),
+            request("generate_until", context, {"until": stop, "do_sample": False, "max_gen_toks": 3}),
+        ]
+    )
     assert got[0] == cut and got[1] == cut
     assert len(got[2].encode("utf-8")) <= 3
     with pytest.raises(ValueError, match="num_beams"):
@@ -168,8 +183,10 @@ def test_registered_and_validated():
 
 def test_simple_evaluate_offline_multiple_choice(lm, model, tmp_path):
     """lm-eval end to end on a local multiple-choice task (a JSON file and a YAML task, no download)."""
-    rows = [{"question": f"What is {a} plus {b}?", "choices": [str(a + b), str(a + b + 1), str(a * b + 7)],
-             "answer": 0} for a, b in [(1, 2), (3, 4), (5, 6), (7, 1), (2, 2)]]
+    rows = [
+        {"question": f"What is {a} plus {b}?", "choices": [str(a + b), str(a + b + 1), str(a * b + 7)], "answer": 0}
+        for a, b in [(1, 2), (3, 4), (5, 6), (7, 1), (2, 2)]
+    ]
     data = tmp_path / "add.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "dsv41_add.yaml").write_text(f"""task: dsv41_add
@@ -187,8 +204,9 @@ metric_list:
     aggregation: mean
     higher_is_better: true
 """)
-    results = lm_eval.simple_evaluate(model=lm, tasks=["dsv41_add"],
-                                      task_manager=TaskManager(include_path=str(tmp_path)))
+    results = lm_eval.simple_evaluate(
+        model=lm, tasks=["dsv41_add"], task_manager=TaskManager(include_path=str(tmp_path))
+    )
     scores = results["results"]["dsv41_add"]
     assert scores["sample_len"] == len(rows)
     # the accuracy an independent scorer implies (plain forward log-softmax, the byte ids written out):
@@ -214,7 +232,7 @@ def test_lm_eval_cli_with_dsv41_imported_first(tmp_path):
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {tmp_path / 'one.jsonl'}
+    test: {tmp_path / "one.jsonl"}
 test_split: test
 output_type: multiple_choice
 doc_to_text: "{{{{q}}}}"
@@ -225,8 +243,25 @@ metric_list:
 """)
     code = "import dsv41.eval.lm_eval_model; from lm_eval.__main__ import cli_evaluate; cli_evaluate()"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-c", code, "run", "--model", "dsv41", "--model_args",
-                          "pretrained=tiny,max_num_seqs=4", "--tasks", "dsv41_one", "--include_path", str(tmp_path)],
-                         capture_output=True, text=True, env=env, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "run",
+            "--model",
+            "dsv41",
+            "--model_args",
+            "pretrained=tiny,max_num_seqs=4",
+            "--tasks",
+            "dsv41_one",
+            "--include_path",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "dsv41_one" in out.stdout and "acc" in out.stdout

@@ -23,7 +23,7 @@ def test_perplexity_equals_exp_mean_nll_of_the_plain_forward(tiny_eval, text_fil
     nll = []
     with torch.inference_mode():
         for w in range(n_windows):  # window w: inputs tokens[w*L : w*L+L], targets shifted by one
-            window = torch.from_numpy(tokens[w * seq_len:w * seq_len + seq_len + 1])
+            window = torch.from_numpy(tokens[w * seq_len : w * seq_len + seq_len + 1])
             logits = tiny_eval.model(window[None, :-1])[0]  # a fresh cache, one call
             nll.append(F.cross_entropy(logits, window[1:], reduction="none").double())
     nll = torch.stack(nll)  # [windows, L]
@@ -32,7 +32,7 @@ def test_perplexity_equals_exp_mean_nll_of_the_plain_forward(tiny_eval, text_fil
     assert abs(result["ppl"] / expected - 1) < 1e-5  # equal up to GEMM-shape rounding (exact on this CPU)
     for bucket, lo in zip(result["nll_by_position"], range(0, seq_len, 16)):
         assert (bucket["from"], bucket["to"]) == (lo, lo + 15)
-        assert abs(bucket["nll"] - float(nll[:, lo:lo + 16].mean())) < 1e-4
+        assert abs(bucket["nll"] - float(nll[:, lo : lo + 16].mean())) < 1e-4
     # ASCII under the byte tokenizer: one byte per scored token, so bits per byte = bits per token
     assert result["bytes"] == result["tokens"]
     assert abs(result["bits_per_byte"] - float(nll.mean()) / math.log(2)) < 1e-4
@@ -40,8 +40,9 @@ def test_perplexity_equals_exp_mean_nll_of_the_plain_forward(tiny_eval, text_fil
 
 def test_run_writes_table_json_and_plot(tiny_eval, text_file, tmp_path, capsys):
     out = str(tmp_path / "ppl")
-    result = run_perplexity(PerplexityConfig(text=text_file, seq_len=32, max_tokens=64, chunk=16, buckets=2, out=out),
-                            tiny_eval)
+    result = run_perplexity(
+        PerplexityConfig(text=text_file, seq_len=32, max_tokens=64, chunk=16, buckets=2, out=out), tiny_eval
+    )
     saved = json.load(open(os.path.join(out, "ppl.json")))
     assert saved["ppl"] == pytest.approx(result["ppl"]) and saved["windows"] == 2
     assert open(os.path.join(out, "ppl.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
@@ -62,7 +63,9 @@ def write_data_folder(folder, tokens, vocab_size, tokenizer_json=False):
 def test_a_data_folder_is_scored_and_a_foreign_one_refused(tiny_eval, text_file, tmp_path):
     tokens = held_out(tiny_eval, None, text_file).tokens[:200]
     good = write_data_folder(tmp_path / "good", tokens, 1024)
-    from_data = run_perplexity(PerplexityConfig(data=good, seq_len=32, max_tokens=96, out=str(tmp_path / "o")), tiny_eval)
+    from_data = run_perplexity(
+        PerplexityConfig(data=good, seq_len=32, max_tokens=96, out=str(tmp_path / "o")), tiny_eval
+    )
     from_array = perplexity(tiny_eval, tokens, 32, 96)
     assert from_data["ppl"] == pytest.approx(from_array["ppl"], rel=1e-9)
 

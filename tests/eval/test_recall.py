@@ -80,7 +80,9 @@ def test_recall_is_one_when_topk_covers_every_visible_entry():
     for layer in result["layers"]:
         for b in layer["by_length"]:
             assert b["queries"] == 3
-            assert b["mass_recall"] == pytest.approx(1.0, abs=1e-5) and b["mass_recall_min_head"] == pytest.approx(1.0, abs=1e-5)
+            assert b["mass_recall"] == pytest.approx(1.0, abs=1e-5) and b["mass_recall_min_head"] == pytest.approx(
+                1.0, abs=1e-5
+            )
             assert b["topk_overlap"] == 1.0 and b["picked"] == b["visible"]
 
 

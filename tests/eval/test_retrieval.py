@@ -8,9 +8,17 @@ import re
 import numpy as np
 import pytest
 
-from dsv41.eval.retrieval import (Haystack, RetrievalConfig, build_probe, engine_config, parse_depths, run_grid,
-                                  run_retrieval, score)
 from dsv41.config import tiny
+from dsv41.eval.retrieval import (
+    Haystack,
+    RetrievalConfig,
+    build_probe,
+    engine_config,
+    parse_depths,
+    run_grid,
+    run_retrieval,
+    score,
+)
 from dsv41.tokenizer import ByteTokenizer
 
 TOKENIZER = ByteTokenizer(1024)
@@ -25,7 +33,7 @@ class Copier:
         self.tokenizer, self.keep = TOKENIZER, keep
 
     def answer(self, text: str) -> list[str]:
-        question = text[text.rindex("\n"):]
+        question = text[text.rindex("\n") :]
         if "pass key" in question:
             return re.findall(r"The pass key is (\d+)\. Remember it", text)[:1]
         if "magic number" in question:
@@ -40,7 +48,7 @@ class Copier:
     def complete(self, prompts, max_new_tokens):
         outs = []
         for p in prompts:
-            answers = self.answer(self.tokenizer.decode(p))[:self.keep]
+            answers = self.answer(self.tokenizer.decode(p))[: self.keep]
             ids = self.tokenizer.encode(" " + ", ".join(answers) + ".", add_bos=False)
             assert len(ids) <= max_new_tokens, "the harness must leave room for the answer"
             outs.append(ids)
@@ -56,11 +64,18 @@ class Noise:
         return [TOKENIZER.encode(" I do not know, sorry.", add_bos=False)[:max_new_tokens] for _ in prompts]
 
 
-CASES = [("passkey", {}), ("niah", {"keys": 1, "queries": 1}), ("niah", {"keys": 3, "queries": 1}),
-         ("niah", {"keys": 3, "queries": 2}), ("vartrack", {"hops": 3})]
+CASES = [
+    ("passkey", {}),
+    ("niah", {"keys": 1, "queries": 1}),
+    ("niah", {"keys": 3, "queries": 1}),
+    ("niah", {"keys": 3, "queries": 2}),
+    ("vartrack", {"hops": 3}),
+]
 
 
-@pytest.mark.parametrize("task,options", CASES, ids=[f"{t}-{'-'.join(f'{k}{v}' for k, v in o.items())}" for t, o in CASES])
+@pytest.mark.parametrize(
+    "task,options", CASES, ids=[f"{t}-{'-'.join(f'{k}{v}' for k, v in o.items())}" for t, o in CASES]
+)
 def test_a_model_that_copies_passes_and_one_that_does_not_fails(task, options):
     haystack = Haystack(TOKENIZER)
     kwargs = dict(lengths=[700, 900], depths=[0.0, 0.3, 1.0], samples=2, haystack=haystack, seed=3, **options)
@@ -84,7 +99,7 @@ class RecentCopier(Copier):
         self.window = window
 
     def complete(self, prompts, max_new_tokens):
-        return super().complete([p[-self.window:] for p in prompts], max_new_tokens)
+        return super().complete([p[-self.window :] for p in prompts], max_new_tokens)
 
 
 def test_the_grid_puts_each_score_in_its_cell():
@@ -103,16 +118,16 @@ def test_prompts_have_the_exact_length_and_the_needle_at_its_depth(text_file):
         for depth in (0.0, 0.5, 1.0):
             p = build_probe("passkey", TOKENIZER, haystack, 600, depth, sample=1, seed=5)
             assert len(p.prompt) == 600 and p.prompt[0] == TOKENIZER.bos_id
-            text = TOKENIZER.decode(p.prompt[p.needle_at[0]:])
+            text = TOKENIZER.decode(p.prompt[p.needle_at[0] :])
             assert text.startswith(f" The pass key is {p.answers[0]}. Remember it.")
             answers.add(p.answers[0])
             positions.append(p.needle_at[0])
             if depth == 0.0:  # right after the instruction
-                assert TOKENIZER.decode(p.prompt[:p.needle_at[0]]).endswith("information there.\n")
+                assert TOKENIZER.decode(p.prompt[: p.needle_at[0]]).endswith("information there.\n")
             if depth == 1.0:  # right before the question
                 assert text.endswith("is the pass key.\nWhat is the pass key? The pass key is")
             else:  # at a sentence boundary of the filler
-                assert TOKENIZER.decode(p.prompt[:p.needle_at[0]]).rstrip().endswith((".", "\n"))
+                assert TOKENIZER.decode(p.prompt[: p.needle_at[0]]).rstrip().endswith((".", "\n"))
         assert positions == sorted(positions) and positions[0] < positions[1] < positions[2]
         assert len(answers) == 1  # the same sample at every depth: only the needle's place changes
 

@@ -15,6 +15,8 @@ from tests.conftest import optional_import
 
 transformers = optional_import("transformers")  # required under DSV41_REQUIRE_OPTIONAL (.ci/run)
 
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
 import dsv41  # noqa: E402
 from dsv41.config import HF_RENAMES, ModelConfig, tiny  # noqa: E402
 from dsv41.generate import generate  # noqa: E402
@@ -22,7 +24,6 @@ from dsv41.hf import DeepseekV41Cache, DeepseekV41Config, DeepseekV41ForCausalLM
 from dsv41.model.init import init_random_weights  # noqa: E402
 from dsv41.model.transformer import Transformer  # noqa: E402
 from dsv41.train.checkpoint import save_checkpoint  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +93,7 @@ def test_generate_equals_dsv41_greedy_and_runs_incrementally(hf_model, reference
         return forward(input_ids, *args, **kwargs)
 
     monkeypatch.setattr(hf_model.model, "forward", spy)
-    out = hf_model.generate(x, max_new_tokens=steps, do_sample=False)[:, x.size(1):]
+    out = hf_model.generate(x, max_new_tokens=steps, do_sample=False)[:, x.size(1) :]
     monkeypatch.undo()
     eos = tiny().eos_token_id
     own = generate(reference, x, steps, eos_id=eos)
@@ -103,7 +104,7 @@ def test_generate_equals_dsv41_greedy_and_runs_incrementally(hf_model, reference
 
 
 def until_eos(tokens, eos):
-    return tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
 
 
 def test_generate_returns_and_continues_its_cache(hf_model, reference):
@@ -138,8 +139,9 @@ def test_labels_give_the_shifted_cross_entropy(hf_model, reference):
     with torch.no_grad():
         loss = hf_model(x, labels=labels).loss
         logits = reference(x)
-    expected = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
-                               ignore_index=-100)
+    expected = F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
     assert torch.allclose(loss, expected, rtol=0, atol=1e-6)
 
 
@@ -154,20 +156,37 @@ def test_autoconfig_round_trip(folder, tmp_path):
     # the release's Hugging Face form (text_config, HF names) reaches the same config
     flat = tiny().to_dict()
     inverse = {v: k for k, v in HF_RENAMES.items()}
-    text = {inverse.get(k, k): v for k, v in flat.items() if not k.startswith("vision_") and k not in (
-        "rope_factor", "beta_fast", "beta_slow", "original_seq_len", "dtype", "expert_dtype", "image_token_id")}
-    text["rope_scaling"] = {"rope_type": "yarn", "factor": flat["rope_factor"], "beta_fast": flat["beta_fast"],
-                            "beta_slow": flat["beta_slow"],
-                            "original_max_position_embeddings": flat["original_seq_len"]}
+    text = {
+        inverse.get(k, k): v
+        for k, v in flat.items()
+        if not k.startswith("vision_")
+        and k
+        not in ("rope_factor", "beta_fast", "beta_slow", "original_seq_len", "dtype", "expert_dtype", "image_token_id")
+    }
+    text["rope_scaling"] = {
+        "rope_type": "yarn",
+        "factor": flat["rope_factor"],
+        "beta_fast": flat["beta_fast"],
+        "beta_slow": flat["beta_slow"],
+        "original_max_position_embeddings": flat["original_seq_len"],
+    }
     hf_form = tmp_path / "hf_form"
     hf_form.mkdir()
-    (hf_form / "config.json").write_text(json.dumps({"model_type": "deepseek_v41", "dtype": "bfloat16",
-                                                     "architectures": ["DeepseekV41ForCausalLM"], "text_config": text}))
+    (hf_form / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "deepseek_v41",
+                "dtype": "bfloat16",
+                "architectures": ["DeepseekV41ForCausalLM"],
+                "text_config": text,
+            }
+        )
+    )
     assert AutoConfig.from_pretrained(hf_form).model_config == tiny()
     # editing an attribute edits the model config, validated
     cfg.n_layers = 3
     with pytest.raises(ValueError):
-        cfg.model_config
+        _ = cfg.model_config
 
 
 def test_save_pretrained_writes_a_folder_dsv41_loads(hf_model, reference, tmp_path):
@@ -224,8 +243,15 @@ def test_malformed_folders_and_inputs_raise_clear_errors(folder, hf_model, tmp_p
 
 def test_core_package_does_not_import_the_optional_extras():
     """transformers and lm_eval are optional: importing dsv41's core (and its CLI) must not load them."""
-    code = ("import sys, dsv41, dsv41.engine, dsv41.weights, dsv41.train.checkpoint, dsv41.server, dsv41.cli;"
-            "print(sorted(m for m in ('transformers', 'lm_eval') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    code = (
+        "import sys, dsv41, dsv41.engine, dsv41.weights, dsv41.train.checkpoint, dsv41.server, dsv41.cli;"
+        "print(sorted(m for m in ('transformers', 'lm_eval') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+    )
     assert out.stdout.strip() == "[]", out.stdout

@@ -44,7 +44,7 @@ def test_hash_at_p_depends_exactly_on_tokens_p_minus_3_to_p():
         changed[0, t] = (changed[0, t] + 1) % 1024  # the stub map is id % 512: a change of 1 changes it
         moved = (_hash(hasher, changed) != base).any(-1).any(-1)[0]
         expect = torch.zeros(30, dtype=torch.bool)
-        expect[t:t + 4] = True
+        expect[t : t + 4] = True
         assert torch.equal(moved, expect), t
 
 

@@ -74,7 +74,8 @@ def test_the_sets_fail_when_one_canonical_op_runs_in_fp32(monkeypatch, op):
 
     fp32 = {
         "linear": lambda x, weight, bias=None, dtype=None: torch.nn.functional.linear(
-            x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype if dtype is None else dtype),
+            x.float(), weight.float(), None if bias is None else bias.float()
+        ).to(x.dtype if dtype is None else dtype),
         "einsum": lambda eq, *ops, dtype=torch.float32: torch.einsum(eq, *(o.float() for o in ops)).to(dtype),
         "sum": lambda x, dim=-1, keepdim=False, dtype=torch.float32: x.float().sum(dim, keepdim=keepdim).to(dtype),
         "exp": lambda x: x.float().exp(),
@@ -103,12 +104,19 @@ def test_trace_reports_the_first_tampered_decode_capture(tmp_path, capsys):
     assert main([str(tampered), "--trace"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-1].startswith("PASS")
-    delta = (attn_out[7, 1, 3].float() - load_file(f"{LONG_FP8}/expected.safetensors")[
-        "decode.hidden.layers.5.attn_out"][7, 1, 3].float()).abs().item()
+    delta = (
+        (
+            attn_out[7, 1, 3].float()
+            - load_file(f"{LONG_FP8}/expected.safetensors")["decode.hidden.layers.5.attn_out"][7, 1, 3].float()
+        )
+        .abs()
+        .item()
+    )
     first = [line for line in lines if "first differing decode capture" in line]
     assert len(first) == 1 and first[0].startswith(
         f"  first differing decode capture: step 7, hidden.layers.5.attn_out (row 1): max abs diff {delta:.3g} "
-        "(steps 0-6 identical; "), first
+        "(steps 0-6 identical; "
+    ), first
     steps = {line.split()[1]: line for line in lines if line.startswith("  decode ") and "max abs" in line}
     assert all(steps[str(t)].endswith("captures identical") for t in range(7))
     assert steps["7"].endswith("first capture diff: hidden.layers.5.attn_out")
@@ -127,8 +135,12 @@ def test_fp8_set_captures_are_bit_exact_through_the_first_blocks():
     with torch.inference_mode():
         model(inputs["input_ids"], 0, last_only=True, trace=trace)
     for name, ref in expected.items():
-        if name.startswith(("hidden.layers.0.", "hidden.layers.1.", "hidden.layers.2.", "debug.layers.2.",
-                            "debug.layers.6.")) or name == "hidden.embed":
+        if (
+            name.startswith(
+                ("hidden.layers.0.", "hidden.layers.1.", "hidden.layers.2.", "debug.layers.2.", "debug.layers.6.")
+            )
+            or name == "hidden.embed"
+        ):
             assert torch.equal(trace[name].to(ref.dtype), ref), name
 
 

@@ -39,7 +39,7 @@ def _assert_same_up_to_bf16_noise(got, want, rms=0.01):
 def _decode_steps(model, ids, prompt_len):
     cache = model.new_cache(ids.size(0), ids.size(1))
     steps = [model(ids[:, :prompt_len], 0, cache)]
-    steps += [model(ids[:, p:p + 1], p, cache) for p in range(prompt_len, ids.size(1))]
+    steps += [model(ids[:, p : p + 1], p, cache) for p in range(prompt_len, ids.size(1))]
     return torch.cat(steps, dim=1)
 
 
@@ -180,8 +180,10 @@ def test_quantized_storage_model_runs_and_tracks_bf16():
         return ((want.float() - got.float()).pow(2).mean().sqrt() / want.float().pow(2).mean().sqrt()).item()
 
     seen = []  # (layer, MoE input, MoE output) of the quantized model
-    hooks = [block.ffn.register_forward_hook(lambda mod, args, out, i=i: seen.append((i, args[0], out)))
-             for i, block in enumerate(m8.layers)]
+    hooks = [
+        block.ffn.register_forward_hook(lambda mod, args, out, i=i: seen.append((i, args[0], out)))
+        for i, block in enumerate(m8.layers)
+    ]
     ids = _ids(1, 20)
     a, b = m16(ids), m8(ids)
     for hook in hooks:
@@ -213,15 +215,19 @@ def test_flash_builds_on_meta_and_matches_accounting():
     cfg = dsv41.flash()
     with torch.device("meta"):
         model = Transformer(cfg)
-    logical = sum(p.numel() * (2 if p.dtype == torch.int8 else 1)
-                  for n, p in model.named_parameters() if not n.endswith(".scale"))
+    logical = sum(
+        p.numel() * (2 if p.dtype == torch.int8 else 1) for n, p in model.named_parameters() if not n.endswith(".scale")
+    )
     acc = account(cfg)
     # the module tree holds backbone + Engram tables + the DSpark drafter + the vision tower
     assert logical == acc["params_total"]
     vision = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("vision.", "aligner.", "image_")))
     assert vision == vision_params(cfg) and 0.4e9 < vision < 0.5e9
-    drafter = sum(p.numel() * (2 if p.dtype == torch.int8 else 1)
-                  for n, p in model.mtp.named_parameters() if not n.endswith(".scale"))
+    drafter = sum(
+        p.numel() * (2 if p.dtype == torch.int8 else 1)
+        for n, p in model.mtp.named_parameters()
+        if not n.endswith(".scale")
+    )
     assert drafter == dspark_params(cfg) and 14.0e9 < drafter < 14.4e9  # "~14.2B DSpark" (spec §12)
     assert acc["params_total"] == 763_205_315_794  # HF safetensors.total of the release (spec §12)
     assert acc["kv_bytes_per_token"] == 890
@@ -260,7 +266,7 @@ def test_chunking_and_decode_are_bit_identical_under_engine_numerics():
     def run(chunks):
         cache, outs, start = model.new_cache(1, n), [], 0
         for size in chunks:
-            outs.append(model(ids[:, start:start + size], start, cache))
+            outs.append(model(ids[:, start : start + size], start, cache))
             start += size
         return torch.cat(outs, 1)
 

@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from dsv41 import ops
 from dsv41.config import tiny
 from dsv41.model.init import init_random_weights
 from dsv41.model.replay import check_spans, decode_spans, prefill_spans, replay_forward
 from dsv41.model.transformer import Transformer
 
-WIDE = tiny().replace(window_size=64, index_topk=64, candidate_topk_blocks=20, n_routed_experts=16,
-                      n_activated_experts=2)
+WIDE = tiny().replace(
+    window_size=64, index_topk=64, candidate_topk_blocks=20, n_routed_experts=16, n_activated_experts=2
+)
 
 
 def _ids(n, seed=0, batch=1):
@@ -50,9 +50,14 @@ def test_replay_under_autograd_has_the_same_values_and_trains_the_attention():
         assert got.requires_grad and torch.equal(got.detach(), want)
         got.logsumexp(-1).sum().backward()
     params = dict(model.named_parameters())
-    for name in ("layers.2.attn.compressor.wkv.weight", "layers.6.attn.compressor.wkv.weight",  # FP4 entries
-                 "layers.0.attn.wkv.weight",  # FP8 window ring
-                 "layers.3.attn.wq_b.weight", "layers.5.ffn.gate.weight", "layers.1.engram.wkv.weight"):
+    for name in (
+        "layers.2.attn.compressor.wkv.weight",
+        "layers.6.attn.compressor.wkv.weight",  # FP4 entries
+        "layers.0.attn.wkv.weight",  # FP8 window ring
+        "layers.3.attn.wq_b.weight",
+        "layers.5.ffn.gate.weight",
+        "layers.1.engram.wkv.weight",
+    ):
         assert params[name].grad is not None and params[name].grad.abs().sum() > 0, name
     assert params["layers.2.attn.indexer.wq_b.weight"].grad is None  # the selection is discrete
 
@@ -102,5 +107,7 @@ def test_token_wise_functions_follow_the_chunks_of_a_shared_call():
         mixes = block.hc_mixes(h, block.hc_ffn_fn, block.hc_ffn_scale, block.hc_ffn_base, calls)
         hs = torch.split(h, calls, dim=1)
         for k, name in enumerate(("pre", "post", "comb")):
-            want = torch.cat([block.hc_mixes(p, block.hc_ffn_fn, block.hc_ffn_scale, block.hc_ffn_base)[k] for p in hs], 1)
+            want = torch.cat(
+                [block.hc_mixes(p, block.hc_ffn_fn, block.hc_ffn_scale, block.hc_ffn_base)[k] for p in hs], 1
+            )
             assert torch.equal(mixes[k], want), name

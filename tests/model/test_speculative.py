@@ -87,7 +87,7 @@ def test_rollback_leaves_the_caches_as_plain_decoding_does(model, monkeypatch):
         with torch.inference_mode():
             model(prompt, 0, ref)
             for i in range(n - 1):
-                model(plain[:, i:i + 1], prompt.size(1) + i, ref)
+                model(plain[:, i : i + 1], prompt.size(1) + i, ref)
     # both processed the prompt and the first n - 1 generated tokens: every cache must agree
     end = prompt.size(1) + n - 1
     for layer in range(cfg.n_layers):

@@ -23,7 +23,7 @@ def test_merge_topk_streams_to_the_canonical_topk(width, k, step):
     kept_s, kept_p = scores[..., :0], torch.empty(2, 5, 0, dtype=torch.int64)
     for start in range(0, width, step):
         pos = torch.arange(start, min(width, start + step))
-        kept_s, kept_p = ops.merge_topk(kept_s, kept_p, scores[..., start:start + step], pos, k)
+        kept_s, kept_p = ops.merge_topk(kept_s, kept_p, scores[..., start : start + step], pos, k)
     want = ops.topk_canonical(scores, k).sort(dim=-1).values
     assert torch.equal(kept_p, want)
     assert torch.equal(kept_s, scores.gather(-1, want))
@@ -57,10 +57,13 @@ def _run(model, ids, chunks, streaming: bool, budget: int):
     return torch.cat(logits, dim=1), traces
 
 
-@pytest.mark.parametrize("preset,length,chunks,budget", [
-    ("tiny", 120, (37, 80, 81, 120), 8 * 8),  # blocks of one candidate block: many merges
-    ("small", 700, (300, 640, 641, 700), 1 << 14),
-])
+@pytest.mark.parametrize(
+    "preset,length,chunks,budget",
+    [
+        ("tiny", 120, (37, 80, 81, 120), 8 * 8),  # blocks of one candidate block: many merges
+        ("small", 700, (300, 640, 641, 700), 1 << 14),
+    ],
+)
 def test_streaming_selection_equals_materialised(preset, length, chunks, budget):
     cfg = {"tiny": tiny, "small": small}[preset]()
     model = _model(cfg)
@@ -108,9 +111,17 @@ def test_engine_prefill_and_decode_same_with_streaming(mode):
         for layer in model.layers:
             if layer.attn.indexer is not None:
                 layer.attn.indexer.streaming, layer.attn.indexer.score_budget = streaming, 64
-        engine = LLMEngine(model, ByteTokenizer(cfg.vocab_size),
-                           EngineConfig(block_size=16, kv_pool_tokens=1024, prefill_chunk_size=48, prefill_mode=mode,
-                                        enable_prefix_caching=False))
+        engine = LLMEngine(
+            model,
+            ByteTokenizer(cfg.vocab_size),
+            EngineConfig(
+                block_size=16,
+                kv_pool_tokens=1024,
+                prefill_chunk_size=48,
+                prefill_mode=mode,
+                enable_prefix_caching=False,
+            ),
+        )
         first = engine.prompt_logits(prompt)
         out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
         results.append((first, out.token_ids))
@@ -118,7 +129,9 @@ def test_engine_prefill_and_decode_same_with_streaming(mode):
     assert results[0][1] == results[1][1]
 
 
-@pytest.mark.parametrize("b,s,h,d,t", [(1, 1, 8, 64, 5000), (3, 1, 8, 64, 300), (1, 64, 4, 64, 777), (2, 5, 16, 128, 40)])
+@pytest.mark.parametrize(
+    "b,s,h,d,t", [(1, 1, 8, 64, 5000), (3, 1, 8, 64, 300), (1, 64, 4, 64, 777), (2, 5, 16, 128, 40)]
+)
 def test_index_scores_mm_equals_the_einsum_reference(b, s, h, d, t):
     """On FP4-rounded q and k (what the indexer scores), the 2-D GEMM formulation gives the einsum's bits,
     including keys whose scales differ by 2^8 from each other."""

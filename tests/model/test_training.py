@@ -44,13 +44,13 @@ def test_causal_through_compressor_indexer_and_topk(trainable):
     ids = batch()
     t = 23
     changed = ids.clone()
-    changed[:, t + 1:] = torch.randint(3, 1000, changed[:, t + 1:].shape, generator=torch.Generator().manual_seed(9))
+    changed[:, t + 1 :] = torch.randint(3, 1000, changed[:, t + 1 :].shape, generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
         a = forward_train(trainable, ids).logits
         b = forward_train(trainable, changed).logits
     # up to float reassociation: other tokens change the per-expert GEMM sizes (and so the blocking);
     # a leak from the future would move earlier logits as much as later ones
-    before, after = (a[:, :t + 1] - b[:, :t + 1]).abs().max(), (a[:, t + 1:] - b[:, t + 1:]).abs().max()
+    before, after = (a[:, : t + 1] - b[:, : t + 1]).abs().max(), (a[:, t + 1 :] - b[:, t + 1 :]).abs().max()
     assert before < 1e-4 and after > 1e-2, (before, after)
 
 

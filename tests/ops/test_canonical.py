@@ -53,8 +53,9 @@ def test_mean_of_squares_is_fp32_squares_and_one_rounding():
     assert torch.equal(got, torch.from_numpy(np.array(want, dtype=np.float32)))
     assert torch.equal(mean_of_squares(x, reference=True, keepdim=True), got.unsqueeze(-1))
     # an fp32 accumulation (one chain) gives other bits on these rows
-    chain = torch.tensor([np.float32(sum(np.float32(v) * np.float32(v) for v in row) / np.float32(len(row)))
-                          for row in x.numpy()[:16]])
+    chain = torch.tensor(
+        [np.float32(sum(np.float32(v) * np.float32(v) for v in row) / np.float32(len(row))) for row in x.numpy()[:16]]
+    )
     assert not torch.equal(chain, got[:16])
     assert torch.equal(mean_of_squares(x), x.square().mean(-1))  # the fast path is the plain kernel
 
@@ -66,13 +67,22 @@ def test_dot_products_round_the_exact_sum_once():
     x = (torch.randn(12, 96, generator=g) * torch.exp2(torch.randint(-6, 7, (12, 96), generator=g).float())).bfloat16()
     w = torch.randn(40, 96, generator=g).bfloat16()
     b = torch.randn(40, generator=g).bfloat16()
-    exact = torch.tensor([[math.fsum([a * c for a, c in zip(row, col)]) for col in w.float().tolist()]
-                          for row in x.float().tolist()], dtype=torch.float64)
+    exact = torch.tensor(
+        [[math.fsum([a * c for a, c in zip(row, col)]) for col in w.float().tolist()] for row in x.float().tolist()],
+        dtype=torch.float64,
+    )
     got = ops.linear(x, w, reference=True)
     assert got.dtype == torch.bfloat16 and torch.equal(got, exact.float().bfloat16())
     with_bias = canonical.linear(x, w, b)
-    exact_b = torch.tensor([[math.fsum([a * c for a, c in zip(row, col)] + [bias]) for col, bias in
-                             zip(w.float().tolist(), b.float().tolist())] for row in x.float().tolist()])
+    exact_b = torch.tensor(
+        [
+            [
+                math.fsum([a * c for a, c in zip(row, col)] + [bias])
+                for col, bias in zip(w.float().tolist(), b.float().tolist())
+            ]
+            for row in x.float().tolist()
+        ]
+    )
     assert torch.equal(with_bias, exact_b.double().float().bfloat16())
     # fp32 weights: fp32 result
     assert torch.equal(ops.linear(x.float(), w.float(), reference=True), exact.float())
@@ -83,7 +93,9 @@ def test_dot_products_round_the_exact_sum_once():
     q, s = ops.quant.quantize_fp8_weight(w.float())
     xq, xs = ops.fp8_quant(x)
     xd, wd = ops.quant.fp8_dequant(xq, xs), ops.dequant_weight(q, s)
-    exact_q = torch.tensor([[math.fsum([a * c for a, c in zip(row, col)]) for col in wd.tolist()] for row in xd.tolist()])
+    exact_q = torch.tensor(
+        [[math.fsum([a * c for a, c in zip(row, col)]) for col in wd.tolist()] for row in xd.tolist()]
+    )
     assert torch.equal(ops.linear(x, q, s, reference=True), exact_q.double().float().bfloat16())
 
 
@@ -91,7 +103,9 @@ def test_float32_accumulation_of_the_same_products_differs():
     """Not vacuous: summing the same bf16 products in fp32 in plain order lands on other bf16 values on a
     few outputs near a rounding midpoint."""
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(128, 64, generator=g) * torch.exp2(torch.randint(-8, 9, (128, 64), generator=g).float())).bfloat16()
+    x = (
+        torch.randn(128, 64, generator=g) * torch.exp2(torch.randint(-8, 9, (128, 64), generator=g).float())
+    ).bfloat16()
     w = torch.randn(512, 64, generator=g).bfloat16()
     acc = torch.zeros(128, 512)
     for j in range(64):
@@ -113,8 +127,12 @@ def test_transcendentals_are_float64_rounded_once():
     assert torch.equal(canonical.rsqrt(pos), f32([1 / math.sqrt(v) for v in pos.tolist()]))
     assert torch.equal(canonical.silu(x, torch.bfloat16), f32([v / (1 + math.exp(-v)) for v in values]).bfloat16())
     # the fp32 vector kernels are not this: some element differs
-    assert not (torch.equal(torch.sigmoid(x), canonical.sigmoid(x)) and torch.equal(F.silu(x), canonical.silu(x))
-                and torch.equal(torch.rsqrt(pos), canonical.rsqrt(pos)) and torch.equal(F.gelu(x), canonical.gelu(x)))
+    assert not (
+        torch.equal(torch.sigmoid(x), canonical.sigmoid(x))
+        and torch.equal(F.silu(x), canonical.silu(x))
+        and torch.equal(torch.rsqrt(pos), canonical.rsqrt(pos))
+        and torch.equal(F.gelu(x), canonical.gelu(x))
+    )
 
 
 def test_softmax_and_fp32_terms():
@@ -127,7 +145,9 @@ def test_softmax_and_fp32_terms():
         want.append([v / total for v in e])
     assert torch.equal(canonical.softmax(x), torch.tensor(want, dtype=torch.float64).float())
     terms = _spread(40, 64, seed=6)
-    assert torch.equal(sum_fp32_terms(terms, reference=True), torch.tensor([math.fsum(r) for r in terms.tolist()]).float())
+    assert torch.equal(
+        sum_fp32_terms(terms, reference=True), torch.tensor([math.fsum(r) for r in terms.tolist()]).float()
+    )
 
 
 def test_canonical_rope_rotation_is_one_float64_rounding():
@@ -155,8 +175,8 @@ def test_canonical_sparse_attention_matches_a_float64_formulation():
     kv = torch.randn(1, 10, 32, generator=g).bfloat16()
     sink = torch.randn(2, generator=g)
     ids = torch.tensor([[[0, 1, 2, -1], [3, 4, -1, -1], [5, 6, 7, 9]]], dtype=torch.int32)
-    got = sparse_attn(q, kv, sink, ids, 32 ** -0.5, reference=True)
-    scale = torch.tensor(32 ** -0.5)
+    got = sparse_attn(q, kv, sink, ids, 32**-0.5, reference=True)
+    scale = torch.tensor(32**-0.5)
     for m in range(3):
         rows = [i for i in ids[0, m].tolist() if i >= 0]
         k = kv[0, rows].double()

@@ -9,8 +9,9 @@ import torch
 from dsv41 import ops
 from dsv41.ops import fused, indexer, sinkhorn
 
-needs_compiler = pytest.mark.skipif(not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
-                                    reason="torch.compile on CPU needs a C++ compiler")
+needs_compiler = pytest.mark.skipif(
+    not any(shutil.which(c) for c in ("c++", "g++", "clang++")), reason="torch.compile on CPU needs a C++ compiler"
+)
 
 
 def _mixes(shape, seed):
@@ -37,7 +38,7 @@ def test_fused_sinkhorn_rows_do_not_depend_on_the_batch():
     with torch.inference_mode():
         whole = ops.hc_split_sinkhorn(mixes, scale, base, 4, 20, 1e-6)[2]
         for i in (0, 17, 39):
-            assert torch.equal(ops.hc_split_sinkhorn(mixes[i:i + 1], scale, base, 4, 20, 1e-6)[2], whole[i:i + 1])
+            assert torch.equal(ops.hc_split_sinkhorn(mixes[i : i + 1], scale, base, 4, 20, 1e-6)[2], whole[i : i + 1])
 
 
 def test_sinkhorn_under_autograd_takes_the_eager_path_and_has_gradients():
@@ -46,16 +47,24 @@ def test_sinkhorn_under_autograd_takes_the_eager_path_and_has_gradients():
     pre, post, comb = ops.hc_split_sinkhorn(mixes, scale, base, 4, 20, 1e-6)
     (comb.square().sum() + pre.sum() + post.sum()).backward()
     assert mixes.grad is not None and mixes.grad[..., 8:].abs().sum() > 0
-    assert torch.equal(comb.detach(), sinkhorn.sinkhorn_normalize(
-        torch.exp((mixes.detach()[..., 8:] * scale[2] + base[8:]).unflatten(-1, (4, 4))
-                  - (mixes.detach()[..., 8:] * scale[2] + base[8:]).unflatten(-1, (4, 4)).amax(-1, keepdim=True)),
-        20, 1e-6))
+    assert torch.equal(
+        comb.detach(),
+        sinkhorn.sinkhorn_normalize(
+            torch.exp(
+                (mixes.detach()[..., 8:] * scale[2] + base[8:]).unflatten(-1, (4, 4))
+                - (mixes.detach()[..., 8:] * scale[2] + base[8:]).unflatten(-1, (4, 4)).amax(-1, keepdim=True)
+            ),
+            20,
+            1e-6,
+        ),
+    )
 
 
 def test_the_probe_says_no_to_another_summation_order_and_to_a_kernel_that_fails():
     """A row sum paired as (c0 + c2) + (c1 + c3) (what a vectorising compiler may emit) differs from ATen's
     left-to-right sum in the last bit on some rows: `agrees` must reject it, and a fused version that
     cannot be built must fall back with a warning rather than fail the model."""
+
     def paired(comb, iters, eps):
         c0, c1, c2, c3 = comb.unbind(-1)
         comb = comb / ((c0 + c2) + (c1 + c3)).unsqueeze(-1) + eps
@@ -104,14 +113,16 @@ def test_model_logits_are_the_same_with_and_without_fused_kernels(monkeypatch):
         with torch.inference_mode():
             cache = model.new_cache(2, 700)
             prefill = model(ids[:, :512], 0, cache)  # 512 queries x 256 keys: the fused epilogue's size
-            decode = torch.cat([model(ids[:, i:i + 1], i, cache) for i in range(512, 520)], dim=1)
+            decode = torch.cat([model(ids[:, i : i + 1], i, cache) for i in range(512, 520)], dim=1)
         out.append((prefill, decode))
     assert indexer.epilogue_fusion_agrees(cfg.index_n_heads, "cpu")
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
 
 
 @needs_compiler
-@pytest.mark.parametrize("dtype,rows,n", [(torch.bfloat16, 1, 65536), (torch.bfloat16, 64, 4160), (torch.float16, 300, 301)])
+@pytest.mark.parametrize(
+    "dtype,rows,n", [(torch.bfloat16, 1, 65536), (torch.bfloat16, 64, 4160), (torch.float16, 300, 301)]
+)
 def test_fused_canonical_keys_are_the_eager_keys(dtype, rows, n, monkeypatch):
     """Ties, -0.0 next to +0.0, +-inf: the same int32 keys, so the same top-k (checked against a sort)."""
     g = torch.Generator().manual_seed(n)

@@ -38,8 +38,8 @@ def test_sparse_attn_matches_plain_softmax_and_handles_empty_rows():
     idx = torch.randint(0, 150, (2, 5, 100), generator=g).int()  # two online-softmax blocks
     idx[:, :, ::7] = -1
     idx[1, 3] = -1  # a row with nothing to attend to
-    out = ops.sparse_attn(q, kv, sink, idx, 64 ** -0.5)
-    ref = dense_reference_attn(q, kv, sink, idx, 64 ** -0.5)
+    out = ops.sparse_attn(q, kv, sink, idx, 64**-0.5)
+    ref = dense_reference_attn(q, kv, sink, idx, 64**-0.5)
     assert torch.equal(out[1, 3], torch.zeros_like(out[1, 3]))
     assert torch.allclose(out.float(), ref, atol=2e-2)
     # masked entries carry no weight: changing the kv rows only they point at changes nothing
@@ -47,7 +47,7 @@ def test_sparse_attn_matches_plain_softmax_and_handles_empty_rows():
     spare = [i for i in range(150) if i not in used][0]
     kv2 = kv.clone()
     kv2[0, spare] = 100
-    assert torch.equal(ops.sparse_attn(q, kv2, sink, idx, 64 ** -0.5)[0, 0], out[0, 0])
+    assert torch.equal(ops.sparse_attn(q, kv2, sink, idx, 64**-0.5)[0, 0], out[0, 0])
 
 
 def test_candidate_pool_keeps_newest_block_and_at_most_n_blocks():
@@ -59,7 +59,7 @@ def test_candidate_pool_keeps_newest_block_and_at_most_n_blocks():
     for s, v in enumerate(visible.view(-1).tolist()):
         blocks = pool[0, s].view(10, 4).any(-1)
         assert blocks.sum() <= 3 and blocks[(v - 1) // 4]
-        assert not pool[0, s, ((v - 1) // 4 + 1) * 4:].any()  # nothing past the newest block
+        assert not pool[0, s, ((v - 1) // 4 + 1) * 4 :].any()  # nothing past the newest block
         kept_scores = scores[0, s].view(10, 4).amax(-1)
         others = [b for b in range(10) if b != (v - 1) // 4 and b * 4 < v]
         best = sorted(others, key=lambda b: -kept_scores[b].item())[:2]
@@ -86,8 +86,12 @@ def test_invariant_matmul_rows_do_not_depend_on_the_batch():
     from dsv41.ops.gemm import invariant_matmul
 
     g = torch.Generator().manual_seed(0)
-    for dtype, (k, n) in [(torch.float32, (64, 48)), (torch.float32, (96, 700)), (torch.bfloat16, (64, 64)),
-                          (torch.bfloat16, (256, 512))]:  # the last takes the per-chunk path
+    for dtype, (k, n) in [
+        (torch.float32, (64, 48)),
+        (torch.float32, (96, 700)),
+        (torch.bfloat16, (64, 64)),
+        (torch.bfloat16, (256, 512)),
+    ]:  # the last takes the per-chunk path
         w = torch.randn(n, k, generator=g).to(dtype)
         x = torch.randn(37, k, generator=g).to(dtype)
         full = invariant_matmul(x, w, 16)
@@ -113,8 +117,9 @@ def test_invariant_matmul_wide_calls_keep_rows_batch_invariant(k, n):
     for wide in WIDE_ROWS:  # where the probe says "agree", the calls agree on other data than its own
         if wide_rows_agree(k, n, torch.bfloat16, 16, wide, torch.get_num_threads(), "cpu"):
             for a, b in ((x[:wide], w), tuple(t.bfloat16() for t in order_revealing(wide, k, n, trial=100))):
-                assert torch.equal(torch.nn.functional.linear(a, b),
-                                   torch.cat([torch.nn.functional.linear(p, b) for p in a.split(16)])), wide
+                assert torch.equal(
+                    torch.nn.functional.linear(a, b), torch.cat([torch.nn.functional.linear(p, b) for p in a.split(16)])
+                ), wide
 
 
 def test_wide_rows_probe_can_say_no(monkeypatch):
@@ -127,7 +132,7 @@ def test_wide_rows_probe_can_say_no(monkeypatch):
 
     def skewed(x, w):  # a 'library' whose wide calls sum in another order
         y = real(x, w)
-        return y + (y.abs() * 2 ** -7).to(y.dtype) if x.size(0) > 16 else y
+        return y + (y.abs() * 2**-7).to(y.dtype) if x.size(0) > 16 else y
 
     monkeypatch.setattr(gemm.F, "linear", skewed)
     assert not gemm.wide_rows_agree.__wrapped__(64, 32, torch.bfloat16, 16, 64, 1, "cpu")
@@ -147,7 +152,7 @@ def test_narrow_rows_probe_can_say_no(monkeypatch):
 
     def skewed(x, w):  # narrow calls sum in another order
         y = real(x, w)
-        return y + (y.abs() * 2 ** -7).to(y.dtype) if x.size(0) < 16 else y
+        return y + (y.abs() * 2**-7).to(y.dtype) if x.size(0) < 16 else y
 
     g = torch.Generator().manual_seed(3)
     w, x = torch.randn(48, 64, generator=g).bfloat16(), torch.randn(3, 64, generator=g).bfloat16()
@@ -171,7 +176,7 @@ def _sum_in_order(x, w, lanes: int):
     k = xf.size(1)
     for i in range(0, k, lanes):
         span = min(lanes, k - i)
-        partial[..., :span] = partial[..., :span] + xf[:, None, i:i + span] * wf[None, :, i:i + span]
+        partial[..., :span] = partial[..., :span] + xf[:, None, i : i + span] * wf[None, :, i : i + span]
     while partial.size(-1) > 1:
         half = partial.size(-1) // 2
         partial = partial[..., :half] + partial[..., half:]
@@ -211,6 +216,7 @@ def _fp4_operands(rows: int, cols: int, d: int = 128, seed: int = 0):
         spread = 2.0 ** torch.randint(-4, 5, (n, d // FP4_BLOCK, 1), generator=g)
         x = (torch.randn(n, d // FP4_BLOCK, FP4_BLOCK, generator=g) * spread).flatten(1)
         return ops.fp4_qdq(x, FP4_BLOCK, "ue8m0").bfloat16()
+
     return make(rows), make(cols)
 
 
@@ -246,12 +252,12 @@ def test_sparse_attention_in_head_groups_does_not_depend_on_the_other_heads():
     rows = torch.randn(b, m, 64, d, generator=g).bfloat16().float()
     scores = _per_heads("bmhd,bmkd->bmhk", q.float(), rows, 3)
     for s in (0, 3):
-        assert torch.equal(scores[:, :, s:s + 3], _per_heads("bmhd,bmkd->bmhk", q[:, :, s:s + 3].float(), rows, 3))
+        assert torch.equal(scores[:, :, s : s + 3], _per_heads("bmhd,bmkd->bmhk", q[:, :, s : s + 3].float(), rows, 3))
     kv = torch.randn(b, n, d, generator=g).bfloat16()
     sink = torch.randn(h, generator=g)
     ids = torch.randint(-1, n, (b, m, 80), generator=g).int()
-    grouped = ops.sparse_attn(q, kv, sink, ids, d ** -0.5, heads_per_call=3)
+    grouped = ops.sparse_attn(q, kv, sink, ids, d**-0.5, heads_per_call=3)
     for s in (0, 3):
-        alone = ops.sparse_attn(q[:, :, s:s + 3].contiguous(), kv, sink[s:s + 3], ids, d ** -0.5, heads_per_call=3)
-        assert torch.equal(grouped[:, :, s:s + 3], alone)
-    torch.testing.assert_close(grouped.float(), ops.sparse_attn(q, kv, sink, ids, d ** -0.5).float(), atol=2e-2, rtol=0)
+        alone = ops.sparse_attn(q[:, :, s : s + 3].contiguous(), kv, sink[s : s + 3], ids, d**-0.5, heads_per_call=3)
+        assert torch.equal(grouped[:, :, s : s + 3], alone)
+    torch.testing.assert_close(grouped.float(), ops.sparse_attn(q, kv, sink, ids, d**-0.5).float(), atol=2e-2, rtol=0)

@@ -9,7 +9,7 @@ from dsv41.ops.lanes import FUNCTIONS, per_call, vector_step
 def _separately(fn, x, calls):
     out, at = [], 0
     for n in calls:
-        out.append(fn(x[at:at + n].clone()))  # a fresh contiguous call of n tokens, as alone
+        out.append(fn(x[at : at + n].clone()))  # a fresh contiguous call of n tokens, as alone
         at += n
     return torch.cat(out)
 

@@ -22,8 +22,9 @@ def make_pages(g):
     rows = PER * BLOCKS
     kv_codes, kv_scale = fp4_quant(torch.randn(rows, D, generator=g) * 2, KV_FP4_BLOCK, "e4m3")
     key_codes, key_scale = fp4_quant(torch.randn(rows, DI, generator=g), FP4_BLOCK, "ue8m0")
-    return PagedCache(kv_codes, kv_scale.to(torch.float8_e4m3fn), key_codes,
-                      key_scale.to(torch.float8_e8m0fnu).view(torch.uint8), PER)
+    return PagedCache(
+        kv_codes, kv_scale.to(torch.float8_e4m3fn), key_codes, key_scale.to(torch.float8_e8m0fnu).view(torch.uint8), PER
+    )
 
 
 def walk(pages, table, entry, keys=False):
@@ -52,7 +53,7 @@ def test_index_scores_from_pages_equal_scores_of_the_walked_keys():
     picked = paged_index_scores(q, w, pages, tables, visible, entries, usable)
     for b in range(3):
         keys = torch.stack([walk(pages, tables[b], e, keys=True) for e in range(20)]).bfloat16()
-        expected = ops.index_scores(q[b:b + 1], keys.unsqueeze(0), w[b:b + 1])[0, 0]  # [20]
+        expected = ops.index_scores(q[b : b + 1], keys.unsqueeze(0), w[b : b + 1])[0, 0]  # [20]
         expected = expected.masked_fill(torch.arange(20) >= visible[b], -torch.inf)
         assert torch.equal(scan[b, 0], expected)
         cand = expected[entries[b, 0].clamp_max(19)].masked_fill(~usable[b, 0], -torch.inf)
@@ -73,14 +74,15 @@ def test_sparse_attention_over_pages_equals_the_walked_rows():
         comp = torch.stack([walk(pages, tables[b], max(int(e), 0)) for e in picked[b, 0]]).bfloat16()
         rows = torch.cat([window[b], comp])  # [w + 1 + k, D]
         ids = torch.cat([window_ids[b, 0], torch.where(picked[b, 0] >= 0, w + 1 + torch.arange(k), -1)])
-        one = ops.sparse_attn(q[b:b + 1], rows.unsqueeze(0), sink, ids.view(1, 1, -1).int(), 0.125)
+        one = ops.sparse_attn(q[b : b + 1], rows.unsqueeze(0), sink, ids.view(1, 1, -1).int(), 0.125)
         assert torch.equal(out[b], one[0])
-        dense = dense_reference_attn(q[b:b + 1], rows.unsqueeze(0), sink, ids.view(1, 1, -1), 0.125)
+        dense = dense_reference_attn(q[b : b + 1], rows.unsqueeze(0), sink, ids.view(1, 1, -1), 0.125)
         assert (out[b].float() - dense[0]).abs().max() < 2e-2  # bf16 probabilities, nothing else
     # rows grouped by width attend at their own width; the pre-gathered selection is what the pages hold
     widths = [(2, torch.tensor([0])), (5, torch.tensor([1, 2]))]
-    grouped = paged_sparse_attn(q, window, window_ids, pages, tables, picked, sink, 0.125, widths,
-                                gather_picked(pages, tables, picked))
+    grouped = paged_sparse_attn(
+        q, window, window_ids, pages, tables, picked, sink, 0.125, widths, gather_picked(pages, tables, picked)
+    )
     assert torch.equal(grouped[1:], out[1:])
     narrow = paged_sparse_attn(q[:1], window[:1], window_ids[:1], pages, tables[:1], picked[:1, :, :2], sink, 0.125)
     assert torch.equal(grouped[:1], narrow)

@@ -76,8 +76,8 @@ def test_fp8_qdq_idempotent_bounded_and_zero_safe():
     x = torch.randn(3, 96).to(torch.bfloat16) * 10
     y = quant.fp8_qdq(x)
     assert torch.equal(quant.fp8_qdq(y), y)
-    rel = ((y.float() - x.float()).abs() / x.float().abs().clamp_min(1e-3))
-    assert rel.max() <= 2 ** -4 + 1e-3  # E4M3: 3 mantissa bits
+    rel = (y.float() - x.float()).abs() / x.float().abs().clamp_min(1e-3)
+    assert rel.max() <= 2**-4 + 1e-3  # E4M3: 3 mantissa bits
     zeros = torch.zeros(1, 32, dtype=torch.bfloat16)
     assert torch.isfinite(quant.fp8_qdq(zeros)).all() and torch.equal(quant.fp8_qdq(zeros), zeros)
     big = torch.full((1, 32), 1e30)
@@ -91,7 +91,7 @@ def test_weight_quantizers_round_trip():
     back = quant.dequant_fp8_weight(q, s)
     # half an E4M3 ulp: 2^-4 relative for normals, 2^-10 of the tile scale in the subnormal range
     tile_scale = s.float().repeat_interleave(32, 0)[:70].repeat_interleave(32, 1)[:, :96]
-    assert ((back - w).abs() <= torch.maximum(w.abs() * 2 ** -4, tile_scale * 2 ** -10)).all()
+    assert ((back - w).abs() <= torch.maximum(w.abs() * 2**-4, tile_scale * 2**-10)).all()
     q4, s4 = quant.quantize_fp4_weight(w)
     assert q4.shape == (70, 48) and s4.shape == (70, 3)
     assert torch.equal(quant.dequant_fp4_weight(q4, s4), quant.fp4_qdq(w, 32, "ue8m0"))
@@ -102,5 +102,7 @@ def test_fp4_dequant_to_bf16_is_exact():
     x = torch.randn(64, 128, generator=g) * torch.logspace(-6, 6, 64).unsqueeze(1)
     for block, fmt in ((16, "e4m3"), (32, "ue8m0")):
         codes, scale = quant.fp4_quant(x, block, fmt)
-        assert torch.equal(quant.fp4_dequant_bf16(codes, scale, block), quant.fp4_dequant(codes, scale, block).bfloat16())
+        assert torch.equal(
+            quant.fp4_dequant_bf16(codes, scale, block), quant.fp4_dequant(codes, scale, block).bfloat16()
+        )
         assert torch.equal(quant.fp4_dequant_bf16(codes, scale, block).float(), quant.fp4_dequant(codes, scale, block))

@@ -9,9 +9,11 @@ from dsv41.ops import moe, qat, quant
 def test_fake_quant_forward_is_the_inference_rounding_and_backward_is_identity():
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(4, 64, generator=g) * 3).requires_grad_()
-    for fn, ref in ((qat.fp8_fake_quant, quant.fp8_qdq(x.detach())),
-                    (qat.kv_fake_quant, quant.fp4_qdq(x.detach(), 16, "e4m3")),
-                    (lambda v: qat.fp4_fake_quant(v, 32, "ue8m0"), quant.fp4_qdq(x.detach(), 32, "ue8m0"))):
+    for fn, ref in (
+        (qat.fp8_fake_quant, quant.fp8_qdq(x.detach())),
+        (qat.kv_fake_quant, quant.fp4_qdq(x.detach(), 16, "e4m3")),
+        (lambda v: qat.fp4_fake_quant(v, 32, "ue8m0"), quant.fp4_qdq(x.detach(), 32, "ue8m0")),
+    ):
         y = fn(x)
         assert torch.equal(y.detach(), ref)
         (grad,) = torch.autograd.grad((y * torch.arange(64.0)).sum(), x)

@@ -14,8 +14,8 @@ if not torch.cuda.is_available():
 triton = optional_import("triton")  # required under DSV41_REQUIRE_OPTIONAL (.ci/run)
 
 from dsv41 import ops  # noqa: E402
-from dsv41.engine.kv_pool import PagedKVPool  # noqa: E402
 from dsv41.config import tiny  # noqa: E402
+from dsv41.engine.kv_pool import PagedKVPool  # noqa: E402
 from dsv41.ops import triton_kernels as tk  # noqa: E402
 from dsv41.ops.quant import FP4_BLOCK, KV_FP4_BLOCK, fp4_dequant_bf16, fp4_qdq, fp4_quant  # noqa: E402
 from dsv41.ops.sparse_attn import sparse_attn  # noqa: E402
@@ -53,8 +53,16 @@ def test_index_scores_paged_equals_the_reference_on_dequantised_keys():
     q = fp4_qdq(torch.randn(2, h, d, generator=g), FP4_BLOCK, "ue8m0").bfloat16()
     w = torch.randn(2, h, generator=g).bfloat16()
     n_out = 40
-    got = tk.index_scores_paged(q.to(DEVICE), w.to(DEVICE), pool.key_codes[layer].to(DEVICE),
-                                pool.key_scale[layer].to(DEVICE), tables.to(DEVICE), per, visible.to(DEVICE), n_out).cpu()
+    got = tk.index_scores_paged(
+        q.to(DEVICE),
+        w.to(DEVICE),
+        pool.key_codes[layer].to(DEVICE),
+        pool.key_scale[layer].to(DEVICE),
+        tables.to(DEVICE),
+        per,
+        visible.to(DEVICE),
+        n_out,
+    ).cpu()
     for seq, n in enumerate(visible.tolist()):
         want = ops.index_scores(q[seq].view(1, 1, h, d), keys[seq].unsqueeze(0), w[seq].view(1, 1, h))[0, 0]
         assert torch.equal(got[seq, :n], want), seq
@@ -72,14 +80,22 @@ def test_the_paged_scan_runs_the_kernel_with_the_reference_bits():
     visible = torch.tensor([37, 19])
     for seq, n in enumerate(visible.tolist()):
         k = fp4_qdq(torch.randn(n, cfg.index_head_dim, generator=g), FP4_BLOCK, "ue8m0").bfloat16()
-        pool.write(layer, tables[seq], 0, fp4_qdq(torch.randn(n, cfg.head_dim, generator=g), KV_FP4_BLOCK, "e4m3").bfloat16(), k)
+        pool.write(
+            layer,
+            tables[seq],
+            0,
+            fp4_qdq(torch.randn(n, cfg.head_dim, generator=g), KV_FP4_BLOCK, "e4m3").bfloat16(),
+            k,
+        )
     h, d = cfg.index_n_heads, cfg.index_head_dim
     q = fp4_qdq(torch.randn(2, 1, h, d, generator=g), FP4_BLOCK, "ue8m0").bfloat16()
     w = torch.randn(2, 1, h, generator=g).bfloat16()
     pages = pool.pages(layer)
     want = ops.paged_index_scores(q, w, pages, tables, visible, fast=False)
-    on = ops.PagedCache(*(t.to(DEVICE) for t in (pages.kv_codes, pages.kv_scale, pages.key_codes, pages.key_scale)),
-                        pages.entries_per_block)
+    on = ops.PagedCache(
+        *(t.to(DEVICE) for t in (pages.kv_codes, pages.kv_scale, pages.key_codes, pages.key_scale)),
+        pages.entries_per_block,
+    )
     got = ops.paged_index_scores(q.to(DEVICE), w.to(DEVICE), on, tables.to(DEVICE), visible.to(DEVICE), fast=True).cpu()
     assert got.shape == want.shape == (2, 1, 37)
     assert torch.equal(got, want)
@@ -96,9 +112,9 @@ def test_sparse_attn_decode_matches_the_reference(n_idx):
     idx = torch.randint(0, n, (b, 1, n_idx), generator=g, dtype=torch.int32)
     idx[0, 0, 5:40] = -1  # holes
     idx[2] = -1  # a row with nothing to attend: the reference gives 0
-    want = sparse_attn(q, kv, sink, idx, d ** -0.5)
-    got = tk.sparse_attn_decode(q.to(DEVICE), kv.to(DEVICE), sink.to(DEVICE), idx.to(DEVICE), d ** -0.5).cpu()
+    want = sparse_attn(q, kv, sink, idx, d**-0.5)
+    got = tk.sparse_attn_decode(q.to(DEVICE), kv.to(DEVICE), sink.to(DEVICE), idx.to(DEVICE), d**-0.5).cpu()
     assert torch.equal(got[2], want[2]) and not got[2].any()
     assert torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1e-2)
     # closer than the bf16 output rounding on almost every value
-    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7 + 1e-6).float().mean() > 0.99
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-6).float().mean() > 0.99

@@ -80,19 +80,19 @@ def test_headwise_blocks_orthogonal_and_independent():
     u = torch.randn(heads * d, cols, generator=g)
     o = muon_direction(u, heads=heads)
     for h in range(heads):
-        block = o[h * d:(h + 1) * d] / (0.18 * math.sqrt(max(d, cols)))
+        block = o[h * d : (h + 1) * d] / (0.18 * math.sqrt(max(d, cols)))
         s = torch.linalg.svdvals(block.double())
         assert s.min() >= 0.99 and s.max() <= 1.01
     # equal to orthogonalising each block on its own
     for h in range(heads):
-        torch.testing.assert_close(o[h * d:(h + 1) * d], muon_direction(u[h * d:(h + 1) * d]))
+        torch.testing.assert_close(o[h * d : (h + 1) * d], muon_direction(u[h * d : (h + 1) * d]))
     # changing head 1's gradient leaves the other heads' updates unchanged ...
     u2 = u.clone()
-    u2[d:2 * d] = torch.randn(d, cols, generator=g)
+    u2[d : 2 * d] = torch.randn(d, cols, generator=g)
     o2 = muon_direction(u2, heads=heads)
     for h in (0, 2, 3):
-        assert torch.equal(o[h * d:(h + 1) * d], o2[h * d:(h + 1) * d])
-    assert not torch.allclose(o[d:2 * d], o2[d:2 * d])
+        assert torch.equal(o[h * d : (h + 1) * d], o2[h * d : (h + 1) * d])
+    assert not torch.allclose(o[d : 2 * d], o2[d : 2 * d])
     # ... which full-matrix Muon does not do
     assert not torch.allclose(muon_direction(u)[:d], muon_direction(u2)[:d], atol=1e-4)
     # head_dim is the same as heads; heads=1 is plain Muon; permuting heads permutes blocks

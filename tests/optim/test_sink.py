@@ -77,6 +77,7 @@ def test_update_rms_is_gamma_and_deterministic():
         p.grad = torch.randn(128, 64, generator=torch.Generator().manual_seed(4))
         opt.step()
         return p.detach().clone()
+
     a, b = run(), run()
     assert torch.equal(a, b)
     assert abs(a.pow(2).mean().sqrt().item() / 0.18 - 1) < 1e-3

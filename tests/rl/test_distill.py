@@ -2,8 +2,6 @@
 tiny vocabulary, the gradient moves the student towards the teacher, no gradient reaches the teacher;
 and a distillation step through the learner on the student's own engine samples."""
 
-import itertools
-
 import torch
 
 from dsv41.config import tiny

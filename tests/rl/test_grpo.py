@@ -6,8 +6,16 @@ import math
 import pytest
 import torch
 
-from dsv41.rl.grpo import (GRPOConfig, grpo_loss, length_coefficient, length_penalty, reward, shared_push,
-                           style_gaps, subgroup_advantages)
+from dsv41.rl.grpo import (
+    GRPOConfig,
+    grpo_loss,
+    length_coefficient,
+    length_penalty,
+    reward,
+    shared_push,
+    style_gaps,
+    subgroup_advantages,
+)
 
 
 def test_length_penalty_follows_the_formula_and_weakens_with_effort():
@@ -42,8 +50,7 @@ def test_unscaled_advantages_keep_the_reward_units():
     # where std scaling gives both the same magnitude
     rewards = [0.0, 1.0, 0.0, 2.0]
     groups = [("a", 25)] * 2 + [("a", 100)] * 2
-    torch.testing.assert_close(subgroup_advantages(rewards, groups, scale="none"),
-                               torch.tensor([-0.5, 0.5, -1.0, 1.0]))
+    torch.testing.assert_close(subgroup_advantages(rewards, groups, scale="none"), torch.tensor([-0.5, 0.5, -1.0, 1.0]))
     torch.testing.assert_close(subgroup_advantages(rewards, groups, 1e-12), torch.tensor([-1.0, 1.0, -1.0, 1.0]))
     with pytest.raises(ValueError, match="scale"):
         subgroup_advantages(rewards, groups, scale="batch")
@@ -95,8 +102,14 @@ def test_kl_estimate_and_its_gradient_match_the_exact_kl():
     w = old.exp()
     kls, losses = [], []
     for i in range(5):
-        parts = grpo_loss(logp[i].view(1, 1), old[i].view(1, 1), ref[i].view(1, 1), torch.zeros(1),
-                          torch.ones(1, 1, dtype=torch.bool), cfg)
+        parts = grpo_loss(
+            logp[i].view(1, 1),
+            old[i].view(1, 1),
+            ref[i].view(1, 1),
+            torch.zeros(1),
+            torch.ones(1, 1, dtype=torch.bool),
+            cfg,
+        )
         kls.append(parts.kl)
         losses.append(parts.loss)
     expected_kl = (w * torch.stack(kls)).sum()
@@ -144,8 +157,9 @@ def test_style_gaps_and_the_shared_push_against_hand_sums():
     for b in (25, 50, 100):  # uncapped: the grade gap minus k(b) times the length gap over L_norm
         assert gaps[b] == pytest.approx(0.53 - 1.6 * math.exp(-(b - 25) / 15) * 13 / 13)
     assert gaps[25] < 0 < gaps[50] < gaps[100]
-    capped = style_gaps((0.92, 21.5), (0.39, 8.5), GRPOConfig(efforts=(25, 100), k0=0.5, tau=25.0, c_max=2.6,
-                                                               l_norm=2.5))
+    capped = style_gaps(
+        (0.92, 21.5), (0.39, 8.5), GRPOConfig(efforts=(25, 100), k0=0.5, tau=25.0, c_max=2.6, l_norm=2.5)
+    )
     assert capped[25] == pytest.approx(0.53 - 2.6 + 0.5 * 8.5 / 2.5)  # the long reply hits the cap
     shares = {25: 0.6, 50: 0.5, 100: 0.2}
     expected = 0.24 * gaps[25] + 0.25 * gaps[50] + 0.16 * gaps[100]

@@ -14,9 +14,21 @@ import torch.distributed as dist
 from dsv41.rl.trainer import RLConfig, RLTrainer, parse_teachers
 from dsv41.weights import load_model
 
-FAST = dict(model="tiny", steps=2, prompts_per_step=2, efforts="25,100", group_size=2, max_new_tokens=6,
-            eval_every=2, eval_prompts=2, eval_samples=1, grader="local", max_num_seqs=16, minibatches=2,
-            threads=1)
+FAST = dict(
+    model="tiny",
+    steps=2,
+    prompts_per_step=2,
+    efforts="25,100",
+    group_size=2,
+    max_new_tokens=6,
+    eval_every=2,
+    eval_prompts=2,
+    eval_samples=1,
+    grader="local",
+    max_num_seqs=16,
+    minibatches=2,
+    threads=1,
+)
 
 
 def _rows(out):
@@ -85,8 +97,11 @@ def test_a_distillation_run_lowers_nothing_it_should_not(tmp_path):
         assert torch.equal(a, b), name  # the teacher in the trainer did not train
     assert {f: (ckpt / f).read_bytes() for f in on_disk} == on_disk
     student = trainer.policy.policy.eval()
-    moved = [n for (n, a), b in zip(student.state_dict().items(), student0.state_dict().values())
-             if a.is_floating_point() and not torch.equal(a, b)]
+    moved = [
+        n
+        for (n, a), b in zip(student.state_dict().items(), student0.state_dict().values())
+        if a.is_floating_point() and not torch.equal(a, b)
+    ]
     assert len(moved) > 10
     kl_after = _reverse_kl(student, teacher, ids)
     assert kl_after < kl_before, (kl_before, kl_after)  # 0.0262 -> 0.0253
@@ -104,15 +119,52 @@ def test_bad_configs_are_refused():
 
 
 def _cli(out, nproc, prompts, model="tiny", steps=2, extra=()):
-    args = ["rl", "grpo", "--model", str(model), "--out", str(out), "--steps", str(steps),
-            "--prompts-per-step", str(prompts), "--efforts", "25,100", "--group-size", "2", "--max-new-tokens", "6",
-            "--eval-every", "2", "--eval-prompts", "2", "--eval-samples", "1", "--grader", "local",
-            "--max-num-seqs", "16", "--minibatches", "1", "--threads", "1", *extra]
+    args = [
+        "rl",
+        "grpo",
+        "--model",
+        str(model),
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "--prompts-per-step",
+        str(prompts),
+        "--efforts",
+        "25,100",
+        "--group-size",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--eval-every",
+        "2",
+        "--eval-prompts",
+        "2",
+        "--eval-samples",
+        "1",
+        "--grader",
+        "local",
+        "--max-num-seqs",
+        "16",
+        "--minibatches",
+        "1",
+        "--threads",
+        "1",
+        *extra,
+    ]
     if nproc == 1:
         cmd = [sys.executable, "-m", "dsv41.cli", *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "dsv41.cli", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "dsv41.cli",
+            *args,
+        ]
     done = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return _rows(out)
@@ -196,8 +248,10 @@ def test_rollouts_and_sandboxes_on_two_ray_workers(tmp_path):
     pytest.importorskip("ray")
     import ray
 
-    cfg = RLConfig(out=str(tmp_path / "ray"), **{**FAST, "steps": 1, "task": "mixed", "grader": "sandbox",
-                                                  "rollout_workers": 2, "sandbox_workers": 2})
+    cfg = RLConfig(
+        out=str(tmp_path / "ray"),
+        **{**FAST, "steps": 1, "task": "mixed", "grader": "sandbox", "rollout_workers": 2, "sandbox_workers": 2},
+    )
     trainer = RLTrainer(cfg)
     try:
         where = trainer.workers.where()
@@ -210,7 +264,10 @@ def test_rollouts_and_sandboxes_on_two_ray_workers(tmp_path):
 
         task = program_task("train", 0, 0)
         good = "</think>```python\n" + task.answer + "```"
-        assert grade_responses([task, task], [good, "</think>def f(x):\n    while True: pass"], trainer.pool) == [1.0, 0.0]
+        assert grade_responses([task, task], [good, "</think>def f(x):\n    while True: pass"], trainer.pool) == [
+            1.0,
+            0.0,
+        ]
     finally:
         trainer.close()
         ray.shutdown()
@@ -220,11 +277,19 @@ def test_the_effort_summary_counts_each_effort_apart():
     from types import SimpleNamespace
 
     def rollout(effort, grade, length, reasoning):
-        return SimpleNamespace(tag=(0, effort), completion_ids=[1] * length,
-                               values={"grade": grade, "reasons": reasoning, "reward": grade - 0.1})
+        return SimpleNamespace(
+            tag=(0, effort),
+            completion_ids=[1] * length,
+            values={"grade": grade, "reasons": reasoning, "reward": grade - 0.1},
+        )
 
-    rollouts = [rollout(25, 1.0, 4, False), rollout(25, 0.5, 4, False), rollout(25, 1.0, 20, True),
-                rollout(100, 1.0, 20, True), rollout(100, 0.0, 22, True)]
+    rollouts = [
+        rollout(25, 1.0, 4, False),
+        rollout(25, 0.5, 4, False),
+        rollout(25, 1.0, 20, True),
+        rollout(100, 1.0, 20, True),
+        rollout(100, 0.0, 22, True),
+    ]
     host = SimpleNamespace(gcfg=SimpleNamespace(efforts=(25, 100)), distributed=False)
     out = RLTrainer._effort_summary(host, rollouts, "eval")
     assert out["eval_accuracy_25"] == pytest.approx(2 / 3) and out["eval_accuracy_100"] == 0.5
@@ -243,8 +308,31 @@ def test_rl_eval_prints_the_table_per_effort_and_writes_its_json(tmp_path, capsy
     from dsv41.cli import main
 
     out = tmp_path / "eval"
-    assert main(["rl", "eval", "--model", "tiny", "--out", str(out), "--efforts", "25,100", "--eval-prompts", "2",
-                 "--eval-samples", "2", "--max-new-tokens", "6", "--grader", "local", "--threads", "1"]) == 0
+    assert (
+        main(
+            [
+                "rl",
+                "eval",
+                "--model",
+                "tiny",
+                "--out",
+                str(out),
+                "--efforts",
+                "25,100",
+                "--eval-prompts",
+                "2",
+                "--eval-samples",
+                "2",
+                "--max-new-tokens",
+                "6",
+                "--grader",
+                "local",
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     result = json.load(open(out / "eval.json"))
     assert result["eval_samples"] == 2 * 2 * 2
@@ -257,15 +345,45 @@ def test_rl_eval_prints_the_table_per_effort_and_writes_its_json(tmp_path, capsy
 def test_rl_eval_reports_what_the_penalty_asks_of_each_effort(tmp_path, capsys, monkeypatch):
     from dsv41.cli import main
 
-    summary = {"eval_grade_reasoning": 0.9, "eval_length_reasoning": 20.0, "eval_grade_direct": 0.4,
-               "eval_length_direct": 8.0}
+    summary = {
+        "eval_grade_reasoning": 0.9,
+        "eval_length_reasoning": 20.0,
+        "eval_grade_direct": 0.4,
+        "eval_length_direct": 8.0,
+    }
     for b, share in ((25, 0.5), (100, 0.2)):
-        summary.update({f"eval_accuracy_{b}": 0.5, f"eval_grade_{b}": 0.6, f"eval_length_{b}": 12.0,
-                        f"eval_reasoning_{b}": share})
+        summary.update(
+            {f"eval_accuracy_{b}": 0.5, f"eval_grade_{b}": 0.6, f"eval_length_{b}": 12.0, f"eval_reasoning_{b}": share}
+        )
     monkeypatch.setattr(RLTrainer, "evaluate", lambda self: dict(summary))
     out = tmp_path / "eval"
-    assert main(["rl", "eval", "--model", "tiny", "--out", str(out), "--efforts", "25,100", "--k0", "0.5",
-                 "--tau", "25", "--c-max", "100", "--l-norm", "8", "--grader", "local", "--threads", "1"]) == 0
+    assert (
+        main(
+            [
+                "rl",
+                "eval",
+                "--model",
+                "tiny",
+                "--out",
+                str(out),
+                "--efforts",
+                "25,100",
+                "--k0",
+                "0.5",
+                "--tau",
+                "25",
+                "--c-max",
+                "100",
+                "--l-norm",
+                "8",
+                "--grader",
+                "local",
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     result = json.load(open(out / "eval.json"))
     gap25, gap100 = 0.5 - 0.5 * 12 / 8, 0.5 - 0.5 * math.exp(-3) * 12 / 8  # grade gap - k(b) * length gap / L_norm

@@ -17,15 +17,16 @@ from tests.engine.helpers import prompts
 
 # a window and a selection of 64 (two 64-wide attention blocks, where a lone decode's narrower selection
 # list sums differently from the batched decode's padded one), 16 experts, every tiny block type
-WIDE = tiny().replace(window_size=64, index_topk=64, candidate_topk_blocks=20, n_routed_experts=16,
-                      n_activated_experts=2)
+WIDE = tiny().replace(
+    window_size=64, index_topk=64, candidate_topk_blocks=20, n_routed_experts=16, n_activated_experts=2
+)
 
 
 def _old(rollouts):
     width = max(len(r.logprobs) for r in rollouts)
     out = torch.zeros(len(rollouts), width)
     for i, r in enumerate(rollouts):
-        out[i, :len(r.logprobs)] = torch.tensor(r.logprobs)
+        out[i, : len(r.logprobs)] = torch.tensor(r.logprobs)
     return out
 
 
@@ -115,8 +116,10 @@ def test_after_an_update_engine_and_learner_still_agree(setup):
 def test_record_routing_needs_a_replayable_engine():
     model = init_random_weights(Transformer(tiny()), seed=1)
     tok = ByteTokenizer(tiny().vocab_size)
-    for bad, match in ((dict(prefill_mode="bounded", enable_prefix_caching=False), "prefill_mode"),
-                       (dict(prefill_mode="full", enable_prefix_caching=True), "prefix_caching")):
+    for bad, match in (
+        (dict(prefill_mode="bounded", enable_prefix_caching=False), "prefill_mode"),
+        (dict(prefill_mode="full", enable_prefix_caching=True), "prefix_caching"),
+    ):
         with pytest.raises(ValueError, match=match):
             LLMEngine(model, tok, EngineConfig(record_routing=True, **bad))
     with pytest.raises(ValueError, match="record_routing"):

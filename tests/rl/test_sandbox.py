@@ -32,21 +32,22 @@ from dsv41.rl.sandbox import (
 
 AS_ROOT = os.geteuid() == 0
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SMALL = SandboxLimits(cpu_time_s=1, wall_time_s=3, memory_bytes=256 << 20, file_size_bytes=1 << 20,
-                      max_processes=8)
+SMALL = SandboxLimits(cpu_time_s=1, wall_time_s=3, memory_bytes=256 << 20, file_size_bytes=1 << 20, max_processes=8)
 GRACE_S = 2.5  # wall limit + the launcher's stop grace + cleanup, on a loaded 2-core machine
 
 INFINITE_LOOP = "while True:\n    pass\n"
 # A session-escaping sleeper first (it must be killed too), then the bomb. The sleeper prints its pid (the
 # sandbox has no pid namespace, so it is the host's pid), so its end can be checked as any user.
-FORK_BOMB = ("import os, time\n"
-             "if os.fork() == 0:\n"
-             "    os.setsid()\n"
-             "    print('sleeper', os.getpid(), flush=True)\n"
-             "    time.sleep(60)\n"
-             "    os._exit(0)\n"
-             "while True:\n"
-             "    os.fork()\n")
+FORK_BOMB = (
+    "import os, time\n"
+    "if os.fork() == 0:\n"
+    "    os.setsid()\n"
+    "    print('sleeper', os.getpid(), flush=True)\n"
+    "    time.sleep(60)\n"
+    "    os._exit(0)\n"
+    "while True:\n"
+    "    os.fork()\n"
+)
 MEMORY_HOG = "x = bytearray(2 * 1024 ** 3)\nprint(len(x))\n"
 FILE_BOMB = "with open('big.bin', 'wb') as f:\n    f.write(b'x' * (100 << 20))\n"
 
@@ -106,12 +107,14 @@ def test_limits_are_validated():
 
 
 def test_normal_program_output_files_stdin_and_cleanup():
-    code = ("import os, sys, helper\n"
-            "print('cwd', os.getcwd())\n"
-            "print(open('data/in.txt').read())\n"
-            "print('helper', helper.VALUE)\n"
-            "print('stdin', len(sys.stdin.read()))\n"
-            "print('warn', file=sys.stderr)\n")
+    code = (
+        "import os, sys, helper\n"
+        "print('cwd', os.getcwd())\n"
+        "print(open('data/in.txt').read())\n"
+        "print('helper', helper.VALUE)\n"
+        "print('stdin', len(sys.stdin.read()))\n"
+        "print('warn', file=sys.stderr)\n"
+    )
     result = run_python(code, stdin="z" * 1_000_000, files={"data/in.txt": "hello", "helper.py": "VALUE = 7"})
     assert result.ok and result.passed and result.status == "ok" and result.exit_code == 0
     lines = result.stdout.splitlines()
@@ -171,8 +174,11 @@ def test_filesystem_outside_the_sandbox_is_denied(tmp_path):
     os.chmod(tmp_path, 0o755)  # readable for everyone: only the sandbox may stop the program
     os.chmod(secret_file, 0o644)
     escape = str(tmp_path / "escaped.txt")
-    targets = {"secret": str(secret_file), "readme": os.path.join(REPO_ROOT, "README.md"),
-               "this_test": os.path.abspath(__file__)}
+    targets = {
+        "secret": str(secret_file),
+        "readme": os.path.join(REPO_ROOT, "README.md"),
+        "this_test": os.path.abspath(__file__),
+    }
     code = f"""
 import ctypes, json, os
 targets = {targets!r}
@@ -309,8 +315,7 @@ print(json.dumps(report))
 
 def test_output_is_truncated_but_drained():
     limits = SandboxLimits(max_output_bytes=64 * 1024)
-    result = run_python("import sys\nsys.stdout.write('x' * 10_000_000)\nprint('done', file=sys.stderr)",
-                        limits=limits)
+    result = run_python("import sys\nsys.stdout.write('x' * 10_000_000)\nprint('done', file=sys.stderr)", limits=limits)
     assert result.status == "ok"
     assert result.stdout_truncated and not result.stderr_truncated
     assert len(result.stdout) <= limits.max_output_bytes and set(result.stdout) == {"x"}
@@ -348,10 +353,12 @@ def test_grade_program_partial_credit_and_forgery():
     score, result = grade_program(solution, tests, limits=SMALL)
     assert score == pytest.approx(2 / 3) and result.ok
 
-    forger = ("import json\n"
-              "for marker in ('', 'x'):\n"
-              "    print(json.dumps({'marker': marker, 'passed': 3, 'total': 3}))\n"
-              "def f(x):\n    return 0\n")
+    forger = (
+        "import json\n"
+        "for marker in ('', 'x'):\n"
+        "    print(json.dumps({'marker': marker, 'passed': 3, 'total': 3}))\n"
+        "def f(x):\n    return 0\n"
+    )
     score, _ = grade_program(forger, tests, limits=SMALL)
     assert score == 0.0
 
@@ -360,9 +367,11 @@ def test_grade_program_partial_credit_and_forgery():
 
 
 def test_grade_programs_through_a_pool(pool):
-    items = [("def f(x):\n    return x + 1\n", ["assert f(1) == 2", "assert f(2) == 3"]),
-             (INFINITE_LOOP, ["True"]),
-             ("def f(x):\n    return x\n", ["assert f(1) == 2", "assert f(2) == 2"])]
+    items = [
+        ("def f(x):\n    return x + 1\n", ["assert f(1) == 2", "assert f(2) == 3"]),
+        (INFINITE_LOOP, ["True"]),
+        ("def f(x):\n    return x\n", ["assert f(1) == 2", "assert f(2) == 2"]),
+    ]
     scores = [s for s, _ in grade_programs(items, pool)]
     assert scores == [1.0, 0.0, 0.5]
 
@@ -370,8 +379,7 @@ def test_grade_programs_through_a_pool(pool):
 def test_ray_pool_maps_in_order_on_distinct_slots():
     ray = pytest.importorskip("ray")
     was_initialized = ray.is_initialized()
-    tasks = [INFINITE_LOOP, "print('a')", "print('b')", {"code": "import sys\nprint(sys.stdin.read())",
-                                                         "stdin": "c"}]
+    tasks = [INFINITE_LOOP, "print('a')", "print('b')", {"code": "import sys\nprint(sys.stdin.read())", "stdin": "c"}]
     rpool = RaySandboxPool(num_workers=2, limits=SMALL, slot_offset=40)
     try:
         results = rpool.map(tasks)
@@ -679,8 +687,9 @@ print(json.dumps(report))
     assert report["thread"] == [1] and report["fork"] == 7
 
 
-@pytest.mark.parametrize("layer", ["cgroup", "network_namespace", "ipc_namespace", "workdir_tmpfs", "landlock",
-                                   "seccomp"])
+@pytest.mark.parametrize(
+    "layer", ["cgroup", "network_namespace", "ipc_namespace", "workdir_tmpfs", "landlock", "seccomp"]
+)
 def test_refuses_untrusted_code_when_a_layer_is_missing(monkeypatch, layer):
     """On main a run without Landlock or a network namespace went ahead on the audit hook alone (which
     _posixsubprocess.fork_exec bypasses). Each layer is made to fail in turn: the program must not run,
@@ -701,8 +710,18 @@ def test_every_layer_is_in_force_by_default():
     result = run_python("print('ok')", limits=SMALL)
     assert result.ok
     iso = result.isolation
-    for layer in ("cgroup", "network_namespace", "ipc_namespace", "mount_namespace", "workdir_tmpfs", "landlock",
-                  "seccomp", "rlimits", "audit_hook", "leftovers_killed"):
+    for layer in (
+        "cgroup",
+        "network_namespace",
+        "ipc_namespace",
+        "mount_namespace",
+        "workdir_tmpfs",
+        "landlock",
+        "seccomp",
+        "rlimits",
+        "audit_hook",
+        "leftovers_killed",
+    ):
         assert iso[layer] is True, (layer, iso)
     assert "missing" not in iso and iso["audit_hook_strict"] is False
 
@@ -739,16 +758,21 @@ def test_a_program_that_kills_its_launcher_does_not_break_the_next_run_on_its_sl
     BlockingIOError") when it came first (seen after the socket-buffer test, whose OOM kill took the
     launcher while it was still inside the cgroup). The next run now waits for the reaping, and the
     launcher stays outside the cgroup."""
-    killer = ("import os, time\n"
-              "for i in range(6):\n"
-              "    if os.fork() == 0:\n"
-              "        time.sleep(30)\n"
-              "os.kill(os.getppid(), 9)\n")
+    killer = (
+        "import os, time\n"
+        "for i in range(6):\n"
+        "    if os.fork() == 0:\n"
+        "        time.sleep(30)\n"
+        "os.kill(os.getppid(), 9)\n"
+    )
     slot = 5100
     first = run_python(killer, limits=SMALL, slot=slot)
     assert not first.ok
-    after = run_python("import os\npid = os.fork()\nif pid == 0:\n    os._exit(0)\nos.waitpid(pid, 0)\nprint('forked')",
-                       limits=SMALL, slot=slot)
+    after = run_python(
+        "import os\npid = os.fork()\nif pid == 0:\n    os._exit(0)\nos.waitpid(pid, 0)\nprint('forked')",
+        limits=SMALL,
+        slot=slot,
+    )
     assert after.ok and after.stdout == "forked\n", after
     assert live_processes_of_uid(sandbox_uid(slot)) == []
 
@@ -757,18 +781,20 @@ def test_socketpairs_work_without_network():
     """asyncio's event loop and multiprocessing's duplex pipes use socketpair(): on main the audit hook
     refused every socket object with network=False, so asyncio.run failed. With the seccomp filter in
     force (socket(AF_UNIX) refused by the kernel) an AF_UNIX socket object can only be a socketpair end."""
-    code = ("import asyncio, multiprocessing, socket\n"
-            "print(asyncio.run(asyncio.sleep(0, result=3)))\n"
-            "a, b = multiprocessing.Pipe()\n"
-            "a.send([1, 2]); print(b.recv())\n"
-            "try:\n"
-            "    socket.socket(socket.AF_UNIX)\n"
-            "except OSError as e:\n"
-            "    print(type(e).__name__, e.errno)\n"
-            "try:\n"
-            "    socket.socket()\n"
-            "except OSError as e:\n"
-            "    print(type(e).__name__, e.errno)\n")
+    code = (
+        "import asyncio, multiprocessing, socket\n"
+        "print(asyncio.run(asyncio.sleep(0, result=3)))\n"
+        "a, b = multiprocessing.Pipe()\n"
+        "a.send([1, 2]); print(b.recv())\n"
+        "try:\n"
+        "    socket.socket(socket.AF_UNIX)\n"
+        "except OSError as e:\n"
+        "    print(type(e).__name__, e.errno)\n"
+        "try:\n"
+        "    socket.socket()\n"
+        "except OSError as e:\n"
+        "    print(type(e).__name__, e.errno)\n"
+    )
     result = run_python(code, limits=SMALL)
     assert result.ok, result
     assert result.stdout.splitlines() == ["3", "[1, 2]", "PermissionError 13", "PermissionError 13"], result.stdout

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 from dsv41.cli import main
 from dsv41.rl.sft import IGNORE, EffortTaskText
@@ -18,7 +17,7 @@ def test_samples_carry_the_effort_line_and_train_only_the_reply():
     text = tok.decode(s.ids)
     assert "Reasoning Effort: " in text and "(range 1-100" in text
     assert text.endswith("<｜end▁of▁sentence｜>") and "</think>" + s.answer in text
-    assert tok.decode(s.ids[:s.answer_start]).endswith("<｜Assistant｜><think>")
+    assert tok.decode(s.ids[: s.answer_start]).endswith("<｜Assistant｜><think>")
     batch = data.batch(0, 6)
     for row in range(6):
         trained = batch.y[row] != IGNORE
@@ -38,9 +37,33 @@ def test_samples_carry_the_effort_line_and_train_only_the_reply():
 
 def test_rl_sft_trains_and_writes_a_byte_level_checkpoint(tmp_path, capsys):
     out = tmp_path / "sft"
-    assert main(["rl", "sft", "--preset", "tiny", "--vocab-size", "512", "--out", str(out), "--steps", "2",
-                 "--batch-size", "4", "--seq-len", "192", "--eval-every", "2", "--eval-batches", "1",
-                 "--threads", "1"]) == 0
+    assert (
+        main(
+            [
+                "rl",
+                "sft",
+                "--preset",
+                "tiny",
+                "--vocab-size",
+                "512",
+                "--out",
+                str(out),
+                "--steps",
+                "2",
+                "--batch-size",
+                "4",
+                "--seq-len",
+                "192",
+                "--eval-every",
+                "2",
+                "--eval-batches",
+                "1",
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert rows[-1]["step"] == 2 and "val_accuracy_direct" in rows[-1] and rows[-1]["loss"] > 0
     model = load_model(str(out / "checkpoint"))
@@ -57,12 +80,13 @@ def test_the_echo_task_answers_the_effort_and_the_slope_ties_styles_to_it():
     echoes = [s for s in samples if s.task == "echo"]
     assert 40 <= len(echoes) <= 80  # about 30%
     for s in echoes:
-        prompt, reply = tok.decode(s.ids[:s.answer_start]), tok.decode(s.ids[s.answer_start:])
+        prompt, reply = tok.decode(s.ids[: s.answer_start]), tok.decode(s.ids[s.answer_start :])
         assert f"Reasoning Effort: {s.answer} (" in prompt and "What is your reasoning effort?" in prompt
         assert reply == f"{s.answer}</think>{s.answer}<｜end▁of▁sentence｜>"
     # the default stream is unchanged by the options existing (earlier runs' data)
-    assert [plain.sample(i).ids for i in range(10)] == [EffortTaskText("train", tok, echo=0.0).sample(i).ids
-                                                       for i in range(10)]
+    assert [plain.sample(i).ids for i in range(10)] == [
+        EffortTaskText("train", tok, echo=0.0).sample(i).ids for i in range(10)
+    ]
     # a negative slope: long replies more likely at low effort
     anti = EffortTaskText("train", tok, style_slope=-0.6)
     low = high = low_n = high_n = 0
@@ -87,7 +111,7 @@ def test_the_effort_line_opens_every_reply_with_the_prompt_effort():
     for i in range(30):
         s = data.sample(i)
         b = int(tok.decode(s.ids).split("Reasoning Effort: ")[1].split(" ")[0])
-        reply = tok.decode(s.ids[s.answer_start:])
+        reply = tok.decode(s.ids[s.answer_start :])
         assert reply.startswith(f"{b:03d}\n") and reply.endswith("</think>" + s.answer + "<｜end▁of▁sentence｜>")
         styles.add(s.task)
     assert styles == {"direct", "scratchpad"}
@@ -110,7 +134,7 @@ def test_a_share_of_the_efforts_comes_from_the_rl_set():
         s = mixed.sample(i)
         b = effort(s)
         counts[b] = counts.get(b, 0) + 1
-        assert tok.decode(s.ids[s.answer_start:]).startswith(f"{b:03d}\n")  # the line follows the drawn effort
+        assert tok.decode(s.ids[s.answer_start :]).startswith(f"{b:03d}\n")  # the line follows the drawn effort
     # about 0.4 / 4 + 0.6 / 100 = 10.6% each for the set's efforts, 0.6% for any other
     for b in (25, 50, 75, 100):
         assert 70 <= counts[b] <= 145, (b, counts[b])

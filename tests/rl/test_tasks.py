@@ -5,8 +5,17 @@ import random
 import pytest
 
 from dsv41.rl.sandbox import SandboxPool
-from dsv41.rl.tasks import (arithmetic_grade, arithmetic_task, demonstration, effort_line, final_answer,
-                            grade_responses, program_task, reasons, scratchpad)
+from dsv41.rl.tasks import (
+    arithmetic_grade,
+    arithmetic_task,
+    demonstration,
+    effort_line,
+    final_answer,
+    grade_responses,
+    program_task,
+    reasons,
+    scratchpad,
+)
 
 
 def test_tasks_are_reproducible_and_the_splits_differ():

@@ -53,8 +53,14 @@ class FakeAsyncEngine:
                 self.aborted.append(request_id)
 
     def metrics(self) -> dict:
-        return {"waiting": 0, "running": len(self.running), "kv_usage": 0.25, "prefix_cache_hit_rate": 0.5,
-                "generation_tokens_total": 7, "requests_finished_total": 3}
+        return {
+            "waiting": 0,
+            "running": len(self.running),
+            "kv_usage": 0.25,
+            "prefix_cache_hit_rate": 0.5,
+            "generation_tokens_total": 7,
+            "requests_finished_total": 3,
+        }
 
     async def generate(self, request_id, prompt_token_ids, params, images=None):
         if images:
@@ -74,17 +80,24 @@ class FakeAsyncEngine:
                 if request_id not in self.running:
                     return
                 full = tok.decode(ids[: k + 1])
-                new_text, text = full[len(text):], full
+                new_text, text = full[len(text) :], full
                 finished = k == len(ids) - 1
                 lps = []
                 if params.logprobs is not None:
                     top = [(ids[k], tok.decode([ids[k]]), -0.5), (5, tok.decode([5]), -1.5)][: params.logprobs]
                     lps = [TokenLogprob(ids[k], tok.decode([ids[k]]), -0.5, top)]
-                yield RequestOutput(request_id, [ids[k]], new_text, ids[: k + 1], text, finished=finished,
-                                    finish_reason=("length" if len(ids) == params.max_tokens else "stop")
-                                    if finished else None,
-                                    num_prompt_tokens=len(prompt_token_ids), num_cached_tokens=2,
-                                    new_logprobs=lps)
+                yield RequestOutput(
+                    request_id,
+                    [ids[k]],
+                    new_text,
+                    ids[: k + 1],
+                    text,
+                    finished=finished,
+                    finish_reason=("length" if len(ids) == params.max_tokens else "stop") if finished else None,
+                    num_prompt_tokens=len(prompt_token_ids),
+                    num_cached_tokens=2,
+                    new_logprobs=lps,
+                )
             done = True
         finally:  # like AsyncEngine: leaving the iteration early aborts the request
             if not done:

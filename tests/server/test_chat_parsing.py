@@ -10,9 +10,10 @@ from dsv41.chat.dsml import parse_assistant_output, render_tool_calls
 from dsv41.server.chat import ChatStreamSplitter, parse_chat_output, parse_tool_calls, resolve_thinking
 from dsv41.server.metrics import ServerMetrics
 
-CALLS = [{"type": "function",
-          "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 3})}},
-         {"type": "function", "function": {"name": "now", "arguments": "{}"}}]
+CALLS = [
+    {"type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 3})}},
+    {"type": "function", "function": {"name": "now", "arguments": "{}"}},
+]
 TURNS = [
     # (thinking, completion text)
     (True, "Let me look it up.</think>Checking.\n\n" + render_tool_calls(CALLS)),
@@ -30,7 +31,7 @@ def _stream(text, thinking, tools, rng):
     pieces, i = [], 0
     while i < len(text):
         n = rng.randint(1, 6)
-        pieces += sp.feed(text[i:i + n])
+        pieces += sp.feed(text[i : i + n])
         i += n
     pieces += sp.finish()
     reasoning = "".join(t for k, t in pieces if k == "reasoning")
@@ -67,7 +68,7 @@ def test_without_tools_dsml_stays_text_and_malformed_calls_are_not_lost():
     text = "Hi\n\n" + render_tool_calls(CALLS[:1])
     out = parse_chat_output(text, thinking=False, tools=False)
     assert out.tool_calls == [] and out.content == text
-    broken = "Hi\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"x\">\n"  # cut off by max_tokens
+    broken = 'Hi\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="x">\n'  # cut off by max_tokens
     out = parse_chat_output(broken, thinking=False, tools=True)
     assert out.tool_calls == [] and out.content == broken
     assert parse_tool_calls(broken[4:]) == []
@@ -94,8 +95,15 @@ def test_resolve_thinking():
 def test_metrics_exposition():
     """Rendered by prometheus_client and read back with its parser: engine figures under their names and
     types, the server's counters and histograms."""
-    engine = {"waiting": 3, "running": 2, "kv_usage": 0.125, "generation_tokens_total": 40,
-              "new_thing_total": 5, "new_gauge": 1.5, "label": "ignored"}
+    engine = {
+        "waiting": 3,
+        "running": 2,
+        "kv_usage": 0.125,
+        "generation_tokens_total": 40,
+        "new_thing_total": 5,
+        "new_gauge": 1.5,
+        "label": "ignored",
+    }
     m = ServerMetrics(lambda: engine)
     m.response("/v1/completions", 200)
     m.response("/v1/completions", 200)

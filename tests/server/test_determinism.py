@@ -7,6 +7,7 @@ import time
 
 import httpx
 import pytest
+
 from dsv41.engine import EngineConfig, build_engine
 from dsv41.server import create_app
 from dsv41.server.run import ServerThread
@@ -24,8 +25,11 @@ def tied_server():
 
 
 def _complete(srv, prompt: str) -> str:
-    r = httpx.post(srv.base_url + "/v1/completions", timeout=120,
-                   json={"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+    r = httpx.post(
+        srv.base_url + "/v1/completions",
+        timeout=120,
+        json={"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True},
+    )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 
@@ -51,7 +55,10 @@ def test_solo_batched_staggered_and_repeated_requests_agree(tied_server):
     assert _concurrently(tied_server, PROMPTS, stagger=0.05) == solo
     repeated = _concurrently(tied_server, [PROMPTS[2]] * 6)
     assert repeated == [solo[2]] * 6
-    cached = httpx.post(tied_server.base_url + "/v1/completions", timeout=60,
-                        json={"prompt": PROMPTS[2], "max_tokens": 24, "temperature": 0, "ignore_eos": True}).json()
+    cached = httpx.post(
+        tied_server.base_url + "/v1/completions",
+        timeout=60,
+        json={"prompt": PROMPTS[2], "max_tokens": 24, "temperature": 0, "ignore_eos": True},
+    ).json()
     assert cached["choices"][0]["text"] == solo[2]
     assert cached["usage"]["prompt_tokens_details"]["cached_tokens"] == cached["usage"]["prompt_tokens"]

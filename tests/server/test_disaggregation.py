@@ -53,8 +53,13 @@ def test_disaggregated_equals_colocated(workers):
     own colocated answer (same engine settings, its ordinary route, no hand-off). The prompt (~160 byte
     tokens) spans many 8-token windows and odd positions."""
     prefill, decode, engine = workers
-    kw = dict(model=engine.model_name, prompt=PROMPT, max_tokens=10, temperature=0,
-              extra_body={"ignore_eos": True, "return_token_ids": True})
+    kw = dict(
+        model=engine.model_name,
+        prompt=PROMPT,
+        max_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     with _router([prefill.base_url], [decode.base_url]) as router:
         direct, front = _client(decode), _client(router)
         want = direct.completions.create(**kw)
@@ -66,13 +71,20 @@ def test_disaggregated_equals_colocated(workers):
         assert streamed == want.choices[0].text
         # two seeded sampled choices start from copies of one hand-off and draw what colocated choices draw
         sampled = dict(kw, temperature=0.8, seed=7, n=2, max_tokens=5)
-        assert [c.text for c in front.completions.create(**sampled).choices] == \
-            [c.text for c in direct.completions.create(**sampled).choices]
-        chat = dict(model=engine.model_name, messages=[{"role": "user", "content": PROMPT}], max_tokens=8,
-                    temperature=0, extra_body={"ignore_eos": True})
+        assert [c.text for c in front.completions.create(**sampled).choices] == [
+            c.text for c in direct.completions.create(**sampled).choices
+        ]
+        chat = dict(
+            model=engine.model_name,
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=8,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         want_chat = direct.chat.completions.create(**chat).choices[0].message.content
-        parts = [c.choices[0].delta.content or "" for c in front.chat.completions.create(**chat, stream=True)
-                 if c.choices]
+        parts = [
+            c.choices[0].delta.content or "" for c in front.chat.completions.create(**chat, stream=True) if c.choices
+        ]
         assert "".join(parts) == want_chat
         stats = httpx.get(router.base_url + "/stats").json()
         assert stats["handoffs"] == 4 and stats["handoff_bytes"] > 0 and stats["reprefills"] == 0
@@ -102,32 +114,45 @@ class Corrupting(HttpTransport):
 def test_corrupt_handoff_is_caught(workers):
     prefill, decode, engine = workers
     # straight to the decode worker: 422 naming the block; an unknown id: 422 handoff_missing
-    data = httpx.post(prefill.base_url + "/internal/prefill/v1/completions", timeout=60,
-                      json={"model": engine.model_name, "prompt": PROMPT, "max_tokens": 2}).content
+    data = httpx.post(
+        prefill.base_url + "/internal/prefill/v1/completions",
+        timeout=60,
+        json={"model": engine.model_name, "prompt": PROMPT, "max_tokens": 2},
+    ).content
     bad = bytearray(data)
     bad[-100] ^= 0x01
     r = httpx.post(decode.base_url + "/internal/handoff", content=bytes(bad), timeout=60)
     assert r.status_code == 422 and r.json()["error"]["code"] == "handoff_corrupt"
     assert "checksum mismatch" in r.json()["error"]["message"] and "block '" in r.json()["error"]["message"]
-    r = httpx.post(decode.base_url + "/internal/handoff", content=data[:len(data) // 3], timeout=60)
+    r = httpx.post(decode.base_url + "/internal/handoff", content=data[: len(data) // 3], timeout=60)
     assert r.status_code == 422 and "truncated" in r.json()["error"]["message"]
     r = httpx.post(decode.base_url + "/internal/handoff", content=data + bytes(max_handoff_bytes(engine)), timeout=60)
     assert r.status_code == 413
     # with an API key the internal routes need it too (the same engine thread: nothing runs twice)
-    keyed = create_app(engine, decode.server.config.app.state.server.async_engine, api_key="k",
-                       disaggregation_mode="decode")
+    keyed = create_app(
+        engine, decode.server.config.app.state.server.async_engine, api_key="k", disaggregation_mode="decode"
+    )
     with ServerThread(keyed) as srv:
         assert httpx.post(srv.base_url + "/internal/handoff", content=data, timeout=60).status_code == 401
-        r = httpx.post(srv.base_url + "/internal/handoff", content=data, timeout=60,
-                       headers={"Authorization": "Bearer k"})
+        r = httpx.post(
+            srv.base_url + "/internal/handoff", content=data, timeout=60, headers={"Authorization": "Bearer k"}
+        )
         assert r.status_code == 200 and r.json()["tokens"] > 0
-    r = httpx.post(decode.base_url + "/v1/completions", headers={"X-DSV41-Handoff": "nope"}, timeout=60,
-                   json={"model": engine.model_name, "prompt": PROMPT, "max_tokens": 2})
+    r = httpx.post(
+        decode.base_url + "/v1/completions",
+        headers={"X-DSV41-Handoff": "nope"},
+        timeout=60,
+        json={"model": engine.model_name, "prompt": PROMPT, "max_tokens": 2},
+    )
     assert r.status_code == 422 and r.json()["error"]["code"] == "handoff_missing"
     # a hand-off made for another prompt is refused by the decode worker's own tokenization
     hid = httpx.post(decode.base_url + "/internal/handoff", content=data, timeout=60).json()["handoff_id"]
-    r = httpx.post(decode.base_url + "/v1/completions", headers={"X-DSV41-Handoff": hid}, timeout=60,
-                   json={"model": engine.model_name, "prompt": PROMPT + "!", "max_tokens": 2})
+    r = httpx.post(
+        decode.base_url + "/v1/completions",
+        headers={"X-DSV41-Handoff": hid},
+        timeout=60,
+        json={"model": engine.model_name, "prompt": PROMPT + "!", "max_tokens": 2},
+    )
     assert r.status_code == 422 and r.json()["error"]["code"] == "handoff_mismatch"
 
     kw = dict(model=engine.model_name, prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
@@ -145,10 +170,32 @@ def test_corrupt_handoff_is_caught(workers):
 def _spawn_decode_worker(port):
     env = dict(os.environ, PYTHONPATH=ROOT)
     code = "import sys; from dsv41.cli import main; sys.exit(main(sys.argv[1:]))"
-    return subprocess.Popen([sys.executable, "-c", code, "serve", "tiny", "--disaggregation-mode", "decode",
-                             "--port", str(port), "--kv-pool-tokens", "8192", "--max-model-len", "1024",
-                             "--fused-kernels", "off", "--log-level", "warning", "--threads", "1"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "serve",
+            "tiny",
+            "--disaggregation-mode",
+            "decode",
+            "--port",
+            str(port),
+            "--kv-pool-tokens",
+            "8192",
+            "--max-model-len",
+            "1024",
+            "--fused-kernels",
+            "off",
+            "--log-level",
+            "warning",
+            "--threads",
+            "1",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def _wait_healthy(url, proc, timeout=120):
@@ -172,8 +219,14 @@ def test_killed_decode_worker_fails_fast_and_the_rest_serve(workers):
     try:
         _wait_healthy(doomed, proc)
         with _router([prefill.base_url], [doomed, decode.base_url], timeout_s=30) as router:
-            body = {"model": engine.model_name, "prompt": PROMPT, "max_tokens": 400, "temperature": 0,
-                    "ignore_eos": True, "stream": True}
+            body = {
+                "model": engine.model_name,
+                "prompt": PROMPT,
+                "max_tokens": 400,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
             events, t_kill = [], None
             with httpx.stream("POST", router.base_url + "/v1/completions", json=body, timeout=60) as r:
                 assert r.status_code == 200  # round robin: the first request goes to the first decode worker
@@ -189,8 +242,9 @@ def test_killed_decode_worker_fails_fast_and_the_rest_serve(workers):
             err = json.loads(events[-2])["error"]
             assert err["code"] == "decode_worker_failed" and doomed in err["message"]
             # the router goes on with the live worker and reports the dead one
-            out = _client(router).completions.create(model=engine.model_name, prompt="Hello", max_tokens=3,
-                                                     temperature=0, extra_body={"ignore_eos": True})
+            out = _client(router).completions.create(
+                model=engine.model_name, prompt="Hello", max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+            )
             assert out.usage.completion_tokens == 3
             health = httpx.get(router.base_url + "/health", timeout=10)
             assert health.status_code == 200
@@ -198,8 +252,11 @@ def test_killed_decode_worker_fails_fast_and_the_rest_serve(workers):
         with _router([prefill.base_url], [doomed], timeout_s=30) as router:  # nothing left: 503 at once
             t0 = time.monotonic()
             assert httpx.get(router.base_url + "/health", timeout=10).status_code == 503
-            r = httpx.post(router.base_url + "/v1/completions", timeout=30,
-                           json={"model": engine.model_name, "prompt": "Hi", "max_tokens": 2})
+            r = httpx.post(
+                router.base_url + "/v1/completions",
+                timeout=30,
+                json={"model": engine.model_name, "prompt": "Hi", "max_tokens": 2},
+            )
             assert r.status_code == 503 and r.json()["error"]["code"] == "no_worker"
             assert time.monotonic() - t0 < 10
     finally:
@@ -218,8 +275,21 @@ def test_cli_refusals_are_one_line(capsys):
     assert "must start with http://" in capsys.readouterr().err
     with pytest.raises(ValueError, match="at least one --prefill and one --decode"):
         RouterConfig([], ["http://127.0.0.1:8002"]).validate()
-    assert main(["serve", "tiny", "--disaggregation-mode", "decode", "--data-parallel-size", "2",
-                 "--expert-parallel-size", "3"]) == 2
+    assert (
+        main(
+            [
+                "serve",
+                "tiny",
+                "--disaggregation-mode",
+                "decode",
+                "--data-parallel-size",
+                "2",
+                "--expert-parallel-size",
+                "3",
+            ]
+        )
+        == 2
+    )
     assert "--expert-parallel-size" in capsys.readouterr().err
 
 
@@ -240,27 +310,42 @@ def test_images_through_the_router():
     picture.paste((10, 10, 250), (20, 20, 60, 60))
     other = Image.new("RGB", (100, 84), (20, 140, 10))
     decode_engine = engine()
-    with ServerThread(create_app(engine(), disaggregation_mode="prefill")) as prefill, \
-            ServerThread(create_app(decode_engine, disaggregation_mode="decode")) as decode, \
-            _router([prefill.base_url], [decode.base_url]) as router:
-        kw = dict(model=decode_engine.model_name, messages=messages(data_url(picture)), max_tokens=8, temperature=0,
-                  logprobs=True, extra_body={"ignore_eos": True})
+    with (
+        ServerThread(create_app(engine(), disaggregation_mode="prefill")) as prefill,
+        ServerThread(create_app(decode_engine, disaggregation_mode="decode")) as decode,
+        _router([prefill.base_url], [decode.base_url]) as router,
+    ):
+        kw = dict(
+            model=decode_engine.model_name,
+            messages=messages(data_url(picture)),
+            max_tokens=8,
+            temperature=0,
+            logprobs=True,
+            extra_body={"ignore_eos": True},
+        )
         want = _client(decode).chat.completions.create(**kw)
         got = _client(router).chat.completions.create(**kw)
         assert got.choices[0].message.content == want.choices[0].message.content
-        assert [t.logprob for t in got.choices[0].logprobs.content] == \
-            [t.logprob for t in want.choices[0].logprobs.content]
+        assert [t.logprob for t in got.choices[0].logprobs.content] == [
+            t.logprob for t in want.choices[0].logprobs.content
+        ]
         assert got.usage.prompt_tokens == want.usage.prompt_tokens
         assert httpx.get(router.base_url + "/stats").json()["handoffs"] == 1
         # the other image's answer differs, so the check below guards something real
         other_kw = dict(kw, messages=messages(data_url(other)))
-        assert _client(decode).chat.completions.create(**other_kw).choices[0].logprobs.content[0].logprob != \
-            want.choices[0].logprobs.content[0].logprob
+        assert (
+            _client(decode).chat.completions.create(**other_kw).choices[0].logprobs.content[0].logprob
+            != want.choices[0].logprobs.content[0].logprob
+        )
         body = {"model": decode_engine.model_name, "messages": messages(data_url(picture)), "max_tokens": 2}
         data = httpx.post(prefill.base_url + "/internal/prefill/v1/chat/completions", json=body, timeout=120).content
         hid = httpx.post(decode.base_url + "/internal/handoff", content=data, timeout=60).json()["handoff_id"]
-        r = httpx.post(decode.base_url + "/v1/chat/completions", headers={"X-DSV41-Handoff": hid}, timeout=60,
-                       json=dict(body, messages=messages(data_url(other))))
+        r = httpx.post(
+            decode.base_url + "/v1/chat/completions",
+            headers={"X-DSV41-Handoff": hid},
+            timeout=60,
+            json=dict(body, messages=messages(data_url(other))),
+        )
         assert r.status_code == 422 and r.json()["error"]["code"] == "handoff_mismatch"
         assert "other images" in r.json()["error"]["message"]
 
@@ -272,15 +357,19 @@ def test_a_conversation_stays_on_its_prefill_worker(workers, policy):
     goes to the idle worker. Round robin (the comparison) sends the second turn to the other worker, which
     computes it all again."""
     _, decode, engine = workers
-    with ServerThread(create_app(_engine(), disaggregation_mode="prefill")) as p0, \
-            ServerThread(create_app(_engine(), disaggregation_mode="prefill")) as p1, \
-            _router([p0.base_url, p1.base_url], [decode.base_url], cache_aware=policy == "cache_aware") as router:
+    with (
+        ServerThread(create_app(_engine(), disaggregation_mode="prefill")) as p0,
+        ServerThread(create_app(_engine(), disaggregation_mode="prefill")) as p1,
+        _router([p0.base_url, p1.base_url], [decode.base_url], cache_aware=policy == "cache_aware") as router,
+    ):
         client = _client(router)
         turn1 = [{"role": "system", "content": "You answer briefly. " * 4}, {"role": "user", "content": PROMPT}]
         kw = dict(model=engine.model_name, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
         first = client.chat.completions.create(messages=turn1, **kw)
-        turn2 = turn1 + [{"role": "assistant", "content": first.choices[0].message.content},
-                         {"role": "user", "content": "And then? Say more about the hand-off."}]
+        turn2 = turn1 + [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "And then? Say more about the hand-off."},
+        ]
         second = client.chat.completions.create(messages=turn2, **kw)
         exported = [httpx.get(p.base_url + "/internal/disaggregation").json()["handoffs_exported"] for p in (p0, p1)]
         cached = second.usage.prompt_tokens_details.cached_tokens

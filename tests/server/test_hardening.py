@@ -37,9 +37,12 @@ def _fake_server(**kw):
 def _stream_tokens(srv, max_tokens, results, key):
     """A streamed completion; records (finish_reason, number of content chunks, error events)."""
     finish, n, errors = None, 0, []
-    with httpx.stream("POST", srv.base_url + "/v1/completions", timeout=120,
-                      json={"prompt": f"story {key}", "max_tokens": max_tokens, "ignore_eos": True,
-                            "stream": True, "temperature": 0}) as r:
+    with httpx.stream(
+        "POST",
+        srv.base_url + "/v1/completions",
+        timeout=120,
+        json={"prompt": f"story {key}", "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "temperature": 0},
+    ) as r:
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -54,8 +57,11 @@ def _stream_tokens(srv, max_tokens, results, key):
 
 def _metric_samples(srv) -> dict:
     text = httpx.get(srv.base_url + "/metrics").text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
 
 
 # ---------------------------------------------------------------------------------------------- item 1
@@ -71,13 +77,20 @@ def test_a_poisoned_request_fails_alone(served, monkeypatch, caplog):
     for t in streams:
         t.start()
     time.sleep(0.3)
-    cold = httpx.post(srv.base_url + "/v1/chat/completions", timeout=60, json={
-        "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "temperature": 1e-39})
-    greedy = httpx.post(srv.base_url + "/v1/chat/completions", timeout=60, json={
-        "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "temperature": 0})
+    cold = httpx.post(
+        srv.base_url + "/v1/chat/completions",
+        timeout=60,
+        json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "temperature": 1e-39},
+    )
+    greedy = httpx.post(
+        srv.base_url + "/v1/chat/completions",
+        timeout=60,
+        json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "temperature": 0},
+    )
     with caplog.at_level(logging.ERROR, logger="dsv41"):
-        poisoned = httpx.post(srv.base_url + "/v1/chat/completions", timeout=60,
-                              json={"messages": USER, "max_tokens": 4, "seed": 666})
+        poisoned = httpx.post(
+            srv.base_url + "/v1/chat/completions", timeout=60, json={"messages": USER, "max_tokens": 4, "seed": 666}
+        )
     for t in streams:
         t.join(120)
     assert cold.status_code == 200 and greedy.status_code == 200
@@ -96,7 +109,9 @@ def test_a_poisoned_request_fails_alone(served, monkeypatch, caplog):
 def test_marker_text_in_a_message_reaches_the_engine_as_text():
     srv, fake = _fake_server()
     with srv:
-        r = httpx.post(srv.base_url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": INJECTION}]})
+        r = httpx.post(
+            srv.base_url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": INJECTION}]}
+        )
     assert r.status_code == 200
     tok = FakeEngine().tokenizer
     ids = fake.requests[-1][1]
@@ -127,16 +142,16 @@ def test_body_cap_answers_413_declared_or_streamed():
     srv, fake = _fake_server(max_request_bytes=1 << 20)
     big = json.dumps({"messages": [{"role": "user", "content": "x" * (2 << 20)}]}).encode()
     with srv:
-        r = httpx.post(srv.base_url + "/v1/chat/completions", content=big,
-                       headers={"content-type": "application/json"})
+        r = httpx.post(srv.base_url + "/v1/chat/completions", content=big, headers={"content-type": "application/json"})
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
         def chunks():  # no Content-Length: chunked transfer, counted as it arrives
             for k in range(0, len(big), 65536):
-                yield big[k:k + 65536]
+                yield big[k : k + 65536]
 
-        r = httpx.post(srv.base_url + "/v1/chat/completions", content=chunks(),
-                       headers={"content-type": "application/json"})
+        r = httpx.post(
+            srv.base_url + "/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"}
+        )
         assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
         ok = httpx.post(srv.base_url + "/v1/chat/completions", json={"messages": USER})
         assert ok.status_code == 200
@@ -148,8 +163,10 @@ def test_text_that_cannot_fit_is_refused_before_tokenizing():
     engine.tokenizer = _SlowTokenizer(0.0)
     srv, fake = _fake_server(engine=engine)
     with srv:
-        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 3_000_000}]}),
-                           ("/v1/completions", {"prompt": "y" * 3_000_000})):
+        for path, body in (
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 3_000_000}]}),
+            ("/v1/completions", {"prompt": "y" * 3_000_000}),
+        ):
             r = httpx.post(srv.base_url + path, json=body, timeout=30)
             assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     assert engine.tokenizer.calls == 0 and not fake.requests
@@ -160,8 +177,11 @@ def test_tokenization_does_not_block_the_event_loop():
     engine.tokenizer = _SlowTokenizer(1.5)
     srv, _ = _fake_server(engine=engine)
     with srv:
-        worker = threading.Thread(target=httpx.post, args=(srv.base_url + "/v1/chat/completions",),
-                                  kwargs={"json": {"messages": USER}, "timeout": 30})
+        worker = threading.Thread(
+            target=httpx.post,
+            args=(srv.base_url + "/v1/chat/completions",),
+            kwargs={"json": {"messages": USER}, "timeout": 30},
+        )
         worker.start()
         time.sleep(0.3)  # the request is tokenizing now
         t0 = time.perf_counter()
@@ -226,10 +246,12 @@ def test_serve_binds_first_and_warns_about_open_hosts(monkeypatch, capsys):
 
 def test_lone_surrogates_are_400_with_a_plain_message():
     srv, fake = _fake_server()
-    bodies = ['{"model": "\\ud800", "messages": [{"role": "user", "content": "x"}]}',
-              '{"messages": [{"role": "user", "content": "a\\udfffb"}]}',
-              '{"prompt": "\\ud83d"}',
-              '{"messages": [{"role": "user", "content": "x", "\\ud800": 1}]}']
+    bodies = [
+        '{"model": "\\ud800", "messages": [{"role": "user", "content": "x"}]}',
+        '{"messages": [{"role": "user", "content": "a\\udfffb"}]}',
+        '{"prompt": "\\ud83d"}',
+        '{"messages": [{"role": "user", "content": "x", "\\ud800": 1}]}',
+    ]
     paths = ["/v1/chat/completions", "/v1/chat/completions", "/v1/completions", "/v1/chat/completions"]
     with srv:
         for path, body in zip(paths, bodies):
@@ -254,8 +276,10 @@ def test_internal_errors_are_opaque_and_logged_with_an_id(caplog):
     assert "secret" not in r.text and "RuntimeError" not in r.text and err["type"] == "server_error"
     (request_id,) = re.findall(r"err-[0-9a-f]+", err["message"])
     assert r.headers["x-request-id"] == request_id
-    assert any(request_id in rec.getMessage() and rec.exc_info and "secret internals" in str(rec.exc_info[1])
-               for rec in caplog.records)
+    assert any(
+        request_id in rec.getMessage() and rec.exc_info and "secret internals" in str(rec.exc_info[1])
+        for rec in caplog.records
+    )
 
 
 # ---------------------------------------------------------------------------------------------- items 7, 8
@@ -263,9 +287,11 @@ def test_internal_errors_are_opaque_and_logged_with_an_id(caplog):
 
 def test_stop_caps_are_400(served):
     srv = served[0]
-    for body, param in (({"messages": USER, "stop": [str(k) for k in range(5)]}, "stop"),
-                        ({"messages": USER, "stop": ["x" * 5000]}, "stop"),
-                        ({"messages": USER, "stop_token_ids": [5] * 300_000}, "stop_token_ids")):
+    for body, param in (
+        ({"messages": USER, "stop": [str(k) for k in range(5)]}, "stop"),
+        ({"messages": USER, "stop": ["x" * 5000]}, "stop"),
+        ({"messages": USER, "stop_token_ids": [5] * 300_000}, "stop_token_ids"),
+    ):
         r = httpx.post(srv.base_url + "/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
@@ -285,10 +311,21 @@ def test_latency_and_length_histograms():
     engine = build_engine("tiny", EngineConfig(kv_pool_tokens=4096, max_model_len=512), seed=0)
     with ServerThread(create_app(engine)) as srv:
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
-        usages = [client.completions.create(model=engine.model_name, prompt="hello " * k, max_tokens=3 + k,
-                                            temperature=0, extra_body={"ignore_eos": True}).usage for k in range(3)]
-        list(client.chat.completions.create(model=engine.model_name, messages=USER, max_tokens=4, stream=True,
-                                            extra_body={"ignore_eos": True}))
+        usages = [
+            client.completions.create(
+                model=engine.model_name,
+                prompt="hello " * k,
+                max_tokens=3 + k,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            ).usage
+            for k in range(3)
+        ]
+        list(
+            client.chat.completions.create(
+                model=engine.model_name, messages=USER, max_tokens=4, stream=True, extra_body={"ignore_eos": True}
+            )
+        )
         s = _metric_samples(srv)
     n = 4
     assert s[("dsv41_time_to_first_token_seconds_count", ())] == n
@@ -307,48 +344,67 @@ def test_latency_and_length_histograms():
 
 
 SWEEP = [
-    ("/v1/chat/completions", b""), ("/v1/chat/completions", b"null"), ("/v1/chat/completions", b"[]"),
-    ("/v1/chat/completions", b'"x"'), ("/v1/chat/completions", b"{"), ("/v1/chat/completions", b"\xff\xfe"),
-    ("/v1/chat/completions", {"messages": []}), ("/v1/chat/completions", {"messages": [1]}),
+    ("/v1/chat/completions", b""),
+    ("/v1/chat/completions", b"null"),
+    ("/v1/chat/completions", b"[]"),
+    ("/v1/chat/completions", b'"x"'),
+    ("/v1/chat/completions", b"{"),
+    ("/v1/chat/completions", b"\xff\xfe"),
+    ("/v1/chat/completions", {"messages": []}),
+    ("/v1/chat/completions", {"messages": [1]}),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": "x", "content": None}]}),
-    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None,
-                                            "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}]}),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [
+                {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}
+            ]
+        },
+    ),
     ("/v1/chat/completions", {"messages": USER, "temperature": 1e308}),
     ("/v1/chat/completions", {"messages": USER, "temperature": None, "top_p": 2}),
-    ("/v1/chat/completions", {"messages": USER, "top_k": -5}), ("/v1/chat/completions", {"messages": USER, "seed": 2**70}),
+    ("/v1/chat/completions", {"messages": USER, "top_k": -5}),
+    ("/v1/chat/completions", {"messages": USER, "seed": 2**70}),
     ("/v1/chat/completions", {"messages": USER, "max_tokens": -1}),
     ("/v1/chat/completions", {"messages": USER, "max_tokens": 10**30}),
-    ("/v1/chat/completions", {"messages": USER, "stop": 5}), ("/v1/chat/completions", {"messages": USER, "stop": [""]}),
+    ("/v1/chat/completions", {"messages": USER, "stop": 5}),
+    ("/v1/chat/completions", {"messages": USER, "stop": [""]}),
     ("/v1/chat/completions", {"messages": USER, "stop_token_ids": [-1]}),
     ("/v1/chat/completions", {"messages": USER, "logit_bias": {"5": 101}}),
     ("/v1/chat/completions", {"messages": USER, "logit_bias": {"99999999": 1}}),
     ("/v1/chat/completions", {"messages": USER, "logit_bias": {"five": 1}}),
     ("/v1/chat/completions", {"messages": USER, "logit_bias": {"5": "x"}}),
-    ("/v1/chat/completions", {"messages": USER, "n": 10**9}), ("/v1/chat/completions", {"messages": USER, "n": 0}),
+    ("/v1/chat/completions", {"messages": USER, "n": 10**9}),
+    ("/v1/chat/completions", {"messages": USER, "n": 0}),
     ("/v1/chat/completions", {"messages": USER, "presence_penalty": 1e308}),
     ("/v1/chat/completions", {"messages": USER, "repetition_penalty": -1}),
     ("/v1/chat/completions", {"messages": USER, "min_p": 2}),
     ("/v1/chat/completions", {"messages": USER, "min_tokens": 50, "max_tokens": 4}),
     ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {"name": ""}}]}),
     ("/v1/chat/completions", {"messages": USER, "tools": "x"}),
-    ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "json_schema",
-                                                                     "json_schema": {"schema": {"type": "foo"}}}}),
+    (
+        "/v1/chat/completions",
+        {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}},
+    ),
     ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a(b"}}),
     ("/v1/chat/completions", {"messages": USER, "chat_template_kwargs": {"thinking": "yes"}}),
     ("/v1/chat/completions", {"messages": USER, "stream_options": 5}),
     ("/v1/chat/completions", {"messages": USER, "stream": True, "max_tokens": 0}),
     ("/v1/chat/completions", {"messages": USER, "model": ["x"]}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 200_000}]}),
-    ("/v1/completions", {"prompt": None}), ("/v1/completions", {"prompt": [[1, 2], [3]]}),
-    ("/v1/completions", {"prompt": [-1]}), ("/v1/completions", {"prompt": [1.5]}),
-    ("/v1/completions", {"prompt": "x", "best_of": 10**6}), ("/v1/completions", {"prompt": "x", "suffix": "y"}),
+    ("/v1/completions", {"prompt": None}),
+    ("/v1/completions", {"prompt": [[1, 2], [3]]}),
+    ("/v1/completions", {"prompt": [-1]}),
+    ("/v1/completions", {"prompt": [1.5]}),
+    ("/v1/completions", {"prompt": "x", "best_of": 10**6}),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}),
     ("/v1/completions", {"prompt": "x", "n": 3, "best_of": 2}),
     ("/v1/completions", {"prompt": "x", "best_of": 2, "stream": True}),
-    ("/v1/completions", {"prompt": [7] * 5000}), ("/v1/completions", {"prompt": "x", "temperature": 1e-39,
-                                                                      "max_tokens": 0}),
+    ("/v1/completions", {"prompt": [7] * 5000}),
+    ("/v1/completions", {"prompt": "x", "temperature": 1e-39, "max_tokens": 0}),
     # what used to give a 5xx or abort the bystander: answered normally now (2xx) or refused (4xx)
     ("/v1/completions", {"prompt": "x", "temperature": 1e-39, "max_tokens": 2}),
     ("/v1/chat/completions", {"messages": USER, "temperature": 5e-324, "max_tokens": 2}),
@@ -366,8 +422,11 @@ def test_bad_input_sweep_no_5xx_and_no_aborted_bystander(served):
     bystander.start()
     statuses = []
     for path, body in SWEEP:
-        kw = {"json": body} if isinstance(body, (dict, list)) else {
-            "content": body, "headers": {"content-type": "application/json"}}
+        kw = (
+            {"json": body}
+            if isinstance(body, (dict, list))
+            else {"content": body, "headers": {"content-type": "application/json"}}
+        )
         r = httpx.post(srv.base_url + path, timeout=60, **kw)
         statuses.append(r.status_code)
         assert r.status_code < 500, (path, str(body)[:80], r.status_code, r.text[:200])
@@ -378,8 +437,10 @@ def test_bad_input_sweep_no_5xx_and_no_aborted_bystander(served):
     # exactly the two tiny-temperature requests with tokens to generate are answered (greedily); the
     # rest are refused with a 4xx
     answered = [SWEEP[i] for i, s in enumerate(statuses) if s == 200]
-    assert answered == [("/v1/completions", {"prompt": "x", "temperature": 1e-39, "max_tokens": 2}),
-                        ("/v1/chat/completions", {"messages": USER, "temperature": 5e-324, "max_tokens": 2})]
+    assert answered == [
+        ("/v1/completions", {"prompt": "x", "temperature": 1e-39, "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": USER, "temperature": 5e-324, "max_tokens": 2}),
+    ]
     assert all(400 <= s < 500 for s in statuses if s != 200)
     bystander.join(120)
     assert results == {"bystander": ("length", [])}

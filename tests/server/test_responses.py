@@ -67,8 +67,9 @@ def _shape(output) -> list:
 
 def test_plain_text_matches_chat_completions(served, client, recorded):
     srv, engine, _ = served
-    r = client.responses.create(model=engine.model_name, input="Hi", max_output_tokens=3, temperature=0,
-                                extra_body=NOISE)
+    r = client.responses.create(
+        model=engine.model_name, input="Hi", max_output_tokens=3, temperature=0, extra_body=NOISE
+    )
     assert r.object == "response" and r.id.startswith("resp_") and r.model == engine.model_name
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     (msg,) = r.output
@@ -79,13 +80,15 @@ def test_plain_text_matches_chat_completions(served, client, recorded):
     assert recorded[-1]["prompt"] == _tokenize(srv, user)
     assert r.usage.input_tokens == len(recorded[-1]["prompt"]) and r.usage.output_tokens == 3
     assert r.usage.total_tokens == r.usage.input_tokens + 3 and r.usage.output_tokens_details.reasoning_tokens == 0
-    chat = client.chat.completions.create(model=engine.model_name, messages=user, max_tokens=3, temperature=0,
-                                          extra_body=NOISE)
+    chat = client.chat.completions.create(
+        model=engine.model_name, messages=user, max_tokens=3, temperature=0, extra_body=NOISE
+    )
     assert chat.choices[0].message.content == r.output_text
     # input as message items with input_text parts, and instructions as the system turn
     items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}]
-    r2 = client.responses.create(input=items, instructions="Be brief.", max_output_tokens=2, temperature=0,
-                                 extra_body=NOISE)
+    r2 = client.responses.create(
+        input=items, instructions="Be brief.", max_output_tokens=2, temperature=0, extra_body=NOISE
+    )
     assert recorded[-1]["prompt"] == _tokenize(srv, [{"role": "system", "content": "Be brief."}] + user)
     assert r2.instructions == "Be brief." and r2.usage.input_tokens == len(recorded[-1]["prompt"])
     # stored: GET returns the same object
@@ -98,10 +101,18 @@ def test_streaming_events_parse_and_join_to_the_response(served, client):
     plain = client.responses.create(**kw)
     events = list(client.responses.create(**kw, stream=True))
     types = [e.type for e in events]
-    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"]
-    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          "response.incomplete"]
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert types[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[0].response.status == "in_progress" and events[0].response.output == []
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
@@ -116,12 +127,18 @@ def test_streaming_events_parse_and_join_to_the_response(served, client):
 
 def test_raw_stream_has_event_lines(served):
     srv = served[0]
-    with httpx.stream("POST", srv.base_url + "/v1/responses", timeout=60,
-                      json={"input": "Hi", "max_output_tokens": 2, "stream": True, **NOISE}) as r:
+    with httpx.stream(
+        "POST",
+        srv.base_url + "/v1/responses",
+        timeout=60,
+        json={"input": "Hi", "max_output_tokens": 2, "stream": True, **NOISE},
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]
-    names = [line[len("event: "):] for line in lines if line.startswith("event: ")]
-    datas = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+    names = [line[len("event: ") :] for line in lines if line.startswith("event: ")]
+    datas = [
+        json.loads(line[len("data: ") :]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"
+    ]
     assert names == [d["type"] for d in datas] and names[0] == "response.created"
 
 
@@ -130,24 +147,35 @@ def test_previous_response_id_reuses_the_prefix_cache(served, client, recorded):
     a = engine.tokenizer.encode("a", add_bos=False)[0]
     # a reply whose text re-tokenizes to the generated ids ("aaaa"), so the continued prompt must also
     # equal the explicit conversation's
-    first = client.responses.create(input="Say a", max_output_tokens=4, temperature=0,
-                                    extra_body={**NOISE, "logit_bias": {str(a): 100}})
+    first = client.responses.create(
+        input="Say a", max_output_tokens=4, temperature=0, extra_body={**NOISE, "logit_bias": {str(a): 100}}
+    )
     assert first.output_text == "aaaa"
     p1, o1 = recorded[-1]["prompt"], recorded[-1]["output"]
     before = async_engine.metrics()
-    second = client.responses.create(input="And b?", previous_response_id=first.id, max_output_tokens=2,
-                                     temperature=0, extra_body=NOISE)
+    second = client.responses.create(
+        input="And b?", previous_response_id=first.id, max_output_tokens=2, temperature=0, extra_body=NOISE
+    )
     after = async_engine.metrics()
     p2 = recorded[-1]["prompt"]
     assert second.previous_response_id == first.id
-    assert p2[:len(p1) + len(o1) + 1] == p1 + o1 + [engine.tokenizer.eos_id]
-    explicit = [{"role": "user", "content": "Say a"}] + [o.model_dump(exclude_none=True) for o in first.output] \
+    assert p2[: len(p1) + len(o1) + 1] == p1 + o1 + [engine.tokenizer.eos_id]
+    explicit = (
+        [{"role": "user", "content": "Say a"}]
+        + [o.model_dump(exclude_none=True) for o in first.output]
         + [{"role": "user", "content": "And b?"}]
+    )
     third = client.responses.create(input=explicit, max_output_tokens=2, temperature=0, extra_body=NOISE)
     assert recorded[-1]["prompt"] == p2
     assert third.output_text == second.output_text
-    assert p2 == _tokenize(srv, [{"role": "user", "content": "Say a"}, {"role": "assistant", "content": "aaaa"},
-                                 {"role": "user", "content": "And b?"}])
+    assert p2 == _tokenize(
+        srv,
+        [
+            {"role": "user", "content": "Say a"},
+            {"role": "assistant", "content": "aaaa"},
+            {"role": "user", "content": "And b?"},
+        ],
+    )
     # everything the first request computed (prompt and all but its last token) came from the cache
     computed = len(p1) + len(o1) - 1
     assert second.usage.input_tokens_details.cached_tokens >= computed
@@ -159,26 +187,32 @@ def test_continuation_keeps_the_generated_ids(served, client, recorded):
     """Sampled noise need not re-tokenize to what was generated; the continued prompt keeps the model's
     own ids, so the whole earlier request is a cache hit even then."""
     _, engine, _ = served
-    first = client.responses.create(input="Noise please", max_output_tokens=6, temperature=1.0,
-                                    extra_body={**NOISE, "seed": 5})
+    first = client.responses.create(
+        input="Noise please", max_output_tokens=6, temperature=1.0, extra_body={**NOISE, "seed": 5}
+    )
     p1, o1 = recorded[-1]["prompt"], recorded[-1]["output"]
-    second = client.responses.create(input="More", previous_response_id=first.id, max_output_tokens=1,
-                                     extra_body=NOISE)
+    second = client.responses.create(input="More", previous_response_id=first.id, max_output_tokens=1, extra_body=NOISE)
     p2 = recorded[-1]["prompt"]
-    assert p2[:len(p1) + len(o1) + 1] == p1 + o1 + [engine.tokenizer.eos_id]
+    assert p2[: len(p1) + len(o1) + 1] == p1 + o1 + [engine.tokenizer.eos_id]
     assert second.usage.input_tokens == len(p2)
     assert second.usage.input_tokens_details.cached_tokens >= len(p1) + len(o1) - 1
     # a chain: the third turn continues the second, which holds the first
-    third = client.responses.create(input="Again", previous_response_id=second.id, max_output_tokens=1,
-                                    extra_body=NOISE)
-    assert recorded[-1]["prompt"][:len(p2)] == p2 and third.usage.input_tokens > len(p2)
+    third = client.responses.create(
+        input="Again", previous_response_id=second.id, max_output_tokens=1, extra_body=NOISE
+    )
+    assert recorded[-1]["prompt"][: len(p2)] == p2 and third.usage.input_tokens > len(p2)
 
 
 def test_thinking_mode_renders_the_effort(served, client, recorded):
     srv, engine, _ = served
     a = engine.tokenizer.encode("a", add_bos=False)[0]
-    r = client.responses.create(input="Think", reasoning={"effort": "low"}, max_output_tokens=3, temperature=0,
-                                extra_body={**NOISE, "logit_bias": {str(a): 100}})
+    r = client.responses.create(
+        input="Think",
+        reasoning={"effort": "low"},
+        max_output_tokens=3,
+        temperature=0,
+        extra_body={**NOISE, "logit_bias": {str(a): 100}},
+    )
     assert recorded[-1]["prompt"] == _tokenize(srv, [{"role": "user", "content": "Think"}], reasoning_effort="low")
     assert r.reasoning.effort == "low" and r.status == "incomplete"
     # cut off by max_output_tokens before </think>: all of it is reasoning, and there is no answer yet
@@ -195,25 +229,32 @@ def _status_of(exc_info) -> tuple[int, dict]:
     return exc.status_code, exc.body
 
 
-@pytest.mark.parametrize("kw,status,param,code", [
-    ({"input": "Hi", "previous_response_id": "resp_nope"}, 400, "previous_response_id",
-     "previous_response_not_found"),
-    ({"input": [{"type": "bogus"}]}, 400, "input", None),
-    ({"input": [{"role": "robot", "content": "x"}]}, 400, "input", None),
-    ({"input": []}, 400, "input", None),
-    ({"input": "Hi", "max_output_tokens": 0}, 400, "max_output_tokens", None),
-    ({"input": "Hi", "max_output_tokens": 100_000}, 400, "input", "context_length_exceeded"),
-    ({"input": "Hi", "reasoning": {"effort": "extreme"}}, 400, "reasoning.effort", None),
-    ({"input": "Hi", "tools": [{"type": "web_search"}]}, 400, "tools[0].type", None),
-    ({"input": "Hi", "tool_choice": "auto"}, 400, "tool_choice", None),
-    ({"input": "Hi", "text": {"format": {"type": "yaml"}}}, 400, "text.format", None),
-    ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text.format.schema", None),
-    ({"input": "Hi", "background": True}, 400, "background", None),
-    ({"input": "Hi", "temperature": -1}, 400, "temperature", None),
-    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{bad"}]}, 400, "input", None),
-    ({"input": [{"type": "function_call_output", "output": "x"}]}, 400, "input", None),
-    ({"input": "Hi", "model": "gpt-5"}, 404, "model", "model_not_found"),
-])
+@pytest.mark.parametrize(
+    "kw,status,param,code",
+    [
+        (
+            {"input": "Hi", "previous_response_id": "resp_nope"},
+            400,
+            "previous_response_id",
+            "previous_response_not_found",
+        ),
+        ({"input": [{"type": "bogus"}]}, 400, "input", None),
+        ({"input": [{"role": "robot", "content": "x"}]}, 400, "input", None),
+        ({"input": []}, 400, "input", None),
+        ({"input": "Hi", "max_output_tokens": 0}, 400, "max_output_tokens", None),
+        ({"input": "Hi", "max_output_tokens": 100_000}, 400, "input", "context_length_exceeded"),
+        ({"input": "Hi", "reasoning": {"effort": "extreme"}}, 400, "reasoning.effort", None),
+        ({"input": "Hi", "tools": [{"type": "web_search"}]}, 400, "tools[0].type", None),
+        ({"input": "Hi", "tool_choice": "auto"}, 400, "tool_choice", None),
+        ({"input": "Hi", "text": {"format": {"type": "yaml"}}}, 400, "text.format", None),
+        ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text.format.schema", None),
+        ({"input": "Hi", "background": True}, 400, "background", None),
+        ({"input": "Hi", "temperature": -1}, 400, "temperature", None),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{bad"}]}, 400, "input", None),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, 400, "input", None),
+        ({"input": "Hi", "model": "gpt-5"}, 404, "model", "model_not_found"),
+    ],
+)
 def test_bad_input_gets_openai_errors(served, client, kw, status, param, code):
     with pytest.raises(openai.APIStatusError) as info:
         client.responses.create(**kw)
@@ -226,8 +267,17 @@ def test_bad_input_gets_openai_errors(served, client, kw, status, param, code):
     assert _status_of(info)[0] == status
 
 
-@pytest.mark.parametrize("body", [b'{"input": ', {"input": 12}, {}, {"input": "x", "tools": "x"},
-                                  {"input": "x", "previous_response_id": ""}, {"input": [["nested"]]}])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"input": ',
+        {"input": 12},
+        {},
+        {"input": "x", "tools": "x"},
+        {"input": "x", "previous_response_id": ""},
+        {"input": [["nested"]]},
+    ],
+)
 def test_malformed_bodies_are_400(served, body):
     srv = served[0]
     if isinstance(body, bytes):
@@ -256,8 +306,13 @@ def test_store_false_get_delete_and_unknown_ids(served, client):
 
 def test_bad_responses_requests_do_not_affect_a_bystander(served, client):
     _, engine, _ = served
-    kw = dict(model=engine.model_name, messages=[{"role": "user", "content": "bystander"}], max_tokens=4,
-              temperature=0, extra_body=NOISE)
+    kw = dict(
+        model=engine.model_name,
+        messages=[{"role": "user", "content": "bystander"}],
+        max_tokens=4,
+        temperature=0,
+        extra_body=NOISE,
+    )
     alone = client.chat.completions.create(**kw).choices[0].message.content
     results, statuses, errors = [], [], []
 
@@ -268,9 +323,12 @@ def test_bad_responses_requests_do_not_affect_a_bystander(served, client):
             errors.append(exc)
 
     def bad():
-        for body in ({"input": [{"type": "bogus"}]}, {"input": "x", "previous_response_id": "resp_x"},
-                     {"input": "x", "max_output_tokens": -3},
-                     {"input": "x", "stream": True, "tool_choice": "required"}):
+        for body in (
+            {"input": [{"type": "bogus"}]},
+            {"input": "x", "previous_response_id": "resp_x"},
+            {"input": "x", "max_output_tokens": -3},
+            {"input": "x", "stream": True, "tool_choice": "required"},
+        ):
             statuses.append(httpx.post(served[0].base_url + "/v1/responses", json=body, timeout=60).status_code)
 
     threads = [threading.Thread(target=good), threading.Thread(target=bad)]
@@ -286,9 +344,15 @@ def test_bad_responses_requests_do_not_affect_a_bystander(served, client):
 
 CALL = {"type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}
 SCRIPT = "The user wants weather.</think>Let me check.\n\n" + render_tool_calls([CALL])
-TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather forecast",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
-         {"type": "function", "name": "get_time", "parameters": {"type": "object"}}]
+TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Weather forecast",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+    {"type": "function", "name": "get_time", "parameters": {"type": "object"}},
+]
 
 
 @pytest.fixture
@@ -317,8 +381,11 @@ def test_reasoning_and_function_call_items(scripted):
     assert "Reasoning Effort: 50" in prompt and '"name": "get_weather"' in prompt and '"name": "get_time"' in prompt
     assert prompt.endswith("<｜Assistant｜><think>")
 
-    events = list(client.responses.create(model="fake-model", input="Weather in Paris?", tools=TOOLS,
-                                          reasoning={"effort": "low"}, stream=True))
+    events = list(
+        client.responses.create(
+            model="fake-model", input="Weather in Paris?", tools=TOOLS, reasoning={"effort": "low"}, stream=True
+        )
+    )
     final = events[-1].response
     assert events[-1].type == "response.completed" and _shape(final.output) == _shape(r.output)
     by_type = {}
@@ -343,8 +410,11 @@ def test_tool_loop_with_previous_response_id_equals_explicit_input(scripted):
     assert "<tool_result>sunny, 21 C</tool_result>" in continued
     assert continued.count('invoke name="get_weather"') == 1  # the earlier call is in the assistant turn
     assert "The user wants weather.</think>Let me check." in continued  # with tools, reasoning is kept
-    explicit = [{"role": "user", "content": "Weather in Paris?"}] + \
-        [o.model_dump(exclude_none=True) for o in first.output] + [result]
+    explicit = (
+        [{"role": "user", "content": "Weather in Paris?"}]
+        + [o.model_dump(exclude_none=True) for o in first.output]
+        + [result]
+    )
     client.responses.create(input=explicit, tools=TOOLS, reasoning={"effort": "high"})
     assert _prompt(fake) == continued
 
@@ -383,12 +453,15 @@ def test_store_is_a_bounded_lru(scripted):
 def test_input_items_to_messages():
     items = [
         {"role": "developer", "content": "Rules."},
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"},
-                                                         {"type": "input_text", "text": "b"}]},
+        {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}],
+        },
         {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hmm"}]},
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Calling."}]},
         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
-        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{\"x\": 1}"},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": '{"x": 1}'},
         {"type": "function_call_output", "call_id": "c1", "output": "one"},
         {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "two"}]},
         {"type": "function_call", "call_id": "c3", "name": "f", "arguments": "{}"},
@@ -396,13 +469,22 @@ def test_input_items_to_messages():
     assert input_messages(items) == [
         {"role": "developer", "content": "Rules."},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": [{"type": "text", "text": "Calling."}], "reasoning_content": "hmm",
-         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
-                        {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{\"x\": 1}"}}]},
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": "Calling."}],
+            "reasoning_content": "hmm",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                {"id": "c2", "type": "function", "function": {"name": "g", "arguments": '{"x": 1}'}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "one"},
         {"role": "tool", "tool_call_id": "c2", "content": "two"},
-        {"role": "assistant", "content": None,
-         "tool_calls": [{"id": "c3", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c3", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        },
     ]
     assert input_messages("hello") == [{"role": "user", "content": "hello"}]
     with pytest.raises(ValueError, match=r"input\[0\]\.type"):
@@ -467,7 +549,7 @@ def test_engine_failure_mid_stream_is_an_error_event_and_nothing_is_stored():
         with httpx.stream("POST", srv.base_url + "/v1/responses", json={"input": "Hi", "stream": True}) as r:
             lines = [line for line in r.iter_lines() if line]
         i = lines.index("event: error")
-        assert json.loads(lines[i + 1][len("data: "):])["error"]["code"] == "internal_error"
+        assert json.loads(lines[i + 1][len("data: ") :])["error"]["code"] == "internal_error"
 
 
 @pytest.mark.parametrize("scripted", [{"busy_exc": EngineBusy("64 requests waiting")}], indirect=True)
@@ -499,12 +581,12 @@ def test_continued_prompt_splices_only_where_the_turn_renders_as_it_stood():
 
     prompt, full, p1 = case("stop", generated + [eos])
     head = build_chat_prompt(tok, q1 + turn, add_generation_prompt=False, thinking=False, effort=None, tools=None)
-    assert prompt == p1 + generated + [eos] + full[len(head):] and prompt != full
+    assert prompt == p1 + generated + [eos] + full[len(head) :] and prompt != full
     prompt, full, p1 = case("length", generated)  # cut off: the turn is closed by EOS as rendered
-    assert prompt == p1 + generated + [eos] + full[len(head):]
+    assert prompt == p1 + generated + [eos] + full[len(head) :]
     tools = [{"type": "function", "function": {"name": "f"}}]
     prompt, full, p1 = case("stop", generated + [eos], thinking=True, tools=tools)  # tools keep reasoning
-    assert prompt[:len(p1) + 3] == p1 + generated + [eos]
+    assert prompt[: len(p1) + 3] == p1 + generated + [eos]
     # the plain rendering where the earlier turn is rendered differently now, or its end is unknown
     assert case("stop", generated + [eos], thinking=True)[0] == case("stop", generated + [eos], thinking=True)[1]
     assert case("stop", generated + [7])[0] == case("stop", generated + [7])[1]  # ended on a stop string
@@ -512,16 +594,28 @@ def test_continued_prompt_splices_only_where_the_turn_renders_as_it_stood():
     prompt, full, _ = case("stop", generated + [eos], system=system)
     assert prompt == full
     prompt, full, p1 = case("stop", generated + [eos], system=system, earlier_system=system)  # same instructions
-    assert prompt[:len(p1) + 3] == p1 + generated + [eos] and prompt != full
+    assert prompt[: len(p1) + 3] == p1 + generated + [eos] and prompt != full
 
 
 # ---------------------------------------------------------------------------------------------- constrained
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "size"],
-          "properties": {"name": {"type": "string", "maxLength": 4}, "size": {"enum": ["S", "M", "L"]}}}
-TOOL = {"type": "function", "name": "book", "parameters": {
-    "type": "object", "required": ["who", "seats"],
-    "properties": {"who": {"type": "string", "maxLength": 3},
-                   "seats": {"type": "array", "items": {"enum": ["A1", "B2"]}, "minItems": 1, "maxItems": 2}}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "size"],
+    "properties": {"name": {"type": "string", "maxLength": 4}, "size": {"enum": ["S", "M", "L"]}},
+}
+TOOL = {
+    "type": "function",
+    "name": "book",
+    "parameters": {
+        "type": "object",
+        "required": ["who", "seats"],
+        "properties": {
+            "who": {"type": "string", "maxLength": 3},
+            "seats": {"type": "array", "items": {"enum": ["A1", "B2"]}, "minItems": 1, "maxItems": 2},
+        },
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -541,8 +635,13 @@ def test_text_format_json_schema_is_enforced(constrained_client):
     jsonschema = optional_import("jsonschema")
     fmt = {"type": "json_schema", "name": "item", "schema": SCHEMA, "strict": True}
     for seed in (1, 2):
-        r = constrained_client.responses.create(input="Reply in JSON.", text={"format": fmt}, temperature=1.0,
-                                                max_output_tokens=120, extra_body={"seed": seed})
+        r = constrained_client.responses.create(
+            input="Reply in JSON.",
+            text={"format": fmt},
+            temperature=1.0,
+            max_output_tokens=120,
+            extra_body={"seed": seed},
+        )
         assert r.status == "completed", r.output_text
         jsonschema.validate(json.loads(r.output_text), SCHEMA)
         assert r.text.format.type == "json_schema"
@@ -551,8 +650,14 @@ def test_text_format_json_schema_is_enforced(constrained_client):
 def test_tool_choice_required_gives_a_valid_function_call(constrained_client):
     jsonschema = optional_import("jsonschema")
     for choice in ("required", {"type": "function", "name": "book"}):
-        r = constrained_client.responses.create(input="Book a seat.", tools=[TOOL], tool_choice=choice,
-                                                temperature=1.0, max_output_tokens=600, extra_body={"seed": 3})
+        r = constrained_client.responses.create(
+            input="Book a seat.",
+            tools=[TOOL],
+            tool_choice=choice,
+            temperature=1.0,
+            max_output_tokens=600,
+            extra_body={"seed": 3},
+        )
         calls = [item for item in r.output if item.type == "function_call"]
         # "required": one call or more (parallel calls allowed by default); a named function: exactly one
         assert calls and (choice == "required" or len(calls) == 1), r.output

@@ -49,15 +49,29 @@ def test_penalties_reduce_repeats(served, client):
 def test_min_tokens_holds_back_eos_and_stop_ids(served, client):
     engine = served[1]
     # EOS pushed to the top: without min_tokens the request ends at once
-    r, (ids,) = _ids(client, engine, max_tokens=8, temperature=0, logit_bias={str(EOS): 100},
-                     extra={"ignore_eos": False})
+    r, (ids,) = _ids(
+        client, engine, max_tokens=8, temperature=0, logit_bias={str(EOS): 100}, extra={"ignore_eos": False}
+    )
     assert ids == [EOS] and r.choices[0].finish_reason == "stop"
-    r, (ids,) = _ids(client, engine, max_tokens=8, temperature=0, logit_bias={str(EOS): 100},
-                     extra={"ignore_eos": False, "min_tokens": 4})
+    r, (ids,) = _ids(
+        client,
+        engine,
+        max_tokens=8,
+        temperature=0,
+        logit_bias={str(EOS): 100},
+        extra={"ignore_eos": False, "min_tokens": 4},
+    )
     assert len(ids) == 5 and ids[-1] == EOS and EOS not in ids[:4] and r.choices[0].finish_reason == "stop"
     # a stop id likewise, at temperature 1
-    r, (ids,) = _ids(client, engine, max_tokens=6, temperature=1.0, seed=1, logit_bias={"500": 100},
-                     extra={"stop_token_ids": [500], "min_tokens": 3})
+    r, (ids,) = _ids(
+        client,
+        engine,
+        max_tokens=6,
+        temperature=1.0,
+        seed=1,
+        logit_bias={"500": 100},
+        extra={"stop_token_ids": [500], "min_tokens": 3},
+    )
     assert len(ids) == 4 and ids[-1] == 500 and 500 not in ids[:3]
 
 
@@ -82,8 +96,14 @@ def test_n_choices_share_the_prompt_and_are_seeded(served, client):
 
 def test_n_streamed_chat_equals_non_streamed(served, client):
     engine = served[1]
-    kw = dict(model=engine.model_name, messages=[{"role": "user", "content": "two please"}], max_tokens=3,
-              temperature=1.0, seed=4, n=2)
+    kw = dict(
+        model=engine.model_name,
+        messages=[{"role": "user", "content": "two please"}],
+        max_tokens=3,
+        temperature=1.0,
+        seed=4,
+        n=2,
+    )
     extra = {"ignore_eos": True, "return_token_ids": True}
     r = client.chat.completions.create(**kw, extra_body=extra)
     assert [c.index for c in r.choices] == [0, 1]
@@ -99,9 +119,17 @@ def test_n_streamed_chat_equals_non_streamed(served, client):
     # the legacy endpoint likewise, usage over both choices in the last chunk
     _, ids = _ids(client, engine, max_tokens=3, temperature=1.0, seed=4, n=2)
     streamed, usage = {0: [], 1: []}, None
-    for chunk in client.completions.create(model=engine.model_name, prompt=PROMPT, max_tokens=3, temperature=1.0,
-                                           seed=4, n=2, stream=True, stream_options={"include_usage": True},
-                                           extra_body={"ignore_eos": True, "return_token_ids": True}):
+    for chunk in client.completions.create(
+        model=engine.model_name,
+        prompt=PROMPT,
+        max_tokens=3,
+        temperature=1.0,
+        seed=4,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    ):
         for c in chunk.choices:
             streamed[c.index] += c.model_extra.get("token_ids") or []
         usage = chunk.usage or usage
@@ -112,9 +140,12 @@ def test_disconnect_mid_stream_aborts_every_choice(served):
     srv, _, async_engine = served
     _wait_idle(async_engine)
     before = async_engine.metrics()
-    with httpx.stream("POST", srv.base_url + "/v1/completions", timeout=60,
-                      json={"prompt": "three long stories", "max_tokens": 1000, "ignore_eos": True, "n": 3,
-                            "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        srv.base_url + "/v1/completions",
+        timeout=60,
+        json={"prompt": "three long stories", "max_tokens": 1000, "ignore_eos": True, "n": 3, "stream": True},
+    ) as r:
         assert r.status_code == 200
         assert next(r.iter_lines()).startswith("data: ")
     m = _wait_idle(async_engine)  # all three stopped long before their 1000 tokens
@@ -134,14 +165,24 @@ def test_best_of_returns_the_choices_with_the_best_mean_logprob(served, client):
     assert b.usage.completion_tokens == 9  # every generated sequence counts
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"n": 17}, "n"), ({"n": 0}, "n"), ({"best_of": 2, "n": 3}, "best_of"), ({"best_of": 3, "stream": True}, "best_of"),
-    ({"logit_bias": {"1024": 5}}, "logit_bias"), ({"logit_bias": {"-1": 5}}, "logit_bias"),
-    ({"logit_bias": {"5": 100.5}}, "logit_bias"), ({"logit_bias": {"abc": 1}}, "logit_bias"),
-    ({"presence_penalty": -2.5}, "presence_penalty"), ({"frequency_penalty": 2.01}, "frequency_penalty"),
-    ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": -0.1}, "min_p"),
-    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"n": 17}, "n"),
+        ({"n": 0}, "n"),
+        ({"best_of": 2, "n": 3}, "best_of"),
+        ({"best_of": 3, "stream": True}, "best_of"),
+        ({"logit_bias": {"1024": 5}}, "logit_bias"),
+        ({"logit_bias": {"-1": 5}}, "logit_bias"),
+        ({"logit_bias": {"5": 100.5}}, "logit_bias"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"presence_penalty": -2.5}, "presence_penalty"),
+        ({"frequency_penalty": 2.01}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ],
+)
 def test_bad_sampling_input_is_a_400_in_openai_shape(served, body, param):
     r = httpx.post(served[0].base_url + "/v1/completions", json={"prompt": "x", **body}, timeout=60)
     assert r.status_code == 400, r.text
@@ -173,15 +214,27 @@ def test_parameters_reach_the_engine_once_per_choice():
     with ServerThread(create_app(FakeEngine(), fake)) as srv:
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
         r = client.chat.completions.create(
-            model="fake-model", messages=[{"role": "user", "content": "x"}], n=3, seed=2**63 - 2, max_tokens=3,
-            presence_penalty=0.5, frequency_penalty=-0.25, logit_bias={"7": -3, "9": 100},
-            extra_body={"repetition_penalty": 1.5, "min_p": 0.1, "min_tokens": 2})
+            model="fake-model",
+            messages=[{"role": "user", "content": "x"}],
+            n=3,
+            seed=2**63 - 2,
+            max_tokens=3,
+            presence_penalty=0.5,
+            frequency_penalty=-0.25,
+            logit_bias={"7": -3, "9": 100},
+            extra_body={"repetition_penalty": 1.5, "min_p": 0.1, "min_tokens": 2},
+        )
         assert [c.message.content for c in r.choices] == ["abc"] * 3 and r.usage.completion_tokens == 9
         params = [p for _, _, p in fake.requests]
         assert [p.seed for p in params] == [2**63 - 2, 2**63 - 1, 0]  # seed + i, wrapped into [0, 2**63)
         p = params[0]
         assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p, p.min_tokens) == (
-            0.5, -0.25, 1.5, 0.1, 2)
+            0.5,
+            -0.25,
+            1.5,
+            0.1,
+            2,
+        )
         assert p.logit_bias == {7: -3.0, 9: 100.0}
         assert len({rid for rid, _, _ in fake.requests}) == 3
     busy = FakeAsyncEngine("abc", delay=0.2)

@@ -52,8 +52,9 @@ def test_models_and_health(served, client):
 def test_completion_counts_logprobs_and_token_prompts(served, client):
     srv, engine, _ = served
     prompt = "The capital of France is"
-    r = client.completions.create(model=engine.model_name, prompt=prompt, max_tokens=4, logprobs=2,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=engine.model_name, prompt=prompt, max_tokens=4, logprobs=2, extra_body={"ignore_eos": True}
+    )
     choice = r.choices[0]
     assert r.object == "text_completion" and r.id.startswith("cmpl-")
     assert choice.finish_reason == "length"
@@ -66,8 +67,9 @@ def test_completion_counts_logprobs_and_token_prompts(served, client):
     assert all(max(t.values()) >= v - 1e-4 for t, v in zip(lp.top_logprobs, lp.token_logprobs))
 
     ids = engine.tokenizer.encode(prompt)
-    r = client.completions.create(model=engine.model_name, prompt=ids, max_tokens=2, temperature=0,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=engine.model_name, prompt=ids, max_tokens=2, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 2
 
 
@@ -87,16 +89,23 @@ def test_streaming_equals_non_streaming_and_prefix_cache_hits(served, client):
 
 def test_chat_non_streamed_and_streamed(served, client):
     _, engine, _ = served
-    r = client.chat.completions.create(model=engine.model_name, messages=USER, max_tokens=3, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model=engine.model_name, messages=USER, max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
     msg = r.choices[0].message
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and msg.role == "assistant"
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
     assert isinstance(msg.content, str) and getattr(msg, "reasoning_content", None) is None
 
-    stream = client.chat.completions.create(model=engine.model_name, messages=USER, max_tokens=3, temperature=0,
-                                            stream=True, stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=engine.model_name,
+        messages=USER,
+        max_tokens=3,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
@@ -108,8 +117,12 @@ def test_chat_non_streamed_and_streamed(served, client):
 
 def test_raw_sse_framing(served):
     srv, _, _ = served
-    with httpx.stream("POST", srv.base_url + "/v1/chat/completions", timeout=60,
-                      json={"messages": USER, "max_tokens": 2, "stream": True, "ignore_eos": True}) as r:
+    with httpx.stream(
+        "POST",
+        srv.base_url + "/v1/chat/completions",
+        timeout=60,
+        json={"messages": USER, "max_tokens": 2, "stream": True, "ignore_eos": True},
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line]
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
@@ -118,30 +131,33 @@ def test_raw_sse_framing(served):
     assert payloads[-1]["choices"][0]["finish_reason"] == "length"
 
 
-@pytest.mark.parametrize("body,status,param", [
-    (b'{"messages": [', 400, None),
-    ({"messages": USER, "temperature": "hot"}, 400, "temperature"),
-    ({"messages": "hello"}, 400, "messages"),
-    ({"prompt": "x"}, 400, "messages"),
-    ({"model": "gpt-4", "messages": USER}, 404, "model"),
-    ({"messages": USER, "n": 17}, 400, "n"),
-    ({"messages": USER, "max_tokens": 100_000}, 400, "messages"),
-    ({"messages": USER, "max_tokens": 0}, 400, "max_tokens"),
-    ({"messages": USER, "top_p": 0}, 400, "top_p"),
-    ({"messages": USER, "temperature": -0.5}, 400, "temperature"),
-    ({"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "logprobs"),
-    ({"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
-    ({"messages": USER, "seed": -1}, 400, "seed"),
-    ({"messages": USER, "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
-    ({"messages": USER, "reasoning_effort": 0}, 400, "reasoning_effort"),
-    ({"messages": USER, "reasoning_effort": "extreme"}, 400, "reasoning_effort"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
-    ({"messages": USER, "tool_choice": "auto"}, 400, "tool_choice"),
-    ({"messages": USER, "presence_penalty": 2.5}, 400, "presence_penalty"),
-    ({"messages": USER, "frequency_penalty": -3}, 400, "frequency_penalty"),
-    ({"messages": USER, "logit_bias": {"1": -100.5}}, 400, "logit_bias"),
-    ({"messages": USER, "logit_bias": {"100000000": 1}}, 400, "logit_bias"),
-])
+@pytest.mark.parametrize(
+    "body,status,param",
+    [
+        (b'{"messages": [', 400, None),
+        ({"messages": USER, "temperature": "hot"}, 400, "temperature"),
+        ({"messages": "hello"}, 400, "messages"),
+        ({"prompt": "x"}, 400, "messages"),
+        ({"model": "gpt-4", "messages": USER}, 404, "model"),
+        ({"messages": USER, "n": 17}, 400, "n"),
+        ({"messages": USER, "max_tokens": 100_000}, 400, "messages"),
+        ({"messages": USER, "max_tokens": 0}, 400, "max_tokens"),
+        ({"messages": USER, "top_p": 0}, 400, "top_p"),
+        ({"messages": USER, "temperature": -0.5}, 400, "temperature"),
+        ({"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "logprobs"),
+        ({"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
+        ({"messages": USER, "seed": -1}, 400, "seed"),
+        ({"messages": USER, "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
+        ({"messages": USER, "reasoning_effort": 0}, 400, "reasoning_effort"),
+        ({"messages": USER, "reasoning_effort": "extreme"}, 400, "reasoning_effort"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
+        ({"messages": USER, "tool_choice": "auto"}, 400, "tool_choice"),
+        ({"messages": USER, "presence_penalty": 2.5}, 400, "presence_penalty"),
+        ({"messages": USER, "frequency_penalty": -3}, 400, "frequency_penalty"),
+        ({"messages": USER, "logit_bias": {"1": -100.5}}, 400, "logit_bias"),
+        ({"messages": USER, "logit_bias": {"100000000": 1}}, 400, "logit_bias"),
+    ],
+)
 def test_chat_errors_have_openai_shape(served, body, status, param):
     r = _post(served[0], "/v1/chat/completions", body)
     assert r.status_code == status, r.text
@@ -150,15 +166,18 @@ def test_chat_errors_have_openai_shape(served, body, status, param):
     assert err["type"] == "invalid_request_error" and err["param"] == param
 
 
-@pytest.mark.parametrize("body,param,code", [
-    ({"prompt": [1] * 2000, "max_tokens": 1}, "prompt", "context_length_exceeded"),
-    ({"prompt": "hi", "max_tokens": 1024}, "prompt", "context_length_exceeded"),
-    ({"prompt": [5, 99999]}, "prompt", None),
-    ({"prompt": []}, "prompt", None),
-    ({"prompt": ["a", "b"]}, "prompt", None),
-    ({"prompt": "hi", "logprobs": 30}, "logprobs", None),
-    ({"prompt": "hi", "echo": True}, "echo", None),
-])
+@pytest.mark.parametrize(
+    "body,param,code",
+    [
+        ({"prompt": [1] * 2000, "max_tokens": 1}, "prompt", "context_length_exceeded"),
+        ({"prompt": "hi", "max_tokens": 1024}, "prompt", "context_length_exceeded"),
+        ({"prompt": [5, 99999]}, "prompt", None),
+        ({"prompt": []}, "prompt", None),
+        ({"prompt": ["a", "b"]}, "prompt", None),
+        ({"prompt": "hi", "logprobs": 30}, "logprobs", None),
+        ({"prompt": "hi", "echo": True}, "echo", None),
+    ],
+)
 def test_completion_errors(served, body, param, code):
     r = _post(served[0], "/v1/completions", body)
     assert r.status_code == 400, r.text
@@ -178,9 +197,13 @@ def test_concurrent_clients_and_bad_requests_do_not_interfere(served, client):
 
     def good(k):
         try:
-            r = client.chat.completions.create(model=engine.model_name, max_tokens=3 + k % 2, seed=k,
-                                               messages=[{"role": "user", "content": f"question {k}"}],
-                                               extra_body={"ignore_eos": True})
+            r = client.chat.completions.create(
+                model=engine.model_name,
+                max_tokens=3 + k % 2,
+                seed=k,
+                messages=[{"role": "user", "content": f"question {k}"}],
+                extra_body={"ignore_eos": True},
+            )
             results[k] = r
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
@@ -211,9 +234,12 @@ def test_client_disconnect_mid_stream_frees_the_slot(served):
     srv, _, async_engine = served
     _wait_idle(async_engine)
     before = async_engine.metrics()
-    with httpx.stream("POST", srv.base_url + "/v1/completions", timeout=60,
-                      json={"prompt": "tell me a long story", "max_tokens": 1000, "ignore_eos": True,
-                            "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        srv.base_url + "/v1/completions",
+        timeout=60,
+        json={"prompt": "tell me a long story", "max_tokens": 1000, "ignore_eos": True, "stream": True},
+    ) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
@@ -250,8 +276,11 @@ def test_full_queue_answers_429():
             queued = {}
 
             def second():
-                queued["r"] = httpx.post(srv.base_url + "/v1/completions", timeout=60,
-                                         json={"prompt": "y", "max_tokens": 2, "ignore_eos": True})
+                queued["r"] = httpx.post(
+                    srv.base_url + "/v1/completions",
+                    timeout=60,
+                    json={"prompt": "y", "max_tokens": 2, "ignore_eos": True},
+                )
 
             body = {"prompt": "x", "max_tokens": 500, "ignore_eos": True, "stream": True}
             with httpx.stream("POST", srv.base_url + "/v1/completions", json=body, timeout=60) as r1:
@@ -276,7 +305,10 @@ def test_full_queue_answers_429():
                 assert int(r3.headers["retry-after"]) >= 1
                 assert r3.json()["error"] == {
                     "message": "The server's request queue is full; retry later (1 requests are already waiting).",
-                    "type": "rate_limit_error", "param": None, "code": "queue_full"}
+                    "type": "rate_limit_error",
+                    "param": None,
+                    "code": "queue_full",
+                }
             # closing the first stream aborts it, so the queued request runs
             t.join(60)
             assert queued["r"].status_code == 200 and queued["r"].json()["usage"]["completion_tokens"] == 2

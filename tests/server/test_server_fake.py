@@ -16,13 +16,16 @@ from dsv41.server.run import ServerThread
 from tests.conftest import optional_import
 from tests.server.fake_engine import FakeAsyncEngine, FakeEngine
 
-CALL = {"type": "function",
-        "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 3})}}
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 3})}}
 SCRIPT = "The user wants weather.</think>Let me check.\n\n" + render_tool_calls([CALL])
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}}
-TOOLS = [{"type": "function",
-          "function": {"name": "get_weather", "description": "Weather forecast", "parameters": WEATHER_PARAMS}},
-         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather forecast", "parameters": WEATHER_PARAMS},
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}},
+]
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 
 
@@ -44,8 +47,9 @@ def _prompt_text(fake, k=-1):
 
 def test_tool_calls_and_reasoning_non_streamed(server):
     srv, fake = server
-    r = _client(srv).chat.completions.create(model="fake-model", messages=USER, tools=TOOLS, reasoning_effort="low",
-                                             max_tokens=1000)
+    r = _client(srv).chat.completions.create(
+        model="fake-model", messages=USER, tools=TOOLS, reasoning_effort="low", max_tokens=1000
+    )
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content == "Let me check."
@@ -66,9 +70,17 @@ def test_tool_calls_and_reasoning_non_streamed(server):
 
 def test_tool_calls_streamed_match_non_streamed(server):
     srv, fake = server
-    chunks = list(_client(srv).chat.completions.create(
-        model="fake-model", messages=USER, tools=TOOLS, reasoning_effort=60,
-        max_tokens=1000, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        _client(srv).chat.completions.create(
+            model="fake-model",
+            messages=USER,
+            tools=TOOLS,
+            reasoning_effort=60,
+            max_tokens=1000,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
     assert all(c.usage is None for c in chunks[:-1])
@@ -87,8 +99,9 @@ def test_tool_calls_streamed_match_non_streamed(server):
 def test_tool_choice_none_and_non_thinking_default(server):
     srv, fake = server
     client = _client(srv)
-    r = client.chat.completions.create(model="fake-model", messages=USER, tools=TOOLS, tool_choice="none",
-                                       max_tokens=1000)
+    r = client.chat.completions.create(
+        model="fake-model", messages=USER, tools=TOOLS, tool_choice="none", max_tokens=1000
+    )
     assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
     assert r.choices[0].message.content.startswith("Plain answer.\n\n<｜DSML｜ calls>")
     assert getattr(r.choices[0].message, "reasoning_content", None) is None
@@ -96,8 +109,9 @@ def test_tool_choice_none_and_non_thinking_default(server):
     assert "get_weather" not in prompt and "Reasoning Effort" not in prompt
     assert prompt.endswith("<｜Assistant｜></think>")
     # explicit thinking switch, vLLM style
-    client.chat.completions.create(model="fake-model", messages=USER, max_tokens=3,
-                                   extra_body={"chat_template_kwargs": {"thinking": True}})
+    client.chat.completions.create(
+        model="fake-model", messages=USER, max_tokens=3, extra_body={"chat_template_kwargs": {"thinking": True}}
+    )
     assert _prompt_text(fake).endswith("<｜Assistant｜><think>")
     assert "Reasoning Effort: 75" in _prompt_text(fake)  # the default effort
 
@@ -107,8 +121,13 @@ def test_named_tool_choice_renders_only_that_tool_and_is_enforced(server):
     optional_import("llguidance")  # a named function is enforced by constrained decoding
     srv, fake = server
     client = _client(srv)
-    r = client.chat.completions.create(model="fake-model", messages=USER, tools=TOOLS, max_tokens=1000,
-                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    r = client.chat.completions.create(
+        model="fake-model",
+        messages=USER,
+        tools=TOOLS,
+        max_tokens=1000,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content == "Plain answer."
     assert "get_time" not in _prompt_text(fake) and "get_weather" in _prompt_text(fake)
     spec = fake.requests[-1][2].structured  # the engine got the DSML grammar, starting at once (no thinking)
@@ -118,8 +137,17 @@ def test_named_tool_choice_renders_only_that_tool_and_is_enforced(server):
 def test_parameters_reach_the_engine(server):
     srv, fake = server
     _client(srv).chat.completions.create(
-        model="fake-model", messages=USER, temperature=0.3, top_p=0.9, seed=7, stop="xyz", max_completion_tokens=9,
-        logprobs=True, top_logprobs=2, extra_body={"top_k": 5, "stop_token_ids": [5, 6], "ignore_eos": True})
+        model="fake-model",
+        messages=USER,
+        temperature=0.3,
+        top_p=0.9,
+        seed=7,
+        stop="xyz",
+        max_completion_tokens=9,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"top_k": 5, "stop_token_ids": [5, 6], "ignore_eos": True},
+    )
     p = fake.requests[-1][2]
     assert (p.temperature, p.top_p, p.top_k, p.seed, p.max_tokens) == (0.3, 0.9, 5, 7, 9)
     assert (p.stop, p.stop_token_ids, p.ignore_eos, p.logprobs) == (["xyz"], [5, 6], True, 2)
@@ -147,8 +175,10 @@ def test_logprob_shapes(server):
     lp = r.choices[0].logprobs
     assert lp.tokens == list("abcd") and lp.text_offset == [0, 1, 2, 3]
     assert all(len(t) == 1 for t in lp.top_logprobs) and len(lp.token_logprobs) == 4
-    streamed = [c.choices[0].logprobs for c in client.completions.create(
-        model="fake-model", prompt="x", logprobs=0, max_tokens=4, stream=True)]
+    streamed = [
+        c.choices[0].logprobs
+        for c in client.completions.create(model="fake-model", prompt="x", logprobs=0, max_tokens=4, stream=True)
+    ]
     assert [t for lp in streamed for t in lp.tokens] == list("abcd")
     assert [o for lp in streamed for o in lp.text_offset] == [0, 1, 2, 3]
 
@@ -181,7 +211,7 @@ def test_disconnect_aborts_the_request(server):
         with client.stream("POST", "/v1/chat/completions", json={"messages": USER, "stream": True}) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
-            assert next(l for l in lines if l).startswith("data: ")
+            assert next(line for line in lines if line).startswith("data: ")
         wait_aborted(1)  # mid-stream
         with pytest.raises(httpx.ReadTimeout):
             client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 400}, timeout=0.3)

@@ -42,19 +42,24 @@ def test_responses_plain_streamed_and_continued(served_small, client):
     # a continuation: the earlier prompt and reply come from the prefix cache, and the result is the
     # explicit conversation's (the reply is forced to "aaa", which re-tokenizes to the generated ids)
     a = engine.tokenizer.encode("a", add_bos=False)[0]
-    first = client.responses.create(input="Say a", max_output_tokens=3, temperature=0,
-                                    extra_body={**NOISE, "logit_bias": {str(a): 100}})
+    first = client.responses.create(
+        input="Say a", max_output_tokens=3, temperature=0, extra_body={**NOISE, "logit_bias": {str(a): 100}}
+    )
     assert first.output_text == "aaa"
     before = async_engine.metrics()
-    second = client.responses.create(input="And b?", previous_response_id=first.id, max_output_tokens=2,
-                                     temperature=0, extra_body=NOISE)
+    second = client.responses.create(
+        input="And b?", previous_response_id=first.id, max_output_tokens=2, temperature=0, extra_body=NOISE
+    )
     after = async_engine.metrics()
     assert second.previous_response_id == first.id
     computed = first.usage.input_tokens + first.usage.output_tokens - 1
     assert second.usage.input_tokens_details.cached_tokens >= computed
     assert after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"] >= computed
-    explicit = [{"role": "user", "content": "Say a"}, {"role": "assistant", "content": "aaa"},
-                {"role": "user", "content": "And b?"}]
+    explicit = [
+        {"role": "user", "content": "Say a"},
+        {"role": "assistant", "content": "aaa"},
+        {"role": "user", "content": "And b?"},
+    ]
     third = client.responses.create(input=explicit, max_output_tokens=2, temperature=0, extra_body=NOISE)
     assert third.usage.input_tokens == second.usage.input_tokens and third.output_text == second.output_text
 

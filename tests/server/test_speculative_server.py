@@ -21,8 +21,9 @@ DSPARK = os.path.join(GOLDEN_DIR, "v41-dspark-fp8")
 
 
 def test_serve_option_turns_speculation_on():
-    args = build_parser().parse_args(["serve", DSPARK, "--speculative", "--num-speculative-tokens", "3",
-                                      "--speculative-min-confidence", "0.2"])
+    args = build_parser().parse_args(
+        ["serve", DSPARK, "--speculative", "--num-speculative-tokens", "3", "--speculative-min-confidence", "0.2"]
+    )
     cfg = _engine_config(args)
     assert cfg.speculative and cfg.num_speculative_tokens == 3 and cfg.speculative_min_confidence == 0.2
 
@@ -48,7 +49,9 @@ def test_speculative_server_matches_plain_engine_and_reports_acceptance(spec_ser
         for seq in self.running:
             if seq.draft_tokens and tuple(seq.prompt_ids) == tuple(prompt):
                 done = len(seq.output_ids)
-                seq.draft_tokens = (want[done:done + len(seq.draft_tokens)] + seq.draft_tokens)[:len(seq.draft_tokens)]
+                seq.draft_tokens = (want[done : done + len(seq.draft_tokens)] + seq.draft_tokens)[
+                    : len(seq.draft_tokens)
+                ]
 
     monkeypatch.setattr(LLMEngine, "_draft", oracle)
     # the byte tokenizer decodes most of these ids to "", so text alone cannot show which tokens came out:
@@ -63,9 +66,17 @@ def test_speculative_server_matches_plain_engine_and_reports_acceptance(spec_ser
 
     monkeypatch.setattr(LLMEngine, "_output", spy)
     # logprobs=0: each chunk lists one logprob entry per token it carries, so the stream shows its sizes
-    stream = list(client.completions.create(model=engine.model_name, prompt=prompt, max_tokens=24,
-                                            temperature=0, stream=True, logprobs=0,
-                                            extra_body={"ignore_eos": True}))
+    stream = list(
+        client.completions.create(
+            model=engine.model_name,
+            prompt=prompt,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            logprobs=0,
+            extra_body={"ignore_eos": True},
+        )
+    )
     chunks = [c for c in stream if c.choices]
     text = "".join(c.choices[0].text for c in chunks)
     assert text == engine.tokenizer.decode(want)
@@ -74,8 +85,9 @@ def test_speculative_server_matches_plain_engine_and_reports_acceptance(spec_ser
     sizes = [len(c.choices[0].logprobs.tokens) for c in chunks if c.choices[0].logprobs.tokens]
     assert sizes == [len(ids) for ids in steps]  # one chunk per engine step, carrying that step's tokens
     assert sum(sizes) == 24 and max(sizes) >= 2, sizes  # accepted drafts: several tokens in one chunk
-    r = client.completions.create(model=engine.model_name, prompt=prompt, max_tokens=24, temperature=0,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=engine.model_name, prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].text == engine.tokenizer.decode(want) and r.usage.completion_tokens == 24
     assert [t for ids in emitted[r.id] for t in ids] == want
     metrics = httpx.get(srv.base_url + "/metrics").text

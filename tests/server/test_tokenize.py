@@ -7,8 +7,12 @@ import httpx
 import openai
 import pytest
 
-MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tokenize <｜User｜> me"},
-            {"role": "assistant", "content": "Sure."}, {"role": "user", "content": "Again"}]
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Tokenize <｜User｜> me"},
+    {"role": "assistant", "content": "Sure."},
+    {"role": "user", "content": "Again"},
+]
 
 
 def _post(srv, path, body):
@@ -24,8 +28,9 @@ def test_tokenize_prompt_matches_the_completion_and_round_trips(served):
     assert set(body) == {"count", "max_model_len", "tokens", "token_strs"}
     assert body["count"] == len(body["tokens"]) and body["max_model_len"] == engine.max_model_len
     client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    done = client.completions.create(model=engine.model_name, prompt=prompt, max_tokens=1, temperature=0,
-                                     extra_body={"return_token_ids": True})
+    done = client.completions.create(
+        model=engine.model_name, prompt=prompt, max_tokens=1, temperature=0, extra_body={"return_token_ids": True}
+    )
     assert body["tokens"] == done.model_extra["prompt_token_ids"] and body["count"] == done.usage.prompt_tokens
     assert body["tokens"][0] == engine.tokenizer.bos_id
     assert body["token_strs"] == [engine.tokenizer.id_to_token(t) for t in body["tokens"]]
@@ -38,8 +43,9 @@ def test_tokenize_prompt_matches_the_completion_and_round_trips(served):
 def test_tokenize_messages_matches_the_chat_completion(served):
     srv, engine, _ = served
     client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    done = client.chat.completions.create(model=engine.model_name, messages=MESSAGES, max_tokens=1, temperature=0,
-                                          extra_body={"return_token_ids": True})
+    done = client.chat.completions.create(
+        model=engine.model_name, messages=MESSAGES, max_tokens=1, temperature=0, extra_body={"return_token_ids": True}
+    )
     with_prompt = _post(srv, "/tokenize", {"messages": MESSAGES}).json()
     assert with_prompt["tokens"] == done.model_extra["prompt_token_ids"]
     without = _post(srv, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}).json()
@@ -52,14 +58,22 @@ def test_tokenize_messages_matches_the_chat_completion(served):
     assert thinking["tokens"] != with_prompt["tokens"]
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": "x", "messages": MESSAGES}, "prompt"),
-    ("/tokenize", {"messages": []}, "messages"), ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages"),
-    ("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
-    ("/tokenize", {"messages": MESSAGES, "reasoning_effort": "extreme"}, "reasoning_effort"),
-    ("/detokenize", {"tokens": [5, 1024]}, "tokens"), ("/detokenize", {"tokens": [-1]}, "tokens"),
-    ("/detokenize", {"tokens": "abc"}, "tokens"), ("/detokenize", {}, "tokens"),
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "x", "messages": MESSAGES}, "prompt"),
+        ("/tokenize", {"messages": []}, "messages"),
+        ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
+        ("/tokenize", {"messages": MESSAGES, "reasoning_effort": "extreme"}, "reasoning_effort"),
+        ("/detokenize", {"tokens": [5, 1024]}, "tokens"),
+        ("/detokenize", {"tokens": [-1]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+        ("/detokenize", {}, "tokens"),
+    ],
+)
 def test_tokenizer_endpoint_errors(served, path, body, param):
     r = _post(served[0], path, body)
     assert 400 <= r.status_code < 500, r.text

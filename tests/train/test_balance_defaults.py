@@ -14,8 +14,15 @@ from dsv41.train.config import BALANCE_RULES
 
 RECIPE = {"embed_init_std": 1.0, "bias_update": "lookahead", "decorrelate_router": True, "capacity_factor": 1.5}
 RELEASE = {"embed_init_std": 0.02, "bias_update": "sign", "decorrelate_router": False, "capacity_factor": 0.0}
-RELEASE_FLAGS = ["--embed-init-std", "0.02", "--bias-update", "sign", "--no-decorrelate-router",
-                 "--capacity-factor", "0"]  # the release's rule spelled out, as the defaults were before
+RELEASE_FLAGS = [
+    "--embed-init-std",
+    "0.02",
+    "--bias-update",
+    "sign",
+    "--no-decorrelate-router",
+    "--capacity-factor",
+    "0",
+]  # the release's rule spelled out, as the defaults were before
 
 
 def chosen(cfg: TrainConfig) -> dict:
@@ -50,25 +57,51 @@ def capture(monkeypatch) -> list:
     def run(self):
         seen.append((self.cfg, float(self.model.embed.weight.detach().std())))
         return {}
+
     monkeypatch.setattr(Trainer, "run", run)
     return seen
 
 
-@pytest.mark.parametrize("flags, want", [
-    ([], RECIPE),
-    (["--balance", "release"], RELEASE),
-    (["--balance", "release", "--embed-init-std", "1.0", "--capacity-factor", "1.25"],
-     dict(RELEASE, embed_init_std=1.0, capacity_factor=1.25)),
-    (["--no-decorrelate-router", "--bias-update", "sign", "--capacity-factor", "0"],
-     dict(RECIPE, decorrelate_router=False, bias_update="sign", capacity_factor=0.0)),
-    (["--bias-update", "proportional", "--embed-init-std", "0.02"],
-     dict(RECIPE, bias_update="proportional", embed_init_std=0.02)),
-])
-def test_the_cli_passes_the_default_and_the_users_flags_to_the_trainer(tiny_corpus, tmp_path, monkeypatch,
-                                                                       flags, want):
+@pytest.mark.parametrize(
+    "flags, want",
+    [
+        ([], RECIPE),
+        (["--balance", "release"], RELEASE),
+        (
+            ["--balance", "release", "--embed-init-std", "1.0", "--capacity-factor", "1.25"],
+            dict(RELEASE, embed_init_std=1.0, capacity_factor=1.25),
+        ),
+        (
+            ["--no-decorrelate-router", "--bias-update", "sign", "--capacity-factor", "0"],
+            dict(RECIPE, decorrelate_router=False, bias_update="sign", capacity_factor=0.0),
+        ),
+        (
+            ["--bias-update", "proportional", "--embed-init-std", "0.02"],
+            dict(RECIPE, bias_update="proportional", embed_init_std=0.02),
+        ),
+    ],
+)
+def test_the_cli_passes_the_default_and_the_users_flags_to_the_trainer(tiny_corpus, tmp_path, monkeypatch, flags, want):
     seen = capture(monkeypatch)
-    assert main(["train", "--preset", "tiny", "--data", tiny_corpus, "--out", str(tmp_path), "--steps", "2",
-                 "--threads", "1", *flags]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--preset",
+                "tiny",
+                "--data",
+                tiny_corpus,
+                "--out",
+                str(tmp_path),
+                "--steps",
+                "2",
+                "--threads",
+                "1",
+                *flags,
+            ]
+        )
+        == 0
+    )
     cfg, embed_std = seen[0]
     assert chosen(cfg) == want
     assert embed_std == pytest.approx(want["embed_init_std"], rel=0.05)  # the model was built with it
@@ -77,8 +110,19 @@ def test_the_cli_passes_the_default_and_the_users_flags_to_the_trainer(tiny_corp
 def test_a_run_saved_under_one_rule_does_not_resume_under_the_other(tiny_corpus, tmp_path):
     """The trainer saves the resolved values, so a run begun under the old defaults (the release's rule)
     refuses to continue under the new ones instead of silently mixing the two."""
-    base = dict(preset="tiny", data=tiny_corpus, out=str(tmp_path), steps=2, batch_size=2, seq_len=32, warmup=1,
-                eval_every=100, eval_batches=1, save_every=1, threads=1)
+    base = dict(
+        preset="tiny",
+        data=tiny_corpus,
+        out=str(tmp_path),
+        steps=2,
+        batch_size=2,
+        seq_len=32,
+        warmup=1,
+        eval_every=100,
+        eval_batches=1,
+        save_every=1,
+        threads=1,
+    )
     trainer = Trainer(TrainConfig(**base, balance="release"))
     trainer.train_step()
     trainer.save()
@@ -108,9 +152,35 @@ def test_a_default_run_balances_and_the_release_rule_still_collapses(tiny_corpus
     runs = {}
     for name, flags in (("default", []), ("release", ["--balance", "release"])):
         out = tmp_path / name
-        assert main(["train", "--preset", "tiny", "--data", tiny_corpus, "--out", str(out), "--steps",
-                     str(FAST_STEPS), "--batch-size", "8", "--seq-len", "64", "--eval-every", str(FAST_STEPS),
-                     "--eval-batches", "1", "--save-every", str(FAST_STEPS), "--threads", "1", *flags]) == 0
+        assert (
+            main(
+                [
+                    "train",
+                    "--preset",
+                    "tiny",
+                    "--data",
+                    tiny_corpus,
+                    "--out",
+                    str(out),
+                    "--steps",
+                    str(FAST_STEPS),
+                    "--batch-size",
+                    "8",
+                    "--seq-len",
+                    "64",
+                    "--eval-every",
+                    str(FAST_STEPS),
+                    "--eval-batches",
+                    "1",
+                    "--save-every",
+                    str(FAST_STEPS),
+                    "--threads",
+                    "1",
+                    *flags,
+                ]
+            )
+            == 0
+        )
         runs[name] = routing(out)[-FAST_TAIL:]
     default, release = runs["default"], runs["release"]
     assert [r["step"] for r in default] == list(range(FAST_STEPS - FAST_TAIL + 1, FAST_STEPS + 1))

@@ -47,8 +47,10 @@ def test_bad_runs_are_reported(tmp_path):
 
 
 def test_routing_table_from_the_given_step(tmp_path):
-    rows = [dict(row(s, 5.0 - s / 10), load_ratio=[1.2, ratio], gate_shared=[0.1, 0.3])
-            for s, ratio in ((1, 8.0), (2, 1.4), (3, 1.6), (4, 1.3))]
+    rows = [
+        dict(row(s, 5.0 - s / 10), load_ratio=[1.2, ratio], gate_shared=[0.1, 0.3])
+        for s, ratio in ((1, 8.0), (2, 1.4), (3, 1.6), (4, 1.3))
+    ]
     run = write_run(tmp_path / "r", rows)
     routing = summarize(load_runs([run], ["R"]), balanced_from=2)["runs"]["R"]["routing"]
     assert routing["steps"] == 3 and routing["worst_load_ratio"] == 1.6  # step 1's 8.0 is before the start
@@ -59,8 +61,11 @@ def test_routing_table_from_the_given_step(tmp_path):
     assert routing["natural"] is None
     bounded = write_run(tmp_path / "b", [dict(r, load_ratio_natural=[1.2, 2.0 + r["step"]]) for r in rows])
     natural = summarize(load_runs([bounded], ["B"]), balanced_from=2)["runs"]["B"]["routing"]["natural"]
-    assert natural == {"worst_load_ratio": 6.0, "mean_load_ratio": pytest.approx((3 * 1.2 + 4 + 5 + 6) / 6),
-                       "share_above_1_5": 0.5}
+    assert natural == {
+        "worst_load_ratio": 6.0,
+        "mean_load_ratio": pytest.approx((3 * 1.2 + 4 + 5 + 6) / 6),
+        "share_above_1_5": 0.5,
+    }
     assert "| 6.00, 3.10, 50.0% |" in markdown_table(summarize(load_runs([bounded], ["B"]), balanced_from=2))
     legacy = write_run(tmp_path / "old", [row(1, 5.0)])  # runs from before the per-layer log
     assert summarize(load_runs([legacy]))["runs"]["old"]["routing"] is None
@@ -80,8 +85,22 @@ def test_served_loss_matches_the_training_forward_of_the_same_weights(tiny_corpu
     out = tmp_path / "run"
     # the release's rule, which the 0.2 margin of the broken head was set under: the default recipe's
     # N(0, 1) embedding leaves a 12-step model near the uniform loss, where a permuted head costs little
-    Trainer(TrainConfig(preset="tiny", data=tiny_corpus, out=str(out), steps=12, batch_size=4, seq_len=32, warmup=2,
-                        eval_every=12, eval_batches=2, save_every=12, threads=1, balance="release")).run()
+    Trainer(
+        TrainConfig(
+            preset="tiny",
+            data=tiny_corpus,
+            out=str(out),
+            steps=12,
+            batch_size=4,
+            seq_len=32,
+            warmup=2,
+            eval_every=12,
+            eval_batches=2,
+            save_every=12,
+            threads=1,
+            balance="release",
+        )
+    ).run()
     logged = [json.loads(x) for x in open(out / "metrics.jsonl")][-1]["val_loss"]
     served = served_val_loss(str(out / "checkpoint"), tiny_corpus, 32, 4, 2)
     assert served["served_tokens"] == 2 * 4 * 32

@@ -47,8 +47,22 @@ def test_training_forward_equals_the_inference_drafter():
 def _trained_tiny(tiny_corpus, out):
     # the release's rule, which these tests' thresholds were set under (the backbone the drafter learns
     # from; under the default recipe its 4 steps leave it near uniform and the draft loss starts lower)
-    Trainer(TrainConfig(preset="tiny", data=tiny_corpus, out=str(out), steps=4, batch_size=4, seq_len=32, warmup=1,
-                        eval_every=4, eval_batches=1, save_every=4, threads=1, balance="release")).run()
+    Trainer(
+        TrainConfig(
+            preset="tiny",
+            data=tiny_corpus,
+            out=str(out),
+            steps=4,
+            batch_size=4,
+            seq_len=32,
+            warmup=1,
+            eval_every=4,
+            eval_batches=1,
+            save_every=4,
+            threads=1,
+            balance="release",
+        )
+    ).run()
     return str(out / "checkpoint")
 
 
@@ -80,11 +94,27 @@ def test_drafter_learns_and_the_checkpoint_serves_speculatively(tiny_corpus, tmp
 
     folder = _trained_tiny(tiny_corpus, tmp_path / "base")
     out = tmp_path / "drafter"
-    cfg = DrafterConfig(model=folder, data=tiny_corpus, out=str(out), steps=30, batch_size=4, seq_len=32, anchors=8,
-                        warmup=3, lr=3e-3, eval_every=15, eval_batches=2, stages=2, block_size=3, markov_rank=16,
-                        threads=1, self_distill=6)  # half of each batch: the backbone's own greedy text
+    cfg = DrafterConfig(
+        model=folder,
+        data=tiny_corpus,
+        out=str(out),
+        steps=30,
+        batch_size=4,
+        seq_len=32,
+        anchors=8,
+        warmup=3,
+        lr=3e-3,
+        eval_every=15,
+        eval_batches=2,
+        stages=2,
+        block_size=3,
+        markov_rank=16,
+        threads=1,
+        self_distill=6,
+    )  # half of each batch: the backbone's own greedy text
     last = train_drafter(cfg, progress=False)
     import json
+
     records = [json.loads(line) for line in open(out / "metrics.jsonl")]
     first = sum(r["kl"] for r in records[:5]) / 5  # KL to the backbone's distribution (CE minus its entropy)
     final = sum(r["kl"] for r in records[-5:]) / 5

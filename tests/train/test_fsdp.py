@@ -12,8 +12,26 @@ import torch.distributed as dist
 
 # --balance release: these tests compare sharding, written under the release's rule (the old default); the
 # recipe's capacity bound applies per process, so 1 and 2 processes would route the same batch differently
-ARGS = ["--preset", "tiny", "--steps", "6", "--seq-len", "32", "--warmup", "2", "--eval-every", "3",
-        "--eval-batches", "2", "--save-every", "3", "--threads", "1", "--balance", "release"]
+ARGS = [
+    "--preset",
+    "tiny",
+    "--steps",
+    "6",
+    "--seq-len",
+    "32",
+    "--warmup",
+    "2",
+    "--eval-every",
+    "3",
+    "--eval-batches",
+    "2",
+    "--save-every",
+    "3",
+    "--threads",
+    "1",
+    "--balance",
+    "release",
+]
 
 
 def run(data, out, nproc: int, steps: int = 6, extra: tuple = ()):
@@ -25,8 +43,17 @@ def run(data, out, nproc: int, steps: int = 6, extra: tuple = ()):
     if nproc == 1:
         cmd = [sys.executable, "-m", "dsv41.cli", "train", *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "dsv41.cli", "train", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "dsv41.cli",
+            "train",
+            *args,
+        ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in open(out / "metrics.jsonl")]
@@ -72,8 +99,11 @@ def test_two_processes_match_one_and_checkpoints_move_between_them(tiny_corpus, 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="gloo is not available")
-@pytest.mark.parametrize("recipe", [(), ("--bias-update", "lookahead", "--decorrelate-router", "--embed-init-std", "1")],
-                         ids=["release-rule", "lookahead"])
+@pytest.mark.parametrize(
+    "recipe",
+    [(), ("--bias-update", "lookahead", "--decorrelate-router", "--embed-init-std", "1")],
+    ids=["release-rule", "lookahead"],
+)
 def test_two_processes_balance_every_layer_like_one(tiny_corpus, tmp_path, recipe):
     """Issue 11, defect 1: under FSDP2 the routing statistics of layers >= 1 were lost, so their
     `gate.bias` never moved and the loads and balance loss covered layer 0 only. The look-ahead recipe

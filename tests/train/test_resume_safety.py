@@ -19,8 +19,19 @@ class Killed(BaseException):
 
 
 def config(data, out, **kw):
-    base = dict(preset="tiny", data=data, out=str(out), steps=4, batch_size=2, seq_len=32, warmup=1,
-                eval_every=100, eval_batches=1, save_every=2, threads=1)
+    base = dict(
+        preset="tiny",
+        data=data,
+        out=str(out),
+        steps=4,
+        batch_size=2,
+        seq_len=32,
+        warmup=1,
+        eval_every=100,
+        eval_batches=1,
+        save_every=2,
+        threads=1,
+    )
     base.update(kw)
     return TrainConfig(**base)
 

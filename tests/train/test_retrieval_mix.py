@@ -23,8 +23,10 @@ def tok(tiny_corpus):
 
 @pytest.fixture(scope="module")
 def mixes(tiny_corpus, tok):
-    return {split: RetrievalMix(TokenDataset.from_dir(tiny_corpus, split), tok, split, curriculum=50)
-            for split in ("train", "val")}
+    return {
+        split: RetrievalMix(TokenDataset.from_dir(tiny_corpus, split), tok, split, curriculum=50)
+        for split in ("train", "val")
+    }
 
 
 def drawn(sample):
@@ -56,8 +58,9 @@ def test_held_out_split_is_disjoint_by_construction(tok):
     assert not seen["train"] & seen["val"]
     # the niah key pairs: each split draws only from its own half of the 900 WORD-WORD keys
     for split in ("train", "val"):
-        text = " ".join(tok.decode(RetrievalTasks(tok, split).render("niah", 700, random.Random(i)).ids)
-                        for i in range(40))
+        text = " ".join(
+            tok.decode(RetrievalTasks(tok, split).render("niah", 700, random.Random(i)).ids) for i in range(40)
+        )
         keys = set(re.findall(r"numbers? for ([a-z]+-[a-z]+)", text))
         assert keys and all(split_of(k) == split for k in keys)
 
@@ -159,8 +162,18 @@ def test_the_trainer_takes_the_mix_and_logs_answer_accuracy(tiny_corpus, tmp_pat
 
     from dsv41.train import TrainConfig, train
 
-    cfg = TrainConfig(preset="tiny", data=tiny_corpus, mix="retrieval", steps=2, batch_size=2, seq_len=400,
-                      eval_every=2, eval_batches=4, out=str(tmp_path / "run"), swa_only=True)
+    cfg = TrainConfig(
+        preset="tiny",
+        data=tiny_corpus,
+        mix="retrieval",
+        steps=2,
+        batch_size=2,
+        seq_len=400,
+        eval_every=2,
+        eval_batches=4,
+        out=str(tmp_path / "run"),
+        swa_only=True,
+    )
     train(cfg)
     last = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][-1]
     assert "val_loss" in last and any(k.startswith("val_accuracy_") for k in last)
@@ -194,8 +207,15 @@ def test_the_mix_weights_flag(tiny_corpus, tmp_path):
     for bad in ("copy=1", "mqar", "mqar=x", "mqar=-1", "mqar=0", "mqar=1,mqar=2"):
         with pytest.raises(ValueError, match="mix_weights"):
             TrainConfig(mix="retrieval", mix_weights=bad).validate()
-    cfg = TrainConfig(preset="recall", data=tiny_corpus, mix="retrieval", mix_weights="passkey=1",
-                      seq_len=400, out=str(tmp_path / "run"), threads=1)
+    cfg = TrainConfig(
+        preset="recall",
+        data=tiny_corpus,
+        mix="retrieval",
+        mix_weights="passkey=1",
+        seq_len=400,
+        out=str(tmp_path / "run"),
+        threads=1,
+    )
     trainer = Trainer(cfg)
     tasks = {t for i in range(30) for t in getattr(trainer.train_set.batch(i, 2, 400), "tasks", [])}
     assert tasks == {"passkey"}  # training draws only the weighted task
@@ -209,8 +229,20 @@ def test_a_resumed_mix_run_counts_the_tokens_of_the_uninterrupted_one(tiny_corpu
     from dsv41.train.trainer import Trainer
 
     def cfg(out):
-        return TrainConfig(preset="recall", data=tiny_corpus, mix="retrieval", seq_len=256, batch_size=2, steps=4,
-                           warmup=1, save_every=2, eval_every=100, curriculum_steps=4, out=str(out), threads=1)
+        return TrainConfig(
+            preset="recall",
+            data=tiny_corpus,
+            mix="retrieval",
+            seq_len=256,
+            batch_size=2,
+            steps=4,
+            warmup=1,
+            save_every=2,
+            eval_every=100,
+            curriculum_steps=4,
+            out=str(out),
+            threads=1,
+        )
 
     full = Trainer(cfg(tmp_path / "full")).run()
     interrupted = Trainer(cfg(tmp_path / "resumed"))

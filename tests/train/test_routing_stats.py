@@ -58,8 +58,9 @@ def test_sharded_blocks_report_the_routing_of_every_layer():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-c", SHARDED_FORWARD, str(port)], env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", SHARDED_FORWARD, str(port)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 
@@ -70,8 +71,19 @@ def test_two_thread_runs_are_bit_identical(tiny_corpus, tmp_path):
 
     finals = []
     for name in ("a", "b"):
-        cfg = TrainConfig(preset="tiny", data=tiny_corpus, out=str(tmp_path / name), steps=4, batch_size=4,
-                          seq_len=64, warmup=2, eval_every=4, eval_batches=1, save_every=4, threads=2)
+        cfg = TrainConfig(
+            preset="tiny",
+            data=tiny_corpus,
+            out=str(tmp_path / name),
+            steps=4,
+            batch_size=4,
+            seq_len=64,
+            warmup=2,
+            eval_every=4,
+            eval_batches=1,
+            save_every=4,
+            threads=2,
+        )
         finals.append(Trainer(cfg).run())
     assert finals[0]["loss"] == finals[1]["loss"]
     wa = load_file(str(tmp_path / "a" / "train_state" / "weights.safetensors"))
@@ -141,8 +153,19 @@ def test_solved_bias_balances_a_collapsed_router():
 
 
 def tiny_config(data, out, **kw):
-    base = dict(preset="tiny", data=data, out=str(out), steps=2, batch_size=4, seq_len=64, warmup=1, eval_every=2,
-                eval_batches=1, save_every=2, threads=1)
+    base = dict(
+        preset="tiny",
+        data=data,
+        out=str(out),
+        steps=2,
+        batch_size=4,
+        seq_len=64,
+        warmup=1,
+        eval_every=2,
+        eval_batches=1,
+        save_every=2,
+        threads=1,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -153,13 +176,18 @@ def test_metrics_log_per_layer_routing_and_plot_it(tiny_corpus, tmp_path):
     from dsv41.model.moe import Gate
 
     trainer = Trainer(tiny_config(tiny_corpus, tmp_path))
-    gates = {i: layer.ffn.gate for i, layer in enumerate(trainer.model.layers)
-             if isinstance(getattr(layer.ffn, "gate", None), Gate)}
+    gates = {
+        i: layer.ffn.gate
+        for i, layer in enumerate(trainer.model.layers)
+        if isinstance(getattr(layer.ffn, "gate", None), Gate)
+    }
     routed: dict[int, list] = {i: [] for i in gates}
+
     def record(i):
         def hook(module, args, out):  # training forwards only (evaluation runs without grad)
             if torch.is_grad_enabled():
                 routed[i].append(out[1].detach().clone())
+
         return hook
 
     for i, gate in gates.items():
@@ -173,8 +201,9 @@ def test_metrics_log_per_layer_routing_and_plot_it(tiny_corpus, tmp_path):
         metrics = real_step()
         ratios = []
         for i in sorted(gates):
-            counts = torch.bincount(torch.cat([ids.flatten() for ids in routed[i]]),
-                                    minlength=gates[i].weight.shape[0]).double()
+            counts = torch.bincount(
+                torch.cat([ids.flatten() for ids in routed[i]]), minlength=gates[i].weight.shape[0]
+            ).double()
             ratios.append(float(counts.max() / counts.mean()))
         expected.append(ratios)
         return metrics
@@ -216,8 +245,11 @@ def test_lookahead_balances_the_probe_with_the_weights_the_step_uses(tiny_corpus
         assert float((gate.weight.detach().double() @ u).abs().max()) < 1e-6  # decorrelated from the probe's mean
         scores = ops.router_scores(inputs.float() @ gate.weight.detach().float().T / gate.temperature, gate.score_func)
         for bias, into in ((torch.zeros_like(gate.bias), before), (gate.bias, after)):
-            into.append(load_ratio(torch.bincount((scores + bias).topk(gate.topk, -1)[1].flatten(),
-                                                  minlength=scores.size(1)).float()))
+            into.append(
+                load_ratio(
+                    torch.bincount((scores + bias).topk(gate.topk, -1)[1].flatten(), minlength=scores.size(1)).float()
+                )
+            )
     assert max(after) <= 1.2 and sum(after) < sum(before)
     metrics = trainer.train_step()
     assert len(metrics["load_ratio"]) == 10

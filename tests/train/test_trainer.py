@@ -14,8 +14,19 @@ def data_vocab(data):
 
 
 def config(data, out, **kw):
-    base = dict(preset="tiny", data=data, out=str(out), steps=12, batch_size=4, seq_len=32, warmup=2,
-                eval_every=6, eval_batches=2, save_every=6, threads=1)
+    base = dict(
+        preset="tiny",
+        data=data,
+        out=str(out),
+        steps=12,
+        batch_size=4,
+        seq_len=32,
+        warmup=2,
+        eval_every=6,
+        eval_batches=2,
+        save_every=6,
+        threads=1,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -34,7 +45,9 @@ def test_loss_falls_and_the_checkpoint_serves(tiny_corpus, tmp_path):
     assert last["loss"] < first["loss"] - 0.3 and "val_loss" in last
     assert (tmp_path / "loss.png").stat().st_size > 5000
     model = dsv41.load_model(str(tmp_path / "checkpoint"))  # the release layout, dtypes and names
-    assert model.cfg.n_layers == 10 and model.cfg.vocab_size == data_vocab(tiny_corpus)  # the tokenizer's, not tiny's 1024
+    assert model.cfg.n_layers == 10 and model.cfg.vocab_size == data_vocab(
+        tiny_corpus
+    )  # the tokenizer's, not tiny's 1024
     engine = build_engine(str(tmp_path / "checkpoint"))
     out = engine.generate([engine.tokenizer.encode("the")], SamplingParams(temperature=0, max_tokens=5))[0]
     assert len(out.token_ids) >= 1
@@ -80,8 +93,9 @@ def test_router_bias_moves_per_modality():
     trainer.cfg, trainer.distributed = TrainConfig(bias_rate=0.01, balance="release").resolved(), False
     text = torch.tensor([9.0, 1, 1, 1, 1, 1, 1, 1])  # expert 0 overloaded
     image = torch.tensor([0.0, 0, 0, 0, 0, 0, 0, 8])  # expert 7 overloaded
-    ratios, natural = trainer._update_router_bias({("bias", 2): text, ("bias_vl", 2): image,
-                                                   ("bias_vl", 3): torch.zeros(8)})
+    ratios, natural = trainer._update_router_bias(
+        {("bias", 2): text, ("bias_vl", 2): image, ("bias_vl", 3): torch.zeros(8)}
+    )
     gate = trainer.model.layers[2].ffn.gate
     assert torch.equal(gate.bias.data, 0.01 * torch.sign(text.mean() - text))
     assert torch.equal(gate.bias_vl.data, 0.01 * torch.sign(image.mean() - image))

@@ -12,9 +12,9 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+from dsv41.chat.encoding import ImageSlot
 from dsv41.vision import ImageError, ImageProcessor, image_token_types, plan_size, span_length
 from dsv41.vision.inputs import ImageLoader, decode_data_url
-from dsv41.chat.encoding import ImageSlot
 from tests.conftest import GOLDEN_DIR
 
 FLASH = dict(patch=14, downsample=3, max_tokens=1024, min_pixels=544 * 544)
@@ -38,8 +38,22 @@ def test_span_layout_matches_the_golden_token_types():
     assert span_length(2, 3) == len(image_token_types(2, 3)) == 10
 
 
-@pytest.mark.parametrize("size", [(1, 1), (3, 5000), (5000, 3), (640, 480), (544, 544), (1920, 1080), (4000, 3000),
-                                  (20000, 100), (100, 20000), (1343, 1345), (30000, 30000)])
+@pytest.mark.parametrize(
+    "size",
+    [
+        (1, 1),
+        (3, 5000),
+        (5000, 3),
+        (640, 480),
+        (544, 544),
+        (1920, 1080),
+        (4000, 3000),
+        (20000, 100),
+        (100, 20000),
+        (1343, 1345),
+        (30000, 30000),
+    ],
+)
 def test_planned_sizes_fit_the_budget_and_are_as_large_as_it_allows(size):
     w, h = size
     bw, bh = plan_size(w, h, **FLASH)
@@ -79,7 +93,9 @@ def test_padding_is_centred_gray_and_values_are_normalised():
     assert (out.vit_h, out.vit_w) == (6, 8)  # padded to 112x84
     x = out.patches.view(6, 8, 3, 14, 14).permute(2, 0, 3, 1, 4).reshape(3, 84, 112).float()
     gray = (127 / 255 - 0.5) / 0.5
-    assert torch.allclose(x[:, :, :6], torch.tensor(gray), atol=1e-2) and torch.allclose(x[:, :, 106:], torch.tensor(gray), atol=1e-2)
+    assert torch.allclose(x[:, :, :6], torch.tensor(gray), atol=1e-2) and torch.allclose(
+        x[:, :, 106:], torch.tensor(gray), atol=1e-2
+    )
     assert torch.all(x[:, :, 6:56] == -1.0) and torch.all(x[:, :, 56:106] == 1.0)
 
 
@@ -96,8 +112,9 @@ def test_modes_convert_like_the_reference():
     palette = Image.new("P", (84, 84), 0)
     palette.putpalette([0, 255, 0] * 256)
     assert torch.all(proc(palette).patches[:, 1] == 1.0)
-    assert torch.equal(proc(png(Image.new("RGB", (84, 84), (9, 9, 9)))).patches,
-                       proc(Image.new("RGB", (84, 84), (9, 9, 9))).patches)  # encoded bytes = the image
+    assert torch.equal(
+        proc(png(Image.new("RGB", (84, 84), (9, 9, 9)))).patches, proc(Image.new("RGB", (84, 84), (9, 9, 9))).patches
+    )  # encoded bytes = the image
 
 
 def test_the_digest_keys_pixels():
@@ -110,9 +127,9 @@ def _bomb_png(width: int, height: int) -> bytes:
     """A valid 1x1 PNG whose header claims width x height (Pillow reads the size without decoding)."""
     data = bytearray(png(Image.new("RGB", (1, 1))))
     ihdr = 8 + 8  # signature, then length + type of the first chunk
-    data[ihdr:ihdr + 8] = struct.pack(">II", width, height)
-    crc = zlib.crc32(bytes(data[ihdr - 4:ihdr + 13]))
-    data[ihdr + 13:ihdr + 17] = struct.pack(">I", crc)
+    data[ihdr : ihdr + 8] = struct.pack(">II", width, height)
+    crc = zlib.crc32(bytes(data[ihdr - 4 : ihdr + 13]))
+    data[ihdr + 13 : ihdr + 17] = struct.pack(">I", crc)
     return bytes(data)
 
 
@@ -134,9 +151,13 @@ def test_data_urls():
     image = png(Image.new("RGB", (30, 20), (5, 6, 7)))
     url = "data:image/png;base64," + base64.b64encode(image).decode()
     assert decode_data_url(url, 1 << 20) == image
-    for bad, message in [("https://example.com/cat.png", "does not fetch"), ("file:///etc/passwd", "does not fetch"),
-                         ("data:image/png,rawbytes", "base64"), ("data:image/png;base64,@@@!", "malformed base64"),
-                         ("data:text/plain;base64,aGk=", "media type")]:
+    for bad, message in [
+        ("https://example.com/cat.png", "does not fetch"),
+        ("file:///etc/passwd", "does not fetch"),
+        ("data:image/png,rawbytes", "base64"),
+        ("data:image/png;base64,@@@!", "malformed base64"),
+        ("data:text/plain;base64,aGk=", "media type"),
+    ]:
         with pytest.raises(ImageError, match=message):
             decode_data_url(bad, 1 << 20)
     with pytest.raises(ImageError, match="limit"):

@@ -15,8 +15,18 @@ from dsv41.model.init import init_random_weights
 from dsv41.model.training import TrainOptions, forward_train, prepare_for_training
 from dsv41.model.transformer import Transformer
 from dsv41.train import TrainConfig, train
-from dsv41.vision.synthetic import (COLOURS, IGNORE, SEGMENTS, SHAPES, TASKS, SyntheticImageText,
-                                    answer_accuracy, render_digit, render_shapes, synthetic_model_fields)
+from dsv41.vision.synthetic import (
+    COLOURS,
+    IGNORE,
+    SEGMENTS,
+    SHAPES,
+    TASKS,
+    SyntheticImageText,
+    answer_accuracy,
+    render_digit,
+    render_shapes,
+    synthetic_model_fields,
+)
 from tests.conftest import pin_routing
 
 
@@ -79,13 +89,20 @@ def test_digits_light_exactly_their_segments(digit):
     ys, xs = mask.nonzero(as_tuple=True)
     y0, y1, x0, x1 = int(ys.min()), int(ys.max()), int(xs.min()), int(xs.max())
     if digit == 1:  # segments b and c only: one narrow column, lit from top to bottom
-        assert x1 - x0 < 0.25 * (y1 - y0) and mask[y0:y1 + 1, (x0 + x1) // 2].float().mean() > 0.9
+        assert x1 - x0 < 0.25 * (y1 - y0) and mask[y0 : y1 + 1, (x0 + x1) // 2].float().mean() > 0.9
         return
     ym, q = (y0 + y1) // 2, (y1 - y0) // 4
     xm = (x0 + x1) // 2
-    probes = {"a": (y0 + 1, xm), "d": (y1 - 1, xm), "g": (ym, xm), "f": (ym - q, x0 + 1), "b": (ym - q, x1 - 1),
-              "e": (ym + q, x0 + 1), "c": (ym + q, x1 - 1)}
-    lit = {seg for seg, (y, x) in probes.items() if mask[y - 1:y + 2, x - 1:x + 2].any()}
+    probes = {
+        "a": (y0 + 1, xm),
+        "d": (y1 - 1, xm),
+        "g": (ym, xm),
+        "f": (ym - q, x0 + 1),
+        "b": (ym - q, x1 - 1),
+        "e": (ym + q, x0 + 1),
+        "c": (ym + q, x1 - 1),
+    }
+    lit = {seg for seg, (y, x) in probes.items() if mask[y - 1 : y + 2, x - 1 : x + 2].any()}
     assert lit == set(SEGMENTS[digit])
 
 
@@ -113,7 +130,7 @@ def test_batches_train_only_the_answer_and_lay_spans_on_image_tokens():
         assert targets[-1] == tok.eos_id and tok.decode(targets[:-1]) == s.answer
         assert batch.tasks[row] == s.task
     for row, start, patches in batch.images:
-        span = batch.x[row, start:start + patches.span_length]
+        span = batch.x[row, start : start + patches.span_length]
         assert (span == cfg.image_token_id).all() and patches.span_length == 14
     n_image_tokens = int((batch.x == cfg.image_token_id).sum())
     assert n_image_tokens == sum(p.span_length for _, _, p in batch.images)
@@ -151,8 +168,14 @@ def test_training_forward_with_images_trains_the_vit_and_matches_inference():
     trainable = prepare_for_training(init_random_weights(Transformer(cfg), seed=2))
     out = forward_train(trainable, batch.x, TrainOptions(), images=batch.images)
     torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), batch.y.flatten()).backward()
-    for name in ("vision.patch_embed.proj.weight", "vision.blocks.0.attn.wqkv.weight", "aligner.w1.weight",
-                 "image_start", "image_newline", "image_end"):
+    for name in (
+        "vision.patch_embed.proj.weight",
+        "vision.blocks.0.attn.wqkv.weight",
+        "aligner.w1.weight",
+        "image_start",
+        "image_newline",
+        "image_end",
+    ):
         grad = dict(trainable.named_parameters())[name].grad
         assert grad is not None and grad.abs().sum() > 0, name
     with pytest.raises(ValueError, match="not both"):
@@ -166,8 +189,19 @@ def test_train_images_synthetic_end_to_end(tmp_path):
     from dsv41.weights import load_model
 
     out = tmp_path / "run"
-    cfg = TrainConfig(preset="tiny", images="synthetic", out=str(out), steps=12, batch_size=8, seq_len=64,
-                      eval_every=12, eval_batches=2, save_every=12, lr=3e-3, threads=1)
+    cfg = TrainConfig(
+        preset="tiny",
+        images="synthetic",
+        out=str(out),
+        steps=12,
+        batch_size=8,
+        seq_len=64,
+        eval_every=12,
+        eval_batches=2,
+        save_every=12,
+        lr=3e-3,
+        threads=1,
+    )
     last = train(cfg)
     lines = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert lines[-1]["loss"] < lines[0]["loss"]

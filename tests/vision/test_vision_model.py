@@ -58,7 +58,7 @@ def test_spans_are_causal_and_the_image_decides_what_follows(golden):
     other = processor(Image.new("RGB", (100, 84), (200, 30, 90)))
     a = forward(model, ids, [(0, start, image)])[0]
     b = forward(model, ids, [(0, start, other)])[0]
-    assert torch.equal(a[:start + 1], b[:start + 1])
+    assert torch.equal(a[: start + 1], b[: start + 1])
     assert all((a[p] - b[p]).abs().max() > 1e-3 for p in range(start + 1, ids.size(1)))
 
 
@@ -72,7 +72,9 @@ def test_span_tokens_route_with_bias_vl_and_are_dead_to_engram(golden):
         as_image = model(ids, 0, None, inputs_embeds=embeds, token_types=types)
         as_text = model(ids, 0, None, inputs_embeds=embeds)
     start = images[2][1]
-    assert torch.equal(as_image[0, :start], as_text[0, :start]) and not torch.equal(as_image[0, start:], as_text[0, start:])
+    assert torch.equal(as_image[0, :start], as_text[0, :start]) and not torch.equal(
+        as_image[0, start:], as_text[0, start:]
+    )
 
 
 @pytest.mark.parametrize("mode", ["full", "bounded"])
@@ -83,11 +85,13 @@ def test_engine_equals_the_model_with_chunks_splitting_spans(golden, mode):
         spans = [(start, image) for r, start, image in images if r == row]
         one_shot = make(model, prefill_mode=mode, prefill_chunk_size=64).prompt_logits(prompt, images=spans)
         if mode == "full":  # the full prefill is the model's forward, bit for bit
-            assert torch.equal(one_shot, forward(model, inputs["input_ids"][row:row + 1],
-                                                 [(0, s, im) for s, im in spans])[0, -1])
+            assert torch.equal(
+                one_shot, forward(model, inputs["input_ids"][row : row + 1], [(0, s, im) for s, im in spans])[0, -1]
+            )
         for chunk in (3, 5, 7):  # chunk boundaries fall inside the spans (positions 5..12, 15..24, 3..12)
-            assert torch.equal(make(model, prefill_mode=mode, prefill_chunk_size=chunk).prompt_logits(
-                prompt, images=spans), one_shot), chunk
+            assert torch.equal(
+                make(model, prefill_mode=mode, prefill_chunk_size=chunk).prompt_logits(prompt, images=spans), one_shot
+            ), chunk
 
 
 def test_prefix_cache_reuses_the_same_image_and_never_another(golden):
@@ -112,8 +116,10 @@ def test_prefix_cache_reuses_the_same_image_and_never_another(golden):
     other = [spans[0], (spans[1][0], processor(Image.new("RGB", (126, 70), (0, 255, 0))))]
     swapped = engine.generate([prompt], greedy, images=[other])[0]
     assert swapped.num_cached_tokens <= spans[1][0]
-    assert swapped.token_ids == make(model, enable_prefix_caching=False).generate([prompt], greedy,
-                                                                                  images=[other])[0].token_ids
+    assert (
+        swapped.token_ids
+        == make(model, enable_prefix_caching=False).generate([prompt], greedy, images=[other])[0].token_ids
+    )
 
 
 def test_bad_image_requests_are_refused(golden, tiny_model):

@@ -25,8 +25,10 @@ def _encode(value, depth=0):
         return {t.__name__: [_encode(v, depth + 1) for v in value]}
     if t is dict:
         return {"dict": [[_encode(k, depth + 1), _encode(v, depth + 1)] for k, v in value.items()]}
-    raise TypeError(f"a {t.__module__}.{t.__qualname__} cannot be graded: the tests see only None, bool, int, "
-                    "float, complex, str, bytes, list, tuple, dict, set and frozenset values")
+    raise TypeError(
+        f"a {t.__module__}.{t.__qualname__} cannot be graded: the tests see only None, bool, int, "
+        "float, complex, str, bytes, list, tuple, dict, set and frozenset values"
+    )
 
 
 def _decode(value, depth=0):
@@ -35,14 +37,15 @@ def _decode(value, depth=0):
         raise ValueError("nested too deeply")
     if value is None or type(value) in (bool, int, float, str):
         return value
-    (tag, body), = value.items()
+    ((tag, body),) = value.items()
     if tag == "complex":
         return complex(*body)
     if tag == "bytes":
         return bytes.fromhex(body)
     if tag in ("list", "tuple", "set", "frozenset"):
         return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[tag](
-            _decode(v, depth + 1) for v in body)
+            _decode(v, depth + 1) for v in body
+        )
     if tag == "dict":
         return {_decode(k, depth + 1): _decode(v, depth + 1) for k, v in body}
     raise ValueError(f"unknown tag {tag!r}")
@@ -59,8 +62,9 @@ def _answer(fn, callables=False):
     except BaseException as exc:
         # The nearest builtin exception class, so that a test expecting e.g. a ValueError (raised, or a
         # subclass of it) can catch it in the evaluator; the evaluator accepts only Exception subclasses.
-        builtin = next((c.__name__ for c in type(exc).__mro__ if getattr(builtins, c.__name__, None) is c),
-                       "BaseException")
+        builtin = next(
+            (c.__name__ for c in type(exc).__mro__ if getattr(builtins, c.__name__, None) is c), "BaseException"
+        )
         return ["error", f"{type(exc).__name__}: {exc}"[:500], builtin]
 
 
@@ -86,15 +90,19 @@ def _main():
         objects[i] = value = eval(compile(source, f"<probe {i}>", "eval"), namespace)
         return value
 
-    values = [_answer(lambda: probe(i, source, modules), callables=True)
-              for i, (source, modules) in enumerate(request["probes"])]
+    values = [
+        _answer(lambda i=i, source=source, modules=modules: probe(i, source, modules), callables=True)
+        for i, (source, modules) in enumerate(request["probes"])
+    ]
 
     def call(k, args, kwargs):
         if k not in objects:
             raise LookupError(f"probe {k} has no value")
         return objects[k](*_decode(args), **_decode(kwargs))
 
-    calls = [_answer(lambda: call(k, args, kwargs)) for k, args, kwargs in request["calls"]]
+    calls = [
+        _answer(lambda k=k, args=args, kwargs=kwargs: call(k, args, kwargs)) for k, args, kwargs in request["calls"]
+    ]
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -102,7 +110,7 @@ def _main():
             pass
     data = (json.dumps({"probes": values, "calls": calls}) + "\n").encode()
     while data:
-        data = data[os.write(result_fd, data):]
+        data = data[os.write(result_fd, data) :]
     os._exit(0)  # no atexit handler or finaliser of the solution's runs after the answer
 
 

@@ -24,7 +24,7 @@ def _decode(value, depth=0):
         return value
     if type(value) is not dict or len(value) != 1:
         raise ValueError(f"not a tagged value: {type(value).__name__}")
-    (tag, body), = value.items()
+    ((tag, body),) = value.items()
     if tag == "complex" and type(body) is list and len(body) == 2 and all(type(x) is float for x in body):
         return complex(body[0], body[1])
     if tag == "bytes" and type(body) is str:
@@ -115,10 +115,47 @@ def _absorb(self, *args, **kwargs):
     return _Unknown()
 
 
-for _name in ("eq", "ne", "lt", "le", "gt", "ge", "add", "radd", "sub", "rsub", "mul", "rmul", "truediv",
-              "rtruediv", "floordiv", "rfloordiv", "mod", "rmod", "pow", "rpow", "neg", "pos", "abs", "invert",
-              "and", "rand", "or", "ror", "xor", "rxor", "lshift", "rlshift", "rshift", "rrshift", "getitem",
-              "contains", "round", "matmul", "rmatmul"):
+for _name in (
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "add",
+    "radd",
+    "sub",
+    "rsub",
+    "mul",
+    "rmul",
+    "truediv",
+    "rtruediv",
+    "floordiv",
+    "rfloordiv",
+    "mod",
+    "rmod",
+    "pow",
+    "rpow",
+    "neg",
+    "pos",
+    "abs",
+    "invert",
+    "and",
+    "rand",
+    "or",
+    "ror",
+    "xor",
+    "rxor",
+    "lshift",
+    "rlshift",
+    "rshift",
+    "rrshift",
+    "getitem",
+    "contains",
+    "round",
+    "matmul",
+    "rmatmul",
+):
     setattr(_Unknown, f"__{_name}__", _absorb)
 
 
@@ -135,8 +172,9 @@ class _Proxy:
         except (TypeError, ValueError) as exc:
             raise ProbeFailed(f"cannot call the solution with these arguments: {exc}") from None
         if key not in self._answers:
-            raise ProbeFailed("this call was not found by the discovery run (its arguments depend on "
-                              "what the solution returned)")
+            raise ProbeFailed(
+                "this call was not found by the discovery run (its arguments depend on what the solution returned)"
+            )
         return self._decode_answer(self._answers[key])
 
     def __repr__(self):
@@ -185,9 +223,18 @@ def _strict_in(item, container):
     return any(_key(x) == k for x in container)
 
 
-_OPS = {"==": _strict_eq, "!=": lambda a, b: not _strict_eq(a, b), "in": _strict_in,
-        "not in": lambda a, b: not _strict_in(a, b), "<": operator.lt, "<=": operator.le, ">": operator.gt,
-        ">=": operator.ge, "is": operator.is_, "is not": operator.is_not}
+_OPS = {
+    "==": _strict_eq,
+    "!=": lambda a, b: not _strict_eq(a, b),
+    "in": _strict_in,
+    "not in": lambda a, b: not _strict_in(a, b),
+    "<": operator.lt,
+    "<=": operator.le,
+    ">": operator.gt,
+    ">=": operator.ge,
+    "is": operator.is_,
+    "is not": operator.is_not,
+}
 
 
 def _compare(left, ops, thunks):
@@ -208,8 +255,11 @@ def _answer_value(entry):
         cls = getattr(builtins, entry[2], None)
         exc = ProbeFailed(payload)
         # StopIteration would end the test's own iteration early (all(map(f, ...)) of nothing is True).
-        if isinstance(cls, type) and issubclass(cls, Exception) and not issubclass(cls, (StopIteration,
-                                                                                      StopAsyncIteration)):
+        if (
+            isinstance(cls, type)
+            and issubclass(cls, Exception)
+            and not issubclass(cls, (StopIteration, StopAsyncIteration))
+        ):
             try:
                 exc = cls(payload)
             except Exception:  # a class whose constructor wants more (UnicodeDecodeError)
@@ -246,8 +296,13 @@ def _run_job(job, modules, discover):
         return True  # and whatever the values, keep going to find the calls that follow
 
     # A namespace per job: one solution's tests never see another's.
-    namespace = {"__builtins__": builtins, "__name__": "__test__", "__dsv41_probe__": probe,
-                 "__dsv41_compare__": discovery_compare if discover else _compare, **modules}
+    namespace = {
+        "__builtins__": builtins,
+        "__name__": "__test__",
+        "__dsv41_probe__": probe,
+        "__dsv41_compare__": discovery_compare if discover else _compare,
+        **modules,
+    }
     passed = []
     for i, (source, is_expression) in enumerate(job["tests"]):
         if discover:
@@ -307,7 +362,7 @@ def _main():
     answer = {"calls": passed[0]} if discover else {"passed": passed}
     data = (json.dumps(answer) + "\n").encode()
     while data:
-        data = data[os.write(result_fd, data):]
+        data = data[os.write(result_fd, data) :]
     os._exit(0)
 
 

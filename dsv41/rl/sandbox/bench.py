@@ -85,8 +85,12 @@ def main(argv=None) -> None:
             results = pool.map([f"import time\ntime.sleep({sleep_s:.2f})"] * width)
             elapsed = time.perf_counter() - t
         failed = [r.status + ": " + r.stderr[-200:] for r in results if not r.ok]
-        out["concurrent"][width] = {"ok": width - len(failed), "failed": failed[:3], "wall_s": round(elapsed, 2),
-                                    "sleep_s": round(sleep_s, 2)}
+        out["concurrent"][width] = {
+            "ok": width - len(failed),
+            "failed": failed[:3],
+            "wall_s": round(elapsed, 2),
+            "sleep_s": round(sleep_s, 2),
+        }
         if failed:
             break
         width *= 2

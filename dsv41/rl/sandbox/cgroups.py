@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Optional
 
 _PARENT_NAME = "dsv41-sandbox"
 _KILL_BUDGET_S = 3.0
@@ -28,7 +27,7 @@ class CgroupUnavailable(RuntimeError):
     pass
 
 
-def _mounts() -> tuple[Optional[str], dict[str, str]]:
+def _mounts() -> tuple[str | None, dict[str, str]]:
     """(the cgroup2 mount point or None, {v1 controller: its mount point})."""
     v2, v1 = None, {}
     with open("/proc/self/mountinfo", encoding="utf-8") as f:
@@ -46,7 +45,7 @@ def _mounts() -> tuple[Optional[str], dict[str, str]]:
     return v2, v1
 
 
-def _own_paths() -> tuple[Optional[str], dict[str, str]]:
+def _own_paths() -> tuple[str | None, dict[str, str]]:
     """Our cgroup: (its v2 path, {v1 controller: its path}) from /proc/self/cgroup."""
     v2, v1 = None, {}
     with open("/proc/self/cgroup", encoding="utf-8") as f:
@@ -70,7 +69,7 @@ def _read(path: str) -> str:
         return f.read()
 
 
-def _keyed(path: str, key: str) -> Optional[int]:
+def _keyed(path: str, key: str) -> int | None:
     """The value of `key` in a flat keyed file (memory.events, memory.oom_control)."""
     try:
         for line in _read(path).splitlines():
@@ -104,7 +103,7 @@ class RunCgroup:
         return [os.path.join(d, "cgroup.procs") for d in self.dirs]
 
     @classmethod
-    def create(cls, slot: int, memory_bytes: int, max_tasks: int) -> "RunCgroup":
+    def create(cls, slot: int, memory_bytes: int, max_tasks: int) -> RunCgroup:
         v2_mount, v1_mounts = _mounts()
         v2_path, v1_paths = _own_paths()
         errors = []
@@ -115,9 +114,13 @@ class RunCgroup:
                 errors.append(f"v2: {exc}")
         if "memory" in v1_mounts and "pids" in v1_mounts:
             try:
-                return cls._create_v1(os.path.join(v1_mounts["memory"], v1_paths.get("memory", "/").lstrip("/")),
-                                      os.path.join(v1_mounts["pids"], v1_paths.get("pids", "/").lstrip("/")),
-                                      slot, memory_bytes, max_tasks)
+                return cls._create_v1(
+                    os.path.join(v1_mounts["memory"], v1_paths.get("memory", "/").lstrip("/")),
+                    os.path.join(v1_mounts["pids"], v1_paths.get("pids", "/").lstrip("/")),
+                    slot,
+                    memory_bytes,
+                    max_tasks,
+                )
             except OSError as exc:
                 errors.append(f"v1: {exc}")
         else:
@@ -134,7 +137,7 @@ class RunCgroup:
         return path
 
     @classmethod
-    def _create_v2(cls, own: str, slot: int, memory_bytes: int, max_tasks: int) -> "RunCgroup":
+    def _create_v2(cls, own: str, slot: int, memory_bytes: int, max_tasks: int) -> RunCgroup:
         parent = os.path.join(own, _PARENT_NAME)
         available = _read(os.path.join(own, "cgroup.controllers")).split()
         if not {"memory", "pids"} <= set(available):
@@ -154,8 +157,7 @@ class RunCgroup:
         return cls(2, [path], path, path)
 
     @classmethod
-    def _create_v1(cls, own_memory: str, own_pids: str, slot: int, memory_bytes: int,
-                   max_tasks: int) -> "RunCgroup":
+    def _create_v1(cls, own_memory: str, own_pids: str, slot: int, memory_bytes: int, max_tasks: int) -> RunCgroup:
         memory = cls._fresh_dir(os.path.join(own_memory, _PARENT_NAME), slot)
         pids = cls._fresh_dir(os.path.join(own_pids, _PARENT_NAME), slot)
         try:
@@ -179,7 +181,7 @@ class RunCgroup:
                 pass
         return all(_kill_procs(d) for d in self.dirs)
 
-    def peak_bytes(self) -> Optional[int]:
+    def peak_bytes(self) -> int | None:
         name = "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"
         try:
             return int(_read(os.path.join(self.memory_dir, name)))

@@ -5,11 +5,11 @@ share these types without pulling in process management."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import Any
 
-SANDBOX_STATUSES = ("ok", "error", "timeout", "cpu_limit", "memory_limit", "file_size_limit",
-                    "process_limit", "killed")
+SANDBOX_STATUSES = ("ok", "error", "timeout", "cpu_limit", "memory_limit", "file_size_limit", "process_limit", "killed")
 
 # Sandbox uids: 60000 + slot, below 65534 (nobody) and above the usual ranges of system and human users.
 SLOT_UID_BASE = 60000
@@ -61,8 +61,15 @@ class SandboxLimits:
     def __post_init__(self) -> None:
         _check_positive("cpu_time_s", self.cpu_time_s, integer=False)
         _check_positive("wall_time_s", self.wall_time_s, integer=False)
-        for name in ("memory_bytes", "file_size_bytes", "disk_bytes", "max_files", "max_processes",
-                     "max_open_files", "max_output_bytes"):
+        for name in (
+            "memory_bytes",
+            "file_size_bytes",
+            "disk_bytes",
+            "max_files",
+            "max_processes",
+            "max_open_files",
+            "max_output_bytes",
+        ):
             _check_positive(name, getattr(self, name), integer=True)
         if self.max_open_files < 16:
             # The interpreter itself needs a handful (stdio, the report pipe, imports).
@@ -85,8 +92,8 @@ class SandboxResult:
     """
 
     status: str
-    exit_code: Optional[int] = None  # None when the process was killed by a signal or never ran
-    signal: Optional[str] = None  # e.g. "SIGKILL"
+    exit_code: int | None = None  # None when the process was killed by a signal or never ran
+    signal: str | None = None  # e.g. "SIGKILL"
     stdout: str = ""
     stderr: str = ""
     stdout_truncated: bool = False
@@ -94,8 +101,8 @@ class SandboxResult:
     wall_s: float = 0.0
     cpu_s: float = 0.0
     isolation: dict = field(default_factory=dict)
-    slot: Optional[int] = None
-    memory_peak_bytes: Optional[int] = None
+    slot: int | None = None
+    memory_peak_bytes: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -104,7 +111,7 @@ class SandboxResult:
     passed = ok  # alias, reads better in graders
 
     @classmethod
-    def runner_error(cls, message: str, slot: Optional[int] = None) -> "SandboxResult":
+    def runner_error(cls, message: str, slot: int | None = None) -> SandboxResult:
         """A result for a task the orchestrator itself failed to run (never raised into a pool)."""
         return cls(status="error", stderr=f"sandbox runner failed: {message}", slot=slot)
 
@@ -115,11 +122,11 @@ class SandboxTask:
 
     code: str
     stdin: str = ""
-    files: Optional[Mapping[str, Union[str, bytes]]] = None
-    limits: Optional[SandboxLimits] = None  # None: the pool's limits
+    files: Mapping[str, str | bytes] | None = None
+    limits: SandboxLimits | None = None  # None: the pool's limits
 
 
-TaskLike = Union[SandboxTask, str, Mapping[str, Any]]
+TaskLike = SandboxTask | str | Mapping[str, Any]
 
 
 def as_task(task: TaskLike) -> SandboxTask:
@@ -130,8 +137,7 @@ def as_task(task: TaskLike) -> SandboxTask:
     if isinstance(task, Mapping):
         unknown = set(task) - {"code", "stdin", "files", "limits"}
         if unknown or "code" not in task:
-            raise ValueError("a task mapping needs 'code' and may have stdin/files/limits, "
-                             f"got keys {sorted(task)}")
+            raise ValueError(f"a task mapping needs 'code' and may have stdin/files/limits, got keys {sorted(task)}")
         return SandboxTask(**task)
     raise TypeError(f"a task is a SandboxTask, a code string or a mapping, got {type(task).__name__}")
 

@@ -54,15 +54,29 @@ import builtins
 import dataclasses
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from dsv41.rl.sandbox.config import SandboxLimits, SandboxResult, SandboxTask
 from dsv41.rl.sandbox.orchestrator import run_python
 
 # Standard modules a test may use without importing them (they resolve in the clean evaluator).
-TEST_MODULES = ("math", "cmath", "re", "string", "itertools", "functools", "operator", "collections",
-                "heapq", "bisect", "statistics", "fractions", "decimal")
+TEST_MODULES = (
+    "math",
+    "cmath",
+    "re",
+    "string",
+    "itertools",
+    "functools",
+    "operator",
+    "collections",
+    "heapq",
+    "bisect",
+    "statistics",
+    "fractions",
+    "decimal",
+)
 
 # Solutions whose tests share one clean evaluator run in grade_programs.
 EVAL_BATCH = 16
@@ -81,8 +95,18 @@ _TEST_EVALUATOR = _program("_test_evaluator.py")
 # Names the rewritten tests use to reach the evaluator's helpers; a test may not use them itself.
 _PROBE_FN, _COMPARE_FN = "__dsv41_probe__", "__dsv41_compare__"
 _STRICT_OPS = (ast.Eq, ast.NotEq, ast.In, ast.NotIn)
-_OP_NAMES = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=",
-             ast.Is: "is", ast.IsNot: "is not", ast.In: "in", ast.NotIn: "not in"}
+_OP_NAMES = {
+    ast.Eq: "==",
+    ast.NotEq: "!=",
+    ast.Lt: "<",
+    ast.LtE: "<=",
+    ast.Gt: ">",
+    ast.GtE: ">=",
+    ast.Is: "is",
+    ast.IsNot: "is not",
+    ast.In: "in",
+    ast.NotIn: "not in",
+}
 _BUILTIN_NAMES = frozenset(dir(builtins))
 
 
@@ -122,11 +146,31 @@ def _free_names(tree: ast.AST) -> set[str]:
 # one-argument calls: a second argument could carry an expected value into the solution's process
 # (max(f(1), 5) == 5), and the value of a one-argument conversion is a claim about the solution's own value
 # and nothing else.
-_CONVERSIONS = frozenset({"list", "tuple", "set", "frozenset", "sorted", "dict", "str", "repr", "len", "sum",
-                          "min", "max", "abs", "int", "float", "bool", "bytes", "reversed"})
+_CONVERSIONS = frozenset(
+    {
+        "list",
+        "tuple",
+        "set",
+        "frozenset",
+        "sorted",
+        "dict",
+        "str",
+        "repr",
+        "len",
+        "sum",
+        "min",
+        "max",
+        "abs",
+        "int",
+        "float",
+        "bool",
+        "bytes",
+        "reversed",
+    }
+)
 
 
-def _chain_root(node: ast.AST) -> Optional[ast.Name]:
+def _chain_root(node: ast.AST) -> ast.Name | None:
     while True:
         if isinstance(node, (ast.Attribute, ast.Subscript)):
             node = node.value
@@ -140,8 +184,13 @@ def _chain_root(node: ast.AST) -> Optional[ast.Name]:
 
 
 def _is_conversion(node: ast.Call) -> bool:
-    return (isinstance(node.func, ast.Name) and node.func.id in _CONVERSIONS and len(node.args) == 1
-            and not node.keywords and not isinstance(node.args[0], ast.Starred))
+    return (
+        isinstance(node.func, ast.Name)
+        and node.func.id in _CONVERSIONS
+        and len(node.args) == 1
+        and not node.keywords
+        and not isinstance(node.args[0], ast.Starred)
+    )
 
 
 class _Rewriter(ast.NodeTransformer):
@@ -160,8 +209,12 @@ class _Rewriter(ast.NodeTransformer):
     def visit(self, node: ast.AST) -> Any:
         if isinstance(node, ast.expr) and not isinstance(node, ast.Compare):
             root = _chain_root(node)
-            if (root is not None and isinstance(root.ctx, ast.Load) and self._is_solution_name(root.id)
-                    and not _is_store_target(node)):
+            if (
+                root is not None
+                and isinstance(root.ctx, ast.Load)
+                and self._is_solution_name(root.id)
+                and not _is_store_target(node)
+            ):
                 if not _free_names(node) & self.test_names:
                     return self._probe(node)
                 # The chain uses the test's own variables (f(x) in a loop): only its closed part, e.g. `f`,
@@ -175,19 +228,21 @@ class _Rewriter(ast.NodeTransformer):
             self.dynamic = True  # a bare function may be called by the test later (check(candidate))
         modules = sorted(n for n in _free_names(node) if n in TEST_MODULES)
         self.probes.append((source, modules))
-        call = ast.Call(func=ast.Name(_PROBE_FN, ast.Load()), args=[ast.Constant(len(self.probes) - 1)],
-                        keywords=[])
+        call = ast.Call(func=ast.Name(_PROBE_FN, ast.Load()), args=[ast.Constant(len(self.probes) - 1)], keywords=[])
         return ast.copy_location(call, node)
 
     def visit_Compare(self, node: ast.Compare) -> Any:
         node = self.generic_visit(node)
         if not any(isinstance(op, _STRICT_OPS) for op in node.ops):
             return node
-        thunks = [ast.Lambda(args=ast.arguments(posonlyargs=[], args=[], kwonlyargs=[], kw_defaults=[],
-                                                defaults=[]), body=c) for c in node.comparators]
+        thunks = [
+            ast.Lambda(args=ast.arguments(posonlyargs=[], args=[], kwonlyargs=[], kw_defaults=[], defaults=[]), body=c)
+            for c in node.comparators
+        ]
         ops = ast.Tuple([ast.Constant(_OP_NAMES[type(op)]) for op in node.ops], ast.Load())
-        call = ast.Call(func=ast.Name(_COMPARE_FN, ast.Load()),
-                        args=[node.left, ops, ast.Tuple(thunks, ast.Load())], keywords=[])
+        call = ast.Call(
+            func=ast.Name(_COMPARE_FN, ast.Load()), args=[node.left, ops, ast.Tuple(thunks, ast.Load())], keywords=[]
+        )
         return ast.copy_location(call, node)
 
 
@@ -202,18 +257,18 @@ class GradingPlan:
 
     tests: tuple[tuple[str, bool], ...]  # (rewritten source, whether it is a single expression)
     probes: tuple[tuple[str, tuple[str, ...]], ...]  # (probe source, test modules it uses)
-    limits: Optional[SandboxLimits]
+    limits: SandboxLimits | None
     # Whether the tests may call a function the solution returns (a loop over f(x), check(candidate)):
     # then a discovery run (the tests on placeholders, no solution involved) lists those calls first.
     needs_discovery: bool = False
-    calls: Optional[tuple] = None  # discovered: ((probe index, encoded args, encoded kwargs), ...)
+    calls: tuple | None = None  # discovered: ((probe index, encoded args, encoded kwargs), ...)
 
     @property
     def num_tests(self) -> int:
         return len(self.tests)
 
 
-def plan_tests(tests: Sequence[str], limits: Optional[SandboxLimits] = None) -> GradingPlan:
+def plan_tests(tests: Sequence[str], limits: SandboxLimits | None = None) -> GradingPlan:
     """Split `tests` into probes and rewritten tests. Raises ValueError for tests that are not valid
     Python or that use the evaluator's reserved names."""
     if isinstance(tests, str):
@@ -248,8 +303,13 @@ def discovery_task(plan: GradingPlan) -> SandboxTask:
     """The clean sandbox task that runs the tests with every probe a placeholder (callable, absorbing every
     operation, true) and lists the calls the tests make on the probes with plain-data arguments. It sees
     no solution, so the calls it finds depend on the tests alone: the solution learns nothing from them."""
-    request = json.dumps({"discover": True, "jobs": [{"tests": [list(t) for t in plan.tests], "values": []}],
-                          "modules": list(TEST_MODULES)})
+    request = json.dumps(
+        {
+            "discover": True,
+            "jobs": [{"tests": [list(t) for t in plan.tests], "values": []}],
+            "modules": list(TEST_MODULES),
+        }
+    )
     return SandboxTask(code=_TEST_EVALUATOR, stdin=request, limits=plan.limits)
 
 
@@ -261,8 +321,9 @@ def _discovered_calls(result: SandboxResult) -> tuple:
         calls = json.loads(result.stdout)["calls"]
     except (ValueError, KeyError, TypeError):
         return ()
-    if not isinstance(calls, list) or not all(isinstance(c, list) and len(c) == 3 and isinstance(c[0], int)
-                                              for c in calls):
+    if not isinstance(calls, list) or not all(
+        isinstance(c, list) and len(c) == 3 and isinstance(c[0], int) for c in calls
+    ):
         return ()
     return tuple(tuple(c) for c in calls)
 
@@ -295,22 +356,25 @@ def discover(plans: Sequence[GradingPlan], pool_or_runner: Any = None) -> list[G
 
 
 def _probe_task(solution_code: str, plan: GradingPlan) -> SandboxTask:
-    request = json.dumps({"probes": [[s, list(m)] for s, m in plan.probes], "calls": [list(c) for c in plan.calls or ()]})
+    request = json.dumps(
+        {"probes": [[s, list(m)] for s, m in plan.probes], "calls": [list(c) for c in plan.calls or ()]}
+    )
     return SandboxTask(code=_PROBE_HARNESS, stdin=request, files={"solution.py": solution_code}, limits=plan.limits)
 
 
-def grading_task(solution_code: str, tests: Sequence[str], limits: Optional[SandboxLimits] = None,
-                 pool_or_runner: Any = None) -> tuple[SandboxTask, GradingPlan]:
+def grading_task(
+    solution_code: str, tests: Sequence[str], limits: SandboxLimits | None = None, pool_or_runner: Any = None
+) -> tuple[SandboxTask, GradingPlan]:
     """The sandbox task that runs `solution_code` and reports its probes' values, and the plan that
     `grading_score` needs to finish the grading (it holds the tests; the task does not). Tests that call
     what the solution returns need a discovery run first, through `pool_or_runner`."""
     if not isinstance(solution_code, str):
         raise TypeError(f"solution_code must be a str, got {type(solution_code).__name__}")
-    plan, = discover([plan_tests(tests, limits)], pool_or_runner)
+    (plan,) = discover([plan_tests(tests, limits)], pool_or_runner)
     return _probe_task(solution_code, plan), plan
 
 
-def probe_values(result: SandboxResult, plan: GradingPlan) -> Optional[dict]:
+def probe_values(result: SandboxResult, plan: GradingPlan) -> dict | None:
     """The probe run's answer ({"probes": [...], "calls": [...]}), checked for shape (the values
     themselves are decoded by the evaluator); None when the run did not finish cleanly or the answer is
     malformed: the solution scores 0."""
@@ -339,18 +403,28 @@ def probe_values(result: SandboxResult, plan: GradingPlan) -> Optional[dict]:
     return answer
 
 
-def evaluation_task(jobs: Sequence[tuple[GradingPlan, dict]], limits: Optional[SandboxLimits] = None) -> SandboxTask:
+def evaluation_task(jobs: Sequence[tuple[GradingPlan, dict]], limits: SandboxLimits | None = None) -> SandboxTask:
     """The clean sandbox task that runs each job's tests on its reported values (from `probe_values`).
     Several solutions' tests can share one evaluator: no code of any of them runs there, each job gets a
     namespace of its own, and a run that fails as a whole is redone one job per run (`grade_programs`), so
     a value that makes its tests blow up costs its own solution only."""
-    request = json.dumps({"jobs": [{"tests": [list(t) for t in plan.tests], "values": values["probes"],
-                                    "calls": [[*call, value] for call, value in zip(plan.calls or (), values["calls"])]}
-                                   for plan, values in jobs], "modules": list(TEST_MODULES)})
+    request = json.dumps(
+        {
+            "jobs": [
+                {
+                    "tests": [list(t) for t in plan.tests],
+                    "values": values["probes"],
+                    "calls": [[*call, value] for call, value in zip(plan.calls or (), values["calls"])],
+                }
+                for plan, values in jobs
+            ],
+            "modules": list(TEST_MODULES),
+        }
+    )
     return SandboxTask(code=_TEST_EVALUATOR, stdin=request, limits=limits)
 
 
-def evaluation_scores(plans: Sequence[GradingPlan], evaluation: SandboxResult) -> Optional[list[float]]:
+def evaluation_scores(plans: Sequence[GradingPlan], evaluation: SandboxResult) -> list[float] | None:
     """Each job's fraction of tests passed, from the clean evaluator's verdict; None when the run failed
     or its verdict is out of shape."""
     if evaluation.status != "ok":
@@ -373,8 +447,9 @@ def evaluation_scores(plans: Sequence[GradingPlan], evaluation: SandboxResult) -
     return scores
 
 
-def grading_score(result: SandboxResult, plan: GradingPlan, num_tests: Optional[int] = None,
-                  pool_or_runner: Any = None) -> float:
+def grading_score(
+    result: SandboxResult, plan: GradingPlan, num_tests: int | None = None, pool_or_runner: Any = None
+) -> float:
     """Finish grading a probe run from `grading_task`: run the tests in a clean sandbox (through
     `pool_or_runner`, as in grade_program) and return the fraction passed."""
     if not isinstance(plan, GradingPlan):
@@ -384,7 +459,7 @@ def grading_score(result: SandboxResult, plan: GradingPlan, num_tests: Optional[
     values = probe_values(result, plan)
     if values is None:
         return 0.0
-    evaluation, = _run_tasks([evaluation_task([(plan, values)], plan.limits)], pool_or_runner)
+    (evaluation,) = _run_tasks([evaluation_task([(plan, values)], plan.limits)], pool_or_runner)
     scores = evaluation_scores([plan], evaluation)
     return scores[0] if scores is not None else 0.0
 
@@ -397,8 +472,9 @@ def _run_tasks(tasks: list[SandboxTask], pool_or_runner: Any) -> list[SandboxRes
         results = []
         for task in tasks:
             try:
-                results.append(runner(task.code, stdin=task.stdin, files=task.files,
-                                      limits=task.limits or SandboxLimits()))
+                results.append(
+                    runner(task.code, stdin=task.stdin, files=task.files, limits=task.limits or SandboxLimits())
+                )
             except Exception as exc:
                 results.append(SandboxResult.runner_error(f"{type(exc).__name__}: {exc}"))
         return results
@@ -407,8 +483,9 @@ def _run_tasks(tasks: list[SandboxTask], pool_or_runner: Any) -> list[SandboxRes
     raise TypeError(f"pool_or_runner must be None, a pool with map() or a callable, got {pool_or_runner!r}")
 
 
-def grade_program(solution_code: str, tests: Sequence[str], pool_or_runner: Any = None,
-                  limits: Optional[SandboxLimits] = None) -> tuple[float, SandboxResult]:
+def grade_program(
+    solution_code: str, tests: Sequence[str], pool_or_runner: Any = None, limits: SandboxLimits | None = None
+) -> tuple[float, SandboxResult]:
     """Run the solution in a sandbox and its tests in another; return (fraction passed, the solution's run).
 
     pool_or_runner: None (run here with `run_python`), a SandboxPool, a RaySandboxPool (anything with
@@ -416,12 +493,13 @@ def grade_program(solution_code: str, tests: Sequence[str], pool_or_runner: Any 
     The solution's probes run in order in one process: one that hangs the process costs all of them (the
     run times out and scores 0.0).
     """
-    (score, result), = grade_programs([(solution_code, tests)], pool_or_runner, limits)
+    ((score, result),) = grade_programs([(solution_code, tests)], pool_or_runner, limits)
     return score, result
 
 
-def grade_programs(items: Sequence[tuple[str, Sequence[str]]], pool_or_runner: Any = None,
-                   limits: Optional[SandboxLimits] = None) -> list[tuple[float, SandboxResult]]:
+def grade_programs(
+    items: Sequence[tuple[str, Sequence[str]]], pool_or_runner: Any = None, limits: SandboxLimits | None = None
+) -> list[tuple[float, SandboxResult]]:
     """`grade_program` for a batch of (solution_code, tests): all probe runs through the pool at once,
     then the tests in clean evaluator runs of up to EVAL_BATCH solutions each (a failed one is redone one
     solution per run)."""
@@ -434,7 +512,7 @@ def grade_programs(items: Sequence[tuple[str, Sequence[str]]], pool_or_runner: A
         values = probe_values(result, plan)
         if values is not None:
             jobs.append((i, plan, values))
-    batches = [jobs[k:k + EVAL_BATCH] for k in range(0, len(jobs), EVAL_BATCH)]
+    batches = [jobs[k : k + EVAL_BATCH] for k in range(0, len(jobs), EVAL_BATCH)]
     evaluations = _run_tasks([evaluation_task([(p, v) for _, p, v in b], limits) for b in batches], pool_or_runner)
     redo = []
     for batch, evaluation in zip(batches, evaluations):

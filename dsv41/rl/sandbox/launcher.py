@@ -36,7 +36,8 @@ import stat
 import struct
 import sys
 import time
-from typing import Any, Callable, Iterable, Optional, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 SETUP_FAILED_EXIT = 125  # the launcher's exit code when a mandatory protection could not be applied
 STOP_SIGNAL = signal.SIGUSR1  # orchestrator -> launcher: the wall deadline has passed, end the program
@@ -50,8 +51,16 @@ _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWPID = 0x20000000
 _CLONE_NEWNET = 0x40000000
 _CLONE_NEWTIME = 0x00000080
-_NAMESPACE_FLAGS = (_CLONE_NEWNS, _CLONE_NEWCGROUP, _CLONE_NEWUTS, _CLONE_NEWIPC, _CLONE_NEWUSER,
-                    _CLONE_NEWPID, _CLONE_NEWNET, _CLONE_NEWTIME)
+_NAMESPACE_FLAGS = (
+    _CLONE_NEWNS,
+    _CLONE_NEWCGROUP,
+    _CLONE_NEWUTS,
+    _CLONE_NEWIPC,
+    _CLONE_NEWUSER,
+    _CLONE_NEWPID,
+    _CLONE_NEWNET,
+    _CLONE_NEWTIME,
+)
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV = 1, 2, 4
 _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
 _PR_SET_PDEATHSIG = 1
@@ -74,29 +83,85 @@ _LL_SCOPE_ABSTRACT_UNIX_SOCKET, _LL_SCOPE_SIGNAL = 1 << 0, 1 << 1
 # with EPERM; clone() is refused only with a namespace flag, and clone3() (whose flags seccomp cannot see)
 # with ENOSYS, which makes the C library fall back to clone().
 _DENIED_SYSCALLS = (
-    "io_uring_setup", "io_uring_enter", "io_uring_register", "keyctl", "add_key", "request_key", "bpf",
-    "perf_event_open", "userfaultfd", "unshare", "setns", "mount", "umount2", "pivot_root", "chroot",
-    "fsopen", "fsmount", "fsconfig", "fspick", "move_mount", "open_tree", "mount_setattr",
-    "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load",
-    "open_by_handle_at", "name_to_handle_at", "process_vm_readv", "process_vm_writev", "ptrace",
-    "personality", "acct", "swapon", "swapoff", "reboot", "syslog", "quotactl", "lookup_dcookie",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "bpf",
+    "perf_event_open",
+    "userfaultfd",
+    "unshare",
+    "setns",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "chroot",
+    "fsopen",
+    "fsmount",
+    "fsconfig",
+    "fspick",
+    "move_mount",
+    "open_tree",
+    "mount_setattr",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "kexec_load",
+    "kexec_file_load",
+    "open_by_handle_at",
+    "name_to_handle_at",
+    "process_vm_readv",
+    "process_vm_writev",
+    "ptrace",
+    "personality",
+    "acct",
+    "swapon",
+    "swapoff",
+    "reboot",
+    "syslog",
+    "quotactl",
+    "lookup_dcookie",
 )
 
 # Audit events that modify the filesystem: their path arguments must lie in the sandbox directory.
 _WRITE_EVENTS = {
-    "os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,), "os.rename": (0, 1), "os.link": (0, 1),
-    "os.symlink": (1,), "os.chmod": (0,), "os.chown": (0,), "os.truncate": (0,), "os.utime": (0,),
-    "os.mkfifo": (0,), "os.mknod": (0,), "os.setxattr": (0,), "os.removexattr": (0,),
+    "os.remove": (0,),
+    "os.rmdir": (0,),
+    "os.mkdir": (0,),
+    "os.rename": (0, 1),
+    "os.link": (0, 1),
+    "os.symlink": (1,),
+    "os.chmod": (0,),
+    "os.chown": (0,),
+    "os.truncate": (0,),
+    "os.utime": (0,),
+    "os.mkfifo": (0,),
+    "os.mknod": (0,),
+    "os.setxattr": (0,),
+    "os.removexattr": (0,),
 }
 _READ_EVENTS = {"os.listdir": (0,), "os.scandir": (0,), "os.listxattr": (0,), "os.getxattr": (0,)}
 _EXEC_EVENTS = ("os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen", "os.startfile")
-_CTYPES_EVENTS = ("ctypes.call_function", "ctypes.dlsym", "ctypes.dlsym/handle", "ctypes.cdata",
-                  "ctypes.cdata/buffer", "ctypes.addressof", "ctypes.string_at", "ctypes.wstring_at")
+_CTYPES_EVENTS = (
+    "ctypes.call_function",
+    "ctypes.dlsym",
+    "ctypes.dlsym/handle",
+    "ctypes.cdata",
+    "ctypes.cdata/buffer",
+    "ctypes.addressof",
+    "ctypes.string_at",
+    "ctypes.wstring_at",
+)
 
 
 class _LandlockRulesetAttr(ctypes.Structure):
-    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
-                ("scoped", ctypes.c_uint64)]
+    _fields_ = [
+        ("handled_access_fs", ctypes.c_uint64),
+        ("handled_access_net", ctypes.c_uint64),
+        ("scoped", ctypes.c_uint64),
+    ]
 
 
 class _LandlockPathBeneathAttr(ctypes.Structure):
@@ -138,8 +203,16 @@ def child_main(config_json: str) -> None:
     try:
         libc = _libc()
         hook, can_kill_all = _child_setup(libc, cfg, isolation)
-        _check(libc.prctl(ctypes.c_int(_PR_SET_CHILD_SUBREAPER), ctypes.c_ulong(1), ctypes.c_ulong(0),
-                          ctypes.c_ulong(0), ctypes.c_ulong(0)), "prctl(PR_SET_CHILD_SUBREAPER)")
+        _check(
+            libc.prctl(
+                ctypes.c_int(_PR_SET_CHILD_SUBREAPER),
+                ctypes.c_ulong(1),
+                ctypes.c_ulong(0),
+                ctypes.c_ulong(0),
+                ctypes.c_ulong(0),
+            ),
+            "prctl(PR_SET_CHILD_SUBREAPER)",
+        )
         isolation["subreaper"] = True
         # The stop request may come at any time from now on, so its handler is in place before the fork.
         children: list[int] = []
@@ -168,8 +241,13 @@ def child_main(config_json: str) -> None:
             os._exit(SETUP_FAILED_EXIT)
         signal.signal(STOP_SIGNAL, signal.SIG_DFL)
         # Die with the launcher (cleared by fork, so set again); the launcher dies with the orchestrator.
-        libc.prctl(ctypes.c_int(_PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0),
-                   ctypes.c_ulong(0), ctypes.c_ulong(0))
+        libc.prctl(
+            ctypes.c_int(_PR_SET_PDEATHSIG),
+            ctypes.c_ulong(signal.SIGKILL),
+            ctypes.c_ulong(0),
+            ctypes.c_ulong(0),
+            ctypes.c_ulong(0),
+        )
         sys.addaudithook(hook)
         _run_user_main(cfg["workdir"])
         return  # normal interpreter shutdown: flushes the program's output, runs its atexit handlers
@@ -205,7 +283,7 @@ def child_main(config_json: str) -> None:
     os._exit(128 + sig)
 
 
-def _reap_until(pid: int) -> Optional[int]:
+def _reap_until(pid: int) -> int | None:
     """Reap children (the program and adopted orphans) until `pid` exits; its wait status."""
     while True:
         try:
@@ -273,8 +351,11 @@ def _child_setup(libc: ctypes.CDLL, cfg: dict, isolation: dict) -> tuple[Callabl
         except OSError as exc:
             errors["user_namespace"] = str(exc)
     isolation["user_namespace"] = in_user_ns
-    for layer, flag in (("network_namespace", _CLONE_NEWNET), ("ipc_namespace", _CLONE_NEWIPC),
-                        ("mount_namespace", _CLONE_NEWNS)):
+    for layer, flag in (
+        ("network_namespace", _CLONE_NEWNET),
+        ("ipc_namespace", _CLONE_NEWIPC),
+        ("mount_namespace", _CLONE_NEWNS),
+    ):
         try:
             _unavailable(cfg, layer)
             _check(libc.unshare(ctypes.c_int(flag)), f"unshare({layer})")
@@ -304,7 +385,8 @@ def _child_setup(libc: ctypes.CDLL, cfg: dict, isolation: dict) -> tuple[Callabl
                     raise RuntimeError(
                         f"the Python installation is below {', '.join(shadows)}, which the sandbox uid cannot "
                         f"traverse, and no tmpfs could hide that ({exc}); make those directories "
-                        "traversable (chmod o+x) or use a Python installed elsewhere") from exc
+                        "traversable (chmod o+x) or use a Python installed elsewhere"
+                    ) from exc
                 isolation["python_shadowed"] = True
         try:
             _unavailable(cfg, "workdir_tmpfs")
@@ -312,27 +394,40 @@ def _child_setup(libc: ctypes.CDLL, cfg: dict, isolation: dict) -> tuple[Callabl
             isolation["workdir_tmpfs"] = True
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EFBIG):
-                raise RuntimeError(f"the task's files do not fit in disk_bytes={cfg['disk_bytes']} / "
-                                   f"max_files={cfg['max_files']}: {exc}") from exc
+                raise RuntimeError(
+                    f"the task's files do not fit in disk_bytes={cfg['disk_bytes']} / "
+                    f"max_files={cfg['max_files']}: {exc}"
+                ) from exc
             errors["workdir_tmpfs"] = str(exc)
     else:
         errors["workdir_tmpfs"] = "no mount namespace"
         if as_root and uid is not None and _untraversable_ancestors(cfg["python_roots"] + [workdir]):
-            raise RuntimeError("the Python installation is not traversable for the sandbox uid and no mount "
-                               "namespace could be made to fix that")
+            raise RuntimeError(
+                "the Python installation is not traversable for the sandbox uid and no mount "
+                "namespace could be made to fix that"
+            )
     os.chdir(workdir)
 
     # Counted now: /proc is out of reach once Landlock applies.
     user_tasks = _count_tasks_of_uid(os.getuid()) if uid is None and not in_user_ns else 0
 
     # 4. Landlock (needs no_new_privs, which also stops setuid binaries from regaining privileges).
-    _check(libc.prctl(ctypes.c_int(_PR_SET_NO_NEW_PRIVS), ctypes.c_ulong(1), ctypes.c_ulong(0),
-                      ctypes.c_ulong(0), ctypes.c_ulong(0)), "prctl(PR_SET_NO_NEW_PRIVS)")
+    _check(
+        libc.prctl(
+            ctypes.c_int(_PR_SET_NO_NEW_PRIVS),
+            ctypes.c_ulong(1),
+            ctypes.c_ulong(0),
+            ctypes.c_ulong(0),
+            ctypes.c_ulong(0),
+        ),
+        "prctl(PR_SET_NO_NEW_PRIVS)",
+    )
     try:
         _unavailable(cfg, "landlock")
         # TCP rules only without a network namespace of our own; with one, there is nothing to reach.
-        abi = _landlock_restrict(libc, cfg["read_paths"], [workdir],
-                                 restrict_tcp=not cfg["network"] and not isolation["network_namespace"])
+        abi = _landlock_restrict(
+            libc, cfg["read_paths"], [workdir], restrict_tcp=not cfg["network"] and not isolation["network_namespace"]
+        )
         isolation["landlock"] = True
         isolation["landlock_abi"] = abi
     except OSError as exc:
@@ -357,8 +452,13 @@ def _child_setup(libc: ctypes.CDLL, cfg: dict, isolation: dict) -> tuple[Callabl
 
     # Die with the orchestrator (a killed Ray actor, a crashed trainer). Set after the uid change, which
     # clears it; the getppid check closes the race with a parent that died just before.
-    libc.prctl(ctypes.c_int(_PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0),
-               ctypes.c_ulong(0), ctypes.c_ulong(0))
+    libc.prctl(
+        ctypes.c_int(_PR_SET_PDEATHSIG),
+        ctypes.c_ulong(signal.SIGKILL),
+        ctypes.c_ulong(0),
+        ctypes.c_ulong(0),
+        ctypes.c_ulong(0),
+    )
     if os.getppid() != cfg["orchestrator_pid"]:
         raise RuntimeError("the orchestrator exited during sandbox setup")
 
@@ -370,10 +470,14 @@ def _child_setup(libc: ctypes.CDLL, cfg: dict, isolation: dict) -> tuple[Callabl
     else:
         nproc = user_tasks + cfg["max_processes"]  # the limit is shared with the user's other processes
     nofile = cfg["max_open_files"]
-    for name, soft, hard in (("RLIMIT_CORE", 0, 0), ("RLIMIT_CPU", cpu, cpu + 1),
-                             ("RLIMIT_FSIZE", cfg["file_size_bytes"], cfg["file_size_bytes"]),
-                             ("RLIMIT_NPROC", nproc, nproc), ("RLIMIT_NOFILE", nofile, nofile),
-                             ("RLIMIT_AS", cfg["memory_bytes"], cfg["memory_bytes"])):
+    for name, soft, hard in (
+        ("RLIMIT_CORE", 0, 0),
+        ("RLIMIT_CPU", cpu, cpu + 1),
+        ("RLIMIT_FSIZE", cfg["file_size_bytes"], cfg["file_size_bytes"]),
+        ("RLIMIT_NPROC", nproc, nproc),
+        ("RLIMIT_NOFILE", nofile, nofile),
+        ("RLIMIT_AS", cfg["memory_bytes"], cfg["memory_bytes"]),
+    ):
         which = getattr(resource, name)
         _, cur_hard = resource.getrlimit(which)
         if cur_hard != resource.RLIM_INFINITY:  # never try to raise a limit someone else imposed
@@ -397,14 +501,17 @@ def _child_setup(libc: ctypes.CDLL, cfg: dict, isolation: dict) -> tuple[Callabl
     if errors:
         isolation["missing"] = errors
         if not cfg["trusted_code"]:
-            raise RuntimeError("refusing to run untrusted code without "
-                               + "; ".join(f"{layer} ({why})" for layer, why in errors.items())
-                               + " (SandboxLimits(trusted_code=True) runs code you trust anyway)")
+            raise RuntimeError(
+                "refusing to run untrusted code without "
+                + "; ".join(f"{layer} ({why})" for layer, why in errors.items())
+                + " (SandboxLimits(trusted_code=True) runs code you trust anyway)"
+            )
     read_roots = [workdir] + [os.path.realpath(p) for p in cfg["read_paths"]] + list(cfg["read_paths"])
     # With the seccomp filter in force an AF_UNIX socket object can only wrap a socketpair() end, which
     # asyncio's event loop and multiprocessing's pipes need: the hook lets those through.
-    hook = _make_audit_hook(read_roots, [workdir], block_network=not cfg["network"], strict=not kernel_ok,
-                            socketpairs=isolation["seccomp"])
+    hook = _make_audit_hook(
+        read_roots, [workdir], block_network=not cfg["network"], strict=not kernel_ok, socketpairs=isolation["seccomp"]
+    )
     signal_scoped = bool(isolation["landlock"] and isolation["landlock_abi"] >= 6)
     can_kill_all = (as_root and uid is not None) or signal_scoped
     return hook, can_kill_all
@@ -441,24 +548,25 @@ def _loopback_up() -> None:
     reaches this sandbox."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         import fcntl
+
         fcntl.ioctl(s.fileno(), _SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", _IFF_UP))
 
 
-def _workdir_tmpfs(libc: ctypes.CDLL, workdir: str, size: int, inodes: int, uid: Optional[int],
-                   gid: Optional[int]) -> None:
+def _workdir_tmpfs(libc: ctypes.CDLL, workdir: str, size: int, inodes: int, uid: int | None, gid: int | None) -> None:
     """Mount a tmpfs of `size` bytes and `inodes` files over the work directory and copy the files the
     orchestrator put there into it (an O_PATH descriptor keeps the covered directory reachable)."""
     source = os.open(workdir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         owner = f",uid={uid},gid={gid}" if uid is not None else ""
-        _mount(libc, "tmpfs", workdir, "tmpfs", _MS_NOSUID | _MS_NODEV,
-               f"size={size},nr_inodes={inodes},mode=0700{owner}")
+        _mount(
+            libc, "tmpfs", workdir, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={size},nr_inodes={inodes},mode=0700{owner}"
+        )
         _copy_tree(f"/proc/self/fd/{source}", workdir, uid, gid)
     finally:
         os.close(source)
 
 
-def _copy_tree(src: str, dst: str, uid: Optional[int], gid: Optional[int]) -> None:
+def _copy_tree(src: str, dst: str, uid: int | None, gid: int | None) -> None:
     for entry in os.scandir(src):
         target = os.path.join(dst, entry.name)
         if entry.is_dir(follow_symlinks=False):
@@ -475,6 +583,8 @@ def _copy_tree(src: str, dst: str, uid: Optional[int], gid: Optional[int]) -> No
             continue  # the orchestrator writes plain files and directories only
         if uid is not None:
             os.chown(target, uid, gid, follow_symlinks=False)
+
+
 def _map_own_ids(uid: int, gid: int) -> None:
     """In a fresh user namespace, map our own uid/gid to themselves (otherwise we would be 'nobody')."""
     try:
@@ -493,8 +603,7 @@ def _drop_capabilities(libc: ctypes.CDLL) -> None:
         _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
 
     class Data(ctypes.Structure):
-        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
-                    ("inheritable", ctypes.c_uint32)]
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
 
     header = Header(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
     data = (Data * 2)()
@@ -537,11 +646,14 @@ def _untraversable_ancestors(paths: Iterable[str]) -> list[str]:
     return [a for a in found if not any(a != b and a.startswith(b + os.sep) for b in found)]
 
 
-def _mount(libc: ctypes.CDLL, source: Optional[str], target: str, fstype: Optional[str], flags: int,
-           data: Optional[str] = None) -> None:
+def _mount(
+    libc: ctypes.CDLL, source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None
+) -> None:
     enc = lambda s: None if s is None else s.encode()  # noqa: E731
-    _check(libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
-           f"mount({source!r} -> {target!r})")
+    _check(
+        libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
+        f"mount({source!r} -> {target!r})",
+    )
 
 
 def _shadow_directories(libc: ctypes.CDLL, shadows: list[str], python_roots: list[str], workdir: str) -> None:
@@ -554,8 +666,11 @@ def _shadow_directories(libc: ctypes.CDLL, shadows: list[str], python_roots: lis
         for path, writable in wanted:
             if path.startswith(shadow + os.sep) and os.path.isdir(path):
                 # Keep only outermost trees; a tree inside another one comes back with it.
-                if not any(path.startswith(other + os.sep) for other, _ in wanted if other != path
-                           and other.startswith(shadow + os.sep)):
+                if not any(
+                    path.startswith(other + os.sep)
+                    for other, _ in wanted
+                    if other != path and other.startswith(shadow + os.sep)
+                ):
                     below.append((path, writable, os.open(path, os.O_PATH | os.O_CLOEXEC)))
         _mount(libc, "tmpfs", shadow, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=64k")
         for path, writable, fd in below:
@@ -567,12 +682,17 @@ def _shadow_directories(libc: ctypes.CDLL, shadows: list[str], python_roots: lis
             os.close(fd)
 
 
-def _landlock_restrict(libc: ctypes.CDLL, read_paths: Sequence[str], write_paths: Sequence[str],
-                       restrict_tcp: bool) -> int:
+def _landlock_restrict(
+    libc: ctypes.CDLL, read_paths: Sequence[str], write_paths: Sequence[str], restrict_tcp: bool
+) -> int:
     """Restrict this process (and its future children) to reading `read_paths` and reading+writing
     `write_paths`. Only access rights the running kernel's ABI knows are handled. Returns the ABI."""
-    abi = libc.syscall(ctypes.c_long(_SYS_LANDLOCK_CREATE_RULESET), None, ctypes.c_size_t(0),
-                       ctypes.c_uint32(_LANDLOCK_CREATE_RULESET_VERSION))
+    abi = libc.syscall(
+        ctypes.c_long(_SYS_LANDLOCK_CREATE_RULESET),
+        None,
+        ctypes.c_size_t(0),
+        ctypes.c_uint32(_LANDLOCK_CREATE_RULESET_VERSION),
+    )
     _check(abi, "landlock_create_ruleset(version)")
     handled_fs = _LL_FS_ABI1
     if abi >= 2:
@@ -585,8 +705,15 @@ def _landlock_restrict(libc: ctypes.CDLL, read_paths: Sequence[str], write_paths
     scoped = (_LL_SCOPE_ABSTRACT_UNIX_SOCKET | _LL_SCOPE_SIGNAL) if abi >= 6 else 0
     attr = _LandlockRulesetAttr(handled_fs, handled_net, scoped)
     attr_size = 8 if abi < 4 else 16 if abi < 6 else 24  # the struct grew with the ABI; size tells the kernel
-    ruleset = _check(libc.syscall(ctypes.c_long(_SYS_LANDLOCK_CREATE_RULESET), ctypes.byref(attr),
-                                  ctypes.c_size_t(attr_size), ctypes.c_uint32(0)), "landlock_create_ruleset")
+    ruleset = _check(
+        libc.syscall(
+            ctypes.c_long(_SYS_LANDLOCK_CREATE_RULESET),
+            ctypes.byref(attr),
+            ctypes.c_size_t(attr_size),
+            ctypes.c_uint32(0),
+        ),
+        "landlock_create_ruleset",
+    )
     try:
         rules = [(p, _LL_READ_RIGHTS) for p in read_paths] + [(p, handled_fs) for p in write_paths]
         for path, access in rules:
@@ -600,20 +727,30 @@ def _landlock_restrict(libc: ctypes.CDLL, read_paths: Sequence[str], write_paths
                     if path.startswith("/dev/"):
                         access |= _LL_WRITE_FILE | _LL_TRUNCATE  # writing to /dev/null is harmless
                 rule = _LandlockPathBeneathAttr(access & handled_fs, fd)
-                _check(libc.syscall(ctypes.c_long(_SYS_LANDLOCK_ADD_RULE), ctypes.c_int(ruleset),
-                                    ctypes.c_int(_LANDLOCK_RULE_PATH_BENEATH), ctypes.byref(rule),
-                                    ctypes.c_uint32(0)), f"landlock_add_rule({path})")
+                _check(
+                    libc.syscall(
+                        ctypes.c_long(_SYS_LANDLOCK_ADD_RULE),
+                        ctypes.c_int(ruleset),
+                        ctypes.c_int(_LANDLOCK_RULE_PATH_BENEATH),
+                        ctypes.byref(rule),
+                        ctypes.c_uint32(0),
+                    ),
+                    f"landlock_add_rule({path})",
+                )
             finally:
                 os.close(fd)
-        _check(libc.syscall(ctypes.c_long(_SYS_LANDLOCK_RESTRICT_SELF), ctypes.c_int(ruleset),
-                            ctypes.c_uint32(0)), "landlock_restrict_self")
+        _check(
+            libc.syscall(ctypes.c_long(_SYS_LANDLOCK_RESTRICT_SELF), ctypes.c_int(ruleset), ctypes.c_uint32(0)),
+            "landlock_restrict_self",
+        )
     finally:
         os.close(ruleset)
     return abi
 
 
-def _make_audit_hook(read_roots: Sequence[str], write_roots: Sequence[str], block_network: bool,
-                     strict: bool, socketpairs: bool = False) -> Callable[[str, tuple], None]:
+def _make_audit_hook(
+    read_roots: Sequence[str], write_roots: Sequence[str], block_network: bool, strict: bool, socketpairs: bool = False
+) -> Callable[[str, tuple], None]:
     """An audit hook refusing what the sandbox may not do. Not a security boundary (see the module
     docstring); `strict` adds process execution and ctypes calls, for when a kernel layer is missing."""
     read_roots = tuple(sorted(set(read_roots)))
@@ -632,14 +769,12 @@ def _make_audit_hook(read_roots: Sequence[str], write_roots: Sequence[str], bloc
         return any(full == r or full.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
 
     def deny(what: str, path: Any = None) -> None:
-        raise PermissionError(errno.EACCES, f"sandbox: {what} is not permitted",
-                              None if path is None else str(path))
+        raise PermissionError(errno.EACCES, f"sandbox: {what} is not permitted", None if path is None else str(path))
 
     def hook(event: str, args: tuple) -> None:
         if event == "open":
             path, mode, flags = args
-            writing = (any(c in mode for c in "wax+") if isinstance(mode, str)
-                       else bool((flags or 0) & write_flags))
+            writing = any(c in mode for c in "wax+") if isinstance(mode, str) else bool((flags or 0) & write_flags)
             if not inside(path, write_roots if writing else read_roots + write_roots):
                 deny("opening this path for writing" if writing else "opening this path", path)
         elif event in _WRITE_EVENTS:
@@ -679,4 +814,3 @@ def _run_user_main(workdir: str) -> None:
         traceback.print_exception(type(exc), exc, tb if tb is not None else exc.__traceback__)
         sys.stderr.flush()
         sys.exit(1)
-

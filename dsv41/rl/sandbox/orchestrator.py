@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Mapping, Optional, Union
+from collections.abc import Mapping
 
 from dsv41.rl.sandbox import launcher
 from dsv41.rl.sandbox.cgroups import CgroupUnavailable, RunCgroup
@@ -46,8 +46,19 @@ _BASE_ENV = {
 
 # Read-only trees (besides the Python installation) an interpreter and its C extensions may need.
 _SYSTEM_READ_PATHS = (
-    "/usr", "/lib", "/lib32", "/lib64", "/bin", "/etc/ld.so.cache", "/etc/localtime",
-    "/dev/null", "/dev/zero", "/dev/urandom", "/dev/random", "/proc/cpuinfo", "/sys/devices/system/cpu",
+    "/usr",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/bin",
+    "/etc/ld.so.cache",
+    "/etc/localtime",
+    "/dev/null",
+    "/dev/zero",
+    "/dev/urandom",
+    "/dev/random",
+    "/proc/cpuinfo",
+    "/sys/devices/system/cpu",
 )
 
 # Layers the tests make fail on purpose, to check that the launcher (and the orchestrator, for the cgroup)
@@ -65,7 +76,7 @@ def _slot_lock_dir() -> str:
     return path
 
 
-def _lock_slot(slot: Optional[int]) -> tuple[int, int]:
+def _lock_slot(slot: int | None) -> tuple[int, int]:
     """Hold slot `slot` (waiting while another run, in this process or another, holds it), or with None
     the first free one counting down from the top of the range, away from pools (which count up from their
     offset). Returns (slot, lock fd); the lock goes with the fd, or with the process if it dies."""
@@ -93,8 +104,13 @@ def _lock_slot(slot: Optional[int]) -> tuple[int, int]:
 # One run
 
 
-def run_python(code: str, stdin: str = "", files: Optional[Mapping[str, Union[str, bytes]]] = None,
-               limits: SandboxLimits = SandboxLimits(), slot: Optional[int] = None) -> SandboxResult:
+def run_python(
+    code: str,
+    stdin: str = "",
+    files: Mapping[str, str | bytes] | None = None,
+    limits: SandboxLimits = SandboxLimits(),
+    slot: int | None = None,
+) -> SandboxResult:
     """Run `code` as main.py in a fresh sandbox and return what happened.
 
     The program runs in a new directory (its cwd and HOME, a size-capped tmpfs; `files` are written next
@@ -152,7 +168,7 @@ def _run_in_slot(code: str, stdin: str, extra: dict[str, bytes], limits: Sandbox
         _remove_tree(workdir)
 
 
-def _checked_files(files: Optional[Mapping[str, Union[str, bytes]]]) -> dict[str, bytes]:
+def _checked_files(files: Mapping[str, str | bytes] | None) -> dict[str, bytes]:
     out: dict[str, bytes] = {}
     for name, content in (files or {}).items():
         if not isinstance(name, str) or not name:
@@ -170,8 +186,7 @@ def _checked_files(files: Optional[Mapping[str, Union[str, bytes]]]) -> dict[str
     return out
 
 
-def _populate_workdir(workdir: str, code: str, files: dict[str, bytes], uid: Optional[int],
-                      gid: Optional[int]) -> None:
+def _populate_workdir(workdir: str, code: str, files: dict[str, bytes], uid: int | None, gid: int | None) -> None:
     for name, content in [("main.py", code.encode("utf-8")), *files.items()]:
         path = os.path.join(workdir, name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -203,8 +218,7 @@ def _remove_tree(path: str) -> None:
 
 def _python_roots() -> list[str]:
     roots = []
-    for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-              os.path.dirname(sys.executable)):
+    for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, os.path.dirname(sys.executable)):
         for q in (os.path.abspath(p), os.path.realpath(p)):
             if q not in roots:
                 roots.append(q)
@@ -288,10 +302,15 @@ def _kill_uid(uid: int) -> bool:
     if not _uid_processes(uid):
         return True
     try:
-        subprocess.run([sys.executable, "-I", "-S", "-B", "-c", _KILL_HELPER, str(uid), str(uid),
-                        str(_KILL_HELPER_BUDGET_S)], env={"PATH": _BASE_ENV["PATH"]}, stdin=subprocess.DEVNULL,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=_KILL_HELPER_BUDGET_S + 10,
-                       check=False)
+        subprocess.run(
+            [sys.executable, "-I", "-S", "-B", "-c", _KILL_HELPER, str(uid), str(uid), str(_KILL_HELPER_BUDGET_S)],
+            env={"PATH": _BASE_ENV["PATH"]},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=_KILL_HELPER_BUDGET_S + 10,
+            check=False,
+        )
     except subprocess.TimeoutExpired:
         pass
     return not _uid_processes(uid)
@@ -319,49 +338,87 @@ class _Capture:
         return self.total > self.limit
 
 
-
 def _launcher_command(config: dict) -> list[str]:
     # The launcher is loaded by path so the child does not import the dsv41 package (and torch).
-    boot = ("import importlib.util, sys\n"
-            "spec = importlib.util.spec_from_file_location('_dsv41_sandbox_launcher', sys.argv[1])\n"
-            "module = importlib.util.module_from_spec(spec)\n"
-            "sys.modules[spec.name] = module\n"
-            "spec.loader.exec_module(module)\n"
-            "module.child_main(sys.argv[2])\n")
-    return [sys.executable, "-I", "-B", "-X", "utf8", "-c", boot, os.path.abspath(launcher.__file__),
-            json.dumps(config)]
+    boot = (
+        "import importlib.util, sys\n"
+        "spec = importlib.util.spec_from_file_location('_dsv41_sandbox_launcher', sys.argv[1])\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "sys.modules[spec.name] = module\n"
+        "spec.loader.exec_module(module)\n"
+        "module.child_main(sys.argv[2])\n"
+    )
+    return [
+        sys.executable,
+        "-I",
+        "-B",
+        "-X",
+        "utf8",
+        "-c",
+        boot,
+        os.path.abspath(launcher.__file__),
+        json.dumps(config),
+    ]
 
 
-def _supervise(workdir: str, stdin: str, limits: SandboxLimits, uid: Optional[int], gid: Optional[int],
-               cgroup: Optional[RunCgroup], cgroup_error: Optional[str]) -> SandboxResult:
+def _supervise(
+    workdir: str,
+    stdin: str,
+    limits: SandboxLimits,
+    uid: int | None,
+    gid: int | None,
+    cgroup: RunCgroup | None,
+    cgroup_error: str | None,
+) -> SandboxResult:
     read_paths = _python_roots() + list(_SYSTEM_READ_PATHS)
     report_r, report_w = os.pipe()
     config = {
-        "workdir": workdir, "uid": uid, "gid": gid, "report_fd": report_w, "orchestrator_pid": os.getpid(),
-        "read_paths": read_paths, "python_roots": _python_roots(), "network": limits.network,
-        "cpu_time_s": limits.cpu_time_s, "memory_bytes": limits.memory_bytes,
-        "file_size_bytes": limits.file_size_bytes, "max_processes": limits.max_processes,
-        "disk_bytes": limits.disk_bytes, "max_files": limits.max_files, "max_open_files": limits.max_open_files,
-        "trusted_code": limits.trusted_code, "simulate_unavailable": list(_SIMULATE_UNAVAILABLE),
+        "workdir": workdir,
+        "uid": uid,
+        "gid": gid,
+        "report_fd": report_w,
+        "orchestrator_pid": os.getpid(),
+        "read_paths": read_paths,
+        "python_roots": _python_roots(),
+        "network": limits.network,
+        "cpu_time_s": limits.cpu_time_s,
+        "memory_bytes": limits.memory_bytes,
+        "file_size_bytes": limits.file_size_bytes,
+        "max_processes": limits.max_processes,
+        "disk_bytes": limits.disk_bytes,
+        "max_files": limits.max_files,
+        "max_open_files": limits.max_open_files,
+        "trusted_code": limits.trusted_code,
+        "simulate_unavailable": list(_SIMULATE_UNAVAILABLE),
         "cgroup_procs": cgroup.procs_files if cgroup is not None else [],
-        "cgroup_version": cgroup.version if cgroup is not None else None, "cgroup_error": cgroup_error,
+        "cgroup_version": cgroup.version if cgroup is not None else None,
+        "cgroup_error": cgroup_error,
     }
     env = dict(_BASE_ENV, HOME=workdir, TMPDIR=workdir)
     out, err = _Capture(limits.max_output_bytes), _Capture(limits.max_output_bytes)
     start = time.monotonic()
     try:
         # start_new_session: the sandbox is its own process group and session, killable as a whole.
-        proc = subprocess.Popen(_launcher_command(config), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, cwd=workdir, env=env, start_new_session=True,
-                                pass_fds=(report_w,), close_fds=True)
+        proc = subprocess.Popen(
+            _launcher_command(config),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=workdir,
+            env=env,
+            start_new_session=True,
+            pass_fds=(report_w,),
+            close_fds=True,
+        )
     except BaseException:
         os.close(report_r)
         raise
     finally:
         os.close(report_w)  # the launcher holds the only write end: EOF once it is done with it
     try:
-        status, rusage, timed_out, exit_time = _pump(proc, stdin.encode("utf-8"), out, err,
-                                                     start + limits.wall_time_s, uid, cgroup)
+        status, rusage, timed_out, exit_time = _pump(
+            proc, stdin.encode("utf-8"), out, err, start + limits.wall_time_s, uid, cgroup
+        )
         report = _read_report(report_r)
     finally:
         os.close(report_r)
@@ -409,9 +466,18 @@ def _supervise(workdir: str, stdin: str, limits: SandboxLimits, uid: Optional[in
         tail = bytes(err.tail).decode("utf-8", errors="replace")
         result_status = _classify(exit_code, timed_out, cpu_s, limits, tail, oom_kills)
     return SandboxResult(
-        status=result_status, exit_code=exit_code if exit_code >= 0 else None, signal=sig_name,
-        stdout=stdout_text, stderr=stderr_text, stdout_truncated=out.truncated, stderr_truncated=err.truncated,
-        wall_s=exit_time - start, cpu_s=cpu_s, isolation=isolation, memory_peak_bytes=peak)
+        status=result_status,
+        exit_code=exit_code if exit_code >= 0 else None,
+        signal=sig_name,
+        stdout=stdout_text,
+        stderr=stderr_text,
+        stdout_truncated=out.truncated,
+        stderr_truncated=err.truncated,
+        wall_s=exit_time - start,
+        cpu_s=cpu_s,
+        isolation=isolation,
+        memory_peak_bytes=peak,
+    )
 
 
 def _kill_process_group(pgid: int) -> None:
@@ -421,8 +487,15 @@ def _kill_process_group(pgid: int) -> None:
         pass
 
 
-def _pump(proc: subprocess.Popen, stdin_data: bytes, out: _Capture, err: _Capture, deadline: float,
-          uid: Optional[int], cgroup: Optional[RunCgroup]):
+def _pump(
+    proc: subprocess.Popen,
+    stdin_data: bytes,
+    out: _Capture,
+    err: _Capture,
+    deadline: float,
+    uid: int | None,
+    cgroup: RunCgroup | None,
+):
     """Feed stdin, drain stdout/stderr, enforce the wall deadline and reap the launcher (wait4, for its
     CPU time). Returns (wait status, rusage, timed_out, exit time)."""
     sel = selectors.DefaultSelector()
@@ -483,7 +556,7 @@ def _pump(proc: subprocess.Popen, stdin_data: bytes, out: _Capture, err: _Captur
                     reaped(os.wait4(proc.pid, 0))
                 elif fd == stdin_fd:
                     try:
-                        stdin_pos += os.write(stdin_fd, stdin_data[stdin_pos:stdin_pos + 65536])
+                        stdin_pos += os.write(stdin_fd, stdin_data[stdin_pos : stdin_pos + 65536])
                     except BrokenPipeError:
                         stdin_pos = len(stdin_data)  # the program stopped reading; fine
                     except BlockingIOError:
@@ -551,8 +624,9 @@ def _read_report(fd: int) -> dict:
         return {"fatal": "the sandbox launcher wrote an unreadable report"}
 
 
-def _classify(exit_code: int, timed_out: bool, cpu_s: float, limits: SandboxLimits, stderr_tail: str,
-              oom_kills: int = 0) -> str:
+def _classify(
+    exit_code: int, timed_out: bool, cpu_s: float, limits: SandboxLimits, stderr_tail: str, oom_kills: int = 0
+) -> str:
     if timed_out:
         return "timeout"
     if oom_kills and exit_code != 0:
@@ -576,8 +650,6 @@ def _classify(exit_code: int, timed_out: bool, cpu_s: float, limits: SandboxLimi
         return "file_size_limit"  # CPython ignores SIGXFSZ, so the write fails with EFBIG instead
     if "No space left on device" in stderr_tail or "[Errno 28]" in stderr_tail:
         return "file_size_limit"  # the work directory's tmpfs is full (disk_bytes or max_files)
-    if any(m in stderr_tail for m in ("BlockingIOError", "Resource temporarily unavailable",
-                                       "can't start new thread")):
+    if any(m in stderr_tail for m in ("BlockingIOError", "Resource temporarily unavailable", "can't start new thread")):
         return "process_limit"  # fork/clone failing with EAGAIN under RLIMIT_NPROC (threads count too)
     return "error"
-

@@ -7,7 +7,8 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import queue
-from typing import Any, Iterable, Mapping, Optional, Union
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from dsv41.rl.sandbox.config import MAX_SLOTS as _MAX_SLOTS
 from dsv41.rl.sandbox.config import SandboxLimits, SandboxResult, SandboxTask, TaskLike
@@ -49,8 +50,13 @@ class SandboxPool:
         finally:
             self._free_slots.put(slot)
 
-    def submit(self, code: str, stdin: str = "", files: Optional[Mapping[str, Union[str, bytes]]] = None,
-               limits: Optional[SandboxLimits] = None) -> concurrent.futures.Future:
+    def submit(
+        self,
+        code: str,
+        stdin: str = "",
+        files: Mapping[str, str | bytes] | None = None,
+        limits: SandboxLimits | None = None,
+    ) -> concurrent.futures.Future:
         """Queue one program; the future's result is a SandboxResult (never an exception)."""
         return self._executor.submit(self._run, SandboxTask(code, stdin, files, limits))
 
@@ -72,7 +78,7 @@ class SandboxPool:
     def close(self, wait: bool = True) -> None:
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
 
-    def __enter__(self) -> "SandboxPool":
+    def __enter__(self) -> SandboxPool:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -107,15 +113,22 @@ class RaySandboxPool:
     if this pool started it.
     """
 
-    def __init__(self, num_workers: int = 2, limits: SandboxLimits = SandboxLimits(),
-                 address: Optional[str] = None, slots_per_worker: int = 1, slot_offset: int = 1000,
-                 cpus_per_worker: float = 1.0):
+    def __init__(
+        self,
+        num_workers: int = 2,
+        limits: SandboxLimits = SandboxLimits(),
+        address: str | None = None,
+        slots_per_worker: int = 1,
+        slot_offset: int = 1000,
+        cpus_per_worker: float = 1.0,
+    ):
         for name, value in (("num_workers", num_workers), ("slots_per_worker", slots_per_worker)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if slot_offset < 0 or slot_offset + num_workers * slots_per_worker - 1 > _MAX_SLOTS:
-            raise ValueError(f"slots {slot_offset}..{slot_offset + num_workers * slots_per_worker - 1} "
-                             f"exceed [0, {_MAX_SLOTS}]")
+            raise ValueError(
+                f"slots {slot_offset}..{slot_offset + num_workers * slots_per_worker - 1} exceed [0, {_MAX_SLOTS}]"
+            )
         ray = _import_ray()
         self._ray = ray
         self.limits = limits
@@ -129,11 +142,13 @@ class RaySandboxPool:
             ray.init(**kwargs)
             self._owns_ray = True
         # SPREAD: put the actors on different nodes where the cluster has several.
-        actor_cls = ray.remote(_SandboxActor).options(num_cpus=cpus_per_worker, max_concurrency=slots_per_worker,
-                                                      scheduling_strategy="SPREAD")
+        actor_cls = ray.remote(_SandboxActor).options(
+            num_cpus=cpus_per_worker, max_concurrency=slots_per_worker, scheduling_strategy="SPREAD"
+        )
         self.slots_per_worker = slots_per_worker
-        self._actors = [actor_cls.remote(limits, slot_offset + i * slots_per_worker, slots_per_worker)
-                        for i in range(num_workers)]
+        self._actors = [
+            actor_cls.remote(limits, slot_offset + i * slots_per_worker, slots_per_worker) for i in range(num_workers)
+        ]
 
     def map(self, tasks: Iterable[TaskLike]) -> list[SandboxResult]:
         """Run all tasks on the actors; results in input order, failures as error results."""
@@ -141,7 +156,7 @@ class RaySandboxPool:
         if self._actors is None:
             raise RuntimeError("RaySandboxPool.map after shutdown()")
         tasks = list(tasks)
-        results: list[Optional[SandboxResult]] = [None] * len(tasks)
+        results: list[SandboxResult | None] = [None] * len(tasks)
         pending: list[tuple[int, SandboxTask]] = []
         for i, t in enumerate(tasks):
             try:
@@ -188,10 +203,8 @@ class RaySandboxPool:
 
     close = shutdown
 
-    def __enter__(self) -> "RaySandboxPool":
+    def __enter__(self) -> RaySandboxPool:
         return self
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-
