@@ -253,7 +253,7 @@ def main(argv=None, prog: str = "python -m dsv41.data.build") -> int:
         choices=["text", "chat"],
         help="'text': each work as it is (default); 'chat': the plays' speeches as conversations in the "
         "V4.1 chat format, a speech a user turn and the next one the assistant's reply (the shipped "
-        "default checkpoint's data; docs/text-model.md)",
+        "default checkpoint's data)",
     )
     a = p.parse_args(argv)
     try:
