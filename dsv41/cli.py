@@ -42,6 +42,16 @@ from dsv41.cli_options import (
 from dsv41.cli_training import add_training_commands
 from dsv41.config import PRESETS, ModelConfig, preset
 
+# sampling when neither an option nor the model's generation_config.json sets it: generate is greedy
+SAMPLING_DEFAULTS = {
+    "generate": {"temperature": 0.0, "top_p": 1.0, "top_k": 0},
+    "chat": {"temperature": 1.0, "top_p": 1.0, "top_k": 0},
+}
+DEFAULT_MODEL_HELP = (
+    "the small trained model shipped with the package (dsv41/checkpoints/shakespeare-chat: 8.4M "
+    "parameters trained on Shakespeare's plays as conversations; it answers a line with lines of a play)"
+)
+
 
 def _config(args) -> tuple[str, ModelConfig]:
     if args.config:
@@ -144,8 +154,22 @@ def _engine_config(args):
     return cls(**given)
 
 
+def _default_model() -> str:
+    """The checkpoint generate, chat and serve run when given neither a model nor a preset: the small
+    trained model shipped in the package (dsv41/checkpoints)."""
+    from dsv41.checkpoints import checkpoint_path, default_checkpoint
+
+    path = default_checkpoint()
+    if path is None:
+        raise ValueError(
+            f"this install lacks its default checkpoint ({checkpoint_path()}); "
+            "give --model PATH or --preset NAME (random weights)"
+        )
+    return path
+
+
 def _model_name(args) -> str:
-    name = getattr(args, "model", None) or args.preset
+    name = getattr(args, "model", None) or args.preset or _default_model()
     if name == "flash":
         raise ValueError(
             "flash has 763B parameters; random weights for it do not fit here. Use --preset tiny/small or --model PATH."
@@ -162,19 +186,50 @@ def _build_engine(args):
         # cache; 15-30 s cold) and saves ~5 ms per decode step, so it repays only after ~1,000 tokens,
         # and on a background thread it competes with decoding for the GIL (docs/engine-speed.md)
         args.engine_fused_kernels = "off"
-    return build_engine(_model_name(args), engine_config=_engine_config(args), seed=args.seed)
+    args.model_source = _model_name(args)
+    return build_engine(args.model_source, engine_config=_engine_config(args), seed=args.seed)
 
 
-def _sampling(args, engine):
+GENERATION_FIELDS = ("temperature", "top_p", "top_k")  # what a generation_config.json may set here
+
+
+def generation_defaults(model: str) -> dict:
+    """The sampling defaults a model folder's `generation_config.json` gives (the Hugging Face file,
+    which vLLM also applies by default): temperature, top_p, top_k where present; {} for a preset."""
+    path = os.path.join(model, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return {k: data[k] for k in GENERATION_FIELDS if isinstance(data.get(k), (int, float))}
+
+
+def _sampling(args, engine, chat: bool = False):
+    """Sampling parameters: the options given, else the model's generation_config.json, else the command's
+    defaults (`SAMPLING_DEFAULTS`). A chat reply also ends where the model opens another turn (a User,
+    Assistant or System marker the tokenizer holds as one id), unless --ignore-eos."""
     from dsv41.engine.types import SamplingParams
+    from dsv41.tokenizer import ASSISTANT_TOKEN, SYSTEM_TOKEN, USER_TOKEN
 
+    given = generation_defaults(args.model_source)
+    chosen = {
+        name: getattr(args, name) if getattr(args, name) is not None else given.get(name, default)
+        for name, default in SAMPLING_DEFAULTS[args.command].items()
+    }
+    stop_ids = []
+    if chat and not args.ignore_eos:
+        marks = (engine.tokenizer.token_to_id(t) for t in (USER_TOKEN, ASSISTANT_TOKEN, SYSTEM_TOKEN))
+        stop_ids = [i for i in marks if i is not None]
     params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
+        temperature=chosen["temperature"],
+        top_p=chosen["top_p"],
+        top_k=int(chosen["top_k"]),
         seed=args.seed,
         max_tokens=args.max_tokens,
         stop=list(args.stop or []),
+        stop_token_ids=stop_ids,
         ignore_eos=args.ignore_eos,
     )
     params.validate(engine.tokenizer.vocab_size)
@@ -239,7 +294,7 @@ def _write(text: str) -> None:
 
 def cmd_generate(args) -> int:
     engine = _build_engine(args)
-    params = _sampling(args, engine)
+    params = _sampling(args, engine, chat=args.chat)
     if args.chat:
         from dsv41.server.chat import build_chat_prompt
 
@@ -266,7 +321,7 @@ def cmd_chat(args) -> int:
     from dsv41.server.chat import ChatStreamSplitter, build_chat_prompt, resolve_thinking
 
     engine = _build_engine(args)
-    params = _sampling(args, engine)
+    params = _sampling(args, engine, chat=True)
     effort = args.reasoning_effort
     effort = int(effort) if effort is not None and effort.strip().isdigit() else effort
     thinking, effort = resolve_thinking({"thinking": True} if args.thinking else None, effort)
@@ -367,6 +422,8 @@ def cmd_chat(args) -> int:
 def cmd_serve(args) -> int:
     from dsv41.server.run import serve
 
+    if args.model is None:
+        args.model = _default_model()
     if args.model == "flash":
         raise ValueError("flash has 763B parameters; random weights for it do not fit here")
     if args.engine_fused_kernels is None:  # ready to answer at once; the kernels arrive a few seconds later
@@ -495,10 +552,9 @@ def build_parser() -> argparse.ArgumentParser:
     def model_args(p):
         p.add_argument(
             "--preset",
-            default="tiny",
             choices=RUNNABLE_PRESETS,
             help="built-in model shape with random weights (its replies are noise; for trying the "
-            "engine) (default: tiny)",
+            f"engine). Without --preset and --model: {DEFAULT_MODEL_HELP}",
         )
         p.add_argument(
             "--model",
@@ -515,7 +571,9 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--threads", type=positive_int, metavar="N", help=THREADS_HELP)
 
-    def sampling_args(p, max_tokens: int, temperature: float):
+    def sampling_args(p, max_tokens: int, command: str):
+        defaults = SAMPLING_DEFAULTS[command]
+        model_file = "the model folder's generation_config.json, else"
         p.add_argument(
             "--max-tokens",
             "--max-new-tokens",
@@ -528,23 +586,22 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--temperature",
             type=float,
-            default=temperature,
             metavar="T",
-            help=f"sampling temperature; 0 always picks the most likely token (default: {temperature})",
+            help="sampling temperature; 0 always picks the most likely token "
+            f"(default: {model_file} {defaults['temperature']})",
         )
         p.add_argument(
             "--top-p",
             type=float,
-            default=1.0,
             metavar="P",
-            help="sample only from the most likely tokens whose probabilities add up to P; 1 disables (default: 1.0)",
+            help="sample only from the most likely tokens whose probabilities add up to P; 1 disables "
+            f"(default: {model_file} {defaults['top_p']})",
         )
         p.add_argument(
             "--top-k",
             type=int,
-            default=0,
             metavar="K",
-            help="sample only from the K most likely tokens; 0 disables (default: 0)",
+            help=f"sample only from the K most likely tokens; 0 disables (default: {model_file} {defaults['top_k']})",
         )
         p.add_argument(
             "--stop", action="append", metavar="TEXT", help="end the reply where this string appears (repeatable)"
@@ -558,7 +615,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_gen = sub.add_parser("generate", help="complete one prompt on the engine (random weights for presets)")
     model_args(p_gen)
     p_gen.add_argument("--prompt", default="Hello", metavar="TEXT", help="the text to complete (default: Hello)")
-    sampling_args(p_gen, max_tokens=16, temperature=0.0)
+    sampling_args(p_gen, max_tokens=16, command="generate")
     p_gen.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat format)")
     p_gen.add_argument("--thinking", action="store_true", help="with --chat: thinking mode")
     p_gen.add_argument("--show-ids", action="store_true", help="also print the generated token ids")
@@ -567,7 +624,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p_chat = sub.add_parser("chat", help="an interactive conversation (stdin lines; works with a pipe)")
     model_args(p_chat)
-    sampling_args(p_chat, max_tokens=256, temperature=1.0)
+    sampling_args(p_chat, max_tokens=256, command="chat")
     p_chat.add_argument("--system", metavar="TEXT", help="a system message put before the conversation")
     p_chat.add_argument(
         "--image",
@@ -587,8 +644,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_serve.add_argument(
         "model",
         metavar="MODEL",
+        nargs="?",
         help="a checkpoint folder (config.json + *.safetensors) or a preset name with random "
-        f"weights: {', '.join(RUNNABLE_PRESETS)}",
+        f"weights: {', '.join(RUNNABLE_PRESETS)}. Left out: {DEFAULT_MODEL_HELP}",
     )
     p_serve.add_argument(
         "--host",

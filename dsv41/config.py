@@ -739,6 +739,47 @@ def mini() -> ModelConfig:
     )
 
 
+def nano() -> ModelConfig:
+    """The shipped default checkpoint's shape (`dsv41/checkpoints/shakespeare-chat`, docs/text-model.md):
+    `mini` cut down to fit 10 MB stored as FP8 (8.4M parameters) and to train in about half an hour on
+    2 shared CPU cores. Every block type of the released schedule in 6 layers: SWA; a ratio-2 encoder
+    (Full, Reuse); a ratio-1 decoder (Full + candidate source, Reindex, Reuse); Engram before layers 1
+    and 3. Width 256, 4 experts (top-2) + the shared one, vocabulary 4,096 (the data's BPE)."""
+    return _cpu_scale(
+        vocab_size=4096,
+        dim=256,
+        moe_inter_dim=128,
+        n_layers=6,
+        n_heads=4,
+        n_routed_experts=4,
+        n_activated_experts=2,
+        q_lora_rank=128,
+        head_dim=64,
+        rope_head_dim=32,
+        o_groups=2,
+        o_lora_rank=128,
+        window_size=64,
+        compress_ratios=(0, 2, 2, 1, 1, 1),
+        kv_source_layers=(1, 3),
+        index_source_layers=(1, 3, 4),
+        original_seq_len=1024,
+        rope_factor=4.0,
+        index_n_heads=4,
+        index_head_dim=64,
+        index_topk=64,
+        candidate_source_layer=3,
+        candidate_topk_blocks=16,
+        candidate_block_size=8,
+        engram_layer_ids=(1, 3),
+        engram_num_embeddings=(6126, 6332),
+        engram_vocab_size=1000,
+        engram_n_heads=2,
+        engram_head_dim=64,
+        engram_compressed_vocab_size=4096,
+        max_position_embeddings=8192,
+    )
+
+
 def recall() -> ModelConfig:
     """The long-context retrieval preset (issue 33): the smallest model in which every far fact must go
     through the compressed path, sized so 2 shared CPU cores run thousands of steps in an hour. Two
@@ -795,7 +836,15 @@ def recall3() -> ModelConfig:
     )
 
 
-PRESETS = {"flash": flash, "tiny": tiny, "small": small, "mini": mini, "recall": recall, "recall3": recall3}
+PRESETS = {
+    "flash": flash,
+    "tiny": tiny,
+    "small": small,
+    "mini": mini,
+    "nano": nano,
+    "recall": recall,
+    "recall3": recall3,
+}
 
 
 def preset(name: str) -> ModelConfig:

@@ -112,6 +112,24 @@ def test_chat_as_a_subprocess_with_a_pipe():
     assert len(STATS.findall(r.stdout)) == 1 and "(thinking) " in r.stdout
 
 
+def test_without_model_or_preset_the_shipped_checkpoint_runs(capsys, monkeypatch):
+    """No --model and no --preset: chat, generate and serve run the trained checkpoint shipped in the package
+    (dsv41/checkpoints); --preset tiny still gives the random-weight model (the tests above)."""
+    import dsv41.server.run
+    from dsv41.checkpoints import default_checkpoint
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello, who are you?\n"))
+    assert main(["chat", "--max-tokens", "3", "--ignore-eos", "--seed", "1"]) == 0
+    captured = capsys.readouterr()
+    assert "dsv41 chat: dsv41-nano-shakespeare-chat" in captured.err and len(STATS.findall(captured.out)) == 1
+    served = []
+    monkeypatch.setattr(dsv41.server.run, "serve", lambda model, **kw: served.append(model))
+    assert run_main(["serve"]) == 0 and run_main(["serve", "tiny"]) == 0
+    assert served == [default_checkpoint(), "tiny"]
+    args = build_parser().parse_args(["generate"])
+    assert (args.model, args.preset) == (None, None)
+
+
 def test_engine_options_come_from_engine_config():
     args = build_parser().parse_args(
         [

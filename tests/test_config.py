@@ -3,7 +3,7 @@ import json
 import pytest
 
 from dsv41.accounting import account
-from dsv41.config import HF_RENAMES, ModelConfig, flash, mini, preset, small, tiny
+from dsv41.config import HF_RENAMES, ModelConfig, flash, mini, nano, preset, small, tiny
 
 
 def test_flash_is_the_released_model():
@@ -35,7 +35,17 @@ def test_mini_has_every_block_type_and_selects_at_1024_tokens():
     assert 5e6 <= account(cfg)["params_active_decode"] <= account(cfg)["params_total"] <= 30e6
 
 
-@pytest.mark.parametrize("name", ["flash", "tiny", "small", "mini"])
+def test_nano_has_every_block_type_and_fits_10_mb_as_fp8():
+    """The shipped default checkpoint's shape: every attention mode and Engram, and few enough
+    parameters that one byte each (FP8) stays under 10 MB with the tokenizer."""
+    cfg = nano()
+    modes = [cfg.attention_mode(i) for i in range(cfg.n_layers)]
+    assert set(modes) == {"swa", "full", "reindex", "reuse"} and cfg.engram_layer_ids
+    assert {r for r in cfg.compress_ratios if r} == {1, 2} and cfg.candidate_source_layer >= 0
+    assert 5e6 <= account(cfg)["params_total"] <= 9e6
+
+
+@pytest.mark.parametrize("name", ["flash", "tiny", "small", "mini", "nano"])
 def test_json_round_trip(tmp_path, name):
     cfg = preset(name)
     path = tmp_path / "config.json"

