@@ -113,7 +113,7 @@ def _requested(response_format: dict | None, structured: dict | None) -> tuple[s
                 f"response_format type must be text, json_object or json_schema, got {kind!r}", "response_format"
             )
     if structured is not None:
-        given = [k for k in structured if structured[k] not in (None, False)]
+        given = [k for k in structured if structured[k] is not None and structured[k] is not False]
         unknown = [k for k in given if k not in STRUCTURED_KEYS]
         if unknown:
             raise bad_request(
