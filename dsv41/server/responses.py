@@ -51,7 +51,7 @@ class ResponsesRequest(_TextRequest):
 
     model: Annotated[str | None, D(shapes.ModelName | None)] = Field(None, description=MODEL_DOC)
     input: Annotated[str | list[Any], D(shapes.ResponsesInput)] = Field(
-        description="a user message, or a list of items (messages, function calls and outputs, reasoning)"
+        description="a user message, or a list of items (messages, function calls and their outputs, reasoning: not alone)"
     )
     instructions: str | None = Field(None, description="the system message")
     max_output_tokens: Annotated[Int | None, D(shapes.NewTokens | None)] = Field(

@@ -355,7 +355,9 @@ class ReasoningItem(TypedDict):
 
 
 InputItem = UserMessageItem | MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
-ResponsesInput = str | Annotated[list[InputItem], Field(min_length=1)]
+# reasoning items only annotate the assistant turn after them: the input needs some other item
+_NOT_ONLY_REASONING = {"contains": {"not": {"required": ["type"], "properties": {"type": {"const": "reasoning"}}}}}
+ResponsesInput = str | Annotated[list[InputItem], Field(min_length=1, json_schema_extra=_NOT_ONLY_REASONING)]
 
 
 class FunctionTool(TypedDict):

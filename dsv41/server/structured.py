@@ -127,6 +127,10 @@ def _requested(response_format: dict | None, structured: dict | None) -> tuple[s
             )
         key = given[0]
         if key == "json_object":
+            if structured[key] is not True:
+                raise bad_request(
+                    f"structured_outputs.json_object must be true, got {structured[key]!r}", "structured_outputs"
+                )
             asked.append(("json", {"type": "object"}, "structured_outputs.json_object"))
         else:
             asked.append((key, structured[key], f"structured_outputs.{key}"))

@@ -118,6 +118,7 @@ def test_allow_lists_every_method_of_the_path(server):
             {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 1, "max_tokens": -5},
         ),
         ("/v1/responses", {"input": [{"type": "reasoning", "content": 0}]}),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 1, "structured_outputs": {"json_object": 5}}),
     ],
 )
 def test_fields_take_json_types_strictly(server, path, body):
