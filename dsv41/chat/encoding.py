@@ -225,11 +225,14 @@ def _normalize(messages: Any) -> list[dict]:
             else:
                 turns.append({"role": "user", "blocks": [block]})
         elif role == "assistant":
-            calls = msg.get("tool_calls") or []
+            calls = msg.get("tool_calls")
+            calls = [] if calls is None else calls
             if not isinstance(calls, list):
                 raise ValueError(f"{where}: tool_calls must be a list")
             for j, tc in enumerate(calls):
                 normalize_tool_call(tc, f"{where}.tool_calls[{j}]")
+                if not isinstance(tc.get("id"), (str, type(None))):  # ids order the tool results
+                    raise ValueError(f"{where}.tool_calls[{j}]: id must be a string")
             content = msg.get("content")
             content = "" if content is None and calls else _text(content, where)
             reasoning = msg.get("reasoning_content")

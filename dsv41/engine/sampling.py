@@ -15,6 +15,7 @@ from dsv41.engine.types import SamplingParams, TokenLogprob
 # Temperatures below this are greedy (vLLM's rule): dividing fp32 logits by 1e-39 overflows to inf/NaN,
 # and anything this cold is argmax in all but name.
 GREEDY_TEMPERATURE = 1e-5
+MAX_PENALIZED_LOGIT = torch.finfo(torch.float32).max * GREEDY_TEMPERATURE / 2  # / 2: fp32 rounding
 
 
 class TokenHistory:
@@ -79,7 +80,10 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, history: TokenH
     if params.repetition_penalty != 1.0:
         seen = history.prompt_mask(vocab) | (counts > 0)
         rp = params.repetition_penalty
-        logits = torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
+        # a tiny penalty (5e-324 is 0 in fp32) divides a logit past fp32's range: capped where any sampling
+        # temperature still leaves it finite (a no-op for every penalty that does not overflow)
+        raised = (logits / rp).clamp(max=MAX_PENALIZED_LOGIT)
+        logits = torch.where(seen, torch.where(logits > 0, raised, logits * rp), logits)
     if params.frequency_penalty:
         logits = logits - params.frequency_penalty * counts
     if params.presence_penalty:

@@ -1,6 +1,8 @@
 """OpenAI-compatible HTTP server over the inference engine (`dsv41 serve`).
 
 - `protocol.py`: request bodies (pydantic) and the OpenAI error shape;
+- `shapes.py`, `openapi.py`: what the free-form fields accept, as types, and the OpenAPI schema that
+  states the server's contract (`/openapi.json`; docs/http-api.md is written from it);
 - `chat.py`: chat messages -> prompt ids (V4.1 encoder) and generated text -> reasoning / content /
   tool calls, also while streaming;
 - `metrics.py`: `/metrics` in the Prometheus text format;

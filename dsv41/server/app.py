@@ -3,6 +3,7 @@
 Routes: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions`, `POST /v1/chat/completions`
 (both with SSE when `stream: true`), `/v1/responses` (responses_api.py), `/tokenize`, `/detokenize`,
 `GET /health`, `GET /metrics` (Prometheus, `prometheus_client`). Shared checks and engine driving: serving.py.
+`GET /openapi.json` is the contract: every body, answer and error of this server (openapi.py).
 
 Life of a request: with an API key set, every /v1 route needs `Authorization: Bearer <key>` (401);
 a body over `max_request_bytes` is refused with 413 while it is still arriving; the body is validated
@@ -37,6 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from dsv41.engine import AsyncEngine, RequestOutput, TokenLogprob
 from dsv41.server.chat import (
@@ -48,6 +50,20 @@ from dsv41.server.chat import (
     resolve_thinking,
 )
 from dsv41.server.metrics import CONTENT_TYPE, ServerMetrics
+from dsv41.server.openapi import (
+    GENERATION_ERRORS,
+    TOKENIZER_ERRORS,
+    ChatCompletion,
+    Completion,
+    DetokenizeResponse,
+    Health,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+    errors,
+    ok,
+)
+from dsv41.server.openapi import install as install_openapi
 from dsv41.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -173,43 +189,54 @@ def create_app(
     app.add_middleware(_CountResponses, metrics=state.metrics)
     _install_error_handlers(app)
 
-    @app.get("/health")
+    @app.get("/health", responses={**ok(Health), **errors(503, **{"503": "The engine thread is not running."})})
     async def health():
+        """Liveness: 503 once the engine thread has stopped. Open without an API key."""
         alive = getattr(async_engine, "is_alive", None)
         if callable(alive) and not alive():
             raise APIError(503, "the engine thread is not running", code="engine_dead")
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=ok(description="Prometheus text format"))
     async def metrics():
+        """Prometheus metrics (text format): HTTP responses, queue, KV cache, latency histograms. Open
+        without an API key."""
         return PlainTextResponse(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=ok(ModelList))
     async def list_models():
+        """The one model this server serves."""
         return {"object": "list", "data": [_model_card(state)]}
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", responses={**ok(ModelCard), **errors(404)})
     async def get_model(model: str):
+        """The served model by name (404 for any other)."""
         _check_model(state, model)
         return _model_card(state)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={**ok(Completion, stream=True), **GENERATION_ERRORS})
     async def completions(body: CompletionRequest, request: Request):
+        """Text completion (OpenAI legacy completions, with vLLM's extensions)."""
         return await _completions(state, body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={**ok(ChatCompletion, stream=True), **GENERATION_ERRORS})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        """Chat completion: the messages rendered by the V4.1 encoder; reasoning, tool calls and logprobs
+        parsed back."""
         return await _chat(state, body, request)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses={**ok(TokenizeResponse), **TOKENIZER_ERRORS})
     async def tokenize(body: TokenizeRequest):
+        """vLLM's /tokenize: the ids the generation routes would compute from the same prompt or messages."""
         return await _tokenize(state, body)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses={**ok(DetokenizeResponse), **TOKENIZER_ERRORS})
     async def detokenize(body: DetokenizeRequest):
+        """vLLM's /detokenize: token ids to text, special tokens spelled out."""
         return await _detokenize(state, body)
 
     add_responses_routes(app, state)
+    install_openapi(app, state, KEYED_PREFIXES)
     return app
 
 
@@ -250,10 +277,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def http_error(request, exc: StarletteHTTPException):
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:  # Starlette names the first matching route's methods only
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
         return _ErrorResponse(
-            error_body(str(exc.detail), type_, None, code),
-            status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
+            error_body(str(exc.detail), type_, None, code), status_code=exc.status_code, headers=headers
         )
 
     @app.exception_handler(Exception)
@@ -271,6 +299,17 @@ def _install_error_handlers(app: FastAPI) -> None:
             status_code=500,
             headers={"X-Request-Id": request_id},
         )
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this request's path (GET and DELETE /v1/responses/{id} are two
+    routes)."""
+    scope = {**request.scope, "method": ""}  # no route serves it: a path match is a partial match
+    methods = set()
+    for route in request.app.router.routes:
+        if getattr(route, "methods", None) and route.matches(scope)[0] != Match.NONE:
+            methods |= route.methods
+    return sorted(methods)
 
 
 async def _send_error(send, status: int, message: str, code: str, headers: dict | None = None) -> None:
@@ -586,6 +625,9 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
     )
     structured = await _off_loop(state, lambda: chat_constraint(state, req, tools, thinking), "response_format")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    overridden = req.max_completion_tokens is not None and req.max_tokens is not None
+    if overridden and not 1 <= req.max_tokens < state.max_model_len:  # checked even when not used
+        raise bad_request(f"max_tokens must be in [1, {state.max_model_len - 1}], got {req.max_tokens}", "max_tokens")
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
     params = _sampling_params(
         state,

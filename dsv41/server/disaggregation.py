@@ -37,6 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from dsv41.engine.handoff import HandoffError, KVHandoff, check_handoff
+from dsv41.server.openapi import GENERATION_ERRORS, errors
 from dsv41.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
 MODES = ("prefill", "decode")
@@ -195,18 +196,25 @@ def install_routes(app: FastAPI, disagg: Disaggregation) -> None:
                 )
             raise APIError(500, "the prefill route returned without a hand-off", code="prefill_failed")
 
-        @app.post("/internal/prefill/v1/completions")
+        handoff = {200: {"description": "the KV hand-off", "content": {HANDOFF_MEDIA_TYPE: {}}}}
+        prefill_responses = {**handoff, **GENERATION_ERRORS}
+
+        @app.post("/internal/prefill/v1/completions", response_class=Response, responses=prefill_responses)
         async def prefill_completions(body: CompletionRequest, request: Request):
             return await respond(server_app._completions(state, body, request))
 
-        @app.post("/internal/prefill/v1/chat/completions")
+        @app.post("/internal/prefill/v1/chat/completions", response_class=Response, responses=prefill_responses)
         async def prefill_chat(body: ChatCompletionRequest, request: Request):
             return await respond(server_app._chat(state, body, request))
 
     else:
         limit = max_handoff_bytes(state.engine)
 
-        @app.post("/internal/handoff")
+        @app.post(
+            "/internal/handoff",
+            openapi_extra={"requestBody": {"required": True, "content": {HANDOFF_MEDIA_TYPE: {}}}},
+            responses=errors(413, 422),
+        )
         async def receive_handoff(request: Request):
             declared = request.headers.get("content-length")
             if declared is not None and declared.isdigit() and int(declared) > limit:

@@ -9,9 +9,12 @@ take vLLM's bodies. Unknown fields are ignored, as OpenAI-style servers do, so c
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from dsv41.server import shapes
+from dsv41.server.shapes import documented_as
 
 
 class APIError(Exception):
@@ -45,7 +48,17 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Fields take JSON's types strictly, as the schema states them: no `"2"` for 2 or `0` for false (an
+    integral number such as 2.0 is the integer 2, as JSON Schema counts it)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+def _integral(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
 
 
 def find_invalid_text(value: Any, where: str = "body") -> str | None:
@@ -76,7 +89,7 @@ class StreamOptions(_Request):
 class FunctionDef(_Request):
     name: str = Field(min_length=1)
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments object")
     strict: bool | None = None
 
 
@@ -98,50 +111,77 @@ class _TextRequest(_Request):
         return data
 
 
+# Each field is validated as its own type says (as before), the handlers' checks following with their own
+# messages; `documented_as(shape)` gives the schema the contract those checks enforce (dsv41.server.shapes).
+MODEL_DOC = "the served model (`GET /v1/models`); another name gets 404"
+D = documented_as
+
+
 class _Sampling(_TextRequest):
     """Fields shared by both endpoints."""
 
-    model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # extension; 0 or -1 disables
-    seed: int | None = None
-    max_tokens: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension
-    ignore_eos: bool = False  # extension
-    n: int | None = 1
-    stream: bool | None = False
+    model: Annotated[str | None, D(shapes.ModelName | None)] = Field(None, description=MODEL_DOC)
+    temperature: Annotated[float | None, D(shapes.Temperature | None)] = Field(None, description="default 1; 0: greedy")
+    top_p: Annotated[float | None, D(shapes.TopP | None)] = Field(None, description="default 1")
+    top_k: Annotated[Int | None, D(shapes.TopK | None)] = Field(None, description="extension; 0 or -1: off")
+    seed: Annotated[Int | None, D(shapes.Seed | None)] = None
+    max_tokens: Annotated[Int | None, D(shapes.NewTokens | None)] = Field(
+        None, description="the prompt and max_tokens must fit max_model_len (else 400 context_length_exceeded)"
+    )
+    stop: Annotated[str | list[str] | None, D(shapes.Stop | None)] = None
+    stop_token_ids: Annotated[list[Int] | None, D(shapes.StopTokenIds | None)] = Field(None, description="extension")
+    ignore_eos: bool = Field(False, description="extension")
+    n: Annotated[Int | None, D(shapes.Choices | None)] = Field(1, description="choices returned")
+    stream: bool | None = Field(False, description="server-sent events (text/event-stream)")
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
-    repetition_penalty: float | None = None  # extension
-    min_p: float | None = None  # extension
-    min_tokens: int | None = None  # extension
-    return_token_ids: bool | None = False  # extension: each choice carries its token ids
-    response_format: dict[str, Any] | None = None  # text, json_object, json_schema (dsv41.server.structured)
-    structured_outputs: dict[str, Any] | None = None  # extension (vLLM): json, regex, choice, grammar, json_object
+    presence_penalty: Annotated[float | None, D(shapes.Penalty | None)] = 0.0
+    frequency_penalty: Annotated[float | None, D(shapes.Penalty | None)] = 0.0
+    logit_bias: Annotated[dict[str, float] | None, D(shapes.LogitBias | None)] = None
+    repetition_penalty: Annotated[float | None, D(shapes.RepetitionPenalty | None)] = Field(
+        None, description="extension"
+    )
+    min_p: Annotated[float | None, D(shapes.MinP | None)] = Field(None, description="extension")
+    min_tokens: Annotated[Int | None, D(shapes.MinTokens | None)] = Field(
+        None, description="extension; at most max_tokens, and not with structured outputs"
+    )
+    return_token_ids: bool | None = Field(False, description="extension: each choice carries its token ids")
+    # text, json_object, json_schema (dsv41.server.structured)
+    response_format: Annotated[dict[str, Any] | None, D(shapes.ResponseFormat | None)] = None
+    structured_outputs: Annotated[dict[str, Any] | None, D(shapes.StructuredOutputs | None)] = Field(
+        None, description="extension (vLLM); not with response_format"
+    )
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    model_config = ConfigDict(json_schema_extra=shapes.CHAT_REQUEST_RULES)
+
+    messages: Annotated[list[dict[str, Any]], Field(min_length=1), D(shapes.ChatMessages)]
+    max_completion_tokens: Annotated[Int | None, D(shapes.NewTokens | None)] = Field(
+        None, description="takes the place of max_tokens when given"
+    )
     logprobs: bool | None = False
-    top_logprobs: int | None = None
-    reasoning_effort: int | str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # {"thinking": bool} (vLLM style)
+    top_logprobs: Annotated[Int | None, D(shapes.Logprobs | None)] = Field(None, description="needs logprobs: true")
+    reasoning_effort: Annotated[Int | str | None, D(shapes.ChatEffort | None)] = Field(
+        None, description="turns thinking mode on, unless chat_template_kwargs turn it off"
+    )
+    chat_template_kwargs: Annotated[dict[str, Any] | None, D(shapes.ChatTemplateKwargs | None)] = None
     tools: list[Tool] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # false: at most one tool call
+    tool_choice: Annotated[str | dict[str, Any] | None, D(shapes.ChatToolChoice | None)] = Field(
+        None, description="needs tools"
+    )
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call")
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool | None = False
-    best_of: int | None = None
-    suffix: str | None = None
+    prompt: Annotated[str | list[Int] | list[str] | list[list[Int]], D(shapes.CompletionPrompt)] = Field(
+        description="text or token ids, or a list of one of these (no batches)"
+    )
+    logprobs: Annotated[Int | None, D(shapes.Logprobs | None)] = None
+    echo: Annotated[bool | None, D(Literal[False] | None)] = Field(False, description="not supported")
+    best_of: Annotated[Int | None, D(shapes.Choices | None)] = Field(
+        None, description="at least n; more than n cannot be streamed"
+    )
+    suffix: Annotated[str | None, D(shapes.NotSupported | None)] = Field(None, description="not supported")
 
 
 class TokenizeRequest(_TextRequest):
@@ -149,20 +189,24 @@ class TokenizeRequest(_TextRequest):
     `add_special_tokens` is false) or `messages` (rendered as `/v1/chat/completions` would, with the
     assistant turn's opening when `add_generation_prompt`)."""
 
-    model: str | None = None
+    model_config = ConfigDict(json_schema_extra=shapes.TOKENIZE_RULES)
+
+    model: Annotated[str | None, D(shapes.ModelName | None)] = Field(None, description=MODEL_DOC)
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    add_special_tokens: bool | None = None  # prompt: default true; chat: the template has its own BOS
+    messages: Annotated[list[dict[str, Any]] | None, D(shapes.ChatMessages | None)] = None
+    add_special_tokens: bool | None = Field(
+        None, description="prompt: default true; messages: the template has its own BOS"
+    )
     add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    continue_final_message: bool = Field(False, description="with messages: not supported")
     return_token_strs: bool | None = False
-    chat_template_kwargs: dict[str, Any] | None = None
-    reasoning_effort: int | str | None = None
-    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="with messages: as for chat completions")
+    reasoning_effort: Int | str | None = Field(None, description="with messages: as for chat completions")
+    tools: list[Tool] | None = Field(None, description="with messages: as for chat completions")
 
 
 class DetokenizeRequest(_Request):
     """vLLM's `/detokenize`: token ids -> text."""
 
-    model: str | None = None
-    tokens: list[int]
+    model: Annotated[str | None, D(shapes.ModelName | None)] = Field(None, description=MODEL_DOC)
+    tokens: Annotated[list[Int], D(list[shapes.TokenId])]

@@ -24,13 +24,14 @@ import threading
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from dsv41.chat.encoding import parse_reasoning_effort
+from dsv41.server import shapes
 from dsv41.server.chat import ChatStreamSplitter, build_chat_prompt, parse_tool_calls
-from dsv41.server.protocol import _TextRequest, bad_request
+from dsv41.server.protocol import MODEL_DOC, D, Int, _TextRequest, bad_request
 from dsv41.tokenizer import THINK_END_TOKEN
 
 # OpenAI's effort names -> V4.1's numeric effort (spec §10). low/high/max are the encoder's 50/75/100;
@@ -46,36 +47,46 @@ class ResponsesRequest(_TextRequest):
     `logit_bias`, `min_p` and `min_tokens` are the chat endpoint's (vLLM) extensions; other unknown fields
     (`include`, `prompt_cache_key`, ...) are ignored."""
 
-    model: str | None = None
-    input: str | list[Any]
-    instructions: str | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stream: bool | None = False
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    model_config = ConfigDict(json_schema_extra=shapes.RESPONSES_REQUEST_RULES)
+
+    model: Annotated[str | None, D(shapes.ModelName | None)] = Field(None, description=MODEL_DOC)
+    input: Annotated[str | list[Any], D(shapes.ResponsesInput)] = Field(
+        description="a user message, or a list of items (messages, function calls and their outputs, reasoning: not alone)"
+    )
+    instructions: str | None = Field(None, description="the system message")
+    max_output_tokens: Annotated[Int | None, D(shapes.NewTokens | None)] = Field(
+        None, description="the prompt and max_output_tokens must fit max_model_len (else 400)"
+    )
+    temperature: Annotated[float | None, D(shapes.Temperature | None)] = None
+    top_p: Annotated[float | None, D(shapes.TopP | None)] = None
+    stream: bool | None = Field(False, description="server-sent events (text/event-stream)")
+    tools: Annotated[list[Any] | None, D(list[shapes.FunctionTool] | None)] = None
+    tool_choice: Annotated[str | dict[str, Any] | None, D(shapes.ResponsesToolChoice | None)] = Field(
+        None, description="needs tools"
+    )
     parallel_tool_calls: bool | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: Annotated[dict[str, Any] | None, D(shapes.Reasoning | None)] = None
     store: bool | None = True
-    previous_response_id: str | None = Field(default=None, min_length=1)
-    text: dict[str, Any] | None = None
-    background: bool | None = None
+    previous_response_id: str | None = Field(
+        default=None, min_length=1, description="a stored response of this server (else 400)"
+    )
+    text: Annotated[dict[str, Any] | None, D(shapes.ResponsesText | None)] = None
+    background: Annotated[bool | None, D(Literal[False] | None)] = Field(None, description="not supported")
     metadata: dict[str, Any] | None = None
     user: str | None = None
-    truncation: str | None = None
+    truncation: Annotated[str | None, D(Literal["auto", "disabled"] | None)] = None
     # extensions (vLLM), as on /v1/chat/completions
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    top_k: Annotated[Int | None, D(shapes.TopK | None)] = None
+    seed: Annotated[Int | None, D(shapes.Seed | None)] = None
+    stop: Annotated[str | list[str] | None, D(shapes.Stop | None)] = None
+    stop_token_ids: Annotated[list[Int] | None, D(shapes.StopTokenIds | None)] = None
     ignore_eos: bool = False
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
+    presence_penalty: Annotated[float | None, D(shapes.Penalty | None)] = 0.0
+    frequency_penalty: Annotated[float | None, D(shapes.Penalty | None)] = 0.0
+    repetition_penalty: Annotated[float | None, D(shapes.RepetitionPenalty | None)] = None
+    logit_bias: Annotated[dict[str, float] | None, D(shapes.LogitBias | None)] = None
+    min_p: Annotated[float | None, D(shapes.MinP | None)] = None
+    min_tokens: Annotated[Int | None, D(shapes.MinTokens | None)] = None
 
 
 # ---------------------------------------------------------------------------------------------- request
@@ -85,6 +96,8 @@ def resolve_reasoning(reasoning: dict[str, Any] | None) -> tuple[bool, int | Non
     """`reasoning` -> (thinking, effort). Thinking mode is on when an effort other than "none" is given
     (as `reasoning_effort` turns it on for chat); ValueError for an unknown effort."""
     effort = (reasoning or {}).get("effort")
+    if isinstance(effort, float) and effort.is_integer():  # JSON's 50.0 is the integer 50
+        effort = int(effort)
     if effort is None or effort == "none":
         return False, None
     if isinstance(effort, str) and effort in RESPONSES_EFFORTS:
@@ -235,7 +248,9 @@ def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
             reasoning, open_turn = None, None
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
         elif kind == "reasoning":
-            content = item.get("content") or item.get("summary") or []
+            content = item.get("content")
+            if content is None or content in ("", []):  # empty: the summary, if any
+                content = [] if item.get("summary") is None else item["summary"]
             reasoning = _text_of(content, f"{where}.content", ("reasoning_text", "summary_text"))
             open_turn = None
         else:

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from dsv41.server.chat import build_chat_prompt
+from dsv41.server.openapi import GENERATION_ERRORS, NO_SUCH_RESPONSE, Response, ResponseDeleted, ok
 from dsv41.server.protocol import APIError, bad_request
 from dsv41.server.responses import (
     ResponseBuilder,
@@ -49,19 +50,35 @@ from dsv41.server.structured import chat_constraint
 def add_responses_routes(app: FastAPI, state: ServerState) -> None:
     """Register the Responses API routes on `app`; `state.responses` is the store (a ResponseStore)."""
 
-    @app.post("/v1/responses")
+    created = ok(Response, stream=True)
+    created[200]["links"] = {  # a stored response (store not false) can be fetched and deleted by its id
+        name: {"operationId": name, "parameters": {"response_id": "$response.body#/id"}}
+        for name in ("retrieve_response", "delete_response")
+    }
+
+    @app.post("/v1/responses", responses={**created, **GENERATION_ERRORS})
     async def create_response(body: ResponsesRequest, request: Request):
+        """OpenAI Responses API: a response to `input` (continuing `previous_response_id`), stored unless
+        `store` is false."""
         return await _create(state, body, request)
 
-    @app.get("/v1/responses/{response_id}")
+    @app.get(
+        "/v1/responses/{response_id}", operation_id="retrieve_response", responses={**ok(Response), **NO_SUCH_RESPONSE}
+    )
     async def retrieve_response(response_id: str):
+        """A stored response."""
         entry = state.responses.get(response_id)
         if entry is None:
             raise _not_found(response_id)
         return entry.response
 
-    @app.delete("/v1/responses/{response_id}")
+    @app.delete(
+        "/v1/responses/{response_id}",
+        operation_id="delete_response",
+        responses={**ok(ResponseDeleted), **NO_SUCH_RESPONSE},
+    )
     async def delete_response(response_id: str):
+        """Delete a stored response."""
         if not state.responses.delete(response_id):
             raise _not_found(response_id)
         return {"id": response_id, "object": "response", "deleted": True}

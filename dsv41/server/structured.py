@@ -113,7 +113,7 @@ def _requested(response_format: dict | None, structured: dict | None) -> tuple[s
                 f"response_format type must be text, json_object or json_schema, got {kind!r}", "response_format"
             )
     if structured is not None:
-        given = [k for k in structured if structured[k] not in (None, False)]
+        given = [k for k in structured if structured[k] is not None and structured[k] is not False]
         unknown = [k for k in given if k not in STRUCTURED_KEYS]
         if unknown:
             raise bad_request(
@@ -127,6 +127,10 @@ def _requested(response_format: dict | None, structured: dict | None) -> tuple[s
             )
         key = given[0]
         if key == "json_object":
+            if structured[key] is not True:
+                raise bad_request(
+                    f"structured_outputs.json_object must be true, got {structured[key]!r}", "structured_outputs"
+                )
             asked.append(("json", {"type": "object"}, "structured_outputs.json_object"))
         else:
             asked.append((key, structured[key], f"structured_outputs.{key}"))

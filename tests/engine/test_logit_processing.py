@@ -2,6 +2,7 @@
 formulation written from vLLM's and OpenAI's descriptions, element by element, and its use in the
 speculative verify path."""
 
+import dataclasses
 import math
 import random
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from dsv41.engine.sampling import (
+    GREEDY_TEMPERATURE,
     TokenHistory,
     process_logits,
     sample,
@@ -143,3 +145,18 @@ def test_sampled_verify_is_lossless_with_penalties():
 def test_ranges_are_checked(kw, msg):
     with pytest.raises(ValueError, match=msg):
         SamplingParams(**kw).validate(1000)
+
+
+@pytest.mark.parametrize("penalty", [5e-324, 1e-40, 1e-30])
+def test_a_tiny_repetition_penalty_still_samples(penalty):
+    """A penalty that divides logits past fp32's range (5e-324 is 0 there) caps them instead: the request
+    samples (among the penalised tokens) rather than failing on infinite logits (found by schemathesis)."""
+    params = SamplingParams(temperature=GREEDY_TEMPERATURE, repetition_penalty=penalty, max_tokens=4)
+    params.validate(40)
+    logits = torch.linspace(-3, 3, 40)
+    history = TokenHistory([38, 39], [], [])
+    processed = process_logits(logits, params, history)
+    assert bool(torch.isfinite(processed).all())
+    assert sample(logits, params, torch.Generator().manual_seed(0), history) in (38, 39)
+    untouched = process_logits(logits, dataclasses.replace(params, repetition_penalty=1.3), history)
+    assert untouched[39] == logits[39] / 1.3  # an ordinary penalty: the cap changes nothing
