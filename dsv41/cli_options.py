@@ -70,6 +70,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
             add_field_option(group, f, f"engine_{f.name}")
         except argparse.ArgumentError:  # the name is taken by a command option; the command's wins
             continue
+    # the shorthand vLLM and SGLang users reach for; the same dest as --numerics, so the last one given wins
+    group.add_argument(
+        "--deterministic",
+        dest="engine_numerics",
+        action="store_const",
+        const="deterministic",
+        help="same as --numerics deterministic",
+    )
 
 
 def positive_int(text: str) -> int:

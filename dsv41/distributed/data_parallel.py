@@ -34,7 +34,6 @@ runs under `dsv41 serve --data-parallel-size D` (which spawns the ranks) and und
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 
@@ -156,8 +155,7 @@ class RankEngine:
     def _numerics(self):
         """The numerics the runner's forwards use: end_step computes other ranks' rows and must give the
         bits their own forward would."""
-        row_chunk = self.engine.runner.row_chunk
-        return contextlib.nullcontext() if row_chunk is None else self.engine.model.numerics(row_chunk)
+        return self.engine.runner.numerics()
 
     def round(self, message: dict) -> dict:
         engine = self.engine

@@ -12,6 +12,7 @@ PREFILL_MODES = ("bounded", "full")
 LOGPROBS_MODES = ("raw", "processed")
 VERIFY_MODES = ("auto", "on", "off")
 KERNEL_MODES = ("background", "now", "off")
+NUMERICS_MODES = ("fast", "deterministic", "reference")
 
 
 @dataclass
@@ -117,19 +118,23 @@ class EngineConfig:
             )
         },
     )
-    batch_invariant: bool = field(
-        default=True,
+    numerics: str = field(
+        default="fast",
         metadata={
+            "choices": NUMERICS_MODES,
             "help": (
-                "compute GEMMs in fixed row chunks so a request's output does not depend on which requests share "
-                "its batch (reproducible; a little slower)"
-            )
+                "'fast': this machine's fastest kernels; a request's tokens can change in the last bits with "
+                "what shares its batch (like vLLM and SGLang by default). 'deterministic' (also "
+                "--deterministic): the same tokens and log-probs alone, batched, chunked, prefix-cached and "
+                "speculatively verified, at a measured cost (docs/numerics.md). 'reference': the golden sets' "
+                "canonical float64 numerics, for parity checks only (several times slower)"
+            ),
         },
     )
     row_chunk: int = field(
         default=16,
         metadata={
-            "help": ("rows per GEMM chunk when --batch-invariant is on; changing it changes the numerics slightly")
+            "help": ("rows per GEMM chunk under --numerics deterministic; changing it changes the numerics slightly")
         },
     )
     fused_kernels: str = field(
@@ -228,6 +233,10 @@ class EngineConfig:
             )
         if self.fused_kernels not in KERNEL_MODES:
             raise ValueError(f"EngineConfig.fused_kernels must be one of {KERNEL_MODES}, got {self.fused_kernels!r}")
+        if self.numerics not in NUMERICS_MODES:
+            raise ValueError(f"EngineConfig.numerics must be one of {NUMERICS_MODES}, got {self.numerics!r}")
+        if self.row_chunk <= 0:
+            raise ValueError(f"EngineConfig.row_chunk must be > 0, got {self.row_chunk}")
         if self.batched_verify not in VERIFY_MODES:
             raise ValueError(f"EngineConfig.batched_verify must be one of {VERIFY_MODES}, got {self.batched_verify!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:

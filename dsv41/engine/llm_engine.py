@@ -72,10 +72,11 @@ class LLMEngine(Scheduling, Speculation):
         self.snapshots = SnapshotStore(config.max_snapshots if config.enable_prefix_caching else 0, config.window_ttl_s)
         self.runner = ModelRunner(
             model,
-            config.row_chunk if config.batch_invariant else 0,
+            config.numerics,
             capture_hidden=self.speculative,
             record_routing=config.record_routing,
             batched_verify=config.batched_verify,
+            row_chunk=config.row_chunk,
         )
         # built before the first request ('now'), or on a thread while the eager ops serve ('background')
         self.fused_kernels = model.prepare_kernels(config.fused_kernels)
@@ -373,6 +374,8 @@ class LLMEngine(Scheduling, Speculation):
             raise RuntimeError(f"prompt logprobs: positions {have - 1}..{first - 1} were never computed")
         lo, hi = max(have - 1, first), min(first + len(rows), len(prompt) - 1)  # positions to score
         if lo < hi:
+            if seq.capture_logits:
+                seq.prompt_logits.append(rows[lo - first : hi - first].clone())
             seq.prompt_logprobs += prompt_token_logprobs(
                 rows[lo - first : hi - first], prompt[lo + 1 : hi + 1], seq.params.prompt_logprobs, self.tokenizer
             )

@@ -14,6 +14,7 @@ positions (the last `window_size` prompt tokens), with their windows starting at
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -62,18 +63,28 @@ class Chunk:
 
 
 class ModelRunner:
-    """Runs ragged batches of chunks through a model it borrows. With `row_chunk` (not None), every
-    forward runs under `model.numerics(row_chunk)`: batch-invariant GEMMs, canonical top-k ties, eval
-    mode, the model's own settings restored afterwards. None: the model's settings as they are."""
+    """Runs ragged batches of chunks through a model it borrows, under one of the engine's numerics modes
+    (EngineConfig.numerics, docs/numerics.md), entered around every forward with `model.numerics` and the
+    model's own settings restored afterwards:
+
+    - "fast": plain GEMMs and elementwise calls over the whole batch, whatever rounds fastest;
+    - "deterministic": batch-invariant GEMMs in `row_chunk`-row chunks, elementwise functions as if each
+      chunk ran alone (dsv41.ops.lanes), a verify chunk's tokens at a lone decode's widths: a request's
+      bits do not depend on its batch, its chunking, its cache hits or speculation;
+    - "reference": the golden sets' canonical float64 numerics (dsv41.ops.canonical);
+    - None: the model's settings as they are (a caller that set them itself)."""
 
     def __init__(
         self,
         model: Transformer,
-        row_chunk: int | None = None,
+        numerics: str | None = None,
         capture_hidden: bool = False,
         record_routing: bool = False,
         batched_verify: str = "auto",
+        row_chunk: int = 16,
     ):
+        if numerics not in (None, "fast", "deterministic", "reference"):
+            raise ValueError(f"ModelRunner: numerics must be 'fast', 'deterministic' or 'reference', got {numerics!r}")
         self.model = model
         # speculative verify chunks as batched decode steps (`_decode_steps`): "on", "off" (each on its own
         # path), "auto" (when a step has more verify chunks than its longest chunk has tokens)
@@ -81,22 +92,28 @@ class ModelRunner:
         self.record_routing = record_routing  # keep every MoE layer's picks per chunk (Chunk.routing)
         self.cfg = model.cfg
         self.boundary = model.cfg.decoder_boundary
-        self.row_chunk = row_chunk
+        self.mode = numerics
+        self.row_chunk = row_chunk if numerics == "deterministic" else 0
+        # the per-chunk emulations that buy batch invariance; the other modes compute the batch as one call
+        self.per_chunk = numerics in (None, "deterministic")
         # DSpark: keep the target layers' mean-over-copies inputs (dsv41.model.dspark.main_hidden)
         self.targets = tuple(model.cfg.dspark_target_layer_ids) if capture_hidden and len(model.mtp) else ()
 
+    def numerics(self):
+        """The context every forward of this runner runs in (also what a rank computing another rank's rows
+        enters, so they get the bits their own forward would)."""
+        if self.mode is None:
+            return contextlib.nullcontext()
+        return self.model.numerics(self.row_chunk, reference=self.mode == "reference")
+
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """Run the chunks; returns fp32 logits [n, vocab] for the chunks with want_logits, in order."""
-        if self.row_chunk is None:
-            return self._forward(chunks)
-        with self.model.numerics(self.row_chunk):
+        with self.numerics():
             return self._forward(chunks)
 
     def draft(self, first: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, rings, choose) -> dspark.Draft:
         """One batched DSpark draft (dsv41.model.dspark.draft, per-row positions) under the runner's numerics."""
-        if self.row_chunk is None:
-            return self._draft(first, hidden, pos, rings, choose)
-        with self.model.numerics(self.row_chunk):
+        with self.numerics():
             return self._draft(first, hidden, pos, rings, choose)
 
     @torch.inference_mode()
@@ -105,9 +122,7 @@ class ModelRunner:
 
     def draft_rows(self, hidden: torch.Tensor, start: int, cache: SequenceCache) -> None:
         """Write one sequence's drafter-ring rows for positions start.. (hidden [1, S, F])."""
-        if self.row_chunk is None:
-            return self._draft_rows(hidden, start, cache)
-        with self.model.numerics(self.row_chunk):
+        with self.numerics():
             return self._draft_rows(hidden, start, cache)
 
     @torch.inference_mode()
@@ -122,7 +137,8 @@ class ModelRunner:
         positions = torch.cat([torch.arange(c.start, c.start + len(c.tokens)) for c in chunks])
         for c in chunks:
             # an unbatched verify chunk attends each query at a lone decode's width (Attention._attend_at_lone_widths)
-            c.shared, c.main_hidden, c.routing = {"lone_widths": True} if c.verify else {}, None, None
+            lone = c.verify and self.per_chunk
+            c.shared, c.main_hidden, c.routing = {"lone_widths": True} if lone else {}, None, None
         record = RoutingRecord(ids_only=True) if self.record_routing else None
         rope_rows: dict = {}  # id(RotaryTable) -> (positions, its RoPE rows), for this forward
         steps = self._decode_steps(chunks, device)
@@ -146,7 +162,11 @@ class ModelRunner:
                     break
             # each chunk's tokens computed as if its sequence ran alone (dsv41.ops.lanes)
             # a verify chunk's tokens each as a call of one, as the decode steps that would have computed them
-            calls = [n for c in chunks for n in ([1] * len(c.tokens) if c.verify else [len(c.tokens)])]
+            calls = (
+                [n for c in chunks for n in ([1] * len(c.tokens) if c.verify else [len(c.tokens)])]
+                if self.per_chunk
+                else None
+            )
             if layer.engram is not None:
                 h = layer.engram(
                     h,
@@ -233,6 +253,8 @@ class ModelRunner:
         step; a speculative verify chunk of n tokens runs as n consecutive decode steps (its i-th token in
         step i, batched with every other chunk's i-th token), so each verified token is computed exactly
         as the decode step it replaces would compute it, and all verify chunks share each step's ops."""
+        if self.mode == "reference":  # every token through the model's own per-chunk attention, whose every op
+            return []  # follows the canonical rule (the batched paged path keeps the fast kernels)
         verify = [c for c in chunks if c.verify]
         mode = self.batched_verify
         batch_them = mode == "on" or (mode == "auto" and len(verify) > max((len(c.tokens) for c in verify), default=0))

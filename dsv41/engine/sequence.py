@@ -294,6 +294,7 @@ class Sequence:
         self.arrival_time = time.monotonic()
         self.queue_time_s: float | None = None  # arrival to first admission
         self.capture_logits = False  # keep each sampled position's logits (checks and benchmarks)
+        self.prompt_logits: list[torch.Tensor] = []  # with capture_logits and prompt_logprobs: the prompt's rows
         # EngineConfig.record_routing: the (start, end) spans computed and each span's expert ids
         self.spans: list[tuple[int, int]] = []
         self.routing: list[torch.Tensor] = []

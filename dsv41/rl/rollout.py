@@ -80,7 +80,9 @@ def request_seed(seed: int, request: int, sample: int) -> int:
 
 def rollout_engine_config(max_len: int, max_num_seqs: int = 64, **overrides) -> EngineConfig:
     """An EngineConfig for rollouts: processed log-probabilities, routing records, full prefill, no prefix
-    cache, and a pool that holds max_num_seqs sequences of max_len tokens (so nothing is preempted)."""
+    cache, deterministic numerics (the learner recomputes a sample's log-probs and must get the rollout's
+    bits, whatever the sample was batched with), and a pool that holds max_num_seqs sequences of max_len
+    tokens (so nothing is preempted)."""
     block = overrides.pop("block_size", 16)
     pool = overrides.pop("kv_pool_tokens", max_num_seqs * (-(-max_len // block) + 1) * block)
     settings = dict(
@@ -93,6 +95,7 @@ def rollout_engine_config(max_len: int, max_num_seqs: int = 64, **overrides) -> 
         logprobs_mode="processed",
         max_num_batched_tokens=1024,
         prefill_chunk_size=256,
+        numerics="deterministic",
     )
     settings.update(overrides)
     return EngineConfig(**settings)

@@ -155,7 +155,7 @@ def create_app(
         async_engine,
         served_model_name or engine.model_name,
         retry_after_s,
-        metrics=ServerMetrics(async_engine.metrics),
+        metrics=ServerMetrics(async_engine.metrics, getattr(getattr(engine, "config", None), "numerics", None)),
         api_key=api_key or None,
         max_request_bytes=max_request_bytes,
         max_choices=max_choices,

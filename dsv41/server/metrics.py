@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "dsv41_"
@@ -170,9 +170,13 @@ class _EngineCollector:
 class ServerMetrics:
     """The server's metrics; thread-safe (prometheus_client's metrics are)."""
 
-    def __init__(self, engine_metrics: Callable[[], dict] | None = None):
+    def __init__(self, engine_metrics: Callable[[], dict] | None = None, numerics: str | None = None):
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
+        if numerics is not None:  # dsv41_numerics_info{mode="fast"} 1: which guarantees these figures come with
+            Info(
+                PREFIX + "numerics", "The engine's numerics mode (fast, deterministic or reference).", registry=r
+            ).info({"mode": numerics})
         self.responses = Counter(
             PREFIX + "http_responses", "HTTP responses by endpoint and status code.", ["endpoint", "status"], registry=r
         )

@@ -62,6 +62,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     max_model_len: int
+    numerics: Literal["fast", "deterministic", "reference"] | None = Field(
+        None, description="the engine's numerics mode: what a reply's bits are promised to depend on"
+    )
 
 
 class ModelList(BaseModel):

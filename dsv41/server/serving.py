@@ -74,6 +74,11 @@ class ServerState:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def numerics(self) -> str | None:
+        """The engine's numerics mode (EngineConfig.numerics), None for an engine without a config."""
+        return getattr(getattr(self.engine, "config", None), "numerics", None)
+
 
 def internal_error_message(request_id: str) -> str:
     return f"internal error (request id {request_id}); the details are in the server log"
@@ -86,6 +91,7 @@ def _model_card(state: ServerState) -> dict:
         "created": state.created,
         "owned_by": "dsv41",
         "max_model_len": state.max_model_len,
+        "numerics": state.numerics,
     }
 
 

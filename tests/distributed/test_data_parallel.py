@@ -27,7 +27,14 @@ openai = pytest.importorskip("openai")
 
 # small prefill chunks: a prompt longer than a chunk plus the window (8 at tiny) has chunks that lie wholly
 # before the bounded replay's decoder start, so its rank skips the decoder layers' MoE rounds in that step
-ENGINE_ARGS = {"prefill_chunk_size": 16, "kv_pool_tokens": 8192, "max_model_len": 1024, "fused_kernels": "off"}
+# deterministic numerics: ranks and devices are compared with one device bit for bit
+ENGINE_ARGS = {
+    "prefill_chunk_size": 16,
+    "kv_pool_tokens": 8192,
+    "max_model_len": 1024,
+    "fused_kernels": "off",
+    "numerics": "deterministic",
+}
 MAX_TOKENS = 6
 
 

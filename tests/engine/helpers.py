@@ -7,9 +7,17 @@ from dsv41.tokenizer import ByteTokenizer
 
 
 def make(model, **overrides) -> LLMEngine:
-    """An engine over `model` with a small paged pool and 16-token prefill chunks, prefix caching off."""
+    """An engine over `model` with a small paged pool and 16-token prefill chunks, prefix caching off, under
+    deterministic numerics: the engine tests compare outputs across batchings, chunkings, caches and
+    speculation bit for bit, which is that mode's promise (the default `fast` mode is judged statistically:
+    tests/eval/test_agreement.py)."""
     settings = dict(
-        block_size=8, kv_pool_tokens=2048, prefill_chunk_size=16, max_num_batched_tokens=64, enable_prefix_caching=False
+        block_size=8,
+        kv_pool_tokens=2048,
+        prefill_chunk_size=16,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=False,
+        numerics="deterministic",
     )
     settings.update(overrides)
     return LLMEngine(model, ByteTokenizer(model.cfg.vocab_size), EngineConfig(**settings))

@@ -28,7 +28,10 @@ def pinned_model():
 
 
 def make(model, **overrides) -> LLMEngine:
-    settings = dict(block_size=8, kv_pool_tokens=2048, prefill_chunk_size=16, max_num_batched_tokens=64)
+    # deterministic numerics: these tests compare engines and the plain loop bit for bit (tests/engine/helpers.py)
+    settings = dict(
+        block_size=8, kv_pool_tokens=2048, prefill_chunk_size=16, max_num_batched_tokens=64, numerics="deterministic"
+    )
     settings.update(overrides)
     return LLMEngine(model, ByteTokenizer(model.cfg.vocab_size), EngineConfig(**settings))
 

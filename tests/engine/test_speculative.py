@@ -300,7 +300,7 @@ def test_speculative_needs_a_drafter():
 
     m = init_random_weights(Transformer(tiny()), seed=1)
     with pytest.raises(ValueError, match="DSpark drafter"):
-        LLMEngine(m, ByteTokenizer(m.cfg.vocab_size), EngineConfig(speculative=True))
+        LLMEngine(m, ByteTokenizer(m.cfg.vocab_size), EngineConfig(speculative=True, numerics="deterministic"))
 
 
 def _greedy_with_logprobs(engine, batch, params):

@@ -18,7 +18,9 @@ PROMPTS = [f"Question {k}: " + "tell me about the weather " * (2 * k + 1) for k 
 
 @pytest.fixture(scope="module")
 def tied_server():
-    engine = build_engine("tiny", EngineConfig(kv_pool_tokens=8192, max_model_len=1024), seed=0)
+    engine = build_engine(
+        "tiny", EngineConfig(kv_pool_tokens=8192, max_model_len=1024, numerics="deterministic"), seed=0
+    )
     tie_every_selection(engine.model)  # the engine borrows its model: make every selection a tie
     with ServerThread(create_app(engine)) as srv:
         yield srv

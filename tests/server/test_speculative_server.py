@@ -30,7 +30,7 @@ def test_serve_option_turns_speculation_on():
 
 @pytest.fixture(scope="module")
 def spec_server():
-    engine = build_engine(DSPARK, EngineConfig(kv_pool_tokens=4096, speculative=True), seed=0)
+    engine = build_engine(DSPARK, EngineConfig(kv_pool_tokens=4096, speculative=True, numerics="deterministic"), seed=0)
     with ServerThread(create_app(engine, max_waiting=16)) as srv:
         yield srv, engine
 
@@ -39,7 +39,7 @@ def test_speculative_server_matches_plain_engine_and_reports_acceptance(spec_ser
     srv, engine = spec_server
     client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
     prompt = [17, 300, 42, 99, 5, 801, 64, 12, 7]
-    plain = build_engine(DSPARK, EngineConfig(kv_pool_tokens=4096), seed=0)
+    plain = build_engine(DSPARK, EngineConfig(kv_pool_tokens=4096, numerics="deterministic"), seed=0)
     want = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].token_ids
 
     real = LLMEngine._draft

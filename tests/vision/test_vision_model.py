@@ -44,7 +44,10 @@ def forward(model, ids, images):
 
 
 def make(model, **overrides) -> LLMEngine:
-    settings = dict(block_size=8, kv_pool_tokens=2048, prefill_chunk_size=16, max_num_batched_tokens=64)
+    # deterministic numerics: the engine is compared with the plain loop bit for bit
+    settings = dict(
+        block_size=8, kv_pool_tokens=2048, prefill_chunk_size=16, max_num_batched_tokens=64, numerics="deterministic"
+    )
     settings.update(overrides)
     return LLMEngine(model, ByteTokenizer(model.cfg.vocab_size), EngineConfig(**settings))
 

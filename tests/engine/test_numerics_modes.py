@@ -1,0 +1,93 @@
+"""The engine's three numerics modes (EngineConfig.numerics, docs/numerics.md): one switch, `fast` by default,
+`--deterministic` as vLLM/SGLang users spell it, and `reference` giving the plain loop's canonical bits."""
+
+import pytest
+import torch
+
+from dsv41.cli import build_parser
+from dsv41.config import tiny
+from dsv41.engine import EngineConfig, SamplingParams
+from dsv41.engine.runner import ModelRunner
+from dsv41.model.init import init_random_weights
+from dsv41.model.transformer import Transformer
+from tests.engine.helpers import make, prompts
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_random_weights(Transformer(tiny()), seed=3).eval()
+
+
+def test_fast_is_the_default_and_a_bad_mode_is_refused():
+    assert EngineConfig().numerics == "fast"
+    with pytest.raises(ValueError, match="numerics must be one of"):
+        EngineConfig(numerics="exact").validate()
+    with pytest.raises(ValueError, match="row_chunk must be > 0"):
+        EngineConfig(numerics="deterministic", row_chunk=0).validate()
+    with pytest.raises(ValueError, match="numerics must be"):
+        ModelRunner(init_random_weights(Transformer(tiny()), seed=0), "exact")
+
+
+@pytest.mark.parametrize(
+    "argv, mode",
+    [
+        ([], None),
+        (["--deterministic"], "deterministic"),
+        (["--numerics", "reference"], "reference"),
+        (["--numerics", "fast", "--deterministic"], "deterministic"),
+    ],
+)
+def test_the_command_line_switch(argv, mode):
+    for command in ("serve", "chat", "generate"):
+        args = build_parser().parse_args([command, *argv])
+        assert args.engine_numerics == mode, command
+
+
+def test_each_mode_sets_the_model_only_inside_the_runner(model):
+    """The runner enters its mode around a forward and leaves the model's own settings as they were."""
+    model.set_batch_invariant(7)
+    seen = {}
+    real = model.logits
+
+    def spy(x):
+        seen["row_chunk"], seen["reference"] = model.layers[0].attn.wq_a.row_chunk, model.norm.reference_numerics
+        return real(x)
+
+    model.logits = spy
+    try:
+        for mode, expected in [("fast", (0, False)), ("deterministic", (16, False)), ("reference", (0, True))]:
+            make(model, numerics=mode).generate(prompts([9]), SamplingParams(temperature=0, max_tokens=2))
+            assert (seen["row_chunk"], seen["reference"]) == expected, mode
+    finally:
+        del model.logits
+    assert model.layers[0].attn.wq_a.row_chunk == 7 and not model.norm.reference_numerics
+    model.set_batch_invariant(0)
+
+
+def test_reference_mode_gives_the_plain_loops_canonical_bits(model):
+    """Prefill and decode through the paged engine under `reference` equal the plain loop under reference
+    numerics bit for bit, also batched with other requests (a mode for parity checks). The prompt is
+    prefilled in one chunk, as the plain loop does: the reference's top-k keeps torch.topk's tie order,
+    and ties among FP4-rounded index scores can then fall differently when the candidates come in chunks."""
+    (tokens,) = prompts([150], seed=5)
+    steps = 8
+    with torch.inference_mode(), model.numerics(0, reference=True):
+        cache = model.new_cache(1, 192)
+        logits = [model(torch.tensor([tokens]), 0, cache)[0, -1]]
+        out = [int(logits[-1].argmax())]
+        for i in range(steps - 1):
+            logits.append(model(torch.tensor([[out[-1]]]), len(tokens) + i, cache)[0, -1])
+            out.append(int(logits[-1].argmax()))
+    engine = make(model, numerics="reference", prefill_mode="full", prefill_chunk_size=256, max_num_batched_tokens=512)
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    others = prompts([12, 50], seed=6)
+    for i, p in enumerate([tokens, *others]):
+        engine.add_request(str(i), p, params)
+    seq = engine.requests["0"]
+    seq.capture_logits = True
+    while engine.has_unfinished():
+        engine.step()
+    got = seq.logits
+    assert len(got) == steps
+    for step, (a, b) in enumerate(zip(got, logits)):
+        assert torch.equal(a, b.float()), f"step {step}: max diff {(a - b).abs().max()}"
