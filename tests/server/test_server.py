@@ -49,6 +49,24 @@ def test_models_and_health(served, client):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
+def test_the_server_reports_its_numerics_mode(served):
+    """Which guarantee a reply's bits come with: the model card and a Prometheus info metric say the mode."""
+    srv, engine, _ = served
+    assert engine.config.numerics == "fast"
+    assert httpx.get(srv.base_url + "/v1/models").json()["data"][0]["numerics"] == "fast"
+    assert 'dsv41_numerics_info{mode="fast"} 1.0' in httpx.get(srv.base_url + "/metrics").text
+
+
+def test_a_deterministic_server_says_so():
+    engine = build_engine(
+        "tiny", EngineConfig(kv_pool_tokens=2048, max_model_len=256, numerics="deterministic", fused_kernels="off")
+    )
+    app = create_app(engine)
+    with ServerThread(app) as srv:
+        assert httpx.get(srv.base_url + f"/v1/models/{engine.model_name}").json()["numerics"] == "deterministic"
+        assert 'dsv41_numerics_info{mode="deterministic"} 1.0' in httpx.get(srv.base_url + "/metrics").text
+
+
 def test_completion_counts_logprobs_and_token_prompts(served, client):
     srv, engine, _ = served
     prompt = "The capital of France is"
