@@ -56,9 +56,11 @@ grader's two sandbox programs, _probe_harness.py and _test_evaluator.py.
 
 from dsv41.rl.sandbox.config import SANDBOX_STATUSES, SandboxLimits, SandboxResult, SandboxTask, sandbox_uid
 from dsv41.rl.sandbox.grading import (
+    GradingCache,
     GradingPlan,
     grade_program,
     grade_programs,
+    grade_stdio_programs,
     grading_score,
     grading_task,
 )
@@ -67,6 +69,7 @@ from dsv41.rl.sandbox.pools import RaySandboxPool, SandboxPool, _import_ray  # n
 
 __all__ = [
     "SANDBOX_STATUSES",
+    "GradingCache",
     "GradingPlan",
     "RaySandboxPool",
     "SandboxLimits",
@@ -75,6 +78,7 @@ __all__ = [
     "SandboxTask",
     "grade_program",
     "grade_programs",
+    "grade_stdio_programs",
     "grading_score",
     "grading_task",
     "run_python",
