@@ -123,6 +123,10 @@ _DENIED_SYSCALLS = (
     "syslog",
     "quotactl",
     "lookup_dcookie",
+    # Every sandbox can open the same read-only files (the standard library), and flock() needs no write
+    # access: an exclusive lock held by one run and tried by another is a channel between them. fcntl()
+    # record locks stay (sqlite in the work directory): on a read-only descriptor they cannot be exclusive.
+    "flock",
 )
 
 # Audit events that modify the filesystem: their path arguments must lie in the sandbox directory.
@@ -225,13 +229,15 @@ def child_main(config_json: str) -> None:
                     pass
 
         signal.signal(STOP_SIGNAL, stop)
-        program = os.fork()
+        status_r, status_w = os.pipe()
+        init = os.fork()  # pid 1 of the run's pid namespace (unshared in _child_setup)
     except BaseException as exc:  # refuse to run the untrusted program half-protected
         fatal = {"fatal": f"{type(exc).__name__}: {exc}", "isolation": isolation}
         os.write(report_fd, json.dumps(fatal).encode())
         os._exit(SETUP_FAILED_EXIT)
-    if program == 0:
+    if init == 0:
         os.close(report_fd)  # the program must not be able to write (forge) the report
+        os.close(status_r)
         try:
             for fd in cfg["_cgroup_fds"]:
                 os.write(fd, b"0")  # into the run's cgroup, before any code of the program runs
@@ -240,25 +246,28 @@ def child_main(config_json: str) -> None:
             os.write(2, f"sandbox setup failed: could not join the run's cgroup: {exc}\n".encode())
             os._exit(SETUP_FAILED_EXIT)
         signal.signal(STOP_SIGNAL, signal.SIG_DFL)
-        # Die with the launcher (cleared by fork, so set again); the launcher dies with the orchestrator.
-        libc.prctl(
-            ctypes.c_int(_PR_SET_PDEATHSIG),
-            ctypes.c_ulong(signal.SIGKILL),
-            ctypes.c_ulong(0),
-            ctypes.c_ulong(0),
-            ctypes.c_ulong(0),
-        )
-        sys.addaudithook(hook)
-        _run_user_main(cfg["workdir"])
-        return  # normal interpreter shutdown: flushes the program's output, runs its atexit handlers
+        _die_with_parent(libc)  # cleared by fork; the launcher dies with the orchestrator
+        program = os.fork()
+        if program == 0:
+            os.close(status_w)
+            _die_with_parent(libc)
+            sys.addaudithook(hook)
+            _run_user_main(cfg["workdir"])
+            return  # normal interpreter shutdown: flushes the program's output, runs its atexit handlers
+        _namespace_init(program, status_w)
+    os.close(status_w)
     for fd in cfg["_cgroup_fds"]:
         os.close(fd)
     isolation["kill_all_at_exit"] = can_kill_all
     os.write(report_fd, json.dumps({"isolation": isolation}).encode())
     os.close(report_fd)
     os.close(0)  # stdin belongs to the program
-    children.append(program)
-    status = _reap_until(program)
+    children.append(init)
+    status = _reap_until(init)
+    reported = os.read(status_r, 4)
+    os.close(status_r)
+    if len(reported) == 4:
+        status = struct.unpack("i", reported)[0]  # the program's own; else init was killed (the deadline)
     if can_kill_all:
         # kill(-1) reaches exactly this sandbox: the sandbox uid's processes, or (Landlock signal scope)
         # this Landlock domain's. Repeated until no child is left (orphans all come back here), in case a
@@ -281,6 +290,39 @@ def child_main(config_json: str) -> None:
         signal.signal(sig, signal.SIG_DFL)
     os.kill(os.getpid(), sig)
     os._exit(128 + sig)
+
+
+def _die_with_parent(libc: ctypes.CDLL) -> None:
+    libc.prctl(
+        ctypes.c_int(_PR_SET_PDEATHSIG),
+        ctypes.c_ulong(signal.SIGKILL),
+        ctypes.c_ulong(0),
+        ctypes.c_ulong(0),
+        ctypes.c_ulong(0),
+    )
+
+
+def _namespace_init(program: int, status_w: int) -> None:
+    """Pid 1 of the run's pid namespace: reap until the program exits, hand its wait status to the
+    launcher, exit. The kernel then kills whatever the program left in the namespace and reaps it, so no
+    zombie is left for the host's pid 1 (which, in a container, may never reap). The program can signal
+    neither this process (signals from inside a namespace do not reach its init unless it handles them)
+    nor the launcher (which has no pid in the namespace), so it cannot orphan its processes either."""
+    for fd in (0, 1, 2):
+        os.close(fd)  # the program's streams are the program's: EOF comes when it and its children are done
+    status = None
+    while status is None:
+        try:
+            child, wait_status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        except InterruptedError:
+            continue
+        if child == program:
+            status = wait_status
+    if status is not None:
+        os.write(status_w, struct.pack("i", status))
+    os._exit(0)
 
 
 def _reap_until(pid: int) -> int | None:
@@ -355,6 +397,7 @@ def _child_setup(libc: ctypes.CDLL, cfg: dict, isolation: dict) -> tuple[Callabl
         ("network_namespace", _CLONE_NEWNET),
         ("ipc_namespace", _CLONE_NEWIPC),
         ("mount_namespace", _CLONE_NEWNS),
+        ("pid_namespace", _CLONE_NEWPID),  # for the children: the next fork is the namespace's init
     ):
         try:
             _unavailable(cfg, layer)
@@ -465,10 +508,11 @@ def _child_setup(libc: ctypes.CDLL, cfg: dict, isolation: dict) -> tuple[Callabl
     # 6. Resource limits: lowering a limit needs no privilege, and nothing above is charged to them.
     cpu = math.ceil(cfg["cpu_time_s"])
     if uid is not None or in_user_ns:
-        # The sandbox uid (or the fresh user namespace) holds only this sandbox's tasks; +1: the launcher.
-        nproc = cfg["max_processes"] + 1
+        # The sandbox uid (or the fresh user namespace) holds only this sandbox's tasks; +2: the launcher and
+        # the pid namespace's init.
+        nproc = cfg["max_processes"] + 2
     else:
-        nproc = user_tasks + cfg["max_processes"]  # the limit is shared with the user's other processes
+        nproc = user_tasks + cfg["max_processes"] + 1  # shared with the user's other processes; +1: the init
     nofile = cfg["max_open_files"]
     for name, soft, hard in (
         ("RLIMIT_CORE", 0, 0),
@@ -518,9 +562,11 @@ def _child_setup(libc: ctypes.CDLL, cfg: dict, isolation: dict) -> tuple[Callabl
 
 
 def _seccomp_filter(seccomp) -> None:
-    """Allow everything except the calls above, namespace flags to clone(), and socket() of any family but
-    AF_INET and AF_INET6: a path unix socket is reachable whatever the network namespace and Landlock say,
-    and so is the hypervisor through AF_VSOCK (neither is namespaced); socketpair() stays allowed.
+    """Allow everything except the calls above, namespace flags to clone(), socket() of any family but
+    AF_INET and AF_INET6 (a path unix socket is reachable whatever the network namespace and Landlock say,
+    and so is the hypervisor through AF_VSOCK: neither is namespaced), and socketpair() of any type but
+    SOCK_STREAM: a datagram pair's end can still sendto() a host socket's path, and pass it descriptors;
+    a stream pair is connected for good (asyncio and multiprocessing use those).
 
     An allowlist on purpose: the kernel reads the family as a 32-bit int, so socket(0x1_00000001) is an
     AF_UNIX socket that an `== AF_UNIX` rule on the 64-bit register would let through; anything above
@@ -531,6 +577,11 @@ def _seccomp_filter(seccomp) -> None:
         if family != socket.AF_INET:
             f.add_rule(deny_socket, "socket", seccomp.Arg(0, seccomp.EQ, family))
     f.add_rule(deny_socket, "socket", seccomp.Arg(0, seccomp.GT, socket.AF_INET6))
+    # The type's low 4 bits (SOCK_NONBLOCK and SOCK_CLOEXEC are flags above them); the kernel reads an int,
+    # so the mask also drops whatever a caller puts in the register's upper half.
+    for kind in range(16):
+        if kind != socket.SOCK_STREAM:
+            f.add_rule(deny_socket, "socketpair", seccomp.Arg(1, seccomp.MASKED_EQ, 0xF, kind))
     for name in _DENIED_SYSCALLS:
         try:
             f.add_rule(seccomp.ERRNO(errno.EPERM), name)

@@ -149,7 +149,8 @@ def _run_in_slot(code: str, stdin: str, extra: dict[str, bytes], limits: Sandbox
         if "cgroup" in _SIMULATE_UNAVAILABLE:
             raise CgroupUnavailable("cgroup made unavailable for a test")
         # The launcher stays outside (launcher.py says why): the program's tasks are all it counts.
-        cgroup = RunCgroup.create(slot, limits.memory_bytes, limits.max_processes)
+        # +1 task: the pid namespace's init (launcher.py), which is the sandbox's but not the program's.
+        cgroup = RunCgroup.create(slot, limits.memory_bytes, limits.max_processes + 1, limits.cpu_cores)
     except (CgroupUnavailable, OSError) as exc:
         cgroup_error = f"no cgroup could be created: {exc}"
     workdir = os.path.realpath(tempfile.mkdtemp(prefix=f"dsv41-sandbox-{slot}-"))
