@@ -74,13 +74,15 @@ def test_a_malformed_answer_costs_only_its_own_solution(pool):
 # run, writes an "all passed" verdict for each on every descriptor and exits before the real verdict.
 FORGE = """
 import json, os, sys
-f, jobs = sys._getframe(0), 16
+f, verdict = sys._getframe(0), {"passed": [[True, True]] * 16}
 while f is not None:
     r = f.f_locals.get("request")
-    if isinstance(r, dict) and "jobs" in r:
-        jobs = len(r["jobs"])
+    if isinstance(r, dict) and "jobs" in r:  # several solutions' tests in one evaluator
+        verdict = {"passed": [[True] * len(job["tests"]) for job in r["jobs"]]}
+    elif isinstance(r, dict) and "job" in r:  # one solution's
+        verdict = {"passed": [True] * len(r["job"]["tests"])}
     f = f.f_back
-line = (json.dumps({"passed": [[True, True]] * jobs}) + chr(10)).encode()
+line = (json.dumps(verdict) + chr(10)).encode()
 for fd in range(3, 20):
     try:
         os.write(fd, line)
@@ -88,7 +90,8 @@ for fd in range(3, 20):
         pass
 os._exit(0)
 """
-FORGER = f"def expr(n):\n    return 'exec(' + repr({FORGE!r}) + ') or 0'\n"
+# Through the builtins module: the tests' own exec() refuses a string that is not one of their literals.
+FORGER = f"def expr(n):\n    return '__import__(\"builtins\").exec(' + repr({FORGE!r}) + ') or 0'\n"
 EXPR_TESTS = ["eval(expr(3)) == 6", "eval(expr(5)) == 10"]
 
 
