@@ -25,6 +25,7 @@ every reward of a run can come from the orchestrator; without a pool it is compu
 
 from __future__ import annotations
 
+import ast
 import random
 import re
 from collections.abc import Sequence
@@ -203,11 +204,21 @@ def solution_code(text: str) -> str:
 
 
 def humaneval_program(task: Task, text: str) -> str:
-    """The program a HumanEval response stands for: its code when that defines the entry point (a whole
-    function), else the prompt followed by it (a completion of the prompt's body)."""
-    code = solution_code(text)
+    """The program a HumanEval response stands for: the prompt, then the response's code. A response that
+    defines the entry point (a whole function) follows the prompt as a new statement and replaces its
+    docstring-only function, keeping the prompt's imports and helpers; any other continues the prompt's
+    body (a completion)."""
+    # As solution_code, but the first line keeps its indentation: a completion starts inside the body.
+    content = text.split(THINK_END_TOKEN, 1)[1] if THINK_END_TOKEN in text else text
+    fence = re.search(r"```(?:python)?\n(.*?)```", content, re.S)
+    code = fence.group(1) if fence else content.lstrip("\n").rstrip() + "\n"
     if re.search(rf"^\s*(async\s+)?def\s+{re.escape(task.entry_point)}\s*\(", code, re.M):
-        return code
+        program = task.prompt.rstrip() + "\n\n\n" + code
+        try:
+            ast.parse(program)  # parsed, never run, here: a prompt ending in a bare signature does not
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return code
+        return program
     return task.prompt + code
 
 

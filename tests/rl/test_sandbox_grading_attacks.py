@@ -172,11 +172,13 @@ def test_humaneval_check_form_grades_one_and_zero():
     """HumanEval's own check(candidate) with random inputs: 0 for the honest solution on the old grader
     (the random calls were not those discovery listed), and 0.5 as two tests (the def counted as passed)."""
     assert score("def add(x, y):\n    return x + y\n", [HUMANEVAL_ADD + "\ncheck(add)"]) == 1.0
-    task = humaneval_task("t:0:0", "def add(x: int, y: int):\n", HUMANEVAL_ADD, "add")
+    prompt = 'import random\n\n\ndef add(x: int, y: int):\n    """Add two numbers x and y."""\n'
+    task = humaneval_task("t:0:0", prompt, HUMANEVAL_ADD, "add")
     honest = "</think>def add(x, y):\n    return x + y\n"
+    completion = "</think>    return x + y\n"  # HumanEval's own form: the body the prompt leaves open
     wrong = "</think>def add(x, y):\n    return x + y if x < 500 else 0\n"
     with SandboxPool(2, limits=LIMITS, slot_offset=420) as pool:
-        assert grade_responses([task, task], [honest, wrong], pool) == [1.0, 0.0]
+        assert grade_responses([task] * 3, [honest, completion, wrong], pool) == [1.0, 1.0, 0.0]
 
 
 HONEST_CASES = {
@@ -237,3 +239,19 @@ def test_stdio_tasks_compare_the_programs_output():
     half = "</think>a, b = map(int, input().split())\nprint(abs(a) + abs(b))\n"
     with SandboxPool(2, limits=LIMITS, slot_offset=430) as pool:
         assert grade_responses([task, task], [honest, half], pool) == [1.0, 0.5]
+
+
+def test_a_class_task_keeps_one_method_call_and_only_without_constructor_arguments():
+    """LeetCode's `Solution().method(...)` is one probe; a capitalised function called with arguments is
+    cut after the call like any other, so its returned object cannot answer the method itself."""
+    leetcode = ["Solution().two_sum([2, 7, 11], 9) == [0, 1]"]
+    honest = (
+        "class Solution:\n    def two_sum(self, nums, target):\n"
+        "        seen = {}\n        for i, x in enumerate(nums):\n"
+        "            if target - x in seen:\n                return [seen[target - x], i]\n"
+        "            seen[x] = i\n"
+    )
+    assert score(honest, leetcode) == 1.0
+    liar = "class S:\n    def startswith(self, prefix):\n        return True\ndef Find(x):\n    return S()\n"
+    assert score(liar, ["Find(3).startswith('12')"]) == 0.0
+    assert score("def Find(x):\n    return '123'\n", ["Find(3).startswith('12')"]) == 1.0

@@ -408,7 +408,7 @@ def grade_stdio_programs(
     output has the expected whitespace-separated tokens (APPS's graders compare this way: a trailing
     newline or space is no error). The comparison happens here, on the output's text: nothing the
     program prints is executed or decoded. Score = fraction of cases passed."""
-    base = limits or getattr(pool_or_runner, "limits", None) or SandboxLimits()
+    base = _answer_limits(limits, pool_or_runner)  # the output is the answer: the same 16 MiB channel
     tasks, owners = [], []
     for i, (code, cases) in enumerate(items):
         for stdin, expected in cases:

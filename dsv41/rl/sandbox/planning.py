@@ -16,8 +16,8 @@ Where a probe stops: at the first call on the solution's name (`f(3)`, `mod.f(3)
 the bare name when there is no call (`ANSWER`, then `ANSWER[-1]` in the evaluator). A method call on the
 returned value (`f(3).startswith('12')`) is the evaluator's, on the plain value, so the solution cannot
 answer it with an object of its own. One exception, decided by the test's text and never by the solution:
-a call on a capitalised name, a class by convention, keeps one method call on the new instance
-(`Solution().two_sum(nums, 9)`, LeetCode's form).
+a call without arguments on a capitalised name, a class by convention, keeps one method call on the new
+instance (`Solution().two_sum(nums, 9)`, LeetCode's form); `Find_Max(xs).count(1)` is cut after the call.
 """
 
 from __future__ import annotations
@@ -127,6 +127,8 @@ def _cut(chain: list[ast.AST]) -> ast.AST:
         first_call == 1
         and isinstance(root, ast.Name)
         and root.id[:1].isupper()
+        and not chain[1].args
+        and not chain[1].keywords
         and len(chain) > 2
         and isinstance(chain[2], ast.Attribute)
     ):
