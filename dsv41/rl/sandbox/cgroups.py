@@ -9,7 +9,8 @@ cgroup v2 is used where its memory, pids and cpu controllers are available to us
 memory.swap.max, pids.max, cpu.max, cpu.weight, memory.peak, memory.events' oom_kill, cgroup.kill; TCP
 buffers are charged to memory.max); otherwise the v1 memory, pids and cpu hierarchies
 (memory.limit_in_bytes and memory.memsw.limit_in_bytes, memory.kmem.tcp.limit_in_bytes, pids.max,
-cpu.cfs_quota_us, cpu.shares, memory.max_usage_in_bytes, memory.oom_control's oom_kill). v1 keeps TCP
+cpu.cfs_quota_us, cpu.shares, memory.max_usage_in_bytes, memory.oom_control's oom_kill). The runs' common
+parent cgroup weighs as many runs as the machine has cores against the host's other groups. v1 keeps TCP
 buffers in a counter of their own, limited to the same `memory_bytes`: a run holds at most that much in
 TCP buffers besides its other memory. A run's cgroup is made below the orchestrator's own cgroup (so any
 limit placed on the trainer still holds), named after its slot, and removed after the run.
@@ -154,6 +155,7 @@ class RunCgroup:
         if not wanted <= set(enabled):
             _write(os.path.join(own, "cgroup.subtree_control"), "+memory +pids +cpu")
         _write(os.path.join(parent, "cgroup.subtree_control"), "+memory +pids +cpu")
+        _write(os.path.join(parent, "cpu.weight"), str(min(10_000, _V2_WEIGHT * _cores())))
         path = cls._fresh_dir(parent, slot)
         _write(os.path.join(path, "memory.max"), str(memory_bytes))
         if os.path.exists(os.path.join(path, "memory.swap.max")):
@@ -170,6 +172,7 @@ class RunCgroup:
         dirs = {c: cls._fresh_dir(os.path.join(path, _PARENT_NAME), slot) for c, path in own.items()}
         memory, pids, cpu = dirs["memory"], dirs["pids"], dirs["cpu"]
         try:
+            _write(os.path.join(os.path.dirname(cpu), "cpu.shares"), str(_V1_SHARES * _cores()))
             _write(os.path.join(memory, "memory.limit_in_bytes"), str(memory_bytes))
             memsw = os.path.join(memory, "memory.memsw.limit_in_bytes")
             if os.path.exists(memsw):  # no swapping around the limit (must be >= limit_in_bytes: set after)
@@ -212,6 +215,13 @@ class RunCgroup:
 
     def remove(self) -> bool:
         return all(_kill_and_remove(d) for d in self.dirs)
+
+
+def _cores() -> int:
+    # The runs share one parent cgroup, which competes with the host's other groups (each session is one,
+    # under autogroup) as a single entity: weighted as many as the machine has cores, all runs together
+    # may claim the machine under contention as N separate sessions could before they shared a parent.
+    return os.cpu_count() or 1
 
 
 def _quota_us(cpu_cores: float) -> int:
