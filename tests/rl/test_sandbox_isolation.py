@@ -5,9 +5,12 @@ sandbox tests do. Each test failed on the code before its fix; the docstrings sa
 
 import os
 import socket
+import subprocess
+import sys
 import tempfile
+import time
 
-from dsv41.rl.sandbox import SandboxLimits, SandboxPool, run_python
+from dsv41.rl.sandbox import SandboxLimits, SandboxPool, run_python, sandbox_uid
 
 SMALL = SandboxLimits(cpu_time_s=2, wall_time_s=4, memory_bytes=256 << 20, max_processes=40)
 
@@ -164,3 +167,35 @@ def test_flock_is_refused():
     result = run_python(code, limits=SMALL)
     assert result.ok, result
     assert result.stdout == "refused 1\n", result.stdout
+
+
+def test_zombies_nobody_reaps_do_not_take_a_slots_processes():
+    """Where the host's pid 1 does not reap (a container's), zombies of a slot's uid stay and count
+    against its RLIMIT_NPROC: the next runs on the slot failed to fork. A parent that never waits stands
+    in for such a pid 1 here. The orchestrator now counts them into the run's process limit."""
+    slot = 5300
+    uid = sandbox_uid(slot)
+    maker = (
+        "import os, sys, time\n"
+        "for _ in range(12):\n"
+        "    if os.fork() == 0:\n"
+        f"        os.setgroups([]); os.setgid({uid}); os.setuid({uid})\n"
+        "        os._exit(0)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"  # never waits: its children stay zombies of the slot's uid
+    )
+    parent = subprocess.Popen([sys.executable, "-c", maker], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout.readline() == "ready\n"
+        forks = (
+            "import os\npids = [os.fork() for _ in range(4)]\n"
+            "if 0 in pids:\n    os._exit(0)\n"
+            "for pid in pids:\n    os.waitpid(pid, 0)\nprint('forked')\n"
+        )
+        start = time.monotonic()
+        result = run_python(forks, limits=SandboxLimits(cpu_time_s=2, wall_time_s=4, max_processes=8), slot=slot)
+        assert result.ok and result.stdout == "forked\n", result
+        assert time.monotonic() - start < 2.0  # and no long wait for a reaping that never comes
+    finally:
+        parent.kill()
+        parent.wait()

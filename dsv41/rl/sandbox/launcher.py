@@ -411,7 +411,9 @@ def _child_setup(libc: ctypes.CDLL, cfg: dict, isolation: dict) -> tuple[Callabl
     if uid is not None or in_user_ns:
         # The sandbox uid (or the fresh user namespace) holds only this sandbox's tasks; +2: the launcher and
         # the pid namespace's init.
-        nproc = cfg["max_processes"] + 2
+        # Zombies of the uid that nobody reaps still count (the orchestrator measured them): not against the
+        # program.
+        nproc = cfg["max_processes"] + 2 + cfg.get("stale_zombies", 0)
     else:
         nproc = user_tasks + cfg["max_processes"] + 1  # shared with the user's other processes; +1: the init
     nofile = cfg["max_open_files"]
