@@ -375,7 +375,7 @@ def test_a_program_that_tries_to_kill_its_launcher_does_not_break_the_next_run_o
     """Its processes used to become zombies of the system's init, counted against the slot uid's
     RLIMIT_NPROC until init reaped them: the next run on the slot failed to fork ("sandbox setup failed:
     BlockingIOError") when it came first. Now the launcher has no pid in the program's pid namespace
-    (test_sandbox_isolation.py), and the next run still waits for any reaping."""
+    (test_sandbox_isolation.py), and zombies nobody reaps count into the next run's limit."""
     killer = (
         "import os, time\n"
         "for i in range(6):\n"
