@@ -255,3 +255,24 @@ def test_a_class_task_keeps_one_method_call_and_only_without_constructor_argumen
     liar = "class S:\n    def startswith(self, prefix):\n        return True\ndef Find(x):\n    return S()\n"
     assert score(liar, ["Find(3).startswith('12')"]) == 0.0
     assert score("def Find(x):\n    return '123'\n", ["Find(3).startswith('12')"]) == 1.0
+
+
+def test_unpickling_a_solutions_bytes_runs_nothing_in_the_evaluator():
+    """A test that unpickles what the solution returned (a serialisation task) ran the solution's code in
+    the evaluator (a __reduce__ calling os.write): it wrote its own "all passed" verdict and scored 1.0.
+    pickle refuses to load in the evaluator; tests importing modules afterwards still work."""
+    forger = (
+        "import os, pickle\n"
+        "class V:\n"
+        "    def __reduce__(self):\n"
+        "        code = ('import json, os\\nfor fd in range(3, 20):\\n    try:\\n'\n"
+        "                '        os.write(fd, (json.dumps({\"passed\": [True, True]}) + chr(10)).encode())\\n'\n"
+        "                '    except OSError:\\n        pass\\nos._exit(0)\\n')\n"
+        "        return (exec, (code,))\n"
+        "def serialize(x):\n    return pickle.dumps(V())\n"
+    )
+    tests = [
+        "import pickle\nassert pickle.loads(serialize([1, 2])) == [1, 2]",
+        "import fractions\nassert serialize(3) != b'' and fractions.Fraction(2, 4) == fractions.Fraction(1, 2) == 0.5",
+    ]
+    assert score(forger, tests) == 0.5

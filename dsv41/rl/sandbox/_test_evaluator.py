@@ -226,8 +226,15 @@ def _key(value, int_float):
     return ("other", _Opaque(value))
 
 
+_PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes, list, tuple, set, frozenset, dict, range)
+
+
 def _ops(int_float):
     def equal(a, b):
+        if type(a) not in _PLAIN_TYPES or type(b) not in _PLAIN_TYPES:
+            # A value the tests made themselves (a Fraction, a Decimal, their own class): the solution's
+            # values are all plain, so this is the tests' own equality, trusted, and Python's.
+            return a == b
         return _key(a, int_float) == _key(b, int_float)
 
     # Only == is the grader's own; every other operator is Python's, on plain values only: no object of
@@ -461,6 +468,24 @@ def _without_asserts(source, is_expression):
     return ast.fix_missing_locations(Unassert().visit(tree))
 
 
+def _refuse_loading_code():
+    """pickle turns bytes into running code (a pickle's __reduce__ calls anything): bytes from the
+    solution, unpickled by a test, would run the solution's code where its verdict is written. Loading is
+    refused here, before any test runs; dumping still works. (marshal.loads is left alone: the import
+    system reads every .pyc with it, and it makes code objects without running them.)"""
+    import pickle
+
+    def refuse(*args, **kwargs):
+        raise ProbeFailed("the tests may not unpickle data in the grader (unpickling may run code)")
+
+    class Unpickler:
+        def __init__(self, *args, **kwargs):
+            refuse()
+
+    pickle.loads = pickle.load = pickle._loads = pickle._load = refuse
+    pickle.Unpickler = pickle._Unpickler = Unpickler
+
+
 def _on_alarm(signum, frame):
     raise _TestTimeout()
 
@@ -481,6 +506,7 @@ def _main():
         except ImportError:
             pass  # the test that uses it fails with a NameError, as it would anywhere
     discover = request.get("discover", False)
+    _refuse_loading_code()
     signal.signal(signal.SIGALRM, _on_alarm)
     passed = _run_job(request["job"], modules, discover)
     sys.stderr.flush()
