@@ -276,3 +276,16 @@ def test_unpickling_a_solutions_bytes_runs_nothing_in_the_evaluator():
         "import fractions\nassert serialize(3) != b'' and fractions.Fraction(2, 4) == fractions.Fraction(1, 2) == 0.5",
     ]
     assert score(forger, tests) == 0.5
+
+
+def test_code_run_by_an_unguarded_interface_reaches_no_other_solutions_verdict(pool):
+    """timeit runs the string it is given, and nothing guards it: a test that times a solution's statement
+    runs the solution's code where the tests run. Run in the process that writes the batch's verdict, it
+    wrote "all passed" for every solution and exited (each wrong one beside it scored 1.0). Each solution's
+    tests now run in a process of their own, which holds no descriptor of the verdict's and whose exit
+    ends nothing but itself."""
+    tests = ["import timeit\nassert timeit.timeit(stmt=code(), number=1) >= 0", "value() == 42"]
+    forger = f"def code():\n    return {FORGE!r}\ndef value():\n    return 0\n"
+    wrong = "def code():\n    return 'pass'\ndef value():\n    return 0\n"
+    items = [(forger, tests)] + [(wrong, tests)] * 3
+    assert [s for s, _ in grade_programs(items, pool)][1:] == [0.5, 0.5, 0.5]

@@ -1,5 +1,6 @@
 # The evaluation run's main.py (see grading.py): a clean interpreter, in which no code of the solution has
-# run, evaluates one solution's tests on the values its probes reported, decoded into plain data. `==` is
+# run, evaluates each solution's tests on the values its probes reported, decoded into plain data, each
+# solution in a process of its own (`_run_apart`). `==` is
 # the grader's (bool is never a number; int and float per the reference), every other operator and every
 # method call is Python's on those plain values. It writes one verdict line on the original stdout. In
 # discovery mode (no solution at all) it runs the tests on placeholders and lists the calls they make on
@@ -10,6 +11,7 @@ import json
 import operator
 import os
 import random
+import select
 import signal
 import sys
 
@@ -490,6 +492,60 @@ def _on_alarm(signum, frame):
     raise _TestTimeout()
 
 
+_MAX_REPLY = 64 << 20  # a job's reply (its verdict, or discovery's calls) larger than this is a failure
+
+
+def _run_apart(job, modules, discover, result_fd):
+    """One solution's tests in a child process of their own: the child holds no descriptor of this
+    process's but its reply pipe (not the verdict's), so nothing that happens there, even code of the
+    solution run by a test through an interface nobody guarded, can write another solution's verdict or
+    this process's. Once the child has exited, kill(-1) ends whatever it left (every process of this
+    sandbox but this one and the pid namespace's init), so the next solution starts clean. Returns the
+    child's reply, or None when it did not give one."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            os.close(result_fd)
+            data = json.dumps(_run_job(job, modules, discover)).encode()
+            while data:
+                data = data[os.write(w, data) :]
+        finally:
+            os._exit(0)
+    os.close(w)
+    chunks, size, exited = [], 0, False
+    while True:
+        if not exited and os.waitpid(pid, os.WNOHANG)[0]:
+            exited = True
+            _kill_leftovers()  # a leftover holding the pipe open would keep the read below waiting
+        if not select.select([r], [], [], 0.05)[0]:
+            continue
+        chunk = os.read(r, 1 << 16)
+        if not chunk:
+            break
+        size += len(chunk)
+        if size > _MAX_REPLY:
+            chunks = None
+            break
+        chunks.append(chunk)
+    os.close(r)
+    if not exited:
+        os.waitpid(pid, 0)
+    _kill_leftovers()
+    try:
+        return json.loads(b"".join(chunks)) if chunks is not None else None
+    except (ValueError, RecursionError):
+        return None
+
+
+def _kill_leftovers():
+    try:
+        os.kill(-1, signal.SIGKILL)
+    except OSError:
+        pass  # nothing left to signal
+
+
 def _main():
     # The work directory is not a place to import from: code run apart by _isolated_eval could leave a
     # module there for a later `import` of the tests.
@@ -508,9 +564,13 @@ def _main():
     discover = request.get("discover", False)
     _refuse_loading_code()
     signal.signal(signal.SIGALRM, _on_alarm)
-    passed = _run_job(request["job"], modules, discover)
+    replies = []
+    for j, job in enumerate(request["jobs"]):
+        if len(request["jobs"]) > 1:
+            print(f"job {j}:", file=sys.stderr, flush=True)
+        replies.append(_run_apart(job, modules, discover, result_fd))
     sys.stderr.flush()
-    answer = {"calls": passed} if discover else {"passed": passed}
+    answer = {"calls": replies[0] or []} if discover else {"passed": replies}
     data = (json.dumps(answer) + "\n").encode()
     while data:
         data = data[os.write(result_fd, data) :]

@@ -13,8 +13,11 @@ the solution's code never runs where the expected values, the test logic and the
    evaluated in its namespace and the values come back as tagged JSON of plain data (None, bool, int,
    float, complex, str, bytes, list, tuple, dict, set, frozenset, range, and an iterator's elements) of
    exactly those types; an exception as its builtin class and arguments.
-3. Evaluation run (a second, clean sandbox, `_test_evaluator.py`, **one per solution**): the tests run
-   with each probe replaced by its decoded value. Method calls on those values, conversions, `!=`, `in`,
+3. Evaluation run (a second, clean sandbox, `_test_evaluator.py`): the tests run with each probe
+   replaced by its decoded value, **each solution's in a process of its own**, forked by the evaluator,
+   holding no descriptor but its reply pipe, with everything it left killed before the next solution's
+   starts; up to EVAL_BATCH solutions share a run, and a run that fails as a whole is redone one solution
+   per run. Method calls on those values, conversions, `!=`, `in`,
    `not in` and the orderings are Python's, on plain values; `==` is the grader's: bool is never a
    number, and an int equals a float of the same value unless the task's reference solution returns no
    float (then a float where an int is due, `x / 2` for `x // 2`, is wrong). Without a reference, Python's
@@ -65,6 +68,8 @@ __all__ = [
 # The probe run's answer may be this large (a 3,000-call loop, a long string); the sandbox's default
 # output cap (64 KiB) is meant for a program's prints, not for the grader's channel.
 ANSWER_BYTES = 16 << 20
+# Solutions whose tests share one evaluator run (each in a process of its own there, see step 3 above).
+EVAL_BATCH = 16
 # JSON nesting the orchestrator accepts in an answer: the harness nests at most 64 values deep, two JSON
 # levels each, plus the envelope. Deeper is forged; it is refused before anything re-encodes it.
 _MAX_ANSWER_DEPTH = 2 * 64 + 8
@@ -134,7 +139,7 @@ def _run_tasks(tasks: list[SandboxTask], pool_or_runner: Any) -> list[SandboxRes
 def _discovery_task(plan: GradingPlan, limits: SandboxLimits) -> SandboxTask:
     """The clean sandbox task that runs the tests with every probe a placeholder and lists the calls the
     tests make on the probes with plain-data arguments. It sees no solution."""
-    request = {"discover": True, "job": _job(plan), "modules": list(plan.modules)}
+    request = {"discover": True, "jobs": [_job(plan)], "modules": list(plan.modules)}
     return SandboxTask(code=_TEST_EVALUATOR, stdin=json.dumps(request), limits=limits)
 
 
@@ -262,27 +267,33 @@ def _job(plan: GradingPlan, int_float: bool = True) -> dict:
     }
 
 
-def _evaluation_task(plan: GradingPlan, answer_line: str, int_float: bool, limits: SandboxLimits) -> SandboxTask:
-    """The clean sandbox task that runs one solution's tests on its answer. The answer line goes in as
-    the JSON text it came as (checked by `probe_answer`), spliced into the request, never re-encoded."""
-    job = json.dumps(_job(plan, int_float))
-    request = f'{{"modules": {json.dumps(list(plan.modules))}, "job": {job[:-1]}, "answer": {answer_line}}}}}'
+def _evaluation_task(jobs: Sequence[tuple[GradingPlan, str, bool]], limits: SandboxLimits) -> SandboxTask:
+    """The clean sandbox task that runs each job's tests (plan, answer line, int/float equality) on its
+    answer, each job in a process of its own (`_test_evaluator._run_apart`). The answer lines go in as
+    the JSON text they came as (checked by `probe_answer`), spliced into the request, never re-encoded."""
+    modules = sorted({m for plan, _, _ in jobs for m in plan.modules})
+    parts = [f'{json.dumps(_job(plan, int_float))[:-1]}, "answer": {line}}}' for plan, line, int_float in jobs]
+    request = f'{{"modules": {json.dumps(modules)}, "jobs": [{", ".join(parts)}]}}'
     return SandboxTask(code=_TEST_EVALUATOR, stdin=request, limits=limits)
 
 
-def _evaluation_score(plan: GradingPlan, evaluation: SandboxResult) -> float:
+def _evaluation_scores(plans: Sequence[GradingPlan], evaluation: SandboxResult) -> list[float] | None:
+    """Each job's fraction of tests passed, from the evaluator's verdict (0.0 for a job whose process
+    gave no verdict); None when the run as a whole failed or its verdict is out of shape."""
     line = _single_line(evaluation)
     try:
         passed = json.loads(line)["passed"] if line is not None else None
     except (ValueError, KeyError, TypeError, RecursionError):
-        return 0.0
-    if (
-        not isinstance(passed, list)
-        or len(passed) != plan.num_tests
-        or not all(p is True or p is False for p in passed)
-    ):
-        return 0.0
-    return sum(passed) / plan.num_tests
+        return None
+    if not isinstance(passed, list) or len(passed) != len(plans):
+        return None
+    scores = []
+    for plan, job in zip(plans, passed):
+        if isinstance(job, list) and len(job) == plan.num_tests and all(p is True or p is False for p in job):
+            scores.append(sum(job) / plan.num_tests)
+        else:
+            scores.append(0.0)
+    return scores
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -324,9 +335,10 @@ def grading_score(
         line = probe_answer(result, plan)
         if line is None:
             return 0.0
-        task = _evaluation_task(plan, line, int_float, _answer_limits(plan.limits, pool_or_runner))
+        task = _evaluation_task([(plan, line, int_float)], _answer_limits(plan.limits, pool_or_runner))
         (evaluation,) = _run_tasks([task], pool_or_runner)
-        return _evaluation_score(plan, evaluation)
+        scores = _evaluation_scores([plan], evaluation)
+        return scores[0] if scores is not None else 0.0
     except Exception:  # fail closed: whatever the solution sent, it scores 0 and nothing is raised
         return 0.0
 
@@ -357,8 +369,8 @@ def grade_programs(
     cache: GradingCache | None = None,
 ) -> list[tuple[float, SandboxResult]]:
     """`grade_program` for a batch of (solution_code, tests) or (solution_code, tests, reference): the
-    discovery runs, the references' probe runs and the solutions' probe runs through the pool, then one
-    clean evaluator run per solution whose probe run answered. Raises only for invalid tests or
+    discovery runs, the references' probe runs and the solutions' probe runs through the pool, then clean
+    evaluator runs of up to EVAL_BATCH solutions each, one process per solution there. Raises only for invalid tests or
     arguments (the task's or the caller's error), never for anything a solution did."""
     cache = cache or GradingCache()
     run_limits = _answer_limits(limits, pool_or_runner)
@@ -389,12 +401,26 @@ def grade_programs(
             if line is None:
                 continue
             floats = cache.get(("float", item[2], plan.tests)) if len(item) > 2 and item[2] is not None else None
-            jobs.append((i, plan, _evaluation_task(plan, line, floats is not False, run_limits)))
+            jobs.append((i, (plan, line, floats is not False)))
         except Exception:  # fail closed, for this solution only
             continue
-    evaluations = _run_tasks([task for _, _, task in jobs], pool_or_runner)
-    for (i, plan, _), evaluation in zip(jobs, evaluations):
-        scores[i] = _evaluation_score(plan, evaluation)
+    # Up to EVAL_BATCH solutions per evaluator run, each in a process of its own there; a run that fails as
+    # a whole (a value that makes a test endless, a job that killed the evaluator) is redone one solution
+    # per run, so it costs its own solution only.
+    batches = [jobs[k : k + EVAL_BATCH] for k in range(0, len(jobs), EVAL_BATCH)]
+    evaluations = _run_tasks([_evaluation_task([job for _, job in b], run_limits) for b in batches], pool_or_runner)
+    redo = []
+    for batch, evaluation in zip(batches, evaluations):
+        batch_scores = _evaluation_scores([job[0] for _, job in batch], evaluation)
+        if batch_scores is None:
+            redo.extend(batch if len(batch) > 1 else [])
+            continue
+        for (i, _), score in zip(batch, batch_scores):
+            scores[i] = score
+    evaluations = _run_tasks([_evaluation_task([job], run_limits) for _, job in redo], pool_or_runner)
+    for (i, job), evaluation in zip(redo, evaluations):
+        single = _evaluation_scores([job[0]], evaluation)
+        scores[i] = single[0] if single is not None else 0.0
     return list(zip(scores, probe_results))
 
 
