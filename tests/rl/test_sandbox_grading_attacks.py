@@ -1,9 +1,10 @@
 """End-to-end attacks on grading through `grade_program(s)` and `tasks.grade_responses` with a SandboxPool,
 and the honest solutions the grader must not fail (dsv41/rl/sandbox/grading.py, docs/sandbox.md).
 
-Each attack here scored 1.0 (or, for the first, raised out of the grader) before the evaluator was made
-one-per-solution with tests' names resolved there and method calls run there on plain values; each
-honest solution here scored 0 (or 0.5) before. The docstrings say which.
+Each attack here scored 1.0 (or, for the first, raised out of the grader) on the grader before these
+changes: one evaluator process for a batch's tests, names and method calls resolved in the solution's
+process; each honest solution here scored 0 (or 0.5) there. The docstrings say which; the section
+numbers follow the red team's list of attack classes.
 """
 
 import pytest
@@ -67,7 +68,7 @@ def test_a_malformed_answer_costs_only_its_own_solution(pool):
 
 
 # ------------------------------------------------------------------------------------------------------
-# 3. A solution decides nothing about another solution's grade (one evaluator per solution), nor runs
+# 3. A solution decides nothing about another solution's grade (one process per solution), nor runs
 # code where its own verdict is written.
 
 # The code it returns finds the evaluator's request in its frames, learns how many solutions share the

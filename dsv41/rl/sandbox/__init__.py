@@ -46,9 +46,9 @@ and reaps what the program left, and the launcher (a subreaper too) exits the wa
 the cgroup, the process group and the uid by force if it does not.
 
 Grading (grading.py, planning.py): the solution runs in one sandbox and reports the values of the tests'
-calls into it as plain data; the tests run on those values in a second, clean sandbox of its own, where
-every comparison and method call happens. Nothing the solution can reach decides its score or another's,
-and nothing it sends can raise out of the grader.
+calls into it as plain data; the tests run on those values in a second, clean sandbox, in a process per
+solution, where every comparison and method call happens. Nothing the solution can reach decides its
+score or another's, and nothing it sends can raise out of the grader.
 
 Known limits: RLIMIT_CPU is per process (wall time bounds a program that forks); /proc, /dev/shm and /tmp
 outside the work directory are unavailable (multiprocessing semaphores fail).
