@@ -65,9 +65,10 @@ __all__ = [
     "plan_tests",
 ]
 
-# The probe run's answer may be this large (a 3,000-call loop, a long string); the sandbox's default
-# output cap (64 KiB) is meant for a program's prints, not for the grader's channel.
-ANSWER_BYTES = 16 << 20
+# The probe run's answer may be this large (a 3,000-call loop, a 100 kB string); the sandbox's default
+# output cap (64 KiB) is meant for a program's prints, not for the grader's channel. It bounds what the
+# trainer holds per grading too (stdout and stderr each): 1 MiB x 2 x the batch's solutions at worst.
+ANSWER_BYTES = 1 << 20
 # Solutions whose tests share one evaluator run (each in a process of its own there, see step 3 above).
 EVAL_BATCH = 16
 # JSON nesting the orchestrator accepts in an answer: the harness nests at most 64 values deep, two JSON
@@ -434,7 +435,7 @@ def grade_stdio_programs(
     output has the expected whitespace-separated tokens (APPS's graders compare this way: a trailing
     newline or space is no error). The comparison happens here, on the output's text: nothing the
     program prints is executed or decoded. Score = fraction of cases passed."""
-    base = _answer_limits(limits, pool_or_runner)  # the output is the answer: the same 16 MiB channel
+    base = _answer_limits(limits, pool_or_runner)  # the output is the answer: the same 1 MiB channel
     tasks, owners = [], []
     for i, (code, cases) in enumerate(items):
         for stdin, expected in cases:
