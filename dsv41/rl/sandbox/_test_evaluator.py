@@ -339,6 +339,8 @@ def _isolated_eval(real_eval, source, globals_=None, locals_=None):
 
 
 def _encode_answer(value):
+    # What eval() of a solution's string returned, encoded as a probe's answer would be; an iterator over
+    # a list (iter([...])) is the one non-plain value the evaluator makes of a reported iterator.
     try:
         return _encode(value)
     except TypeError:
