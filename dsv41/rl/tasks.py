@@ -11,6 +11,12 @@ sample can be rebuilt:
   which is longer and, for a small model, more often right: what reasoning effort has to trade.
 - `program`: "Write a Python function f(x) that ...", graded by running the response's code against test
   statements in the sandbox (`dsv41.rl.sandbox.grade_programs`); partial credit = fraction of tests passed.
+  Its reference solution (`Task.answer`) decides whether an int answer equals a float one (grading.py).
+
+Tasks from public sets are first-class kinds too, built from their records rather than generated:
+`humaneval` (`humaneval_task`: a prompt, a `def check(candidate)` test and an entry point; all or nothing,
+as HumanEval scores it) and `stdio` (`stdio_task`: MBPP/APPS-style programs that read stdin and print, one
+sandbox run per (input, expected output) case, partial credit per case).
 
 Grading: `grade_responses(tasks, texts, pool)` grades each response. An arithmetic answer is graded in the
 sandbox too when a pool is given (one test per digit position, the same score as `arithmetic_grade`), so
@@ -19,6 +25,7 @@ every reward of a run can come from the orchestrator; without a pool it is compu
 
 from __future__ import annotations
 
+import ast
 import random
 import re
 from collections.abc import Sequence
@@ -30,14 +37,20 @@ SPLITS = ("train", "eval")
 STYLES = ("direct", "scratchpad")
 
 
+KINDS = ("arithmetic", "program", "humaneval", "stdio")
+
+
 @dataclass(frozen=True)
 class Task:
-    kind: str  # "arithmetic" | "program"
-    uid: str  # split:seed:index, unique per task
+    kind: str  # one of KINDS
+    uid: str  # split:seed:index for generated tasks; the record's id for the others
     question: str  # the user message
-    answer: str = ""  # arithmetic: the number
-    tests: tuple[str, ...] = field(default_factory=tuple)  # program: test statements
+    answer: str = ""  # arithmetic: the number; program, humaneval: a reference solution ("" if none)
+    tests: tuple[str, ...] = field(default_factory=tuple)  # program, humaneval: test statements
     operands: tuple[int, ...] = field(default_factory=tuple)
+    prompt: str = ""  # humaneval: the code the completion continues (imports, signature, docstring)
+    entry_point: str = ""  # humaneval: the function the check is called on
+    cases: tuple[tuple[str, str], ...] = field(default_factory=tuple)  # stdio: (stdin, expected stdout)
 
     def messages(self) -> list[dict]:
         return [{"role": "user", "content": self.question}]
@@ -155,6 +168,25 @@ def program_task(split: str, seed: int, index: int) -> Task:
     return Task("program", f"{split}:{seed}:{index}", question, answer=f"def f(x):\n    return {expr}\n", tests=tests)
 
 
+def humaneval_task(uid: str, prompt: str, check: str, entry_point: str, reference: str = "") -> Task:
+    """A HumanEval record as a task: the tests are its `check` source followed by `check(entry_point)`, one
+    test, so the score is 1 or 0 as HumanEval's pass@1 counts it (two tests would give every solution
+    0.5 for the definition of check alone)."""
+    if not entry_point.isidentifier():
+        raise ValueError(f"entry_point must be a Python name, got {entry_point!r}")
+    question = f"Complete this Python function. Reply with the code only.\n\n{prompt}"
+    test = f"{check.rstrip()}\n\ncheck({entry_point})\n"
+    return Task("humaneval", uid, question, answer=reference, tests=(test,), prompt=prompt, entry_point=entry_point)
+
+
+def stdio_task(uid: str, question: str, cases: Sequence[tuple[str, str]]) -> Task:
+    """An MBPP/APPS-style task: a program that reads stdin and prints, with (input, expected output) cases."""
+    cases = tuple((str(i), str(o)) for i, o in cases)
+    if not cases:
+        raise ValueError("a stdio task needs at least one (input, expected output) case")
+    return Task("stdio", uid, question, cases=cases)
+
+
 def make_task(kind: str, split: str, seed: int, index: int, **options) -> Task:
     if kind == "arithmetic":
         return arithmetic_task(split, seed, index, **options)
@@ -171,16 +203,39 @@ def solution_code(text: str) -> str:
     return fence.group(1) if fence else content
 
 
-def grade_responses(tasks: Sequence[Task], texts: Sequence[str], pool=None) -> list[float]:
-    """Grades in [0, 1] of each response. Program tasks need a sandbox pool (`SandboxPool` or
-    `RaySandboxPool`); arithmetic ones go through it too when one is given."""
+def humaneval_program(task: Task, text: str) -> str:
+    """The program a HumanEval response stands for: the prompt, then the response's code. A response that
+    defines the entry point (a whole function) follows the prompt as a new statement and replaces its
+    docstring-only function, keeping the prompt's imports and helpers; any other continues the prompt's
+    body (a completion)."""
+    # As solution_code, but the first line keeps its indentation: a completion starts inside the body.
+    content = text.split(THINK_END_TOKEN, 1)[1] if THINK_END_TOKEN in text else text
+    fence = re.search(r"```(?:python)?\n(.*?)```", content, re.S)
+    code = fence.group(1) if fence else content.lstrip("\n").rstrip() + "\n"
+    if re.search(rf"^\s*(async\s+)?def\s+{re.escape(task.entry_point)}\s*\(", code, re.M):
+        program = task.prompt.rstrip() + "\n\n\n" + code
+        try:
+            ast.parse(program)  # parsed, never run, here: a prompt ending in a bare signature does not
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return code
+        return program
+    return task.prompt + code
+
+
+def grade_responses(tasks: Sequence[Task], texts: Sequence[str], pool=None, cache=None) -> list[float]:
+    """Grades in [0, 1] of each response. Program, humaneval and stdio tasks need a sandbox pool
+    (`SandboxPool` or `RaySandboxPool`); arithmetic ones go through it too when one is given. `cache`: a
+    `sandbox.GradingCache` kept across calls saves the runs that depend on the tasks alone."""
     from dsv41.rl import sandbox  # the sandbox module has no torch dependency; imported only when grading
 
     if len(tasks) != len(texts):
         raise ValueError(f"{len(tasks)} tasks, {len(texts)} responses")
     grades: list[float | None] = [None] * len(tasks)
     items, where = [], []
+    stdio, stdio_where = [], []
     for i, (task, text) in enumerate(zip(tasks, texts)):
+        if task.kind in ("program", "humaneval", "stdio") and pool is None:
+            raise ValueError(f"{task.kind} tasks are graded by running code: give a sandbox pool")
         if task.kind == "arithmetic" and pool is None:
             grades[i] = arithmetic_grade(task.answer, text)
         elif task.kind == "arithmetic":
@@ -189,13 +244,20 @@ def grade_responses(tasks: Sequence[Task], texts: Sequence[str], pool=None) -> l
             items.append((f"ANSWER = {(m.group(0) if m else '')!r}", arithmetic_tests(task.answer)))
             where.append(i)
         elif task.kind == "program":
-            if pool is None:
-                raise ValueError("program tasks are graded by running code: give a sandbox pool")
-            items.append((solution_code(text), list(task.tests)))
+            items.append((solution_code(text), list(task.tests), task.answer or None))
             where.append(i)
+        elif task.kind == "humaneval":
+            items.append((humaneval_program(task, text), list(task.tests), task.answer or None))
+            where.append(i)
+        elif task.kind == "stdio":
+            stdio.append((solution_code(text), list(task.cases)))
+            stdio_where.append(i)
         else:
             raise ValueError(f"unknown task kind {task.kind!r}")
     if items:
-        for i, (score, _) in zip(where, sandbox.grade_programs(items, pool)):
+        for i, (score, _) in zip(where, sandbox.grade_programs(items, pool, cache=cache)):
+            grades[i] = score
+    if stdio:
+        for i, score in zip(stdio_where, sandbox.grade_stdio_programs(stdio, pool)):
             grades[i] = score
     return [float(g) for g in grades]

@@ -142,13 +142,18 @@ def test_expected_values_never_reach_the_solutions_process():
     assert "CLEAN" in result.stderr and "FOUND" not in result.stderr, result.stderr
 
 
-def test_comparisons_are_type_strict():
+def test_equality_is_type_strict_where_python_would_hide_a_wrong_type():
+    """`==` never takes a bool for a number, and takes a float for an int only where the reference returns
+    floats (or no reference is given, as in HumanEval's graders); `!=` and `in` are Python's on plain data."""
     tests = ["assert f(1) == 2", "f(2) == 3"]
-    assert grade_program("def f(x):\n    return x + 1\n", tests, limits=LIMITS)[0] == 1.0
-    assert grade_program("def f(x):\n    return float(x + 1)\n", tests, limits=LIMITS)[0] == 0.0
+    reference = "def f(x):\n    return x + 1\n"
+    assert grade_program("def f(x):\n    return x + 1\n", tests, limits=LIMITS, reference=reference)[0] == 1.0
+    assert grade_program("def f(x):\n    return float(x + 1)\n", tests, limits=LIMITS, reference=reference)[0] == 0.0
+    assert grade_program("def f(x):\n    return float(x + 1)\n", tests, limits=LIMITS)[0] == 1.0
     bools = ["is_even(2) == True", "is_even(3) == False", "is_even(4) in (True,)"]
     assert grade_program("def is_even(x):\n    return x % 2 == 0\n", bools, limits=LIMITS)[0] == 1.0
-    assert grade_program("def is_even(x):\n    return 1 - x % 2\n", bools, limits=LIMITS)[0] == 0.0
+    # 1 in (True,) is Python's answer; == refuses 1 for True
+    assert grade_program("def is_even(x):\n    return 1 - x % 2\n", bools, limits=LIMITS)[0] == pytest.approx(1 / 3)
     nested = ["g() == (1, [2.5, 'x'], {3: b'y'}, {4}, frozenset({5}), 1j, None)", "g()[1] != [2.5, 'x', 0]"]
     good = "def g():\n    return (1, [2.5, 'x'], {3: b'y'}, {4}, frozenset({5}), 1j, None)\n"
     assert grade_program(good, nested, limits=LIMITS)[0] == 1.0

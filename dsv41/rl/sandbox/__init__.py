@@ -7,10 +7,11 @@ kernel layers, each recorded in `SandboxResult.isolation` so a caller can see wh
 and grading keeps the verdict out of the program's reach.
 
 Layers (launcher.py applies them to itself, then forks the program):
-- a cgroup per run (cgroups.py; v2, or the v1 memory and pids hierarchies): memory.max counts everything
-  the run holds at once (every process, shared memory, memfds, the tmpfs work directory), pids.max its
-  tasks; the orchestrator creates it, the launcher opens it as root and the program joins it before
-  any of its code runs (the launcher stays outside, out of the OOM killer's reach);
+- a cgroup per run (cgroups.py; v2, or the v1 memory, pids and cpu hierarchies): memory.max counts
+  everything the run holds at once (every process, shared memory, memfds, the tmpfs work directory, TCP
+  buffers), pids.max its tasks, a CPU quota of cpu_cores and an equal weight its CPU; the orchestrator
+  creates it, the launcher opens it as root and the program joins it before any of its code runs (the
+  launcher stays outside, out of the OOM killer's reach);
 - resource limits (setrlimit): CPU seconds, address space, file size, processes, open files (a low
   RLIMIT_NOFILE), no core dumps; a wall-clock deadline enforced by the orchestrator;
 - a dedicated unprivileged uid/gid per slot when the orchestrator runs as root (60000 + slot): RLIMIT_NPROC
@@ -19,7 +20,8 @@ Layers (launcher.py applies them to itself, then forks the program):
 - namespaces: network (network=False: only a loopback that is down; network=True: a loopback that is up,
   so the program reaches itself and nothing else: not the host's services, not other machines), IPC
   (SysV shared memory, semaphores, message queues and POSIX queues die with the run and are invisible to
-  other runs), mount;
+  other runs), mount, pid (the program cannot signal its launcher, and what it leaves dies and is reaped
+  with the namespace's init);
 - a tmpfs work directory of disk_bytes and max_files inodes (the disk cannot be filled, and nothing of a
   run survives it), and where needed a tmpfs hiding a non-traversable directory above the Python
   installation (e.g. /root) with the installation bind-mounted back read-only;
@@ -27,9 +29,10 @@ Layers (launcher.py applies them to itself, then forks the program):
   directories, read and write only the work directory; signals to processes outside and abstract unix
   sockets are denied where the kernel's ABI supports it;
 - a seccomp filter (libseccomp): socket(AF_UNIX) is refused (path unix sockets, e.g. docker's or dbus's,
-  are reachable through neither the network namespace nor Landlock; socketpair() still works), and so
-  are io_uring, keyctl, bpf, perf_event_open, userfaultfd, unshare/setns and namespace flags to clone,
-  mount, ptrace and process_vm_*;
+  are reachable through neither the network namespace nor Landlock), and so are socketpair() of any type
+  but SOCK_STREAM (a datagram end can sendto() a path), flock() (a channel between runs through shared
+  read-only files), io_uring, keyctl, bpf, perf_event_open, userfaultfd, unshare/setns and namespace flags
+  to clone, mount, ptrace and process_vm_*;
 - an audit hook (PEP 578) refusing socket operations and file access outside the allowed trees: defence in
   depth, NOT a security boundary on its own.
 
@@ -37,28 +40,32 @@ It fails closed: when a layer cannot be set up (no Landlock, no cgroup delegatio
 run is refused with status "error" and the reason, unless `SandboxLimits(trusted_code=True)` says the code
 is trusted, in which case the missing layers are listed in `isolation["missing"]` and it runs anyway.
 
-Process tree: the orchestrator starts the launcher, which forks the program and is its reaper
-(PR_SET_CHILD_SUBREAPER): when the program exits it kills and reaps everything the program left and exits
-the way the program did. At the wall deadline the orchestrator asks the launcher to do the same, and kills
+Process tree: the orchestrator starts the launcher, which forks the pid namespace's init, which forks the
+program: when the program exits, the init hands its status to the launcher and exits, the kernel kills
+and reaps what the program left, and the launcher (a subreaper too) exits the way the program did. At the wall deadline the orchestrator asks the launcher to do the same, and kills
 the cgroup, the process group and the uid by force if it does not.
 
-Grading (grading.py): the solution runs in one sandbox and reports the values of the tests' calls into
-it as plain data; the tests run on those values in a second, clean sandbox, with type-strict equality.
-Nothing the solution can reach decides its score.
+Grading (grading.py, planning.py): the solution runs in one sandbox and reports the values of the tests'
+calls into it as plain data; the tests run on those values in a second, clean sandbox, in a process per
+solution, where every comparison and method call happens. Nothing the solution can reach decides its
+score or another's, and nothing it sends can raise out of the grader.
 
 Known limits: RLIMIT_CPU is per process (wall time bounds a program that forks); /proc, /dev/shm and /tmp
 outside the work directory are unavailable (multiprocessing semaphores fail).
 
 Modules: config.py (limits, tasks, results), orchestrator.py (`run_python`), launcher.py (the sandbox's
-side), cgroups.py, pools.py (`SandboxPool`, `RaySandboxPool`), grading.py (`grade_program(s)`), and the
-grader's two sandbox programs, _probe_harness.py and _test_evaluator.py.
+side), cgroups.py, pools.py (`SandboxPool`, `RaySandboxPool`), grading.py (`grade_program(s)`,
+`grade_stdio_programs`), planning.py (cutting tests into probes), and the grader's two sandbox programs,
+_probe_harness.py and _test_evaluator.py.
 """
 
 from dsv41.rl.sandbox.config import SANDBOX_STATUSES, SandboxLimits, SandboxResult, SandboxTask, sandbox_uid
 from dsv41.rl.sandbox.grading import (
+    GradingCache,
     GradingPlan,
     grade_program,
     grade_programs,
+    grade_stdio_programs,
     grading_score,
     grading_task,
 )
@@ -67,6 +74,7 @@ from dsv41.rl.sandbox.pools import RaySandboxPool, SandboxPool, _import_ray  # n
 
 __all__ = [
     "SANDBOX_STATUSES",
+    "GradingCache",
     "GradingPlan",
     "RaySandboxPool",
     "SandboxLimits",
@@ -75,6 +83,7 @@ __all__ = [
     "SandboxTask",
     "grade_program",
     "grade_programs",
+    "grade_stdio_programs",
     "grading_score",
     "grading_task",
     "run_python",

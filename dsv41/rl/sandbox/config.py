@@ -34,7 +34,10 @@ class SandboxLimits:
     shared memory, memfds and the files of its work directory (a tmpfs). disk_bytes and max_files cap that
     work directory (bytes, and files + directories); file_size_bytes caps any single file. max_processes
     counts threads too (that is how the kernel counts RLIMIT_NPROC and pids.max), the sandbox's interpreter
-    included. max_open_files is RLIMIT_NOFILE.
+    included. max_open_files is RLIMIT_NOFILE. cpu_cores is the run's CPU bandwidth, whatever it forks: a
+    quota of that many cores per scheduling period, and the same CPU weight as every other run, so a run
+    never takes more than its share from the runs beside it (its own processes, sessions included, share
+    its cgroup).
 
     network: False, no network at all (a private network namespace whose loopback is down, and sockets
     refused); True, a private network namespace whose loopback is up, so the program can talk to itself
@@ -54,6 +57,7 @@ class SandboxLimits:
     max_files: int = 4096
     max_processes: int = 32
     max_open_files: int = 64
+    cpu_cores: float = 1.0
     max_output_bytes: int = 64 * 1024  # per stream (stdout, stderr); the rest is read and dropped
     network: bool = False
     trusted_code: bool = False
@@ -61,6 +65,7 @@ class SandboxLimits:
     def __post_init__(self) -> None:
         _check_positive("cpu_time_s", self.cpu_time_s, integer=False)
         _check_positive("wall_time_s", self.wall_time_s, integer=False)
+        _check_positive("cpu_cores", self.cpu_cores, integer=False)
         for name in (
             "memory_bytes",
             "file_size_bytes",

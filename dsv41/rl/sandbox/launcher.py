@@ -1,5 +1,5 @@
-"""The sandbox's first process (the launcher): it applies every restriction to itself, then forks the
-program and is its reaper.
+"""The sandbox's first process (the launcher): it applies every restriction to itself, then forks the pid
+namespace's init, which forks the program; the launcher reaps the init and exits the way the program did.
 
 This file runs inside the sandbox's interpreter, which loads it by path (not through the `dsv41` package,
 whose import pulls in torch) before any restriction applies: it imports only the standard library and
@@ -10,7 +10,8 @@ Order of the layers, each recorded in the report's `isolation` (see the package 
 one stops):
 1. open the run's cgroup as root (the program joins it after the fork, before any of its code runs);
 2. namespaces: network (loopback down, or up for network=True), IPC (SysV shared memory, semaphores and
-   message queues, POSIX message queues: gone with the run), mount; without root a user namespace first;
+   message queues, POSIX message queues: gone with the run), mount, pid (for its children); without root a
+   user namespace first;
 3. mounts: a size- and inode-capped tmpfs over the work directory (disk use in total and the file count
    are bounded, and it all vanishes with the run), and where needed a tmpfs hiding a non-traversable
    directory above the Python installation;
@@ -18,6 +19,7 @@ one stops):
 5. the sandbox uid (root) or no capabilities (user namespace); parent-death signal;
 6. rlimits;
 7. the seccomp filter, last, since it forbids some of the calls above.
+The Landlock ruleset, the seccomp filter and the audit hook are in _filters.py, loaded by path at step 1.
 Unless the config says the code is trusted, a layer that cannot be had is fatal: the launcher writes the
 reason to the report and exits with 125 without running the program (it fails closed).
 """
@@ -36,7 +38,7 @@ import stat
 import struct
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 SETUP_FAILED_EXIT = 125  # the launcher's exit code when a mandatory protection could not be applied
@@ -67,106 +69,17 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_CHILD_SUBREAPER = 36
 _SIOCSIFFLAGS, _IFF_UP = 0x8914, 0x1
-_SYS_LANDLOCK_CREATE_RULESET, _SYS_LANDLOCK_ADD_RULE, _SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
-_LANDLOCK_CREATE_RULESET_VERSION = 1
-_LANDLOCK_RULE_PATH_BENEATH = 1
-_LL_EXECUTE, _LL_WRITE_FILE, _LL_READ_FILE, _LL_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
-_LL_FS_ABI1 = (1 << 13) - 1  # execute .. make_sym: everything ABI 1 handles
-_LL_REFER, _LL_TRUNCATE, _LL_IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15
-_LL_FILE_RIGHTS = _LL_EXECUTE | _LL_WRITE_FILE | _LL_READ_FILE | _LL_TRUNCATE | _LL_IOCTL_DEV
-_LL_READ_RIGHTS = _LL_EXECUTE | _LL_READ_FILE | _LL_READ_DIR
-_LL_NET_BIND_TCP, _LL_NET_CONNECT_TCP = 1 << 0, 1 << 1
-_LL_SCOPE_ABSTRACT_UNIX_SOCKET, _LL_SCOPE_SIGNAL = 1 << 0, 1 << 1
-
-# Kernel interfaces a program has no use for and that widen the kernel's attack surface (io_uring, keys,
-# BPF, perf, userfaultfd, namespaces and mounts, module loading, reading other processes' memory). Refused
-# with EPERM; clone() is refused only with a namespace flag, and clone3() (whose flags seccomp cannot see)
-# with ENOSYS, which makes the C library fall back to clone().
-_DENIED_SYSCALLS = (
-    "io_uring_setup",
-    "io_uring_enter",
-    "io_uring_register",
-    "keyctl",
-    "add_key",
-    "request_key",
-    "bpf",
-    "perf_event_open",
-    "userfaultfd",
-    "unshare",
-    "setns",
-    "mount",
-    "umount2",
-    "pivot_root",
-    "chroot",
-    "fsopen",
-    "fsmount",
-    "fsconfig",
-    "fspick",
-    "move_mount",
-    "open_tree",
-    "mount_setattr",
-    "init_module",
-    "finit_module",
-    "delete_module",
-    "kexec_load",
-    "kexec_file_load",
-    "open_by_handle_at",
-    "name_to_handle_at",
-    "process_vm_readv",
-    "process_vm_writev",
-    "ptrace",
-    "personality",
-    "acct",
-    "swapon",
-    "swapoff",
-    "reboot",
-    "syslog",
-    "quotactl",
-    "lookup_dcookie",
-)
-
-# Audit events that modify the filesystem: their path arguments must lie in the sandbox directory.
-_WRITE_EVENTS = {
-    "os.remove": (0,),
-    "os.rmdir": (0,),
-    "os.mkdir": (0,),
-    "os.rename": (0, 1),
-    "os.link": (0, 1),
-    "os.symlink": (1,),
-    "os.chmod": (0,),
-    "os.chown": (0,),
-    "os.truncate": (0,),
-    "os.utime": (0,),
-    "os.mkfifo": (0,),
-    "os.mknod": (0,),
-    "os.setxattr": (0,),
-    "os.removexattr": (0,),
-}
-_READ_EVENTS = {"os.listdir": (0,), "os.scandir": (0,), "os.listxattr": (0,), "os.getxattr": (0,)}
-_EXEC_EVENTS = ("os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen", "os.startfile")
-_CTYPES_EVENTS = (
-    "ctypes.call_function",
-    "ctypes.dlsym",
-    "ctypes.dlsym/handle",
-    "ctypes.cdata",
-    "ctypes.cdata/buffer",
-    "ctypes.addressof",
-    "ctypes.string_at",
-    "ctypes.wstring_at",
-)
 
 
-class _LandlockRulesetAttr(ctypes.Structure):
-    _fields_ = [
-        ("handled_access_fs", ctypes.c_uint64),
-        ("handled_access_net", ctypes.c_uint64),
-        ("scoped", ctypes.c_uint64),
-    ]
+def _load_filters():
+    """_filters.py, next to this file, loaded by path as this file is (the package is not imported here)."""
+    import importlib.util
 
-
-class _LandlockPathBeneathAttr(ctypes.Structure):
-    _pack_ = 1  # __attribute__((packed)) in the uapi header
-    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_filters.py")
+    spec = importlib.util.spec_from_file_location("_dsv41_sandbox_filters", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _libc() -> ctypes.CDLL:
@@ -180,15 +93,6 @@ def _check(ret: int, what: str) -> int:
         err = ctypes.get_errno()
         raise OSError(err, f"{what}: {os.strerror(err)}")
     return ret
-
-
-def _import_seccomp():
-    """libseccomp's bindings: Debian's `seccomp` module, or `pyseccomp` (the same API over ctypes)."""
-    try:
-        import seccomp
-    except ImportError:
-        import pyseccomp as seccomp
-    return seccomp
 
 
 def child_main(config_json: str) -> None:
@@ -225,13 +129,15 @@ def child_main(config_json: str) -> None:
                     pass
 
         signal.signal(STOP_SIGNAL, stop)
-        program = os.fork()
+        status_r, status_w = os.pipe()
+        init = os.fork()  # pid 1 of the run's pid namespace (unshared in _child_setup)
     except BaseException as exc:  # refuse to run the untrusted program half-protected
         fatal = {"fatal": f"{type(exc).__name__}: {exc}", "isolation": isolation}
         os.write(report_fd, json.dumps(fatal).encode())
         os._exit(SETUP_FAILED_EXIT)
-    if program == 0:
+    if init == 0:
         os.close(report_fd)  # the program must not be able to write (forge) the report
+        os.close(status_r)
         try:
             for fd in cfg["_cgroup_fds"]:
                 os.write(fd, b"0")  # into the run's cgroup, before any code of the program runs
@@ -240,25 +146,28 @@ def child_main(config_json: str) -> None:
             os.write(2, f"sandbox setup failed: could not join the run's cgroup: {exc}\n".encode())
             os._exit(SETUP_FAILED_EXIT)
         signal.signal(STOP_SIGNAL, signal.SIG_DFL)
-        # Die with the launcher (cleared by fork, so set again); the launcher dies with the orchestrator.
-        libc.prctl(
-            ctypes.c_int(_PR_SET_PDEATHSIG),
-            ctypes.c_ulong(signal.SIGKILL),
-            ctypes.c_ulong(0),
-            ctypes.c_ulong(0),
-            ctypes.c_ulong(0),
-        )
-        sys.addaudithook(hook)
-        _run_user_main(cfg["workdir"])
-        return  # normal interpreter shutdown: flushes the program's output, runs its atexit handlers
+        _die_with_parent(libc)  # cleared by fork; the launcher dies with the orchestrator
+        program = os.fork()
+        if program == 0:
+            os.close(status_w)
+            _die_with_parent(libc)
+            sys.addaudithook(hook)
+            _run_user_main(cfg["workdir"])
+            return  # normal interpreter shutdown: flushes the program's output, runs its atexit handlers
+        _namespace_init(program, status_w)
+    os.close(status_w)
     for fd in cfg["_cgroup_fds"]:
         os.close(fd)
     isolation["kill_all_at_exit"] = can_kill_all
     os.write(report_fd, json.dumps({"isolation": isolation}).encode())
     os.close(report_fd)
     os.close(0)  # stdin belongs to the program
-    children.append(program)
-    status = _reap_until(program)
+    children.append(init)
+    status = _reap_until(init)
+    reported = os.read(status_r, 4)
+    os.close(status_r)
+    if len(reported) == 4:
+        status = struct.unpack("i", reported)[0]  # the program's own; else init was killed (the deadline)
     if can_kill_all:
         # kill(-1) reaches exactly this sandbox: the sandbox uid's processes, or (Landlock signal scope)
         # this Landlock domain's. Repeated until no child is left (orphans all come back here), in case a
@@ -281,6 +190,39 @@ def child_main(config_json: str) -> None:
         signal.signal(sig, signal.SIG_DFL)
     os.kill(os.getpid(), sig)
     os._exit(128 + sig)
+
+
+def _die_with_parent(libc: ctypes.CDLL) -> None:
+    libc.prctl(
+        ctypes.c_int(_PR_SET_PDEATHSIG),
+        ctypes.c_ulong(signal.SIGKILL),
+        ctypes.c_ulong(0),
+        ctypes.c_ulong(0),
+        ctypes.c_ulong(0),
+    )
+
+
+def _namespace_init(program: int, status_w: int) -> None:
+    """Pid 1 of the run's pid namespace: reap until the program exits, hand its wait status to the
+    launcher, exit. The kernel then kills whatever the program left in the namespace and reaps it, so no
+    zombie is left for the host's pid 1 (which, in a container, may never reap). The program can signal
+    neither this process (signals from inside a namespace do not reach its init unless it handles them)
+    nor the launcher (which has no pid in the namespace), so it cannot orphan its processes either."""
+    for fd in (0, 1, 2):
+        os.close(fd)  # the program's streams are the program's: EOF comes when it and its children are done
+    status = None
+    while status is None:
+        try:
+            child, wait_status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        except InterruptedError:
+            continue
+        if child == program:
+            status = wait_status
+    if status is not None:
+        os.write(status_w, struct.pack("i", status))
+    os._exit(0)
 
 
 def _reap_until(pid: int) -> int | None:
@@ -309,6 +251,7 @@ def _child_setup(libc: ctypes.CDLL, cfg: dict, isolation: dict) -> tuple[Callabl
     import runpy  # noqa: F401  (imported while the whole filesystem is still readable)
     import traceback  # noqa: F401
 
+    filters = _load_filters()
     as_root = os.geteuid() == 0
     workdir = cfg["workdir"]
     uid, gid = cfg["uid"], cfg["gid"]
@@ -335,7 +278,7 @@ def _child_setup(libc: ctypes.CDLL, cfg: dict, isolation: dict) -> tuple[Callabl
     cfg["_cgroup_fds"] = cgroup_fds
 
     try:  # loaded now: libseccomp is out of reach once Landlock applies
-        seccomp = _import_seccomp()
+        seccomp = filters.import_seccomp()
     except (ImportError, OSError) as exc:
         seccomp = None
         errors["seccomp"] = f"libseccomp's Python bindings are not importable ({exc}): pip install pyseccomp"
@@ -355,6 +298,7 @@ def _child_setup(libc: ctypes.CDLL, cfg: dict, isolation: dict) -> tuple[Callabl
         ("network_namespace", _CLONE_NEWNET),
         ("ipc_namespace", _CLONE_NEWIPC),
         ("mount_namespace", _CLONE_NEWNS),
+        ("pid_namespace", _CLONE_NEWPID),  # for the children: the next fork is the namespace's init
     ):
         try:
             _unavailable(cfg, layer)
@@ -425,7 +369,7 @@ def _child_setup(libc: ctypes.CDLL, cfg: dict, isolation: dict) -> tuple[Callabl
     try:
         _unavailable(cfg, "landlock")
         # TCP rules only without a network namespace of our own; with one, there is nothing to reach.
-        abi = _landlock_restrict(
+        abi = filters.landlock_restrict(
             libc, cfg["read_paths"], [workdir], restrict_tcp=not cfg["network"] and not isolation["network_namespace"]
         )
         isolation["landlock"] = True
@@ -465,10 +409,13 @@ def _child_setup(libc: ctypes.CDLL, cfg: dict, isolation: dict) -> tuple[Callabl
     # 6. Resource limits: lowering a limit needs no privilege, and nothing above is charged to them.
     cpu = math.ceil(cfg["cpu_time_s"])
     if uid is not None or in_user_ns:
-        # The sandbox uid (or the fresh user namespace) holds only this sandbox's tasks; +1: the launcher.
-        nproc = cfg["max_processes"] + 1
+        # The sandbox uid (or the fresh user namespace) holds only this sandbox's tasks; +2: the launcher and
+        # the pid namespace's init.
+        # Zombies of the uid that nobody reaps still count (the orchestrator measured them): not against the
+        # program.
+        nproc = cfg["max_processes"] + 2 + cfg.get("stale_zombies", 0)
     else:
-        nproc = user_tasks + cfg["max_processes"]  # the limit is shared with the user's other processes
+        nproc = user_tasks + cfg["max_processes"] + 1  # shared with the user's other processes; +1: the init
     nofile = cfg["max_open_files"]
     for name, soft, hard in (
         ("RLIMIT_CORE", 0, 0),
@@ -490,7 +437,7 @@ def _child_setup(libc: ctypes.CDLL, cfg: dict, isolation: dict) -> tuple[Callabl
     if seccomp is not None:
         try:
             _unavailable(cfg, "seccomp")
-            _seccomp_filter(seccomp)
+            filters.seccomp_filter(seccomp, _NAMESPACE_FLAGS)
             isolation["seccomp"] = True
         except (OSError, RuntimeError, ValueError) as exc:
             errors["seccomp"] = str(exc)
@@ -509,38 +456,12 @@ def _child_setup(libc: ctypes.CDLL, cfg: dict, isolation: dict) -> tuple[Callabl
     read_roots = [workdir] + [os.path.realpath(p) for p in cfg["read_paths"]] + list(cfg["read_paths"])
     # With the seccomp filter in force an AF_UNIX socket object can only wrap a socketpair() end, which
     # asyncio's event loop and multiprocessing's pipes need: the hook lets those through.
-    hook = _make_audit_hook(
+    hook = filters.make_audit_hook(
         read_roots, [workdir], block_network=not cfg["network"], strict=not kernel_ok, socketpairs=isolation["seccomp"]
     )
     signal_scoped = bool(isolation["landlock"] and isolation["landlock_abi"] >= 6)
     can_kill_all = (as_root and uid is not None) or signal_scoped
     return hook, can_kill_all
-
-
-def _seccomp_filter(seccomp) -> None:
-    """Allow everything except the calls above, namespace flags to clone(), and socket() of any family but
-    AF_INET and AF_INET6: a path unix socket is reachable whatever the network namespace and Landlock say,
-    and so is the hypervisor through AF_VSOCK (neither is namespaced); socketpair() stays allowed.
-
-    An allowlist on purpose: the kernel reads the family as a 32-bit int, so socket(0x1_00000001) is an
-    AF_UNIX socket that an `== AF_UNIX` rule on the 64-bit register would let through; anything above
-    AF_INET6 (10), upper bits included, is refused."""
-    f = seccomp.SyscallFilter(seccomp.ALLOW)
-    deny_socket = seccomp.ERRNO(errno.EACCES)
-    for family in range(socket.AF_INET6):
-        if family != socket.AF_INET:
-            f.add_rule(deny_socket, "socket", seccomp.Arg(0, seccomp.EQ, family))
-    f.add_rule(deny_socket, "socket", seccomp.Arg(0, seccomp.GT, socket.AF_INET6))
-    for name in _DENIED_SYSCALLS:
-        try:
-            f.add_rule(seccomp.ERRNO(errno.EPERM), name)
-        except (OSError, RuntimeError, ValueError):
-            # A name this libseccomp does not know (an older release): that syscall does not exist for it.
-            continue
-    for flag in _NAMESPACE_FLAGS:
-        f.add_rule(seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
-    f.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
-    f.load()
 
 
 def _loopback_up() -> None:
@@ -680,119 +601,6 @@ def _shadow_directories(libc: ctypes.CDLL, shadows: list[str], python_roots: lis
             if not writable:
                 _mount(libc, None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
             os.close(fd)
-
-
-def _landlock_restrict(
-    libc: ctypes.CDLL, read_paths: Sequence[str], write_paths: Sequence[str], restrict_tcp: bool
-) -> int:
-    """Restrict this process (and its future children) to reading `read_paths` and reading+writing
-    `write_paths`. Only access rights the running kernel's ABI knows are handled. Returns the ABI."""
-    abi = libc.syscall(
-        ctypes.c_long(_SYS_LANDLOCK_CREATE_RULESET),
-        None,
-        ctypes.c_size_t(0),
-        ctypes.c_uint32(_LANDLOCK_CREATE_RULESET_VERSION),
-    )
-    _check(abi, "landlock_create_ruleset(version)")
-    handled_fs = _LL_FS_ABI1
-    if abi >= 2:
-        handled_fs |= _LL_REFER
-    if abi >= 3:
-        handled_fs |= _LL_TRUNCATE
-    if abi >= 5:
-        handled_fs |= _LL_IOCTL_DEV
-    handled_net = (_LL_NET_BIND_TCP | _LL_NET_CONNECT_TCP) if abi >= 4 and restrict_tcp else 0
-    scoped = (_LL_SCOPE_ABSTRACT_UNIX_SOCKET | _LL_SCOPE_SIGNAL) if abi >= 6 else 0
-    attr = _LandlockRulesetAttr(handled_fs, handled_net, scoped)
-    attr_size = 8 if abi < 4 else 16 if abi < 6 else 24  # the struct grew with the ABI; size tells the kernel
-    ruleset = _check(
-        libc.syscall(
-            ctypes.c_long(_SYS_LANDLOCK_CREATE_RULESET),
-            ctypes.byref(attr),
-            ctypes.c_size_t(attr_size),
-            ctypes.c_uint32(0),
-        ),
-        "landlock_create_ruleset",
-    )
-    try:
-        rules = [(p, _LL_READ_RIGHTS) for p in read_paths] + [(p, handled_fs) for p in write_paths]
-        for path, access in rules:
-            try:
-                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-            except FileNotFoundError:
-                continue  # e.g. no /lib32 on this system
-            try:
-                if not stat.S_ISDIR(os.fstat(fd).st_mode):
-                    access &= _LL_FILE_RIGHTS  # directory rights on a file are EINVAL
-                    if path.startswith("/dev/"):
-                        access |= _LL_WRITE_FILE | _LL_TRUNCATE  # writing to /dev/null is harmless
-                rule = _LandlockPathBeneathAttr(access & handled_fs, fd)
-                _check(
-                    libc.syscall(
-                        ctypes.c_long(_SYS_LANDLOCK_ADD_RULE),
-                        ctypes.c_int(ruleset),
-                        ctypes.c_int(_LANDLOCK_RULE_PATH_BENEATH),
-                        ctypes.byref(rule),
-                        ctypes.c_uint32(0),
-                    ),
-                    f"landlock_add_rule({path})",
-                )
-            finally:
-                os.close(fd)
-        _check(
-            libc.syscall(ctypes.c_long(_SYS_LANDLOCK_RESTRICT_SELF), ctypes.c_int(ruleset), ctypes.c_uint32(0)),
-            "landlock_restrict_self",
-        )
-    finally:
-        os.close(ruleset)
-    return abi
-
-
-def _make_audit_hook(
-    read_roots: Sequence[str], write_roots: Sequence[str], block_network: bool, strict: bool, socketpairs: bool = False
-) -> Callable[[str, tuple], None]:
-    """An audit hook refusing what the sandbox may not do. Not a security boundary (see the module
-    docstring); `strict` adds process execution and ctypes calls, for when a kernel layer is missing."""
-    read_roots = tuple(sorted(set(read_roots)))
-    write_roots = tuple(sorted(set(write_roots)))
-    path_types = (str, bytes, os.PathLike)
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
-
-    def inside(path: Any, roots: tuple) -> bool:
-        if path is None:
-            path = "."
-        if isinstance(path, int):
-            return True  # an already open descriptor: opening it was checked
-        if not isinstance(path, path_types):
-            return False
-        full = os.path.realpath(os.path.join(os.getcwd(), os.fsdecode(os.fspath(path))))
-        return any(full == r or full.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
-
-    def deny(what: str, path: Any = None) -> None:
-        raise PermissionError(errno.EACCES, f"sandbox: {what} is not permitted", None if path is None else str(path))
-
-    def hook(event: str, args: tuple) -> None:
-        if event == "open":
-            path, mode, flags = args
-            writing = any(c in mode for c in "wax+") if isinstance(mode, str) else bool((flags or 0) & write_flags)
-            if not inside(path, write_roots if writing else read_roots + write_roots):
-                deny("opening this path for writing" if writing else "opening this path", path)
-        elif event in _WRITE_EVENTS:
-            for i in _WRITE_EVENTS[event]:
-                if i < len(args) and not inside(args[i], write_roots):
-                    deny(f"{event}", args[i])
-        elif event in _READ_EVENTS:
-            for i in _READ_EVENTS[event]:
-                if i < len(args) and not inside(args[i], read_roots + write_roots):
-                    deny(f"{event}", args[i])
-        elif block_network and event.startswith("socket."):
-            if socketpairs and event == "socket.__new__" and len(args) > 1 and args[1] == socket.AF_UNIX:
-                return  # the seccomp filter refuses socket(AF_UNIX): this wraps a socketpair() end
-            deny(f"network access ({event})")
-        elif strict and (event.startswith(_EXEC_EVENTS) or event in _CTYPES_EVENTS):
-            deny(f"{event} without kernel isolation")
-
-    return hook
 
 
 def _run_user_main(workdir: str) -> None:

@@ -31,6 +31,7 @@ _TAIL_BYTES = 8192  # the end of stderr is kept apart from the (head-truncated) 
 _DRAIN_AFTER_EXIT_S = 2.0  # how long pipes are drained once the sandbox is dead (data still in the pipe)
 _KILL_HELPER_BUDGET_S = 3.0
 _STOP_GRACE_S = 1.0
+_REAP_WAIT_S = 0.25  # a reaping pid 1 takes milliseconds; one that never reaps is not waited for longer
 
 # Minimal environment: nothing inherited from the trainer (tokens, cloud credentials, proxies).
 _BASE_ENV = {
@@ -143,19 +144,20 @@ def _run_in_slot(code: str, stdin: str, extra: dict[str, bytes], limits: Sandbox
         # A previous run on this slot that escaped its cleanup (a crashed trainer) must not eat this run's
         # process budget or interfere with it.
         _kill_uid(uid)
-        _wait_for_reaping(uid)
+    stale_zombies = _unreaped_zombies(uid) if uid is not None else 0
     cgroup, cgroup_error = None, None
     try:
         if "cgroup" in _SIMULATE_UNAVAILABLE:
             raise CgroupUnavailable("cgroup made unavailable for a test")
         # The launcher stays outside (launcher.py says why): the program's tasks are all it counts.
-        cgroup = RunCgroup.create(slot, limits.memory_bytes, limits.max_processes)
+        # +1 task: the pid namespace's init (launcher.py), which is the sandbox's but not the program's.
+        cgroup = RunCgroup.create(slot, limits.memory_bytes, limits.max_processes + 1, limits.cpu_cores)
     except (CgroupUnavailable, OSError) as exc:
         cgroup_error = f"no cgroup could be created: {exc}"
     workdir = os.path.realpath(tempfile.mkdtemp(prefix=f"dsv41-sandbox-{slot}-"))
     try:
         _populate_workdir(workdir, code, extra, uid, gid)
-        result = _supervise(workdir, stdin, limits, uid, gid, cgroup, cgroup_error)
+        result = _supervise(workdir, stdin, limits, uid, gid, cgroup, cgroup_error, stale_zombies)
         result.slot = slot
         return result
     finally:
@@ -285,16 +287,18 @@ def _uid_processes(uid: int, zombies: bool = False) -> list[int]:
     return pids
 
 
-def _wait_for_reaping(uid: int, budget_s: float = _KILL_HELPER_BUDGET_S) -> bool:
-    """Wait (bounded) until no zombie of the slot's uid is left: a program that killed its launcher leaves
-    its processes to the system's init, and until init reaps them they count against the uid's
-    RLIMIT_NPROC, so the next run on the slot could not even fork."""
+def _unreaped_zombies(uid: int, budget_s: float = _REAP_WAIT_S) -> int:
+    """Wait (briefly) for the zombies of the slot's uid to be reaped and return how many are left. Zombies
+    count against the uid's RLIMIT_NPROC until their parent reaps them: a run whose launcher died (a
+    crashed trainer) leaves its processes to the host's pid 1, which reaps at once on a normal system and
+    never in some containers. Those left are counted into the next run's process limit (the launcher adds
+    them), so they take nothing from its program, and no run waits long for a reaping that never comes."""
     deadline = time.monotonic() + budget_s
-    while _uid_processes(uid, zombies=True):
-        if time.monotonic() > deadline:
-            return False
+    while True:
+        zombies = len(_uid_processes(uid, zombies=True)) - len(_uid_processes(uid))
+        if zombies == 0 or time.monotonic() > deadline:
+            return zombies
         time.sleep(0.01)
-    return True
 
 
 def _kill_uid(uid: int) -> bool:
@@ -369,6 +373,7 @@ def _supervise(
     gid: int | None,
     cgroup: RunCgroup | None,
     cgroup_error: str | None,
+    stale_zombies: int = 0,
 ) -> SandboxResult:
     read_paths = _python_roots() + list(_SYSTEM_READ_PATHS)
     report_r, report_w = os.pipe()
@@ -385,6 +390,7 @@ def _supervise(
         "memory_bytes": limits.memory_bytes,
         "file_size_bytes": limits.file_size_bytes,
         "max_processes": limits.max_processes,
+        "stale_zombies": stale_zombies,
         "disk_bytes": limits.disk_bytes,
         "max_files": limits.max_files,
         "max_open_files": limits.max_open_files,
