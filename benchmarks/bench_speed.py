@@ -1,12 +1,12 @@
-"""Engine speed against the plain model loop, in one run (issue 12): decode, prefill, context scaling.
+"""Engine speed against the plain model loop, in one run: decode, prefill, context scaling.
 
     python benchmarks/bench_speed.py [--preset small] [--out bench_out] [--quick]
     python benchmarks/bench_speed.py --prefill-curve 262144      # one long prompt: chunk time vs position
 
 Prints tables and writes bench_out/speed_<preset>.json and a PNG. Side by side (compare ratios; these
 machines are noisy):
-- decode tokens/s at batch 1/8/32 x context 512/4K/32K: the engine (batch-invariant, its default), the
-  engine without batch invariance, and the plain loop (the core model's forward + `ModelCache`, one
+- decode tokens/s at batch 1/8/32 x context 512/4K/32K: the engine in `fast` numerics (its default, with its
+  compiled decode regions), `fast` with eager ops only, `deterministic`, and the plain loop (the core model's forward + `ModelCache`, one
   batch at one position). Contexts are laid down synthetically (random values on the storage grids, the
   same state for both), so a decode step does the work it does after a real prefill;
 - decode step time vs context at batch 1;
@@ -25,7 +25,6 @@ Random weights: only speeds and sizes mean anything here.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import resource
@@ -34,7 +33,15 @@ import sys
 import time
 
 import torch
-from bench_serve import benchmark_args, make_engine, random_prompts, synthetic_sequence, table, write_results
+from bench_serve import (
+    benchmark_args,
+    machine,
+    make_engine,
+    random_prompts,
+    synthetic_sequence,
+    table,
+    write_results,
+)
 
 from dsv41.config import preset
 from dsv41.engine import SamplingParams
@@ -96,34 +103,6 @@ def active_weight_bytes(model: Transformer, batch: int) -> float:
 
 
 # ---------------------------------------------------------------------- decode
-@contextlib.contextmanager
-def eager_kernels():
-    """The engine with the eager reference kernels instead of the fused ones (dsv41.ops.fused)."""
-    previous = os.environ.get("DSV41_FUSED")
-    os.environ["DSV41_FUSED"] = "0"
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["DSV41_FUSED"]
-        else:
-            os.environ["DSV41_FUSED"] = previous
-
-
-@contextlib.contextmanager
-def padded_gemms():
-    """The engine as in round 2: every batch-invariant GEMM padded to `row_chunk` rows, even where this
-    machine's kernel gives the narrow call the same bits (dsv41.ops.gemm.narrow_rows_agree)."""
-    from dsv41.ops import gemm
-
-    real = gemm.narrow_rows_agree
-    gemm.narrow_rows_agree = lambda *args: False
-    try:
-        yield
-    finally:
-        gemm.narrow_rows_agree = real
-
-
 def engine_decode(model, batch: int, context: int, steps: int, **overrides) -> dict:
     engine = make_engine(
         model, kv_pool_tokens=batch * (context + 256) + 4096, max_model_len=context + 4096, **overrides
@@ -205,6 +184,21 @@ def hf_model(cfg):
         print(f"transformers' DeepSeek-V4 cannot be built at these widths ({err}); its column is left out")
         return None
 
+
+DECODE_HEADER = [
+    "batch",
+    "context",
+    "fast tok/s",
+    "fast, eager",
+    "deterministic",
+    "plain loop",
+    "transformers V4",
+    "fast/plain",
+    "fast/transformers",
+    "determ./fast step",
+    "floor ms/step",
+    "fast step/floor",
+]
 
 HF_MAX_PREFILL = 8192  # batch x context tokens up to which the transformers column is measured
 
@@ -473,15 +467,17 @@ def main(argv=None) -> int:
     bandwidth = memory_bandwidth_gb_s()
     results["memory_bandwidth_gb_s"] = bandwidth
     print(f"memory bandwidth (copy, {args.threads} threads): {bandwidth:.1f} GB/s", flush=True)
+    info = machine()
+    print(f"CPU: {info['cpu']} ({', '.join(info['flags'])}), torch capability {info['torch_capability']}")
+    results["machine"] = info
     rows, decode = [], []
     for ctx in contexts:
         for b in batches:
-            eng = engine_decode(model, b, ctx, steps)
-            fast = engine_decode(model, b, ctx, steps, batch_invariant=False)
-            with eager_kernels():
-                eager = engine_decode(model, b, ctx, steps)
-            with padded_gemms():
-                padded = engine_decode(model, b, ctx, steps)
+            # the engine's numerics modes (docs/numerics.md); `fast` as `dsv41 serve` runs it, with its compiled
+            # decode regions (built before the first timed step), and with eager ops only
+            eng = engine_decode(model, b, ctx, steps, compile_decode="now")
+            eager = engine_decode(model, b, ctx, steps)
+            det = engine_decode(model, b, ctx, steps, numerics="deterministic")
             plain = plain_decode(model, b, ctx, steps)
             # transformers' prefill of the synthetic context is slow past ~8K tokens in all (minutes here)
             hf_cell = hf_decode(hf, b, ctx, steps) if hf is not None and b * ctx <= HF_MAX_PREFILL else None
@@ -491,16 +487,17 @@ def main(argv=None) -> int:
                     "batch": b,
                     "context": ctx,
                     "engine_tok_s": eng["tok_s"],
-                    "engine_not_invariant_tok_s": fast["tok_s"],
-                    "engine_eager_kernels_tok_s": eager["tok_s"],
-                    "engine_padded_gemms_tok_s": padded["tok_s"],
+                    "engine_eager_tok_s": eager["tok_s"],
+                    "deterministic_tok_s": det["tok_s"],
                     "transformers_v4_tok_s": hf_cell["tok_s"] if hf_cell else None,
                     "plain_tok_s": plain["tok_s"],
                     "engine_step_ms": eng["step_ms"],
+                    "deterministic_step_ms": det["step_ms"],
                     "floor_step_ms": floor_ms,
                     "engine_vs_floor": eng["step_ms"] / floor_ms,
                     "ratio": eng["tok_s"] / plain["tok_s"],
-                    "ratio_not_invariant": fast["tok_s"] / plain["tok_s"],
+                    "ratio_transformers": eng["tok_s"] / hf_cell["tok_s"] if hf_cell else None,
+                    "deterministic_cost": det["step_ms"] / eng["step_ms"],
                 }
             )
             rows.append(
@@ -508,57 +505,24 @@ def main(argv=None) -> int:
                     b,
                     ctx,
                     eng["tok_s"],
-                    fast["tok_s"],
                     eager["tok_s"],
-                    padded["tok_s"],
+                    det["tok_s"],
                     plain["tok_s"],
                     hf_cell["tok_s"] if hf_cell else "-",
                     eng["tok_s"] / plain["tok_s"],
                     eng["tok_s"] / hf_cell["tok_s"] if hf_cell else "-",
+                    det["step_ms"] / eng["step_ms"],
                     floor_ms,
                     eng["step_ms"] / floor_ms,
                 ]
             )
-            print(
-                table(
-                    "",
-                    [
-                        "batch",
-                        "context",
-                        "engine",
-                        "engine no-inv",
-                        "engine eager",
-                        "engine padded",
-                        "plain",
-                        "hf v4",
-                        "engine/plain",
-                        "engine/hf",
-                        "floor ms",
-                        "step/floor",
-                    ],
-                    [rows[-1]],
-                ).splitlines()[-1],
-                flush=True,
-            )
+            print(table("", DECODE_HEADER, [rows[-1]]).splitlines()[-1], flush=True)
     results["decode"] = decode
     print(
         table(
             f"\n[decode tok/s] {args.preset}, {steps} steps after a warm-up, synthetic context; floor: active "
             f"weight bytes / {bandwidth:.1f} GB/s",
-            [
-                "batch",
-                "context",
-                "engine tok/s",
-                "engine (no batch inv.)",
-                "engine (eager kernels)",
-                "engine (padded GEMMs, round 2)",
-                "plain loop tok/s",
-                "transformers DeepSeek-V4 tok/s",
-                "engine/plain",
-                "engine/transformers",
-                "floor ms/step",
-                "engine step / floor",
-            ],
+            DECODE_HEADER,
             rows,
         )
     )
@@ -669,10 +633,9 @@ def _decode_bars(ax, results: dict) -> None:
     labels = [f"b{r['batch']}\n{r['context'] // 1024 or r['context']}{'K' if r['context'] >= 1024 else ''}" for r in d]
     x = range(len(d))
     bars = [
-        ("engine_tok_s", "engine"),
-        ("engine_not_invariant_tok_s", "engine, no batch inv."),
-        ("engine_eager_kernels_tok_s", "engine, eager kernels"),
-        ("engine_padded_gemms_tok_s", "engine, padded GEMMs (round 2)"),
+        ("engine_tok_s", "engine, fast"),
+        ("engine_eager_tok_s", "engine, fast, eager"),
+        ("deterministic_tok_s", "engine, deterministic"),
         ("plain_tok_s", "plain loop"),
         ("transformers_v4_tok_s", "transformers DeepSeek-V4"),
     ]

@@ -151,6 +151,20 @@ class EngineConfig:
         },
     )
 
+    compile_decode: str = field(
+        default="off",
+        metadata={
+            "choices": KERNEL_MODES,
+            "help": (
+                "under --numerics fast, compile the token-wise parts of decode steps into one graph per batch "
+                "bucket (1, 2, 4, 8, 16, 32 tokens; dsv41.engine.compiled): 'now' before the first request "
+                "(seconds per bucket with a warm compiler cache, a minute or more cold), 'background' on a thread "
+                "while the eager ops serve, 'off' not at all (the default: it saves ~10% of a small-batch step, "
+                "docs/engine-speed.md)"
+            ),
+        },
+    )
+
     speculative: bool = field(
         default=False,
         metadata={
@@ -233,6 +247,8 @@ class EngineConfig:
             )
         if self.fused_kernels not in KERNEL_MODES:
             raise ValueError(f"EngineConfig.fused_kernels must be one of {KERNEL_MODES}, got {self.fused_kernels!r}")
+        if self.compile_decode not in KERNEL_MODES:
+            raise ValueError(f"EngineConfig.compile_decode must be one of {KERNEL_MODES}, got {self.compile_decode!r}")
         if self.numerics not in NUMERICS_MODES:
             raise ValueError(f"EngineConfig.numerics must be one of {NUMERICS_MODES}, got {self.numerics!r}")
         if self.row_chunk <= 0:

@@ -22,6 +22,7 @@ from collections import deque
 import torch
 
 from dsv41.config import ModelConfig
+from dsv41.engine.compiled import BUCKETS, CompiledDecode
 from dsv41.engine.config import EngineConfig
 from dsv41.engine.handoff import KVHandoff, check_handoff
 from dsv41.engine.kv_pool import BlockAllocator, PagedKVPool
@@ -33,6 +34,7 @@ from dsv41.engine.sequence import Sequence, StatePool, Status
 from dsv41.engine.speculative import Speculation
 from dsv41.engine.types import RequestOutput, SamplingParams
 from dsv41.model.transformer import Transformer
+from dsv41.ops import fused
 
 log = logging.getLogger("dsv41.engine")
 
@@ -80,6 +82,14 @@ class LLMEngine(Scheduling, Speculation):
         )
         # built before the first request ('now'), or on a thread while the eager ops serve ('background')
         self.fused_kernels = model.prepare_kernels(config.fused_kernels)
+        if config.numerics == "fast" and config.compile_decode != "off" and fused.enabled():
+            # the compiled token-wise regions of decode steps, one graph per batch bucket up to max_num_seqs
+            buckets = tuple(b for b in BUCKETS if b <= config.max_num_seqs) or (BUCKETS[0],)
+            self.runner.compiled = CompiledDecode(model, buckets)
+            if config.compile_decode == "now":
+                self.runner.compiled.build()
+            else:
+                self.runner.compiled.build_in_background()
         self.boundary = self.runner.boundary
         limit = config.max_model_len or cfg.max_position_embeddings
         self.max_model_len = min(limit, num_blocks * bs)

@@ -98,6 +98,9 @@ class ModelRunner:
         self.per_chunk = numerics in (None, "deterministic")
         # DSpark: keep the target layers' mean-over-copies inputs (dsv41.model.dspark.main_hidden)
         self.targets = tuple(model.cfg.dspark_target_layer_ids) if capture_hidden and len(model.mtp) else ()
+        # fast mode: compiled token-wise regions for decode batches (dsv41.engine.compiled), set by the engine
+        self.compiled = None
+        self._regions = None  # those of the forward in progress
 
     def numerics(self):
         """The context every forward of this runner runs in (also what a rank computing another rank's rows
@@ -143,6 +146,8 @@ class ModelRunner:
         rope_rows: dict = {}  # id(RotaryTable) -> (positions, its RoPE rows), for this forward
         steps = self._decode_steps(chunks, device)
         hash_ids = self._engram_hashes(chunks) if model.engram_hash is not None else None
+        decode_only = len(steps) == 1 and len(steps[0][1]) == ids.size(1) and record is None
+        self._regions = self.compiled.regions(ids.size(1)) if self.compiled is not None and decode_only else None
 
         x, image_mask = self._embed(ids, chunks)
         h = x.unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [1, T, hc, dim]
@@ -177,6 +182,8 @@ class ModelRunner:
             if i in self.targets:
                 hidden.append(dspark.main_hidden(h))  # [1, T, dim], the stream entering the block
             shared = {"token_calls": calls} if record is None else {"token_calls": calls, "moe_aux": record}
+            if self._regions is not None:
+                shared["regions"] = self._regions
             h, pre_mix = layer.run(
                 h,
                 pre_mix,
@@ -279,7 +286,8 @@ class ModelRunner:
         rope_rows: dict,
     ) -> torch.Tensor:
         freqs = self._rope(attn, positions, rope_rows, x.device)
-        qr, q, kv = attn.project(x, freqs)
+        regions = self._regions
+        qr, q, kv = attn.project(x, freqs) if regions is None else regions.project(attn, x, freqs)
         if not steps:
             outs, a = [], 0
             for c in chunks:
@@ -300,7 +308,8 @@ class ModelRunner:
                 states,
                 pool,
             )  # [B, 1, H, D]
-            return attn.output(o.view(1, o.size(0), *o.shape[2:]), freqs)  # [1, B, H, D]
+            o = o.view(1, o.size(0), *o.shape[2:])  # [1, B, H, D]
+            return attn.output(o, freqs) if regions is None else regions.output(attn, o, freqs)
         out = q.new_empty(q.shape)  # [1, T, H, D]
         offset, a = {}, 0
         for c in chunks:

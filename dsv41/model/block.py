@@ -104,16 +104,26 @@ class Block(nn.Module):
         lists each sequence chunk's token count, so every token's numbers are those of its chunk run
         alone (dsv41.ops.lanes)."""
         calls = shared.get("token_calls")
+        regions = shared.get("regions")  # compiled token-wise regions of a fast decode step (dsv41.engine.compiled)
         residual = h
-        attn_pre, attn_post, attn_comb = self.hc_mixes(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, calls)
-        x = attend(self.attn_input(h, pre_mix))
-        _trace(shared, f"hidden.layers.{self.layer_id}.attn_out", x)
         ref = self.reference_numerics
-        h = self.hc_post(x, residual, attn_post, attn_comb, ref)
-
+        if regions is not None:
+            (attn_pre, attn_post, attn_comb), x = regions.pre_attention(self, h, pre_mix)
+            x = attend(x)
+            h, (ffn_pre, ffn_post, ffn_comb), x = regions.post_attention(
+                self, x, residual, attn_post, attn_comb, attn_pre
+            )
+        else:
+            attn_pre, attn_post, attn_comb = self.hc_mixes(
+                h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, calls
+            )
+            x = attend(self.attn_input(h, pre_mix))
+            _trace(shared, f"hidden.layers.{self.layer_id}.attn_out", x)
+            h = self.hc_post(x, residual, attn_post, attn_comb, ref)
+            ffn_pre, ffn_post, ffn_comb = self.hc_mixes(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, calls)
+            x = self.ffn_norm(self.hc_pre(h, attn_pre, ref))
         residual = h
-        ffn_pre, ffn_post, ffn_comb = self.hc_mixes(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, calls)
-        x = self.ffn(self.ffn_norm(self.hc_pre(h, attn_pre, ref)), image_mask, shared.get("moe_aux"), calls)
+        x = self.ffn(x, image_mask, shared.get("moe_aux"), calls)
         _trace(shared, f"hidden.layers.{self.layer_id}.ffn_out", x)
         h = self.hc_post(x, residual, ffn_post, ffn_comb, ref)
         return h, ffn_pre
