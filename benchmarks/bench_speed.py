@@ -426,6 +426,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--contexts", type=int, nargs="+", help="decode contexts (default 512 4096 32768; --quick 512 2048)"
     )
+    ap.add_argument("--steps", type=int, help="timed decode steps per cell (default 6; --quick 3)")
     ap.add_argument("--decode-only", action="store_true", help="only the decode grid (no step-vs-context, no prefill)")
     args = ap.parse_args(argv)
     if args.prefill_point:
@@ -460,7 +461,7 @@ def main(argv=None) -> int:
 
     batches, contexts = ([1, 8], [512, 2048]) if quick else ([1, 8, 32], [512, 4096, 32768])
     batches, contexts = args.batches or batches, args.contexts or contexts
-    steps = 3 if quick else 6
+    steps = args.steps or (3 if quick else 6)
     hf = hf_model(model.cfg)
     if hf is None:
         print("transformers' DeepSeek-V4 not installed (pip install -e '.[hf]'): its column is left out")
