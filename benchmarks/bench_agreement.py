@@ -84,7 +84,16 @@ def main(argv=None) -> int:
             "agreement with the reference numerics (shakespeare-chat, held-out text)",
             ["mode", "path", "positions", "ppl ratio", "top-1", "KL mean", "KL max", "s"],
             [
-                [r["mode"], r["path"], r["positions"], r["ppl_ratio"], r["top1"], r["kl_mean"], r["kl_max"], r["s"]]
+                [
+                    r["mode"],
+                    r["path"],
+                    r["positions"],
+                    f"{r['ppl_ratio']:.5f}",
+                    f"{r['top1']:.4f}",
+                    f"{r['kl_mean']:.2e}",
+                    f"{r['kl_max']:.3f}",
+                    f"{r['s']:.0f}",
+                ]
                 for r in rows
             ],
         )
