@@ -169,6 +169,22 @@ def test_flock_is_refused():
     assert result.stdout == "refused 1\n", result.stdout
 
 
+def _zombies_of(uid: int) -> int:
+    """Processes of this uid in state Z (/proc/<pid>/status)."""
+    count = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue
+        if fields.get("State", "").strip().startswith("Z") and fields.get("Uid", "").split()[:1] == [str(uid)]:
+            count += 1
+    return count
+
+
 def test_zombies_nobody_reaps_do_not_take_a_slots_processes():
     """Where the host's pid 1 does not reap (a container's), zombies of a slot's uid stay and count
     against its RLIMIT_NPROC: the next runs on the slot failed to fork. A parent that never waits stands
@@ -187,9 +203,14 @@ def test_zombies_nobody_reaps_do_not_take_a_slots_processes():
     parent = subprocess.Popen([sys.executable, "-c", maker], stdout=subprocess.PIPE, text=True)
     try:
         assert parent.stdout.readline() == "ready\n"
-        forks = (
-            "import os\npids = [os.fork() for _ in range(4)]\n"
-            "if 0 in pids:\n    os._exit(0)\n"
+        # the children may still be switching uid when "ready" is printed: wait until all 12 are zombies of it
+        deadline = time.monotonic() + 10
+        while _zombies_of(uid) < 12 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _zombies_of(uid) == 12
+        forks = (  # four children at most at once (each exits at once), well inside max_processes
+            "import os\npids = []\nfor _ in range(4):\n    pid = os.fork()\n"
+            "    if pid == 0:\n        os._exit(0)\n    pids.append(pid)\n"
             "for pid in pids:\n    os.waitpid(pid, 0)\nprint('forked')\n"
         )
         start = time.monotonic()
