@@ -151,6 +151,17 @@ class EngineConfig:
         },
     )
 
+    fast_gemm: str = field(
+        default="auto",
+        metadata={
+            "choices": ("auto", "bf16"),
+            "help": (
+                "under --numerics fast: 'auto' runs small (decode) calls of bf16 layers as fp32 GEMMs over fp32 "
+                "copies of their weights where a probe on this machine (cached on disk) found them faster, as "
+                "on CPUs without bf16 instructions; 'bf16' always runs the bf16 GEMM (no copies)"
+            ),
+        },
+    )
     compile_decode: str = field(
         default="off",
         metadata={
@@ -247,6 +258,8 @@ class EngineConfig:
             )
         if self.fused_kernels not in KERNEL_MODES:
             raise ValueError(f"EngineConfig.fused_kernels must be one of {KERNEL_MODES}, got {self.fused_kernels!r}")
+        if self.fast_gemm not in ("auto", "bf16"):
+            raise ValueError(f"EngineConfig.fast_gemm must be 'auto' or 'bf16', got {self.fast_gemm!r}")
         if self.compile_decode not in KERNEL_MODES:
             raise ValueError(f"EngineConfig.compile_decode must be one of {KERNEL_MODES}, got {self.compile_decode!r}")
         if self.numerics not in NUMERICS_MODES:

@@ -35,6 +35,7 @@ from dsv41.engine.speculative import Speculation
 from dsv41.engine.types import RequestOutput, SamplingParams
 from dsv41.model.transformer import Transformer
 from dsv41.ops import fused
+from dsv41.ops.gemm_choice import fp32_rows
 
 log = logging.getLogger("dsv41.engine")
 
@@ -82,6 +83,13 @@ class LLMEngine(Scheduling, Speculation):
         )
         # built before the first request ('now'), or on a thread while the eager ops serve ('background')
         self.fused_kernels = model.prepare_kernels(config.fused_kernels)
+        if config.numerics == "fast" and config.fast_gemm == "auto":
+            # small (decode) calls as fp32 GEMMs where this machine runs them faster than bf16 ones, chosen by a
+            # probe cached on disk (dsv41.ops.gemm_choice); the copies cost 2x the bf16 weights' bytes
+            rows = fp32_rows(model.bf16_linear_shapes(), model.device.type)
+            if rows:
+                model.keep_fp32_gemm_copies()
+                self.runner.fp32_rows = rows
         if config.numerics == "fast" and config.compile_decode != "off" and fused.enabled():
             # the compiled token-wise regions of decode steps, one graph per batch bucket up to max_num_seqs
             buckets = tuple(b for b in BUCKETS if b <= config.max_num_seqs) or (BUCKETS[0],)

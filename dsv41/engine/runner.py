@@ -101,13 +101,17 @@ class ModelRunner:
         # fast mode: compiled token-wise regions for decode batches (dsv41.engine.compiled), set by the engine
         self.compiled = None
         self._regions = None  # those of the forward in progress
+        # fast mode: calls of at most this many rows run bf16 layers as fp32 GEMMs (dsv41.ops.gemm_choice),
+        # set by the engine from its probe; 0: never
+        self.fp32_rows = 0
 
     def numerics(self):
         """The context every forward of this runner runs in (also what a rank computing another rank's rows
         enters, so they get the bits their own forward would)."""
         if self.mode is None:
             return contextlib.nullcontext()
-        return self.model.numerics(self.row_chunk, reference=self.mode == "reference")
+        fp32_rows = self.fp32_rows if self.mode == "fast" else 0
+        return self.model.numerics(self.row_chunk, reference=self.mode == "reference", fp32_rows=fp32_rows)
 
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """Run the chunks; returns fp32 logits [n, vocab] for the chunks with want_logits, in order."""

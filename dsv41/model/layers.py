@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dsv41 import ops
@@ -41,8 +42,33 @@ class Linear(nn.Module):
             self.register_parameter("scale", None)
         self.row_chunk = 0  # > 0: batch-invariant GEMMs in fixed row chunks (see ops.invariant_matmul)
         self.reference_numerics = False  # canonical numerics (dsv41.ops.canonical): golden parity
+        # fast numerics (dsv41.ops.gemm_choice): calls of at most this many rows run as an fp32 GEMM over an
+        # fp32 copy of a bf16 weight (`keep_fp32_copy`), where the probe found it faster; 0: never
+        self.fp32_rows = 0
+
+    def keep_fp32_copy(self) -> int:
+        """Keep an fp32 copy of a bf16 weight for `fp32_rows` (returns its bytes; 0 for other formats). The
+        copy follows the weight: it is made again when the weight changes (its version or storage)."""
+        if self.weight.dtype != torch.bfloat16:
+            return 0
+        self._refresh_fp32()
+        return self.weight.numel() * 4
+
+    def _refresh_fp32(self) -> torch.Tensor:
+        w = self.weight
+        stamp = (w._version, w.data_ptr())
+        cached = self.__dict__.get("_fp32_copy")
+        if cached is None or cached[0] != stamp:
+            cached = self.__dict__["_fp32_copy"] = (stamp, w.detach().float())
+        return cached[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp32_rows and x.dtype == torch.bfloat16 and "_fp32_copy" in self.__dict__:
+            if x.numel() <= self.fp32_rows * x.size(-1):
+                # inside a compiled graph the copy is an input as it is (a weight update between steps is
+                # caught by the next eager call; the engine's compiled regions serve an unchanging model)
+                w32 = self.__dict__["_fp32_copy"][1] if torch.compiler.is_compiling() else self._refresh_fp32()
+                return F.linear(x.float(), w32).to(torch.bfloat16)
         return ops.linear(x, self.weight, self.scale, row_chunk=self.row_chunk, reference=self.reference_numerics)
 
     def extra_repr(self) -> str:

@@ -26,7 +26,7 @@ from dsv41.model.attention import _trace
 from dsv41.model.block import Block
 from dsv41.model.cache import ModelCache
 from dsv41.model.engram import EngramLayout, NgramHasher
-from dsv41.model.layers import RMSNorm
+from dsv41.model.layers import Linear, RMSNorm
 from dsv41.model.moe import RoutingRecord
 from dsv41.vision.processor import ImagePatches
 from dsv41.vision.vit import Aligner, VisionTransformer
@@ -123,7 +123,7 @@ class Transformer(nn.Module):
                     setattr(module, name, value)
 
     @contextmanager
-    def numerics(self, row_chunk: int, reference: bool = False):
+    def numerics(self, row_chunk: int, reference: bool = False, fp32_rows: int = 0):
         """Within the block: batch-invariant GEMMs in `row_chunk`-row chunks, reference or canonical
         numerics (see `set_reference_numerics`) and eval mode; the model's own settings come back after,
         so a caller that lends its model (the engine) does not change it.
@@ -131,7 +131,12 @@ class Transformer(nn.Module):
         Entered once per engine step, so it is kept cheap: only settings that differ are written (plain
         attributes, straight into the module's __dict__, bypassing nn.Module.__setattr__), and eval mode
         is set only when the model is training (a recursive `train()` costs ~2 ms per call at 12 layers)."""
-        wanted = {"row_chunk": row_chunk, "canonical_ties": not reference, "reference_numerics": reference}
+        wanted = {
+            "row_chunk": row_chunk,
+            "canonical_ties": not reference,
+            "reference_numerics": reference,
+            "fp32_rows": fp32_rows,  # fast numerics: small calls as fp32 GEMMs (Linear.keep_fp32_copy)
+        }
         changed = []  # (module __dict__, name, previous value)
         for module in self._modules_with_numerics():
             attrs = module.__dict__
@@ -149,6 +154,23 @@ class Transformer(nn.Module):
                 attrs[name] = value
             if training:
                 self.train(True)
+
+    def keep_fp32_gemm_copies(self) -> tuple[list[tuple[int, int]], int]:
+        """fp32 copies of every bf16 Linear weight, for `numerics(fp32_rows=)` (fast numerics on a machine
+        where the probe found small fp32 GEMMs faster, dsv41.ops.gemm_choice). Returns the weights' [out, in]
+        shapes and the copies' bytes."""
+        shapes, total = [], 0
+        for module in self.modules():
+            if isinstance(module, Linear) and module.weight.dtype == torch.bfloat16:
+                total += module.keep_fp32_copy()
+                shapes.append((module.out_features, module.in_features))
+        return shapes, total
+
+    def bf16_linear_shapes(self) -> list[tuple[int, int]]:
+        """[out, in] of every bf16 Linear weight (what `keep_fp32_gemm_copies` would copy)."""
+        return sorted(
+            {(m.out_features, m.in_features) for m in self.modules() if isinstance(m, Linear) and m.fmt == "bf16"}
+        )
 
     def _kernel_probes(self) -> dict:
         """name -> (verdict, args) of the fused kernels this model uses (dsv41.ops.fused)."""

@@ -17,6 +17,7 @@ from dsv41.checkpoints import checkpoint_path
 from dsv41.engine import EngineConfig
 from dsv41.engine.build import build_engine
 from dsv41.eval.agreement import compare, decode_agreement, held_out_windows, prefill_agreement
+from dsv41.model.layers import Linear
 
 VAL = os.path.join(os.path.dirname(__file__), "..", "data", "shakespeare-chat-val", "val.bin")
 
@@ -105,3 +106,20 @@ def test_a_broken_fast_kernel_fails_the_checks(engine, held_out, memo, monkeypat
     # the first windows of the mixed batch: their reference logits are already known
     result = prefill_agreement(engine, engine.model, held_out_windows(held_out[384:], LENGTHS[:4]), memo)
     assert not result.meets(), result.as_dict()
+
+
+def test_fast_with_fp32_decode_gemms_agrees_with_reference(held_out, memo, monkeypatch):
+    """Where the probe picks fp32 GEMMs for small calls (CPUs without bf16 instructions), the decode path runs
+    its bf16 layers over fp32 weight copies: held to the same targets."""
+    import dsv41.engine.llm_engine as llm_engine
+
+    monkeypatch.setattr(llm_engine, "fp32_rows", lambda shapes, device: 8)
+    engine = build_engine(checkpoint_path(), EngineConfig(numerics="fast", kv_pool_tokens=16384, fused_kernels="off"))
+    assert engine.runner.fp32_rows == 8
+    calls = []
+    real = Linear._refresh_fp32
+    monkeypatch.setattr(Linear, "_refresh_fp32", lambda self: calls.append(self) or real(self))
+    prompts = held_out_windows(held_out[4000:], [48, 64, 80, 96, 112, 128, 144, 160], stride=200)
+    result = decode_agreement(engine, engine.model, prompts, new_tokens=12, passes=1, memo=memo)
+    assert result.top1 >= 0.99 and result.kl_mean <= 2e-3, result.as_dict()
+    assert len(calls) >= 12 * 8 * engine.model_config.n_layers  # the decode steps' bf16 layers ran in fp32
