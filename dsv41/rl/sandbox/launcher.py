@@ -396,13 +396,7 @@ def _child_setup(libc: ctypes.CDLL, cfg: dict, isolation: dict) -> tuple[Callabl
 
     # Die with the orchestrator (a killed Ray actor, a crashed trainer). Set after the uid change, which
     # clears it; the getppid check closes the race with a parent that died just before.
-    libc.prctl(
-        ctypes.c_int(_PR_SET_PDEATHSIG),
-        ctypes.c_ulong(signal.SIGKILL),
-        ctypes.c_ulong(0),
-        ctypes.c_ulong(0),
-        ctypes.c_ulong(0),
-    )
+    _die_with_parent(libc)
     if os.getppid() != cfg["orchestrator_pid"]:
         raise RuntimeError("the orchestrator exited during sandbox setup")
 
