@@ -121,21 +121,18 @@ class CompiledDecode:
 
     @torch.inference_mode()
     def _warm(self, rows: int) -> None:
-        """Run each region once per distinct layer shape at `rows` tokens on stand-in inputs."""
+        """Run each region on every layer at `rows` tokens on stand-in inputs: the first layer compiles, the
+        others check that they reuse its graphs (a layer that needed its own would compile here, not inside
+        a request)."""
         cfg, model = self.model.cfg, self.model
         dev = model.device
         h = torch.zeros(1, rows, cfg.hc_mult, cfg.dim, dtype=torch.bfloat16, device=dev)
         pre = torch.full((1, rows, cfg.hc_mult), 1.0 / cfg.hc_mult, device=dev)
         positions = torch.arange(rows, device=dev)
         regions = _Regions(self._compiled, rows, rows)
-        seen = set()
         with model.numerics(0):
             for block in model.layers:
                 attn = block.attn
-                key = (id(attn.rope), type(block.ffn).__name__)
-                if key in seen:
-                    continue
-                seen.add(key)
                 freqs = attn.rope.at(positions, dev)
                 (a_pre, a_post, a_comb), x = regions.pre_attention(block, h, pre)
                 qr, q, kv = regions.project(attn, x, freqs)

@@ -145,12 +145,15 @@ class LLMEngine(Scheduling, Speculation):
         images: list | None = None,
         handoff: KVHandoff | None = None,
         export_handoff: bool = False,
+        capture_logits: bool = False,
     ) -> None:
         """Queue a request. `images`: (start, dsv41.vision.ImagePatches) pairs, each image's span occupying
         prompt positions start .. start + span_length - 1, which must carry the model's image_token_id
         (dsv41.vision.prompt builds such prompts). Disaggregation (dsv41.engine.handoff): `export_handoff`
         computes the prompt and finishes with the KV hand-off (finish_reason "handoff", output.handoff)
-        instead of sampling; `handoff` starts the request from one (no prefill) and decodes on."""
+        instead of sampling; `handoff` starts the request from one (no prefill) and decodes on.
+        `capture_logits` keeps the full fp32 logits rows the request's tokens are sampled from on its
+        sequence (`logits`; with prompt_logprobs also the prompt's, `prompt_logits`): for numerics checks."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -171,6 +174,7 @@ class LLMEngine(Scheduling, Speculation):
         if handoff is not None:
             check_handoff(self, handoff, prompt_token_ids, images)  # HandoffError (a ValueError) names the problem
         seq = Sequence(request_id, prompt_token_ids, params, self._arrivals, images)
+        seq.capture_logits = capture_logits
         seq.handoff, seq.export_handoff = handoff, export_handoff
         if params.structured is not None:
             seq.grammar = self.grammar_compiler.matcher(params.structured)
@@ -257,9 +261,9 @@ class LLMEngine(Scheduling, Speculation):
         """fp32 logits [vocab] of the prompt's last position, computed the way this engine prefills
         (prefill mode, chunking, prefix cache). For parity checks and the bounded-replay gap."""
         rid = request_id or f"logits-{self._arrivals}"
-        self.add_request(rid, prompt_token_ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), images)
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        self.add_request(rid, prompt_token_ids, params, images, capture_logits=True)
         seq = self.requests[rid]
-        seq.capture_logits = True
         while seq.status != Status.FINISHED:
             self.step()
         return seq.logits[0]

@@ -20,6 +20,7 @@ KL(reference || fast) in nats over the whole vocabulary.
 from __future__ import annotations
 
 import math
+import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -100,14 +101,13 @@ def reference_logits(model, tokens: Sequence[int], memo: dict | None = None) -> 
 
 def _run(engine: LLMEngine, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list:
     """Add every prompt, step the engine until all finish; the finished sequences, in order."""
-    base = engine._arrivals
-    ids = [f"agreement-{base}-{i}" for i in range(len(prompts))]
+    batch = uuid.uuid4().hex[:8]
     seqs = []
-    for rid, prompt in zip(ids, prompts):
-        engine.add_request(rid, list(prompt), params)
-        seq = engine.requests[rid]
-        seq.capture_logits = True  # keep the full rows the engine sampled from (and the prompt's, if scored)
-        seqs.append(seq)
+    for i, prompt in enumerate(prompts):
+        rid = f"agreement-{batch}-{i}"
+        # the full rows the engine sampled from (and the prompt's, when it is scored)
+        engine.add_request(rid, list(prompt), params, capture_logits=True)
+        seqs.append(engine.requests[rid])
     while any(s.finish_reason is None for s in seqs):
         for out in engine.step():
             if out.finished and out.finish_reason == "error":

@@ -155,22 +155,17 @@ class Transformer(nn.Module):
             if training:
                 self.train(True)
 
-    def keep_fp32_gemm_copies(self) -> tuple[list[tuple[int, int]], int]:
+    def _bf16_linears(self) -> list[Linear]:
+        return [m for m in self.modules() if isinstance(m, Linear) and m.weight.dtype == torch.bfloat16]
+
+    def keep_fp32_gemm_copies(self) -> int:
         """fp32 copies of every bf16 Linear weight, for `numerics(fp32_rows=)` (fast numerics on a machine
-        where the probe found small fp32 GEMMs faster, dsv41.ops.gemm_choice). Returns the weights' [out, in]
-        shapes and the copies' bytes."""
-        shapes, total = [], 0
-        for module in self.modules():
-            if isinstance(module, Linear) and module.weight.dtype == torch.bfloat16:
-                total += module.keep_fp32_copy()
-                shapes.append((module.out_features, module.in_features))
-        return shapes, total
+        where the probe found small fp32 GEMMs faster, dsv41.ops.gemm_choice). Returns the copies' bytes."""
+        return sum(m.keep_fp32_copy() for m in self._bf16_linears())
 
     def bf16_linear_shapes(self) -> list[tuple[int, int]]:
-        """[out, in] of every bf16 Linear weight (what `keep_fp32_gemm_copies` would copy)."""
-        return sorted(
-            {(m.out_features, m.in_features) for m in self.modules() if isinstance(m, Linear) and m.fmt == "bf16"}
-        )
+        """[out, in] of every bf16 Linear weight (what `keep_fp32_gemm_copies` copies)."""
+        return sorted({(m.out_features, m.in_features) for m in self._bf16_linears()})
 
     def _kernel_probes(self) -> dict:
         """name -> (verdict, args) of the fused kernels this model uses (dsv41.ops.fused)."""
