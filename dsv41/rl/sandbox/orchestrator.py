@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dsv41.rl.sandbox import launcher
 from dsv41.rl.sandbox.cgroups import CgroupUnavailable, RunCgroup
 from dsv41.rl.sandbox.config import MAX_SLOTS, SandboxLimits, SandboxResult, sandbox_uid
+from dsv41.rl.sandbox.zygote import SpawnedLauncher, Zygote, ZygoteError, launcher_command
 
 _TAIL_BYTES = 8192  # the end of stderr is kept apart from the (head-truncated) capture, for classification
 _DRAIN_AFTER_EXIT_S = 2.0  # how long pipes are drained once the sandbox is dead (data still in the pipe)
@@ -65,6 +66,12 @@ _SYSTEM_READ_PATHS = (
 # Layers the tests make fail on purpose, to check that the launcher (and the orchestrator, for the cgroup)
 # refuses to run untrusted code without them. Empty in normal use.
 _SIMULATE_UNAVAILABLE: tuple[str, ...] = ()
+
+
+def launcher_zygote() -> Zygote:
+    """A zygote for `run_python(..., zygote=)`: it starts (on first use) with the environment every
+    launcher starts with; each run's own (HOME, TMPDIR) is set in its fork."""
+    return Zygote(os.path.abspath(launcher.__file__), _BASE_ENV)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -111,6 +118,7 @@ def run_python(
     files: Mapping[str, str | bytes] | None = None,
     limits: SandboxLimits = SandboxLimits(),
     slot: int | None = None,
+    zygote: Zygote | None = None,
 ) -> SandboxResult:
     """Run `code` as main.py in a fresh sandbox and return what happened.
 
@@ -119,6 +127,10 @@ def run_python(
     cgroup when running as root; a run waits while another one holds the same slot. None (the default)
     takes a free slot from the top of the range, clear of the pools' slots. Raises ValueError/TypeError for
     invalid arguments; whatever the program does comes back in the result.
+
+    `zygote` (a `Zygote`, as SandboxPool keeps one): the launcher is forked from it instead of started as
+    a fresh interpreter; the same restrictions apply, in the same order, by the same code. A zygote that
+    cannot start the launcher fails the run (status "error"), it never falls back to running it otherwise.
     """
     if not isinstance(code, str):
         raise TypeError(f"code must be a str, got {type(code).__name__}")
@@ -126,18 +138,22 @@ def run_python(
         raise TypeError(f"stdin must be a str, got {type(stdin).__name__}")
     if not isinstance(limits, SandboxLimits):
         raise TypeError(f"limits must be a SandboxLimits, got {type(limits).__name__}")
+    if zygote is not None and not isinstance(zygote, Zygote):
+        raise TypeError(f"zygote must be None or a Zygote, got {type(zygote).__name__}")
     if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot <= MAX_SLOTS):
         raise ValueError(f"slot must be None or an integer in [0, {MAX_SLOTS}], got {slot!r}")
     extra = _checked_files(files)
 
     slot, lock_fd = _lock_slot(slot)
     try:
-        return _run_in_slot(code, stdin, extra, limits, slot)
+        return _run_in_slot(code, stdin, extra, limits, slot, zygote)
     finally:
         os.close(lock_fd)
 
 
-def _run_in_slot(code: str, stdin: str, extra: dict[str, bytes], limits: SandboxLimits, slot: int) -> SandboxResult:
+def _run_in_slot(
+    code: str, stdin: str, extra: dict[str, bytes], limits: SandboxLimits, slot: int, zygote: Zygote | None
+) -> SandboxResult:
     as_root = os.geteuid() == 0
     uid = gid = sandbox_uid(slot) if as_root else None
     if uid is not None:
@@ -157,7 +173,7 @@ def _run_in_slot(code: str, stdin: str, extra: dict[str, bytes], limits: Sandbox
     workdir = os.path.realpath(tempfile.mkdtemp(prefix=f"dsv41-sandbox-{slot}-"))
     try:
         _populate_workdir(workdir, code, extra, uid, gid)
-        result = _supervise(workdir, stdin, limits, uid, gid, cgroup, cgroup_error, stale_zombies)
+        result = _supervise(workdir, stdin, limits, uid, gid, cgroup, cgroup_error, stale_zombies, zygote)
         result.slot = slot
         return result
     finally:
@@ -342,29 +358,6 @@ class _Capture:
         return self.total > self.limit
 
 
-def _launcher_command(config: dict) -> list[str]:
-    # The launcher is loaded by path so the child does not import the dsv41 package (and torch).
-    boot = (
-        "import importlib.util, sys\n"
-        "spec = importlib.util.spec_from_file_location('_dsv41_sandbox_launcher', sys.argv[1])\n"
-        "module = importlib.util.module_from_spec(spec)\n"
-        "sys.modules[spec.name] = module\n"
-        "spec.loader.exec_module(module)\n"
-        "module.child_main(sys.argv[2])\n"
-    )
-    return [
-        sys.executable,
-        "-I",
-        "-B",
-        "-X",
-        "utf8",
-        "-c",
-        boot,
-        os.path.abspath(launcher.__file__),
-        json.dumps(config),
-    ]
-
-
 def _supervise(
     workdir: str,
     stdin: str,
@@ -374,6 +367,7 @@ def _supervise(
     cgroup: RunCgroup | None,
     cgroup_error: str | None,
     stale_zombies: int = 0,
+    zygote: Zygote | None = None,
 ) -> SandboxResult:
     read_paths = _python_roots() + list(_SYSTEM_READ_PATHS)
     report_r, report_w = os.pipe()
@@ -404,18 +398,26 @@ def _supervise(
     out, err = _Capture(limits.max_output_bytes), _Capture(limits.max_output_bytes)
     start = time.monotonic()
     try:
-        # start_new_session: the sandbox is its own process group and session, killable as a whole.
-        proc = subprocess.Popen(
-            _launcher_command(config),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=workdir,
-            env=env,
-            start_new_session=True,
-            pass_fds=(report_w,),
-            close_fds=True,
-        )
+        if zygote is not None:
+            # Forked by the zygote, in a session of its own with the same pipes, directory and environment.
+            try:
+                proc = zygote.spawn(config, env, workdir, report_w)
+            except ZygoteError as exc:
+                os.close(report_r)
+                return SandboxResult(status="error", stderr=f"sandbox setup failed: {exc}\n")
+        else:
+            # start_new_session: the sandbox is its own process group and session, killable as a whole.
+            proc = subprocess.Popen(
+                launcher_command(os.path.abspath(launcher.__file__), "child_main", config),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=workdir,
+                env=env,
+                start_new_session=True,
+                pass_fds=(report_w,),
+                close_fds=True,
+            )
     except BaseException:
         os.close(report_r)
         raise
@@ -494,7 +496,7 @@ def _kill_process_group(pgid: int) -> None:
 
 
 def _pump(
-    proc: subprocess.Popen,
+    proc: subprocess.Popen | SpawnedLauncher,
     stdin_data: bytes,
     out: _Capture,
     err: _Capture,
