@@ -43,6 +43,7 @@ from typing import Any
 
 SETUP_FAILED_EXIT = 125  # the launcher's exit code when a mandatory protection could not be applied
 STOP_SIGNAL = signal.SIGUSR1  # orchestrator -> launcher: the wall deadline has passed, end the program
+CLEANED_LINE = b'{"cleaned": true}\n'  # the report's last line when the launcher left nothing of its uid
 
 # Linux constants (uapi), identical on x86_64 and aarch64.
 _CLONE_NEWNS = 0x00020000
@@ -169,8 +170,7 @@ def launch(cfg: dict) -> None:
     for fd in cfg["_cgroup_fds"]:
         os.close(fd)
     isolation["kill_all_at_exit"] = can_kill_all
-    os.write(report_fd, json.dumps({"isolation": isolation}).encode())
-    os.close(report_fd)
+    os.write(report_fd, json.dumps({"isolation": isolation}).encode() + b"\n")
     os.close(0)  # stdin belongs to the program
     children.append(init)
     status = _reap_until(init)
@@ -192,6 +192,10 @@ def launch(cfg: dict) -> None:
                     time.sleep(0.001)
             except ChildProcessError:
                 break
+        # Nothing of the sandbox's uid is left (kill(-1) reached all of it, and all of it was our
+        # descendants, now reaped): the orchestrator may skip its own search of /proc for them.
+        os.write(report_fd, CLEANED_LINE)
+    os.close(report_fd)
     # Otherwise the orchestrator kills the process group once it has reaped this process.
     if status is None or os.WIFEXITED(status):
         os._exit(os.WEXITSTATUS(status) if status is not None else 1)

@@ -63,6 +63,9 @@ _SYSTEM_READ_PATHS = (
     "/sys/devices/system/cpu",
 )
 
+_CLEAN_MARK = b"clean\n"  # a slot's lock file holds this while its last run is known to have left nothing
+_IN_USE_MARK = b"inuse\n"
+
 # Layers the tests make fail on purpose, to check that the launcher (and the orchestrator, for the cgroup)
 # refuses to run untrusted code without them. Empty in normal use.
 _SIMULATE_UNAVAILABLE: tuple[str, ...] = ()
@@ -146,21 +149,31 @@ def run_python(
 
     slot, lock_fd = _lock_slot(slot)
     try:
-        return _run_in_slot(code, stdin, extra, limits, slot, zygote)
+        return _run_in_slot(code, stdin, extra, limits, slot, zygote, lock_fd)
     finally:
         os.close(lock_fd)
 
 
 def _run_in_slot(
-    code: str, stdin: str, extra: dict[str, bytes], limits: SandboxLimits, slot: int, zygote: Zygote | None
+    code: str,
+    stdin: str,
+    extra: dict[str, bytes],
+    limits: SandboxLimits,
+    slot: int,
+    zygote: Zygote | None,
+    lock_fd: int,
 ) -> SandboxResult:
     as_root = os.geteuid() == 0
     uid = gid = sandbox_uid(slot) if as_root else None
-    if uid is not None:
+    stale_zombies = 0
+    # Searching /proc for the slot's uid costs a read per process on the machine, which thousands of
+    # sandboxes make slow: it is skipped where the slot's last run proved it left nothing (see below).
+    if uid is not None and not _take_clean_mark(lock_fd):
         # A previous run on this slot that escaped its cleanup (a crashed trainer) must not eat this run's
         # process budget or interfere with it.
         _kill_uid(uid)
-    stale_zombies = _unreaped_zombies(uid) if uid is not None else 0
+        stale_zombies = _unreaped_zombies(uid)
+    cleaned = False
     cgroup, cgroup_error = None, None
     try:
         if "cgroup" in _SIMULATE_UNAVAILABLE:
@@ -173,17 +186,37 @@ def _run_in_slot(
     workdir = os.path.realpath(tempfile.mkdtemp(prefix=f"dsv41-sandbox-{slot}-"))
     try:
         _populate_workdir(workdir, code, extra, uid, gid)
-        result = _supervise(workdir, stdin, limits, uid, gid, cgroup, cgroup_error, stale_zombies, zygote)
+        result, cleaned = _supervise(workdir, stdin, limits, uid, gid, cgroup, cgroup_error, stale_zombies, zygote)
         result.slot = slot
         return result
     finally:
+        empty = True
         if cgroup is not None:
-            cgroup.kill_all()
-        if uid is not None:
-            _kill_uid(uid)  # nothing of this sandbox may outlive the run, nor write while it is removed
+            empty = cgroup.kill_all()
+        if uid is not None and not cleaned:
+            # Nothing of this sandbox may outlive the run, nor write while it is removed.
+            empty = _kill_uid(uid) and empty
         if cgroup is not None:
-            cgroup.remove()
+            empty = cgroup.remove() and empty
         _remove_tree(workdir)
+        if uid is not None and cleaned and empty and stale_zombies == 0:
+            _put_clean_mark(lock_fd)
+
+
+def _take_clean_mark(lock_fd: int) -> bool:
+    """Whether the slot's previous run left nothing of its uid (its launcher killed and reaped every
+    process of it, and found no zombie of an older run), clearing the mark for this run: a run that
+    crashes before putting it back leaves the slot to be searched. The lock file is root's, in a
+    directory only root can enter, and held while it is read or written."""
+    mark = os.pread(lock_fd, len(_CLEAN_MARK), 0)
+    if mark != _CLEAN_MARK:
+        return False
+    os.pwrite(lock_fd, _IN_USE_MARK, 0)  # same length: no metadata change, which costs ms on some disks
+    return True
+
+
+def _put_clean_mark(lock_fd: int) -> None:
+    os.pwrite(lock_fd, _CLEAN_MARK, 0)
 
 
 def _checked_files(files: Mapping[str, str | bytes] | None) -> dict[str, bytes]:
@@ -368,7 +401,8 @@ def _supervise(
     cgroup_error: str | None,
     stale_zombies: int = 0,
     zygote: Zygote | None = None,
-) -> SandboxResult:
+) -> tuple[SandboxResult, bool]:
+    """The run, and whether its launcher reported that nothing of the sandbox's uid is left."""
     read_paths = _python_roots() + list(_SYSTEM_READ_PATHS)
     report_r, report_w = os.pipe()
     config = {
@@ -404,7 +438,7 @@ def _supervise(
                 proc = zygote.spawn(config, env, workdir, report_w)
             except ZygoteError as exc:
                 os.close(report_r)
-                return SandboxResult(status="error", stderr=f"sandbox setup failed: {exc}\n")
+                return SandboxResult(status="error", stderr=f"sandbox setup failed: {exc}\n"), False
         else:
             # start_new_session: the sandbox is its own process group and session, killable as a whole.
             proc = subprocess.Popen(
@@ -424,10 +458,9 @@ def _supervise(
     finally:
         os.close(report_w)  # the launcher holds the only write end: EOF once it is done with it
     try:
-        status, rusage, timed_out, exit_time = _pump(
-            proc, stdin.encode("utf-8"), out, err, start + limits.wall_time_s, uid, cgroup
+        status, rusage, timed_out, exit_time, report = _pump(
+            proc, stdin.encode("utf-8"), out, err, start + limits.wall_time_s, uid, cgroup, report_r
         )
-        report = _read_report(report_r)
     finally:
         os.close(report_r)
         for stream in (proc.stdin, proc.stdout, proc.stderr):
@@ -452,7 +485,7 @@ def _supervise(
     if cgroup is not None:
         leftovers_killed = cgroup.kill_all()
         oom_kills, peak = cgroup.oom_kills(), cgroup.peak_bytes()
-    if uid is not None:
+    if uid is not None and not report.get("cleaned"):
         leftovers_killed = _kill_uid(uid) and leftovers_killed
     if cgroup is not None or uid is not None:
         isolation["leftovers_killed"] = leftovers_killed
@@ -473,7 +506,7 @@ def _supervise(
     else:
         tail = bytes(err.tail).decode("utf-8", errors="replace")
         result_status = _classify(exit_code, timed_out, cpu_s, limits, tail, oom_kills)
-    return SandboxResult(
+    result = SandboxResult(
         status=result_status,
         exit_code=exit_code if exit_code >= 0 else None,
         signal=sig_name,
@@ -486,6 +519,7 @@ def _supervise(
         isolation=isolation,
         memory_peak_bytes=peak,
     )
+    return result, bool(report.get("cleaned"))
 
 
 def _kill_process_group(pgid: int) -> None:
@@ -503,9 +537,10 @@ def _pump(
     deadline: float,
     uid: int | None,
     cgroup: RunCgroup | None,
+    report_fd: int,
 ):
     """Feed stdin, drain stdout/stderr, enforce the wall deadline and reap the launcher (wait4, for its
-    CPU time). Returns (wait status, rusage, timed_out, exit time)."""
+    CPU time). Returns (wait status, rusage, timed_out, exit time, the launcher's report)."""
     sel = selectors.DefaultSelector()
     streams = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
     for fd in streams:
@@ -528,20 +563,22 @@ def _pump(
     timed_out = False
     exit_time = None
     drain_deadline = None
+    report: dict = {}
 
     def reaped(status_and_rusage) -> None:
-        nonlocal wait_status, rusage, exit_time, drain_deadline
+        nonlocal wait_status, rusage, exit_time, drain_deadline, report
         _, wait_status, rusage = status_and_rusage
         if pidfd is not None and pidfd in sel.get_map():
             sel.unregister(pidfd)
         exit_time = time.monotonic()
         # Popen must not waitpid() this pid again (it could belong to someone else by then).
         proc.returncode = os.waitstatus_to_exitcode(wait_status)
+        report = _read_report(report_fd)  # complete: the launcher is gone
         # Descendants may still hold the pipes open: kill them so the drain below reaches EOF.
         _kill_process_group(proc.pid)
         if cgroup is not None:
             cgroup.kill_all()
-        if uid is not None:
+        if uid is not None and not report.get("cleaned"):
             _kill_uid(uid)
         drain_deadline = time.monotonic() + _DRAIN_AFTER_EXIT_S
 
@@ -590,7 +627,7 @@ def _pump(
         sel.close()
         if pidfd is not None:
             os.close(pidfd)
-    return wait_status, rusage, timed_out, exit_time
+    return wait_status, rusage, timed_out, exit_time, report
 
 
 def _stop_sandbox(pid: int) -> tuple:
@@ -626,10 +663,18 @@ def _read_report(fd: int) -> dict:
         if not data:
             break
         chunks.append(data)
+    # One JSON line (the layers in force, or why it refused), and the cleanup line when it left nothing.
+    first, _, rest = b"".join(chunks).partition(b"\n")
     try:
-        return json.loads(b"".join(chunks) or b"{}")
+        report = json.loads(first or b"{}")
     except ValueError:
         return {"fatal": "the sandbox launcher wrote an unreadable report"}
+    if not isinstance(report, dict):
+        return {"fatal": "the sandbox launcher wrote an unreadable report"}
+    report.pop("cleaned", None)  # only the line of its own says so
+    if rest == launcher.CLEANED_LINE:
+        report["cleaned"] = True
+    return report
 
 
 def _classify(
