@@ -652,6 +652,8 @@ def _run_user_main(workdir: str) -> None:
 # them.
 _ZYGOTE_PRELOAD = (
     "runpy",
+    "pkgutil",  # imported by runpy.run_path
+    "pwd",
     "traceback",
     "importlib.util",
     "fcntl",
