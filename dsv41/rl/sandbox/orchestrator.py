@@ -183,7 +183,7 @@ def _run_in_slot(
         cgroup = RunCgroup.create(slot, limits.memory_bytes, limits.max_processes + 1, limits.cpu_cores)
     except (CgroupUnavailable, OSError) as exc:
         cgroup_error = f"no cgroup could be created: {exc}"
-    workdir = os.path.realpath(tempfile.mkdtemp(prefix=f"dsv41-sandbox-{slot}-"))
+    workdir = os.path.realpath(tempfile.mkdtemp(prefix=f"dsv41-sandbox-{slot}-", dir=_staging_dir()))
     try:
         _populate_workdir(workdir, code, extra, uid, gid)
         result, cleaned = _supervise(workdir, stdin, limits, uid, gid, cgroup, cgroup_error, stale_zombies, zygote)
@@ -217,6 +217,22 @@ def _take_clean_mark(lock_fd: int) -> bool:
 
 def _put_clean_mark(lock_fd: int) -> None:
     os.pwrite(lock_fd, _CLEAN_MARK, 0)
+
+
+def _staging_dir() -> str | None:
+    """Where run directories are made: /dev/shm where it is a tmpfs, else the temporary directory. A run's
+    directory only stages its files (the launcher copies them into the run's own tmpfs). On a disk
+    mounted with online discard (this machine's root), each removal waited for a discard of its blocks:
+    with thousands of sandboxes ending at once, cleanup ran at five runs per second."""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 2 and fields[1] == "/dev/shm" and fields[2] == "tmpfs":
+                    return "/dev/shm" if os.access("/dev/shm", os.W_OK | os.X_OK) else None
+    except OSError:
+        pass
+    return None
 
 
 def _checked_files(files: Mapping[str, str | bytes] | None) -> dict[str, bytes]:
