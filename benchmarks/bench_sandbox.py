@@ -161,6 +161,41 @@ def sandbox_processes(uids: set[int], rollup: bool = False) -> list[dict]:
     return found
 
 
+def slots_pids_dir() -> str | None:
+    """The v1 pids hierarchy's dsv41-sandbox directory below this process's cgroup (the slots' cgroups)."""
+    try:
+        with open("/proc/self/cgroup", encoding="ascii") as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if "pids" in controllers.split(","):
+                    return "/sys/fs/cgroup/pids" + path.rstrip("/") + "/dsv41-sandbox"
+    except OSError:
+        pass
+    return None
+
+
+def count_up(slots: list[int], up: set[int], pids_dir: str | None) -> int:
+    """How many of `slots` have their init and program (2 tasks) in their cgroup; `up` remembers those
+    found (an idle sandbox stays up until released), so each call reads only the others' pids.current.
+    Far cheaper than reading every process's status in /proc, which with thousands of sandboxes took the
+    interpreter's lock from the orchestrator's threads long enough to slow their starts."""
+    if pids_dir is None:
+        up.update(
+            p["uid"] - sandbox_uid(0) for p in sandbox_processes({sandbox_uid(s) for s in slots}) if p["nspid"] == 2
+        )
+        return len(up)
+    for slot in slots:
+        if slot in up:
+            continue
+        try:
+            with open(f"{pids_dir}/slot-{slot}/pids.current", encoding="ascii") as f:
+                if int(f.read()) >= 2:
+                    up.add(slot)
+        except (OSError, ValueError):
+            pass
+    return len(up)
+
+
 def blocked_programs(procs: list[dict]) -> int:
     """Sandboxes whose program (pid 2 of its namespace) is asleep: up and blocked in its call."""
     return sum(1 for p in procs if p["nspid"] == 2 and p["state"] == "S")
@@ -175,13 +210,17 @@ def release(uids: set[int]) -> None:
 
 
 def leftovers(uids: set[int]) -> dict:
-    """Processes of these uids and sandbox cgroups of these slots still on the machine."""
-    left_cgroups = 0
+    """Processes of these uids, and cgroups of their slots below this process's own cgroups (other
+    users of the machine may have sandboxes of their own elsewhere), still on the machine."""
     slots = {u - sandbox_uid(0) for u in uids}
-    for root, dirs, _ in os.walk("/sys/fs/cgroup"):
-        if os.path.basename(root) == "dsv41-sandbox":
-            left_cgroups += sum(1 for d in dirs if d.startswith("slot-") and int(d[5:]) in slots)
-            dirs.clear()
+    left_cgroups = 0
+    with open("/proc/self/cgroup", encoding="ascii") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            for controller in set(controllers.split(",")) & {"memory", "pids", "cpu"}:
+                parent = f"/sys/fs/cgroup/{controller}{path.rstrip('/')}/dsv41-sandbox"
+                if os.path.isdir(parent):
+                    left_cgroups += sum(1 for d in os.listdir(parent) if d.startswith("slot-") and int(d[5:]) in slots)
     return {"processes": len(sandbox_processes(uids)), "cgroups": left_cgroups}
 
 
@@ -299,6 +338,11 @@ def raise_open_files(needed: int) -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
 def kernel_limits() -> dict:
     out = {}
     for name in ("kernel/pid_max", "kernel/threads-max", "user/max_net_namespaces", "user/max_mnt_namespaces"):
@@ -320,6 +364,8 @@ def ramp(steps: list[int], stop_used_bytes: int) -> dict:
     before, cg_before = meminfo(), cgroup_bytes(cgroup_dir)
     out: dict = {"steps": {}, "ceiling": 0, "limited_by": None}
     futures: list = []
+    pids_dir, up_slots = slots_pids_dir(), set()
+    slots = [RAMP_SLOTS + i for i in range(largest)]
     pool = SandboxPool(largest, limits=HOLD_LIMITS, slot_offset=RAMP_SLOTS)
     try:
         for target in steps:
@@ -336,8 +382,8 @@ def ramp(steps: list[int], stop_used_bytes: int) -> dict:
                 futures += [pool.submit(HOLD) for _ in range(min(64, target - len(futures)))]
                 batch_start = time.perf_counter()
                 while True:
-                    time.sleep(0.5)  # a scan of /proc reads every process's status: not too often
-                    up = blocked_programs(sandbox_processes(uids))
+                    time.sleep(0.5)
+                    up = count_up(slots, up_slots, pids_dir)
                     failed = [f.result() for f in futures if f.done()]
                     if failed or up >= len(futures) - 8 or time.perf_counter() - batch_start > 120:
                         break
@@ -347,7 +393,7 @@ def ramp(steps: list[int], stop_used_bytes: int) -> dict:
                 grown = before["MemAvailable"] - meminfo()["MemAvailable"]
                 per_sandbox = max(grown, 0) / max(1, len(futures))
             while stop is None:
-                up = blocked_programs(sandbox_processes(uids))
+                up = count_up(slots, up_slots, pids_dir)
                 if up >= len(futures):
                     break
                 failed = [f.result() for f in futures if f.done()]
@@ -376,6 +422,7 @@ def ramp(steps: list[int], stop_used_bytes: int) -> dict:
                     sum(now[k] - before[k] for k in ("Slab", "PageTables", "KernelStack")) / n / 2**20, 2
                 ),
                 "machine_used_gib": round((now["MemTotal"] - now["MemAvailable"]) / 2**30, 2),
+                "orchestrator_rss_mib": round(_rss_bytes() / 2**20, 1),  # this process: a thread per sandbox
             }
             if cg_now and cg_before:
                 step["cgroup_mib_per_sandbox"] = round((cg_now["usage"] - cg_before["usage"]) / n / 2**20, 2)
@@ -388,9 +435,14 @@ def ramp(steps: list[int], stop_used_bytes: int) -> dict:
     finally:
         for f in futures:
             f.cancel()
-        release(uids)
+        t = time.perf_counter()
+        # Again until all have ended: a sandbox still starting when the signal came had no handler yet.
+        while not all(f.done() for f in futures):
+            release(uids)
+            time.sleep(1.0)
         results = [f.result() for f in futures if not f.cancelled()]
         pool.close()
+        out["seconds_to_release_and_clean_up"] = round(time.perf_counter() - t, 1)
         out["released_ok"] = sum(r.ok for r in results)
         out["released"] = len(results)
         out["left_after"] = leftovers(uids)
@@ -398,23 +450,26 @@ def ramp(steps: list[int], stop_used_bytes: int) -> dict:
 
 
 def table(out: dict) -> str:
-    lat, mem, grad = out["start_latency"], out["idle_memory"], out["gradings_per_s"]
-    rows = [
-        ("CPU", f"{out['cpu']} ({out['cpus']} cores), {out['mem_total_gib']} GiB"),
-        ("start latency p50 / p99, cold", f"{lat['cold']['p50_s']:.3f} / {lat['cold']['p99_s']:.3f} s"),
-        ("start latency p50 / p99, zygote", f"{lat['zygote']['p50_s']:.3f} / {lat['zygote']['p99_s']:.3f} s"),
-        (
-            f"idle sandbox ({mem['cold']['sandboxes']} at once), cold",
-            f"PSS {mem['cold']['pss_mib']} MiB, private {mem['cold']['private_mib']} MiB",
-        ),
-        (
-            f"idle sandbox ({mem['zygote']['sandboxes']} at once), zygote",
-            f"PSS {mem['zygote']['pss_mib']} MiB, private {mem['zygote']['private_mib']} MiB",
-        ),
-    ]
+    rows = [("CPU", f"{out['cpu']} ({out['cpus']} cores), {out['mem_total_gib']} GiB")]
     for mode in ("cold", "zygote"):
-        widths = " / ".join(str(v) for v in grad[mode].values())
-        rows.append((f"gradings/s at widths {' / '.join(map(str, grad[mode]))}, {mode}", widths))
+        if "start_latency" in out:
+            lat = out["start_latency"][mode]
+            rows.append((f"start latency p50 / p99, {mode}", f"{lat['p50_s']:.3f} / {lat['p99_s']:.3f} s"))
+    for mode in ("cold", "zygote"):
+        if "idle_memory" in out:
+            mem = out["idle_memory"][mode]
+            rows.append(
+                (
+                    f"idle sandbox ({mem['sandboxes']} at once), {mode}",
+                    f"PSS {mem['pss_mib']}, private {mem['private_mib']} MiB",
+                )
+            )
+    for mode in ("cold", "zygote"):
+        if "gradings_per_s" in out:
+            grad = out["gradings_per_s"][mode]
+            rows.append(
+                (f"gradings/s at widths {' / '.join(map(str, grad))}, {mode}", " / ".join(map(str, grad.values())))
+            )
     r = out.get("ramp")
     if r:
         for n, step in r["steps"].items():
@@ -436,10 +491,10 @@ def table(out: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=30, help="runs per mode for the start latency")
-    parser.add_argument("--widths", default="1,2,4,8", help="SandboxPool widths for gradings per second")
+    parser.add_argument("--runs", type=int, default=30, help="runs per mode for the start latency (0 skips)")
+    parser.add_argument("--widths", default="1,2,4,8", help="SandboxPool widths for gradings per second ('' skips)")
     parser.add_argument("--gradings", type=int, default=32, help="gradings per width")
-    parser.add_argument("--idle", type=int, default=32, help="idle sandboxes at once for the cold/zygote memory")
+    parser.add_argument("--idle", type=int, default=32, help="idle sandboxes at once, cold and zygote (0 skips)")
     parser.add_argument("--ramp", default="32,256,1000,2500", help="sandboxes alive at once, step by step ('' skips)")
     parser.add_argument("--stop-used-gib", type=float, default=20.0, help="stop the ramp before this much is used")
     parser.add_argument("--out", help="also write the JSON here")
@@ -458,9 +513,12 @@ def main(argv: list[str] | None = None) -> None:
         "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
         "kernel_limits": kernel_limits(),
     }
-    out["start_latency"] = start_latency(args.runs)
-    out["idle_memory"] = idle_memory(args.idle)
-    out["gradings_per_s"] = gradings_per_s([int(w) for w in args.widths.split(",")], args.gradings)
+    if args.runs:
+        out["start_latency"] = start_latency(args.runs)
+    if args.idle:
+        out["idle_memory"] = idle_memory(args.idle)
+    if args.widths:
+        out["gradings_per_s"] = gradings_per_s([int(w) for w in args.widths.split(",")], args.gradings)
     if steps:
         out["ramp"] = ramp(steps, int(args.stop_used_gib * 2**30))
     out["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
