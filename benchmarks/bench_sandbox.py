@@ -29,6 +29,7 @@ comparing.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import platform
@@ -47,7 +48,7 @@ HONEST = "def add(a, b):\n    return a + b\n"
 # An idle sandbox: blocked in a system call until the benchmark releases it with SIGWINCH (ignored by
 # the launcher and the init, whose default action for it is to ignore it).
 HOLD = "import signal, sys\nsignal.signal(signal.SIGWINCH, lambda *_: sys.exit(0))\nsignal.pause()\n"
-HOLD_LIMITS = SandboxLimits(wall_time_s=900, cpu_time_s=10)
+HOLD_LIMITS = SandboxLimits(wall_time_s=3600, cpu_time_s=10)  # outlives a slow ramp and its release
 
 # Hostile programs run while the ramp's sandboxes are all alive: each must hit its limit.
 MEMORY_HOG = "chunks = []\nwhile True:\n    chunks.append(bytearray(32 << 20))\n"
@@ -207,6 +208,24 @@ def release(uids: set[int]) -> None:
             os.kill(p["pid"], signal.SIGWINCH)
         except ProcessLookupError:
             pass
+
+
+def release_slots(slots: list[int], pids_dir: str | None, uids: set[int]) -> None:
+    """SIGWINCH to the init and program of each slot, found in its pids cgroup."""
+    if pids_dir is None:
+        release(uids)
+        return
+    for slot in slots:
+        try:
+            with open(f"{pids_dir}/slot-{slot}/cgroup.procs", encoding="ascii") as f:
+                pids = [int(p) for p in f.read().split()]
+        except (OSError, ValueError):
+            continue
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGWINCH)
+            except ProcessLookupError:
+                pass
 
 
 def leftovers(uids: set[int]) -> dict:
@@ -436,15 +455,19 @@ def ramp(steps: list[int], stop_used_bytes: int) -> dict:
         for f in futures:
             f.cancel()
         t = time.perf_counter()
-        # Again until all have ended: a sandbox still starting when the signal came had no handler yet.
+        # Again until all have ended (a sandbox still starting when the signal came had no handler yet),
+        # through the slots' cgroups: a search of /proc each time took the interpreter's lock from the
+        # threads cleaning up.
+        release(uids)
         while not all(f.done() for f in futures):
-            release(uids)
-            time.sleep(1.0)
+            time.sleep(2.0)
+            release_slots(slots, pids_dir, uids)
         results = [f.result() for f in futures if not f.cancelled()]
         pool.close()
         out["seconds_to_release_and_clean_up"] = round(time.perf_counter() - t, 1)
         out["released_ok"] = sum(r.ok for r in results)
         out["released"] = len(results)
+        out["released_statuses"] = dict(collections.Counter(r.status for r in results))
         out["left_after"] = leftovers(uids)
     return out
 
