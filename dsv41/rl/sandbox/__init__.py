@@ -53,8 +53,13 @@ score or another's, and nothing it sends can raise out of the grader.
 Known limits: RLIMIT_CPU is per process (wall time bounds a program that forks); /proc, /dev/shm and /tmp
 outside the work directory are unavailable (multiprocessing semaphores fail).
 
+Launchers of a SandboxPool are forked by its zygote (zygote.py), an interpreter that has imported what
+they need, instead of started fresh: a sandbox then starts faster and shares most of its memory with the
+others; the launcher's code and its layers are the same (docs/sandbox.md says what the zygote shares).
+
 Modules: config.py (limits, tasks, results), orchestrator.py (`run_python`), launcher.py (the sandbox's
-side), cgroups.py, pools.py (`SandboxPool`, `RaySandboxPool`), grading.py (`grade_program(s)`,
+side, and the zygote's), zygote.py (the orchestrator's side of it), cgroups.py, pools.py (`SandboxPool`,
+`RaySandboxPool`), grading.py (`grade_program(s)`,
 `grade_stdio_programs`), planning.py (cutting tests into probes), and the grader's two sandbox programs,
 _probe_harness.py and _test_evaluator.py.
 """

@@ -43,6 +43,7 @@ from typing import Any
 
 SETUP_FAILED_EXIT = 125  # the launcher's exit code when a mandatory protection could not be applied
 STOP_SIGNAL = signal.SIGUSR1  # orchestrator -> launcher: the wall deadline has passed, end the program
+CLEANED_LINE = b'{"cleaned": true}\n'  # the report's last line when the launcher left nothing of its uid
 
 # Linux constants (uapi), identical on x86_64 and aarch64.
 _CLONE_NEWNS = 0x00020000
@@ -72,13 +73,18 @@ _SIOCSIFFLAGS, _IFF_UP = 0x8914, 0x1
 
 
 def _load_filters():
-    """_filters.py, next to this file, loaded by path as this file is (the package is not imported here)."""
+    """_filters.py, next to this file, loaded by path as this file is (the package is not imported here).
+    Kept in sys.modules, so a launcher forked from the zygote finds it loaded already (and shared)."""
     import importlib.util
 
+    name = "_dsv41_sandbox_filters"
+    if name in sys.modules:
+        return sys.modules[name]
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_filters.py")
-    spec = importlib.util.spec_from_file_location("_dsv41_sandbox_filters", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    sys.modules[name] = module
     return module
 
 
@@ -96,11 +102,16 @@ def _check(ret: int, what: str) -> int:
 
 
 def child_main(config_json: str) -> None:
+    """The sandbox's first process, started cold (a fresh interpreter): see `launch`."""
+    launch(json.loads(config_json))
+
+
+def launch(cfg: dict) -> None:
     """The sandbox's first process: apply every restriction to itself, then fork the program and act as
     its reaper. Orphans of the program are re-parented here (PR_SET_CHILD_SUBREAPER), so once the program
     exits everything it left behind is killed and reaped here, and the launcher exits the way the program
-    did (same exit code, or the same signal), with their CPU time in its rusage."""
-    cfg = json.loads(config_json)
+    did (same exit code, or the same signal), with their CPU time in its rusage. Returns only in the
+    program's process, once the program is done (its interpreter then shuts down normally)."""
     report_fd = cfg["report_fd"]
     isolation: dict[str, Any] = {}
     libc = None
@@ -159,8 +170,7 @@ def child_main(config_json: str) -> None:
     for fd in cfg["_cgroup_fds"]:
         os.close(fd)
     isolation["kill_all_at_exit"] = can_kill_all
-    os.write(report_fd, json.dumps({"isolation": isolation}).encode())
-    os.close(report_fd)
+    os.write(report_fd, json.dumps({"isolation": isolation}).encode() + b"\n")
     os.close(0)  # stdin belongs to the program
     children.append(init)
     status = _reap_until(init)
@@ -182,6 +192,10 @@ def child_main(config_json: str) -> None:
                     time.sleep(0.001)
             except ChildProcessError:
                 break
+        # Nothing of the sandbox's uid is left (kill(-1) reached all of it, and all of it was our
+        # descendants, now reaped): the orchestrator may skip its own search of /proc for them.
+        os.write(report_fd, CLEANED_LINE)
+    os.close(report_fd)
     # Otherwise the orchestrator kills the process group once it has reaped this process.
     if status is None or os.WIFEXITED(status):
         os._exit(os.WEXITSTATUS(status) if status is not None else 1)
@@ -616,3 +630,160 @@ def _run_user_main(workdir: str) -> None:
         traceback.print_exception(type(exc), exc, tb if tb is not None else exc.__traceback__)
         sys.stderr.flush()
         sys.exit(1)
+
+
+# ------------------------------------------------------------------------------------------------------
+# The zygote: a launcher interpreter started once, that forks a launcher per run.
+#
+# A cold start costs a fresh interpreter per run (about 0.045 s and its own copy of every page it writes).
+# The zygote imports what a launcher and a program's interpreter need, freezes those objects out of the
+# garbage collector's reach (a collection would write to every object's header and so copy every page),
+# and then only forks: each fork shares the zygote's pages until it writes to them. The fork is a clone()
+# with CLONE_PARENT, so the launcher is the orchestrator's child exactly as a cold one is (the
+# orchestrator reaps it with its rusage, signals it, and its parent-death signal and getppid() check name
+# the orchestrator), and then it runs `launch`, the same code a cold launcher runs: every restriction is
+# applied by the fork, after it leaves the zygote, none by the zygote. The zygote itself runs no
+# program code, holds no descriptor but its control socket, and keeps nothing of a run: each request
+# carries its run's configuration and descriptors, which the zygote closes once forked.
+
+# Modules a launcher needs (imported at the top of this file, or by _child_setup and _run_user_main) and
+# modules the grader's programs and typical solutions import: shared by every fork instead of imported
+# (and allocated) again by each. More costs the zygote memory once and each fork nothing until it uses
+# them.
+_ZYGOTE_PRELOAD = (
+    "runpy",
+    "pkgutil",  # imported by runpy.run_path
+    "pwd",
+    "traceback",
+    "importlib.util",
+    "fcntl",
+    "gc",
+    "builtins",
+    "itertools",
+    "types",
+    "operator",
+    "random",
+    "select",
+    "ast",
+    "collections",
+    "functools",
+    "math",
+    "re",
+    "heapq",
+    "bisect",
+    "string",
+    "typing",
+    "dataclasses",
+)
+_CLONE_PARENT = 0x00008000
+_SYS_CLONE = {"x86_64": 56, "aarch64": 220}
+_ZYGOTE_REQUEST_BYTES = 1 << 18  # a run's configuration is a few KiB
+_ZYGOTE_FDS = 4  # stdin, stdout, stderr, report
+
+
+def zygote_main(config_json: str) -> None:
+    """Serve fork requests on the control socket until the orchestrator closes it (or dies). A request is
+    one datagram: JSON {"config", "env", "cwd"} with the run's stdin, stdout, stderr and report pipe ends
+    attached; the reply is the new launcher's pid, or "error: why". Returns only in a forked program's
+    process, when the program is done."""
+    import gc
+    import importlib
+
+    cfg = json.loads(config_json)
+    control = socket.socket(fileno=cfg["control_fd"])
+    libc = _libc()
+    _die_with_parent(libc)
+    if os.getppid() != cfg["orchestrator_pid"]:
+        os._exit(1)
+    for name in _ZYGOTE_PRELOAD:
+        importlib.import_module(name)
+    try:  # a launcher that cannot have them fails closed in _child_setup, saying why
+        _load_filters().import_seccomp()
+    except (ImportError, OSError):
+        pass
+    # The PyDLL variant keeps the GIL across the call, as os.fork() does around fork().
+    py_libc = ctypes.PyDLL(None, use_errno=True)
+    py_libc.syscall.restype = ctypes.c_long
+    clone_nr = _SYS_CLONE.get(os.uname().machine)
+    gc.collect()
+    gc.freeze()
+    control.sendall(b"ready")
+    while True:
+        try:
+            request, fds, flags, _ = socket.recv_fds(control, _ZYGOTE_REQUEST_BYTES, _ZYGOTE_FDS)
+        except InterruptedError:
+            continue
+        except OSError:
+            os._exit(0)
+        if not request:
+            os._exit(0)  # the orchestrator closed its end: nothing more to serve
+        pid, error = 0, None
+        if len(fds) != _ZYGOTE_FDS or flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            error = "malformed request"
+        elif clone_nr is None:
+            error = f"no clone() number known for {os.uname().machine}"
+        else:
+            try:
+                pid = _clone_parent(py_libc, clone_nr)
+            except OSError as exc:
+                error = str(exc)
+        if pid == 0 and error is None:
+            _zygote_child(control, request, fds)
+            return  # the program's process, once its program is done: its interpreter shuts down normally
+        for fd in fds:
+            os.close(fd)
+        del request, fds
+        try:
+            control.sendall(f"error: {error}".encode() if error else str(pid).encode())
+        except OSError:
+            os._exit(0)
+
+
+def _clone_parent(py_libc: ctypes.PyDLL, clone_nr: int) -> int:
+    """fork(), but the child's parent is our parent (CLONE_PARENT): 0 in the child, its pid here. The
+    interpreter's own fork protocol (its locks, thread states and os.register_at_fork hooks, e.g. random's
+    reseeding) runs around it as os.fork() runs it. Only the C library's fork bookkeeping is skipped: this
+    process has one thread and holds no C library lock, and the launcher's own forks are ordinary ones."""
+    api = ctypes.pythonapi
+    api.PyOS_BeforeFork()
+    pid = py_libc.syscall(
+        ctypes.c_long(clone_nr),
+        ctypes.c_ulong(_CLONE_PARENT | signal.SIGCHLD),
+        ctypes.c_ulong(0),
+        ctypes.c_ulong(0),
+        ctypes.c_ulong(0),
+        ctypes.c_ulong(0),
+    )
+    if pid == 0:
+        api.PyOS_AfterFork_Child()
+        return 0
+    err = ctypes.get_errno()
+    api.PyOS_AfterFork_Parent()
+    if pid < 0:
+        raise OSError(err, f"clone(CLONE_PARENT): {os.strerror(err)}")
+    return pid
+
+
+def _zygote_child(control: socket.socket, request: bytes, fds: list[int]) -> None:
+    """In the fork: become what a cold launcher is when it starts (its own session, the run's pipes as
+    0, 1, 2 and 3, nothing else open, the run's directory and environment), then `launch`."""
+    report = fds[3]
+    try:
+        control.close()  # the program must never reach the zygote: it could ask for a launcher of its own
+        req = json.loads(request)
+        os.setsid()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)  # sources are >= 3 (0-2 are the zygote's /dev/null), target 3 comes last
+        report = 3
+        os.closerange(4, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        cfg = req["config"]
+        cfg["report_fd"] = 3
+    except BaseException as exc:
+        try:
+            os.write(report, json.dumps({"fatal": f"zygote fork: {type(exc).__name__}: {exc}"}).encode())
+        finally:
+            os._exit(SETUP_FAILED_EXIT)
+    launch(cfg)

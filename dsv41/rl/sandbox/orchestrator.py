@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dsv41.rl.sandbox import launcher
 from dsv41.rl.sandbox.cgroups import CgroupUnavailable, RunCgroup
 from dsv41.rl.sandbox.config import MAX_SLOTS, SandboxLimits, SandboxResult, sandbox_uid
+from dsv41.rl.sandbox.zygote import SpawnedLauncher, Zygote, ZygoteError, launcher_command
 
 _TAIL_BYTES = 8192  # the end of stderr is kept apart from the (head-truncated) capture, for classification
 _DRAIN_AFTER_EXIT_S = 2.0  # how long pipes are drained once the sandbox is dead (data still in the pipe)
@@ -62,9 +63,18 @@ _SYSTEM_READ_PATHS = (
     "/sys/devices/system/cpu",
 )
 
+_CLEAN_MARK = b"clean\n"  # a slot's lock file holds this while its last run is known to have left nothing
+_IN_USE_MARK = b"inuse\n"
+
 # Layers the tests make fail on purpose, to check that the launcher (and the orchestrator, for the cgroup)
 # refuses to run untrusted code without them. Empty in normal use.
 _SIMULATE_UNAVAILABLE: tuple[str, ...] = ()
+
+
+def launcher_zygote() -> Zygote:
+    """A zygote for `run_python(..., zygote=)`: it starts (on first use) with the environment every
+    launcher starts with; each run's own (HOME, TMPDIR) is set in its fork."""
+    return Zygote(os.path.abspath(launcher.__file__), _BASE_ENV)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -111,6 +121,7 @@ def run_python(
     files: Mapping[str, str | bytes] | None = None,
     limits: SandboxLimits = SandboxLimits(),
     slot: int | None = None,
+    zygote: Zygote | None = None,
 ) -> SandboxResult:
     """Run `code` as main.py in a fresh sandbox and return what happened.
 
@@ -119,6 +130,10 @@ def run_python(
     cgroup when running as root; a run waits while another one holds the same slot. None (the default)
     takes a free slot from the top of the range, clear of the pools' slots. Raises ValueError/TypeError for
     invalid arguments; whatever the program does comes back in the result.
+
+    `zygote` (a `Zygote`, as SandboxPool keeps one): the launcher is forked from it instead of started as
+    a fresh interpreter; the same restrictions apply, in the same order, by the same code. A zygote that
+    cannot start the launcher fails the run (status "error"), it never falls back to running it otherwise.
     """
     if not isinstance(code, str):
         raise TypeError(f"code must be a str, got {type(code).__name__}")
@@ -126,25 +141,39 @@ def run_python(
         raise TypeError(f"stdin must be a str, got {type(stdin).__name__}")
     if not isinstance(limits, SandboxLimits):
         raise TypeError(f"limits must be a SandboxLimits, got {type(limits).__name__}")
+    if zygote is not None and not isinstance(zygote, Zygote):
+        raise TypeError(f"zygote must be None or a Zygote, got {type(zygote).__name__}")
     if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot <= MAX_SLOTS):
         raise ValueError(f"slot must be None or an integer in [0, {MAX_SLOTS}], got {slot!r}")
     extra = _checked_files(files)
 
     slot, lock_fd = _lock_slot(slot)
     try:
-        return _run_in_slot(code, stdin, extra, limits, slot)
+        return _run_in_slot(code, stdin, extra, limits, slot, zygote, lock_fd)
     finally:
         os.close(lock_fd)
 
 
-def _run_in_slot(code: str, stdin: str, extra: dict[str, bytes], limits: SandboxLimits, slot: int) -> SandboxResult:
+def _run_in_slot(
+    code: str,
+    stdin: str,
+    extra: dict[str, bytes],
+    limits: SandboxLimits,
+    slot: int,
+    zygote: Zygote | None,
+    lock_fd: int,
+) -> SandboxResult:
     as_root = os.geteuid() == 0
     uid = gid = sandbox_uid(slot) if as_root else None
-    if uid is not None:
+    stale_zombies = 0
+    # Searching /proc for the slot's uid costs a read per process on the machine, which thousands of
+    # sandboxes make slow: it is skipped where the slot's last run proved it left nothing (see below).
+    if uid is not None and not _take_clean_mark(lock_fd):
         # A previous run on this slot that escaped its cleanup (a crashed trainer) must not eat this run's
         # process budget or interfere with it.
         _kill_uid(uid)
-    stale_zombies = _unreaped_zombies(uid) if uid is not None else 0
+        stale_zombies = _unreaped_zombies(uid)
+    cleaned = False
     cgroup, cgroup_error = None, None
     try:
         if "cgroup" in _SIMULATE_UNAVAILABLE:
@@ -154,20 +183,56 @@ def _run_in_slot(code: str, stdin: str, extra: dict[str, bytes], limits: Sandbox
         cgroup = RunCgroup.create(slot, limits.memory_bytes, limits.max_processes + 1, limits.cpu_cores)
     except (CgroupUnavailable, OSError) as exc:
         cgroup_error = f"no cgroup could be created: {exc}"
-    workdir = os.path.realpath(tempfile.mkdtemp(prefix=f"dsv41-sandbox-{slot}-"))
+    workdir = os.path.realpath(tempfile.mkdtemp(prefix=f"dsv41-sandbox-{slot}-", dir=_staging_dir()))
     try:
         _populate_workdir(workdir, code, extra, uid, gid)
-        result = _supervise(workdir, stdin, limits, uid, gid, cgroup, cgroup_error, stale_zombies)
+        result, cleaned = _supervise(workdir, stdin, limits, uid, gid, cgroup, cgroup_error, stale_zombies, zygote)
         result.slot = slot
         return result
     finally:
+        empty = True
         if cgroup is not None:
-            cgroup.kill_all()
-        if uid is not None:
-            _kill_uid(uid)  # nothing of this sandbox may outlive the run, nor write while it is removed
+            empty = cgroup.kill_all()
+        if uid is not None and not cleaned:
+            # Nothing of this sandbox may outlive the run, nor write while it is removed.
+            empty = _kill_uid(uid) and empty
         if cgroup is not None:
-            cgroup.remove()
+            empty = cgroup.remove() and empty
         _remove_tree(workdir)
+        if uid is not None and cleaned and empty and stale_zombies == 0:
+            _put_clean_mark(lock_fd)
+
+
+def _take_clean_mark(lock_fd: int) -> bool:
+    """Whether the slot's previous run left nothing of its uid (its launcher killed and reaped every
+    process of it, and found no zombie of an older run), clearing the mark for this run: a run that
+    crashes before putting it back leaves the slot to be searched. The lock file is root's, in a
+    directory only root can enter, and held while it is read or written."""
+    mark = os.pread(lock_fd, len(_CLEAN_MARK), 0)
+    if mark != _CLEAN_MARK:
+        return False
+    os.pwrite(lock_fd, _IN_USE_MARK, 0)  # same length: no metadata change, which costs ms on some disks
+    return True
+
+
+def _put_clean_mark(lock_fd: int) -> None:
+    os.pwrite(lock_fd, _CLEAN_MARK, 0)
+
+
+def _staging_dir() -> str | None:
+    """Where run directories are made: /dev/shm where it is a tmpfs, else the temporary directory. A run's
+    directory only stages its files (the launcher copies them into the run's own tmpfs). On a disk
+    mounted with online discard (this machine's root), each removal waited for a discard of its blocks:
+    with thousands of sandboxes ending at once, cleanup ran at five runs per second."""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 2 and fields[1] == "/dev/shm" and fields[2] == "tmpfs":
+                    return "/dev/shm" if os.access("/dev/shm", os.W_OK | os.X_OK) else None
+    except OSError:
+        pass
+    return None
 
 
 def _checked_files(files: Mapping[str, str | bytes] | None) -> dict[str, bytes]:
@@ -342,29 +407,6 @@ class _Capture:
         return self.total > self.limit
 
 
-def _launcher_command(config: dict) -> list[str]:
-    # The launcher is loaded by path so the child does not import the dsv41 package (and torch).
-    boot = (
-        "import importlib.util, sys\n"
-        "spec = importlib.util.spec_from_file_location('_dsv41_sandbox_launcher', sys.argv[1])\n"
-        "module = importlib.util.module_from_spec(spec)\n"
-        "sys.modules[spec.name] = module\n"
-        "spec.loader.exec_module(module)\n"
-        "module.child_main(sys.argv[2])\n"
-    )
-    return [
-        sys.executable,
-        "-I",
-        "-B",
-        "-X",
-        "utf8",
-        "-c",
-        boot,
-        os.path.abspath(launcher.__file__),
-        json.dumps(config),
-    ]
-
-
 def _supervise(
     workdir: str,
     stdin: str,
@@ -374,7 +416,9 @@ def _supervise(
     cgroup: RunCgroup | None,
     cgroup_error: str | None,
     stale_zombies: int = 0,
-) -> SandboxResult:
+    zygote: Zygote | None = None,
+) -> tuple[SandboxResult, bool]:
+    """The run, and whether its launcher reported that nothing of the sandbox's uid is left."""
     read_paths = _python_roots() + list(_SYSTEM_READ_PATHS)
     report_r, report_w = os.pipe()
     config = {
@@ -404,28 +448,35 @@ def _supervise(
     out, err = _Capture(limits.max_output_bytes), _Capture(limits.max_output_bytes)
     start = time.monotonic()
     try:
-        # start_new_session: the sandbox is its own process group and session, killable as a whole.
-        proc = subprocess.Popen(
-            _launcher_command(config),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=workdir,
-            env=env,
-            start_new_session=True,
-            pass_fds=(report_w,),
-            close_fds=True,
-        )
+        if zygote is not None:
+            # Forked by the zygote, in a session of its own with the same pipes, directory and environment.
+            try:
+                proc = zygote.spawn(config, env, workdir, report_w)
+            except ZygoteError as exc:
+                os.close(report_r)
+                return SandboxResult(status="error", stderr=f"sandbox setup failed: {exc}\n"), False
+        else:
+            # start_new_session: the sandbox is its own process group and session, killable as a whole.
+            proc = subprocess.Popen(
+                launcher_command(os.path.abspath(launcher.__file__), "child_main", config),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=workdir,
+                env=env,
+                start_new_session=True,
+                pass_fds=(report_w,),
+                close_fds=True,
+            )
     except BaseException:
         os.close(report_r)
         raise
     finally:
         os.close(report_w)  # the launcher holds the only write end: EOF once it is done with it
     try:
-        status, rusage, timed_out, exit_time = _pump(
-            proc, stdin.encode("utf-8"), out, err, start + limits.wall_time_s, uid, cgroup
+        status, rusage, timed_out, exit_time, report = _pump(
+            proc, stdin.encode("utf-8"), out, err, start + limits.wall_time_s, uid, cgroup, report_r
         )
-        report = _read_report(report_r)
     finally:
         os.close(report_r)
         for stream in (proc.stdin, proc.stdout, proc.stderr):
@@ -450,7 +501,7 @@ def _supervise(
     if cgroup is not None:
         leftovers_killed = cgroup.kill_all()
         oom_kills, peak = cgroup.oom_kills(), cgroup.peak_bytes()
-    if uid is not None:
+    if uid is not None and not report.get("cleaned"):
         leftovers_killed = _kill_uid(uid) and leftovers_killed
     if cgroup is not None or uid is not None:
         isolation["leftovers_killed"] = leftovers_killed
@@ -471,7 +522,7 @@ def _supervise(
     else:
         tail = bytes(err.tail).decode("utf-8", errors="replace")
         result_status = _classify(exit_code, timed_out, cpu_s, limits, tail, oom_kills)
-    return SandboxResult(
+    result = SandboxResult(
         status=result_status,
         exit_code=exit_code if exit_code >= 0 else None,
         signal=sig_name,
@@ -484,6 +535,7 @@ def _supervise(
         isolation=isolation,
         memory_peak_bytes=peak,
     )
+    return result, bool(report.get("cleaned"))
 
 
 def _kill_process_group(pgid: int) -> None:
@@ -494,16 +546,17 @@ def _kill_process_group(pgid: int) -> None:
 
 
 def _pump(
-    proc: subprocess.Popen,
+    proc: subprocess.Popen | SpawnedLauncher,
     stdin_data: bytes,
     out: _Capture,
     err: _Capture,
     deadline: float,
     uid: int | None,
     cgroup: RunCgroup | None,
+    report_fd: int,
 ):
     """Feed stdin, drain stdout/stderr, enforce the wall deadline and reap the launcher (wait4, for its
-    CPU time). Returns (wait status, rusage, timed_out, exit time)."""
+    CPU time). Returns (wait status, rusage, timed_out, exit time, the launcher's report)."""
     sel = selectors.DefaultSelector()
     streams = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
     for fd in streams:
@@ -526,20 +579,22 @@ def _pump(
     timed_out = False
     exit_time = None
     drain_deadline = None
+    report: dict = {}
 
     def reaped(status_and_rusage) -> None:
-        nonlocal wait_status, rusage, exit_time, drain_deadline
+        nonlocal wait_status, rusage, exit_time, drain_deadline, report
         _, wait_status, rusage = status_and_rusage
         if pidfd is not None and pidfd in sel.get_map():
             sel.unregister(pidfd)
         exit_time = time.monotonic()
         # Popen must not waitpid() this pid again (it could belong to someone else by then).
         proc.returncode = os.waitstatus_to_exitcode(wait_status)
+        report = _read_report(report_fd)  # complete: the launcher is gone
         # Descendants may still hold the pipes open: kill them so the drain below reaches EOF.
         _kill_process_group(proc.pid)
         if cgroup is not None:
             cgroup.kill_all()
-        if uid is not None:
+        if uid is not None and not report.get("cleaned"):
             _kill_uid(uid)
         drain_deadline = time.monotonic() + _DRAIN_AFTER_EXIT_S
 
@@ -588,7 +643,7 @@ def _pump(
         sel.close()
         if pidfd is not None:
             os.close(pidfd)
-    return wait_status, rusage, timed_out, exit_time
+    return wait_status, rusage, timed_out, exit_time, report
 
 
 def _stop_sandbox(pid: int) -> tuple:
@@ -624,10 +679,18 @@ def _read_report(fd: int) -> dict:
         if not data:
             break
         chunks.append(data)
+    # One JSON line (the layers in force, or why it refused), and the cleanup line when it left nothing.
+    first, _, rest = b"".join(chunks).partition(b"\n")
     try:
-        return json.loads(b"".join(chunks) or b"{}")
+        report = json.loads(first or b"{}")
     except ValueError:
         return {"fatal": "the sandbox launcher wrote an unreadable report"}
+    if not isinstance(report, dict):
+        return {"fatal": "the sandbox launcher wrote an unreadable report"}
+    report.pop("cleaned", None)  # only the line of its own says so
+    if rest == launcher.CLEANED_LINE:
+        report["cleaned"] = True
+    return report
 
 
 def _classify(
