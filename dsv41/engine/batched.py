@@ -47,6 +47,9 @@ class DecodeBatch:
     # when a dict: each ratio>1 compressor leaves its fp32 rows (kv [B, D], score [B, D]) of this step
     # under its layer id (a speculative verify keeps them to rebuild partial groups after a rejection)
     record_rows: dict | None = None
+    # `fast` numerics: attention as one dense softmax over the gathered rows (ops.dense_decode_attn), the
+    # indexer's picks in torch.topk's order; else every op as the per-chunk path computes it
+    fast: bool = False
 
     @classmethod
     def build(cls, caches: list, positions: list[int], device) -> DecodeBatch:
@@ -78,6 +81,18 @@ class DecodeBatch:
             return ring_ids(at, at, firsts, window).unsqueeze(1)
 
         return self._memo(("window_ids", window, first), make)
+
+    def window_valid(self, layer: int, window: int) -> torch.Tensor:
+        """[B, W+1] True at the rows of cat(ring as it was, the new token) inside each query's window (the
+        set `window_ids` lists, for a kernel that does not care about their order)."""
+        first = tuple(c.first[layer] for c in self.caches)
+
+        def make():
+            ids = self.window_ids(layer, window)[:, 0]  # [B, W]
+            hits = torch.zeros(ids.size(0), window + 1, dtype=torch.int16, device=ids.device)
+            return hits.scatter_add_(1, ids.clamp_min(0), (ids >= 0).to(torch.int16)) > 0
+
+        return self._memo(("window_valid", window, first), make)
 
     def ring_slots(self, window: int) -> torch.Tensor:
         """[B] ring slot of each new token."""
@@ -139,6 +154,12 @@ def decode_attend(
     states.window_codes[slots, layer, at] = codes
     states.window_scale[slots, layer, at] = scale.to(torch.float8_e8m0fnu).view(torch.uint8)
 
+    if batch.fast:
+        valid = batch.window_valid(layer, w)  # [B, W+1]
+        if attn.ratio:
+            picked, selected = _compressed(attn, x, qr, batch, states, pool)
+            rows, valid = torch.cat([rows, selected], dim=1), torch.cat([valid, picked[:, 0] >= 0], dim=1)
+        return ops.dense_decode_attn(q, rows, valid, attn.attn_sink, attn.softmax_scale)
     if not attn.ratio:
         return ops.paged_sparse_attn(
             q,
@@ -245,9 +266,17 @@ def _select(attn, x, qr, batch: DecodeBatch, pool: PagedKVPool) -> torch.Tensor:
         entries = torch.arange(t, device=pos.device).expand(b, 1, t)
     if idx.is_candidate_source:
         batch.shared["candidate_blocks"] = ops.candidate_blocks(
-            scores, visible.view(b, 1, 1), idx.candidate_blocks, idx.candidate_block_size, idx.canonical_ties
+            scores,
+            visible.view(b, 1, 1),
+            idx.candidate_blocks,
+            idx.candidate_block_size,
+            idx.canonical_ties and not batch.fast,
         )
     k = min(idx.topk, scores.size(-1))
+    if batch.fast:  # the attention reads the picks as a set (ops.dense_decode_attn): any order, any tie
+        top = scores.topk(k, dim=-1, sorted=False).indices
+        picked = torch.where(scores.gather(-1, top) > -torch.inf, entries.gather(-1, top), -1)
+        return torch.nn.functional.pad(picked, (0, idx.topk - k), value=-1) if k < idx.topk else picked
     if idx.canonical_ties:  # ties by entry position, not by where the gather put an entry in this row
         top = ops.topk_canonical(scores, k, positions=entries if idx.uses_candidates else None)
     else:

@@ -37,7 +37,7 @@ from dsv41.ops.quant import fp4_qdq, fp4_quant, fp8_qdq, fp8_quant
 from dsv41.ops.reductions import mean_of_squares, sum_fp32_terms
 from dsv41.ops.rope import RotaryTable, apply_rope
 from dsv41.ops.sinkhorn import hc_split_sinkhorn
-from dsv41.ops.sparse_attn import sparse_attn
+from dsv41.ops.sparse_attn import dense_decode_attn, sparse_attn
 
 __all__ = [
     "canonical",
@@ -71,6 +71,7 @@ __all__ = [
     "apply_rope",
     "hc_split_sinkhorn",
     "sparse_attn",
+    "dense_decode_attn",
     "PagedCache",
     "gather_picked",
     "paged_index_scores",

@@ -50,6 +50,38 @@ def test_sparse_attn_matches_plain_softmax_and_handles_empty_rows():
     assert torch.equal(ops.sparse_attn(q, kv2, sink, idx, 64**-0.5)[0, 0], out[0, 0])
 
 
+def test_dense_decode_attention_matches_the_reference_kernel_over_a_set_of_rows():
+    """`fast` decode attention reads the rows a query lists as a set: the reference kernel over the same index
+    list (any order, -1 padding, a row with nothing valid) agrees to bf16 precision, and rows outside the set,
+    or the set's order, do not matter."""
+    g = torch.Generator().manual_seed(0)
+    b, h, d, n = 3, 6, 64, 150
+    q = torch.randn(b, 1, h, d, generator=g).to(torch.bfloat16)
+    rows = torch.randn(b, n, d, generator=g).to(torch.bfloat16)
+    sink = torch.randn(h, generator=g) + 5  # large enough to take a good share of the softmax
+    ids = torch.stack([torch.randperm(n, generator=g)[:100] for _ in range(b)]).unsqueeze(1)  # [B, 1, 100]
+    ids[:, :, 90:] = -1
+    ids[2] = -1  # nothing to attend to: 0, as in the reference
+    valid = torch.zeros(b, n, dtype=torch.bool)
+    for i in range(b):
+        valid[i, ids[i, 0][ids[i, 0] >= 0]] = True
+    out = ops.dense_decode_attn(q, rows, valid, sink, d**-0.5)
+    ref = ops.sparse_attn(q, rows, sink, ids.int(), d**-0.5)
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=0)
+    # the sink counts: without it the outputs grow (every row's share of the denominator goes up)
+    no_sink = ops.dense_decode_attn(q, rows, valid, torch.full((h,), -torch.inf), d**-0.5)
+    assert no_sink[:2].float().abs().sum() > 1.2 * out[:2].float().abs().sum()
+    rows2 = rows.clone()
+    rows2[~valid] = 100  # rows outside the set carry no weight
+    assert torch.equal(ops.dense_decode_attn(q, rows2, valid, sink, d**-0.5), out)
+    perm = torch.randperm(n, generator=g)  # the set's order does not change the sum beyond rounding
+    torch.testing.assert_close(
+        ops.dense_decode_attn(q, rows[:, perm], valid[:, perm], sink, d**-0.5).float(), out.float(), atol=1e-2, rtol=0
+    )
+
+
 def test_candidate_pool_keeps_newest_block_and_at_most_n_blocks():
     g = torch.Generator().manual_seed(0)
     scores = torch.randn(1, 6, 40, generator=g)
