@@ -5,11 +5,12 @@ hyper-connection mixes, projections, MoE, head) runs once over all T tokens, and
 part of attention (window ring, compressor, indexer, sparse attention) runs per chunk against that
 sequence's own cache. No padding exists, so nothing is ever pooled into a compressed entry by accident.
 
-CED bounded replay. Every layer below the decoder's kv source (the "encoder"; layers 0-19 in Flash)
-runs over every prompt token. The decoder's kv source (layer 20) only needs its compressor and index
-keys for a prompt token, and those are functions of the encoder output, so for positions below a chunk's
-`decoder_from` the runner computes them and drops the token; the decoder layers run over the remaining
-positions (the last `window_size` prompt tokens), with their windows starting at the replay start.
+The runner owns no layers: it prepares the step's metadata (token ids, positions, Engram hashes, image rows,
+decode-step batches) and runs the model's one layer loop (dsv41.model.forward.run_layers) with the paged
+attention backend (dsv41.engine.paged_attention), which also carries out the CED bounded replay: every
+layer below the decoder boundary runs over every prompt token; for positions below a chunk's
+`decoder_from` the boundary layer's compressed entries and index keys are written from the encoder output
+and the token leaves the batch, so the decoder layers run over the last `window_size` prompt tokens only.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv41 import ops
-from dsv41.engine.batched import DecodeBatch, decode_attend
+from dsv41.engine.batched import DecodeBatch
+from dsv41.engine.paged_attention import PagedAttention
 from dsv41.engine.sequence import SequenceCache
 from dsv41.model import dspark
 from dsv41.model.block import Block
+from dsv41.model.forward import run_layers
 from dsv41.model.moe import RoutingRecord
 from dsv41.model.transformer import Transformer
 
@@ -100,7 +103,6 @@ class ModelRunner:
         self.targets = tuple(model.cfg.dspark_target_layer_ids) if capture_hidden and len(model.mtp) else ()
         # fast mode: compiled token-wise regions for decode batches (dsv41.engine.compiled), set by the engine
         self.compiled = None
-        self._regions = None  # those of the forward in progress
         # fast mode: calls of at most this many rows run bf16 layers as fp32 GEMMs (dsv41.ops.gemm_choice),
         # set by the engine from its probe; 0: never
         self.fp32_rows = 0
@@ -147,56 +149,24 @@ class ModelRunner:
             lone = c.verify and self.per_chunk
             c.shared, c.main_hidden, c.routing = {"lone_widths": True} if lone else {}, None, None
         record = RoutingRecord(ids_only=True) if self.record_routing else None
-        rope_rows: dict = {}  # id(RotaryTable) -> (positions, its RoPE rows), for this forward
         steps = self._decode_steps(chunks, device)
         hash_ids = self._engram_hashes(chunks) if model.engram_hash is not None else None
         decode_only = len(steps) == 1 and len(steps[0][1]) == ids.size(1) and record is None
-        self._regions = self.compiled.regions(ids.size(1)) if self.compiled is not None and decode_only else None
+        regions = self.compiled.regions(ids.size(1)) if self.compiled is not None and decode_only else None
 
         x, image_mask = self._embed(ids, chunks)
         h = x.unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [1, T, hc, dim]
         pre_mix = torch.zeros(1, ids.size(1), cfg.hc_mult, dtype=torch.float32, device=device)
         pre_mix[..., 0] = 1.0
-        hidden: list[torch.Tensor] = []
-        for i, layer in enumerate(model.layers):
-            if i == self.boundary:
-                keep = self._skip_decoder(layer, chunks, h, pre_mix)
-                if keep is not None:
-                    h, pre_mix, positions = h[:, keep], pre_mix[:, keep], positions[keep]
-                    hash_ids = None if hash_ids is None else hash_ids[:, keep]
-                    image_mask = None if image_mask is None else image_mask[:, keep]
-                    hidden = [x[:, keep] for x in hidden]
-                    chunks = [c for c in chunks if c.tokens]
-                if not chunks:
-                    break
-            # each chunk's tokens computed as if its sequence ran alone (dsv41.ops.lanes)
-            # a verify chunk's tokens each as a call of one, as the decode steps that would have computed them
-            calls = (
-                [n for c in chunks for n in ([1] * len(c.tokens) if c.verify else [len(c.tokens)])]
-                if self.per_chunk
-                else None
-            )
-            if layer.engram is not None:
-                h = layer.engram(
-                    h,
-                    hash_ids[:, :, model.engram_layout.layer_ids.index(i)],
-                    None if image_mask is None else ~image_mask,
-                    calls,
-                )
-            if i in self.targets:
-                hidden.append(dspark.main_hidden(h))  # [1, T, dim], the stream entering the block
-            shared = {"token_calls": calls} if record is None else {"token_calls": calls, "moe_aux": record}
-            if self._regions is not None:
-                shared["regions"] = self._regions
-            h, pre_mix = layer.run(
-                h,
-                pre_mix,
-                lambda x, attn=layer.attn, positions=positions, chunks=chunks: self._attend(
-                    attn, x, positions, chunks, steps, rope_rows
-                ),
-                shared,
-                image_mask,
-            )
+        shared: dict = {}
+        if record is not None:
+            shared["moe_aux"] = record
+        if regions is not None:
+            shared["regions"] = regions
+        backend = PagedAttention(chunks, positions, steps, regions, self.per_chunk, self.boundary)
+        capture = bool(self.targets)
+        h, pre_mix, hidden = run_layers(model, h, pre_mix, backend, shared, image_mask, hash_ids, capture)
+        chunks = backend.chunks
 
         if record is not None:
             self._split_routing(record, chunks)
@@ -215,15 +185,6 @@ class ModelRunner:
         index = torch.tensor(last, device=device)
         x = model.norm(Block.hc_pre(h[:, index], pre_mix[:, index]))[0]  # [n, dim]
         return model.logits(x)
-
-    @staticmethod
-    def _rope(attn, positions: torch.Tensor, rope_rows: dict, device) -> torch.Tensor:
-        """The RoPE rows of these positions in the layer's table, once per table (two tables: plain and YaRN
-        layers) until the bounded-replay trim changes the positions."""
-        rows = rope_rows.get(id(attn.rope))
-        if rows is None or rows[0] is not positions:
-            rows = rope_rows[id(attn.rope)] = (positions, attn.rope.at(positions, device))
-        return rows[1]
 
     def _split_routing(self, record: RoutingRecord, chunks: list[Chunk]) -> None:
         """Each chunk's rows of every layer's picks -> Chunk.routing [n, n_layers, k]. Only a forward in
@@ -275,123 +236,10 @@ class ModelRunner:
         steps = []
         for i in range(max((len(c.tokens) for c in stepped), default=0)):
             members = [c for c in stepped if len(c.tokens) > i]
-            steps.append(
-                (DecodeBatch.build([c.cache for c in members], [c.start + i for c in members], device), members)
-            )
+            batch = DecodeBatch.build([c.cache for c in members], [c.start + i for c in members], device)
+            batch.fast = self.mode == "fast"
+            steps.append((batch, members))
         return steps
-
-    def _attend(
-        self,
-        attn,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        chunks: list[Chunk],
-        steps: list[tuple[DecodeBatch, list[Chunk]]],
-        rope_rows: dict,
-    ) -> torch.Tensor:
-        freqs = self._rope(attn, positions, rope_rows, x.device)
-        regions = self._regions
-        qr, q, kv = attn.project(x, freqs) if regions is None else regions.project(attn, x, freqs)
-        if not steps:
-            outs, a = [], 0
-            for c in chunks:
-                b = a + len(c.tokens)
-                outs.append(attn.attend(x[:, a:b], qr[:, a:b], q[:, a:b], kv[:, a:b], c.start, c.cache, c.shared))
-                a = b
-            return attn.output(torch.cat(outs, dim=1), freqs)
-        caches = steps[0][1][0].cache
-        states, pool = caches.states, caches.pool
-        if len(steps) == 1 and len(steps[0][1]) == x.size(1):  # a decode-only batch: token i is sequence i
-            o = decode_attend(
-                attn,
-                x[0].unsqueeze(1),
-                qr[0].unsqueeze(1),
-                q[0].unsqueeze(1),
-                kv[0].unsqueeze(1),
-                steps[0][0],
-                states,
-                pool,
-            )  # [B, 1, H, D]
-            o = o.view(1, o.size(0), *o.shape[2:])  # [1, B, H, D]
-            return attn.output(o, freqs) if regions is None else regions.output(attn, o, freqs)
-        out = q.new_empty(q.shape)  # [1, T, H, D]
-        offset, a = {}, 0
-        for c in chunks:
-            b = a + len(c.tokens)
-            if c.decode or c.stepped:
-                offset[id(c)] = a
-            else:
-                out[:, a:b] = attn.attend(x[:, a:b], qr[:, a:b], q[:, a:b], kv[:, a:b], c.start, c.cache, c.shared)
-            a = b
-        kept = self._verify_group_rows(attn, steps, states)
-        for i, (batch, members) in enumerate(steps):
-            at = torch.tensor([offset[id(c)] + i for c in members], device=x.device)
-            batch.record_rows = {} if kept else None
-            out[0, at] = decode_attend(
-                attn,
-                x[0, at].unsqueeze(1),
-                qr[0, at].unsqueeze(1),
-                q[0, at].unsqueeze(1),
-                kv[0, at].unsqueeze(1),
-                batch,
-                states,
-                pool,
-            )[:, 0]
-            if kept:
-                kv_rows, score_rows = batch.record_rows[attn.layer_id]  # [B_i, D] fp32
-                for row, c in enumerate(members):
-                    if id(c) in kept:
-                        kept[id(c)][1].append(kv_rows[row : row + 1])
-                        kept[id(c)][2].append(score_rows[row : row + 1])
-        for c in chunks:
-            if id(c) in kept:
-                first, kvs, scores = kept[id(c)]
-                c.cache.keep_group_rows(
-                    attn.layer_id, first, torch.cat(kvs).unsqueeze(0), torch.cat(scores).unsqueeze(0)
-                )
-        return attn.output(out, freqs)
-
-    @staticmethod
-    def _verify_group_rows(attn, steps, states) -> dict:
-        """For a ratio>1 compressor: each verify chunk that may roll back (`SequenceCache.keep_group_rows`)
-        gets its fp32 rows from its group's first position on: the group's pending rows as they are before
-        the chunk, then (appended by the caller) the row each decode step computes. Keyed by id(chunk):
-        (first position, kv rows, score rows)."""
-        if attn.compressor is None or attn.ratio < 2:
-            return {}
-        layer, ratio, kept = attn.layer_id, attn.ratio, {}
-        for c in steps[0][1]:
-            if c.verify and c.cache.keep_group_rows is not None:
-                pending, slot = c.start % ratio, c.cache.slot
-                kept[id(c)] = (
-                    c.start - pending,
-                    [states.group_kv[layer][slot, :pending].clone()],
-                    [states.group_score[layer][slot, :pending].clone()],
-                )
-        return kept
-
-    def _skip_decoder(self, layer: Block, chunks: list[Chunk], h: torch.Tensor, pre_mix: torch.Tensor):
-        """For positions below each chunk's decoder_from: write the boundary layer's compressed entries
-        and index keys from the encoder output, then drop them. Returns the kept token indices, or None."""
-        attn = layer.attn
-        keep, a, dropped = [], 0, False
-        for c in chunks:
-            n = len(c.tokens)
-            skip = min(max(c.decoder_from - c.start, 0), n)
-            if skip:
-                dropped = True
-                if attn.compressor is not None:
-                    attn.write_compressed(
-                        layer.attn_input(h[:, a : a + skip], pre_mix[:, a : a + skip]), c.start, c.cache
-                    )
-                c.tokens, c.start = c.tokens[skip:], c.start + skip
-                if not c.tokens:
-                    c.want_logits = False
-            keep.extend(range(a + skip, a + n))
-            a += n
-        if not dropped:
-            return None
-        return torch.tensor(keep, dtype=torch.int64, device=h.device)
 
     def _engram_hashes(self, chunks: list[Chunk]) -> torch.Tensor:
         """[1, T, n_engram_layers, columns] row ids, hashing from each chunk's own context tokens.

@@ -78,22 +78,25 @@ class Block(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
-        start_pos: int,
         pre_mix: torch.Tensor,
-        cache,
+        attend,
         shared: dict,
         image_mask: torch.Tensor | None = None,
-        attend=None,
         engram_ids: torch.Tensor | None = None,
+        capture=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """h [B, S, hc, dim] bf16, pre_mix [B, S, hc] fp32 -> (h, the FFN pre mix for the next block).
 
-        attend: replaces the attention call (the training forward); engram_ids: apply this block's Engram
-        first (the training forward routes everything through the module call, so FSDP2 hooks see it)."""
+        attend: the normed attention input [B, S, dim] -> the attention output (the forward's attention
+        backend, dsv41.model.forward); engram_ids [B, S, columns]: this block's Engram rows (applied first;
+        inside the module call, so FSDP2's hooks cover the Engram tables too); capture: called with the
+        stream entering the block after its Engram (the DSpark drafter's input)."""
         if engram_ids is not None and self.engram is not None:
-            h = self.engram(h, engram_ids, None if image_mask is None else ~image_mask)
-        if attend is None:
-            attend = lambda x: self.attn(x, start_pos, cache, shared)  # noqa: E731
+            calls = shared.get("token_calls")
+            h = self.engram(h, engram_ids, None if image_mask is None else ~image_mask, calls)
+            _trace(shared, f"hidden.layers.{self.layer_id}.engram_out", h)
+        if capture is not None:
+            capture(h)
         return self.run(h, pre_mix, attend, shared, image_mask)
 
     def run(

@@ -324,7 +324,7 @@ def draft_train(
             o = (torch.einsum("akhn,and->akhd", rounded, keys) / denom.unsqueeze(-1)).to(q.dtype)
             return attn.output(o, freqs)
 
-        h, pre_mix = stage(h, 0, pre_mix, None, {}, None, attend=attend)
+        h, pre_mix = stage(h, pre_mix, attend, {})
     last = stages[-1]
     xh = Block.hc_pre(h, pre_mix)  # [A, k, dim]
     base = model.logits(last.norm(xh))  # [A, k, V] fp32; the head is frozen, the gradient flows through

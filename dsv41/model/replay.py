@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from dsv41.model.block import Block
+from dsv41.model.forward import AttentionBackend, run_layers
 from dsv41.model.moe import RoutingRecord
 
 
@@ -92,30 +93,33 @@ def replay_forward(
     h = model.embed(input_ids).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [B, T, hc, dim]
     pre_mix = torch.zeros(b, t, cfg.hc_mult, dtype=torch.float32, device=device)
     pre_mix[..., 0] = 1.0
-    # the engine ran each row's spans as separate chunks: token-wise functions follow their calls (ops.lanes)
-    calls = [e - a for a, e in spans] * b
-    shared = {"token_calls": calls}
-    if record is not None:
-        shared["moe_aux"] = record
-    per_span: list[dict] = [{} for _ in spans]  # each chunk's selections, as the engine keeps per chunk
-    for i, layer in enumerate(model.layers):
-        if layer.engram is not None:
-            h = layer.engram(h, hash_ids[:, :, model.engram_layout.layer_ids.index(i)], None, calls)
-        h, pre_mix = layer.run(
-            h, pre_mix, lambda x, attn=layer.attn: _attend_spans(attn, x, spans, cache, per_span), shared
-        )
+    shared = {} if record is None else {"moe_aux": record}
+    h, pre_mix, _ = run_layers(model, h, pre_mix, SpanAttention(spans, b, cache), shared, None, hash_ids)
     x = model.norm(Block.hc_pre(h[:, logits_from:], pre_mix[:, logits_from:]))
     return model.logits(x)
 
 
-def _attend_spans(attn, x: torch.Tensor, spans: list[tuple[int, int]], cache, per_span: list[dict]) -> torch.Tensor:
-    """One attention layer: projections over every position, sequence mixing span by span (in order,
-    each against the cache the previous spans left), inverse RoPE and output projections."""
-    positions = torch.arange(x.size(1), device=x.device)
-    freqs = attn.rope.at(positions, x.device)
-    qr, q, kv = attn.project(x, freqs)
-    outs = [
-        attn.attend(x[:, a:e], qr[:, a:e], q[:, a:e], kv[:, a:e], a, cache, per_span[j])
-        for j, (a, e) in enumerate(spans)
-    ]
-    return attn.output(torch.cat(outs, dim=1), freqs)
+class SpanAttention(AttentionBackend):
+    """The replay's attention backend: one contiguous cache filled span by span, as the engine's chunks
+    filled its pages; token-wise functions follow the chunks' calls (dsv41.ops.lanes)."""
+
+    def __init__(self, spans: list[tuple[int, int]], rows: int, cache):
+        self.spans, self.cache = spans, cache
+        self.calls = [e - a for a, e in spans] * rows  # the engine ran each row's spans as separate chunks
+        self.per_span: list[dict] = [{} for _ in spans]  # each chunk's selections, as the engine keeps per chunk
+
+    def token_calls(self) -> list[int]:
+        return self.calls
+
+    def attend(self, layer, x: torch.Tensor) -> torch.Tensor:
+        """Projections over every position, sequence mixing span by span (in order, each against the cache
+        the previous spans left), inverse RoPE and output projections."""
+        attn = layer.attn
+        positions = torch.arange(x.size(1), device=x.device)
+        freqs = attn.rope.at(positions, x.device)
+        qr, q, kv = attn.project(x, freqs)
+        outs = [
+            attn.attend(x[:, a:e], qr[:, a:e], q[:, a:e], kv[:, a:e], a, self.cache, self.per_span[j])
+            for j, (a, e) in enumerate(self.spans)
+        ]
+        return attn.output(torch.cat(outs, dim=1), freqs)

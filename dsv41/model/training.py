@@ -1,7 +1,7 @@
 """The differentiable training forward of the V4.1 model (training.md §4, §5, §7; spec-v41.md §2.1, §3, §4, §8).
 
-It runs the same modules as `Transformer.forward` over whole sequences from position 0, without a cache,
-with these training-time differences:
+It runs the model's one layer loop (dsv41.model.forward) over whole sequences from position 0, with its own
+attention backend (`TrainingAttention`, no cache), and these training-time differences:
 
 - Attention is written as one masked softmax over [the sequence's own window KV | the compressed
   entries] (a boolean mask per query: its window, and its top-k selection), with the per-head sink in
@@ -25,18 +25,15 @@ with these training-time differences:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from dsv41 import ops
 from dsv41.model.block import Block
+from dsv41.model.forward import AttentionBackend, run_layers
 from dsv41.model.moe import RoutingRecord
 from dsv41.ops import qat as qat_ops
 from dsv41.ops.quant import FP4_BLOCK
-
-if TYPE_CHECKING:  # annotations only: transformer.py imports this module (forward_train)
-    from dsv41.model.transformer import Transformer
 
 
 @dataclass
@@ -74,7 +71,7 @@ class TrainOutput:
     expert_load_natural: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-def prepare_for_training(model: Transformer, dtype: torch.dtype = torch.float32) -> Transformer:
+def prepare_for_training(model, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """fp32 (or `dtype`) master weights everywhere, trainable Engram tables, no batch-invariant chunking."""
     for layer in model.layers:
         if layer.engram is not None:
@@ -210,8 +207,19 @@ def attention_train(attn, x: torch.Tensor, ctx: _Context) -> torch.Tensor:
     return attn.output(o, freqs)
 
 
+class TrainingAttention(AttentionBackend):
+    """The training forward's attention backend: whole sequences from position 0, no cache, every block's
+    attention by `attention_train` (differentiable, QAT roundings, the indexer's KL loss into the context)."""
+
+    def __init__(self, ctx: _Context):
+        self.ctx = ctx
+
+    def attend(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return attention_train(layer.attn, x, self.ctx)
+
+
 def forward_train(
-    model: Transformer,
+    model,
     input_ids: torch.Tensor,
     opts: TrainOptions | None = None,
     token_types: torch.Tensor | None = None,
@@ -243,20 +251,7 @@ def forward_train(
     pre_mix[..., 0] = 1.0
     routing = RoutingRecord(opts.capacity_factor)  # not a list: see RoutingRecord
     shared = {"moe_aux": routing}
-    for i, layer in enumerate(model.layers):
-        engram_ids = None
-        if layer.engram is not None:
-            engram_ids = hash_ids[:, :, model.engram_layout.layer_ids.index(i)]
-        h, pre_mix = layer(
-            h,
-            0,
-            pre_mix,
-            None,
-            shared,
-            token_types,
-            attend=lambda x, attn=layer.attn: attention_train(attn, x, ctx),
-            engram_ids=engram_ids,
-        )
+    h, pre_mix, _ = run_layers(model, h, pre_mix, TrainingAttention(ctx), shared, token_types, hash_ids)
     logits = model.logits(model.norm(Block.hc_pre(h, pre_mix)))
 
     zero = logits.sum() * 0.0

@@ -26,10 +26,23 @@ from dsv41.model.attention import _trace
 from dsv41.model.block import Block
 from dsv41.model.cache import ModelCache
 from dsv41.model.engram import EngramLayout, NgramHasher
+from dsv41.model.forward import AttentionBackend, run_layers
 from dsv41.model.layers import Linear, RMSNorm
 from dsv41.model.moe import RoutingRecord
+from dsv41.model.training import forward_train
 from dsv41.vision.processor import ImagePatches
 from dsv41.vision.vit import Aligner, VisionTransformer
+
+
+class CacheAttention(AttentionBackend):
+    """The plain loop's attention backend: every block reads and writes the contiguous `ModelCache` at
+    positions start_pos.. (its selections shared through the forward's `shared` dict)."""
+
+    def __init__(self, start_pos: int, cache: ModelCache, shared: dict):
+        self.start_pos, self.cache, self.shared = start_pos, cache, shared
+
+    def attend(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return layer.attn(x, self.start_pos, self.cache, self.shared)
 
 
 class Transformer(nn.Module):
@@ -298,8 +311,6 @@ class Transformer(nn.Module):
         if images is not None and train_options is None:
             raise ValueError("images= is for the training forward; inference takes inputs_embeds from embed_inputs")
         if train_options is not None:  # the differentiable training forward (dsv41.model.training)
-            from dsv41.model.training import forward_train
-
             return forward_train(self, input_ids, train_options, token_types, images)
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
@@ -335,19 +346,10 @@ class Transformer(nn.Module):
         h = x.unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)  # [B, S, hc, dim]
         pre_mix = torch.zeros(b, s, self.cfg.hc_mult, dtype=torch.float32, device=h.device)
         pre_mix[:, :, 0] = 1.0  # layer 0 collapses onto copy 0
-        targets = self.cfg.dspark_target_layer_ids if drafter_inputs is not None and len(self.mtp) else ()
-        hidden = []
-        for i, layer in enumerate(self.layers):
-            if layer.engram is not None:
-                column = self.engram_layout.layer_ids.index(i)
-                h = layer.engram(h, hash_ids[:, :, column], text_mask)
-                _trace(shared, f"hidden.layers.{i}.engram_out", h)
-            if i in targets:  # the stream entering the block (after its Engram), in layer order
-                hidden.append(dspark.main_hidden(h, layer.reference_numerics))
-            h, pre_mix = layer(h, start_pos, pre_mix, cache, shared, image_mask)
-            _trace(shared, f"hidden.layers.{i}.out", h)
-            _trace(shared, f"hidden.layers.{i}.pre_mix_out", pre_mix)
-        if targets:
+        backend = CacheAttention(start_pos, cache, shared)
+        capture = drafter_inputs is not None
+        h, pre_mix, hidden = run_layers(self, h, pre_mix, backend, shared, image_mask, hash_ids, capture)
+        if capture and hidden:
             drafter_inputs["main_hidden"] = torch.cat(hidden, dim=-1)
         x = self.norm(Block.hc_pre(h, pre_mix, self.norm.reference_numerics))
         if last_only:

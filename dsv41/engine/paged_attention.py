@@ -1,0 +1,168 @@
+"""The engine's attention backend (dsv41.model.forward.AttentionBackend) for one ragged forward: the scheduled
+chunks laid out as one row of T tokens, each sequence's keys in the paged pool (spec-v41.md §3, §4, §2.1).
+
+The model's layer loop hands every block's normed attention input here. The projections run once over all T
+tokens; the sequence mixing runs per prefill chunk against that sequence's own cache (`Attention.attend` on
+a `SequenceCache`), and decode tokens, or the tokens of speculative verify chunks, as batched decode steps
+(dsv41.engine.batched.decode_attend). At the decoder boundary `trim` implements the CED bounded replay:
+positions below a chunk's `decoder_from` get the boundary layer's compressed entries and index keys from the
+encoder output, and then leave the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv41.engine.batched import DecodeBatch, decode_attend
+from dsv41.model.forward import AttentionBackend
+
+
+class PagedAttention(AttentionBackend):
+    """One forward's chunks (`dsv41.engine.runner.Chunk`), their positions [T] and decode steps (a
+    `DecodeBatch` and its member chunks per step), and the compiled decode regions when a `fast` decode batch
+    has them. `per_chunk`: token-wise functions as if each chunk ran alone (the deterministic mode's lanes);
+    `boundary`: the decoder's first layer."""
+
+    def __init__(
+        self,
+        chunks: list,
+        positions: torch.Tensor,
+        steps: list[tuple[DecodeBatch, list]],
+        regions=None,
+        per_chunk: bool = False,
+        boundary: int = -1,
+    ):
+        self.chunks, self.positions, self.steps, self.regions = chunks, positions, steps, regions
+        self.per_chunk, self.boundary = per_chunk, boundary
+        self.rope_rows: dict = {}  # id(RotaryTable) -> (positions, its RoPE rows), for this forward
+
+    def token_calls(self) -> list[int] | None:
+        """Each chunk's token count; a verify chunk's tokens each a call of one, as the decode steps that
+        would have computed them (None outside the deterministic mode: the batch is one call)."""
+        if not self.per_chunk:
+            return None
+        return [n for c in self.chunks for n in ([1] * len(c.tokens) if c.verify else [len(c.tokens)])]
+
+    def trim(self, layer, h: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor | None:
+        if layer.layer_id != self.boundary:
+            return None
+        keep = self._skip_decoder(layer, self.chunks, h, pre_mix)
+        if keep is not None:
+            self.positions = self.positions[keep]
+            self.chunks = [c for c in self.chunks if c.tokens]
+        return keep
+
+    def _rope(self, attn, device) -> torch.Tensor:
+        """The RoPE rows of this forward's positions in the layer's table, once per table (two tables: plain
+        and YaRN layers) until the bounded-replay trim changes the positions."""
+        rows = self.rope_rows.get(id(attn.rope))
+        if rows is None or rows[0] is not self.positions:
+            rows = self.rope_rows[id(attn.rope)] = (self.positions, attn.rope.at(self.positions, device))
+        return rows[1]
+
+    def attend(self, layer, x: torch.Tensor) -> torch.Tensor:
+        """Projections over every token of the batch, then the sequence mixing: each chunk against its own
+        cache, decode tokens (and stepped verify chunks) as batched decode steps over the paged pool."""
+        attn, chunks, steps, regions = layer.attn, self.chunks, self.steps, self.regions
+        freqs = self._rope(attn, x.device)
+        qr, q, kv = attn.project(x, freqs) if regions is None else regions.project(attn, x, freqs)
+        if not steps:
+            outs, a = [], 0
+            for c in chunks:
+                b = a + len(c.tokens)
+                outs.append(attn.attend(x[:, a:b], qr[:, a:b], q[:, a:b], kv[:, a:b], c.start, c.cache, c.shared))
+                a = b
+            return attn.output(torch.cat(outs, dim=1), freqs)
+        caches = steps[0][1][0].cache
+        states, pool = caches.states, caches.pool
+        if len(steps) == 1 and len(steps[0][1]) == x.size(1):  # a decode-only batch: token i is sequence i
+            o = decode_attend(
+                attn,
+                x[0].unsqueeze(1),
+                qr[0].unsqueeze(1),
+                q[0].unsqueeze(1),
+                kv[0].unsqueeze(1),
+                steps[0][0],
+                states,
+                pool,
+            )  # [B, 1, H, D]
+            o = o.view(1, o.size(0), *o.shape[2:])  # [1, B, H, D]
+            return attn.output(o, freqs) if regions is None else regions.output(attn, o, freqs)
+        out = q.new_empty(q.shape)  # [1, T, H, D]
+        offset, a = {}, 0
+        for c in chunks:
+            b = a + len(c.tokens)
+            if c.decode or c.stepped:
+                offset[id(c)] = a
+            else:
+                out[:, a:b] = attn.attend(x[:, a:b], qr[:, a:b], q[:, a:b], kv[:, a:b], c.start, c.cache, c.shared)
+            a = b
+        kept = _verify_group_rows(attn, steps, states)
+        for i, (batch, members) in enumerate(steps):
+            at = torch.tensor([offset[id(c)] + i for c in members], device=x.device)
+            batch.record_rows = {} if kept else None
+            out[0, at] = decode_attend(
+                attn,
+                x[0, at].unsqueeze(1),
+                qr[0, at].unsqueeze(1),
+                q[0, at].unsqueeze(1),
+                kv[0, at].unsqueeze(1),
+                batch,
+                states,
+                pool,
+            )[:, 0]
+            if kept:
+                kv_rows, score_rows = batch.record_rows[attn.layer_id]  # [B_i, D] fp32
+                for row, c in enumerate(members):
+                    if id(c) in kept:
+                        kept[id(c)][1].append(kv_rows[row : row + 1])
+                        kept[id(c)][2].append(score_rows[row : row + 1])
+        for c in chunks:
+            if id(c) in kept:
+                first, kvs, scores = kept[id(c)]
+                c.cache.keep_group_rows(
+                    attn.layer_id, first, torch.cat(kvs).unsqueeze(0), torch.cat(scores).unsqueeze(0)
+                )
+        return attn.output(out, freqs)
+
+    def _skip_decoder(self, layer, chunks: list, h: torch.Tensor, pre_mix: torch.Tensor):
+        """For positions below each chunk's decoder_from: write the boundary layer's compressed entries
+        and index keys from the encoder output, then drop them. Returns the kept token indices, or None."""
+        attn = layer.attn
+        keep, a, dropped = [], 0, False
+        for c in chunks:
+            n = len(c.tokens)
+            skip = min(max(c.decoder_from - c.start, 0), n)
+            if skip:
+                dropped = True
+                if attn.compressor is not None:
+                    attn.write_compressed(
+                        layer.attn_input(h[:, a : a + skip], pre_mix[:, a : a + skip]), c.start, c.cache
+                    )
+                c.tokens, c.start = c.tokens[skip:], c.start + skip
+                if not c.tokens:
+                    c.want_logits = False
+            keep.extend(range(a + skip, a + n))
+            a += n
+        if not dropped:
+            return None
+        return torch.tensor(keep, dtype=torch.int64, device=h.device)
+
+
+def _verify_group_rows(attn, steps, states) -> dict:
+    """For a ratio>1 compressor: each verify chunk that may roll back (`SequenceCache.keep_group_rows`)
+    gets its fp32 rows from its group's first position on: the group's pending rows as they are before
+    the chunk, then (appended by the caller) the row each decode step computes. Keyed by id(chunk):
+    (first position, kv rows, score rows)."""
+    if attn.compressor is None or attn.ratio < 2:
+        return {}
+    layer, ratio, kept = attn.layer_id, attn.ratio, {}
+    for c in steps[0][1]:
+        if c.verify and c.cache.keep_group_rows is not None:
+            pending, slot = c.start % ratio, c.cache.slot
+            kept[id(c)] = (
+                c.start - pending,
+                [states.group_kv[layer][slot, :pending].clone()],
+                [states.group_score[layer][slot, :pending].clone()],
+            )
+    return kept
