@@ -1,7 +1,17 @@
-"""Fixtures shared by the serve-launching tests of tests/distributed/."""
+"""Fixtures shared by the tests of tests/distributed/: fused kernels off, the single-device reference."""
 
 import pytest
 import torch
+
+
+@pytest.fixture(autouse=True)
+def eager_reference_ops(monkeypatch):
+    """DSV41_FUSED=0 here and in every rank process these tests start (they inherit the environment): each
+    process would otherwise compile the fused kernels before its first forward (about 7 s of CPU per rank
+    with a warm compiler cache). Those kernels are per-token ops that no layout splits (the indexer stays
+    replicated under tensor parallelism), and where used they give the eager ops' bits; that is tested in
+    tests/ops/test_fused.py. The served layouts here run with fused_kernels off for the same reason."""
+    monkeypatch.setenv("DSV41_FUSED", "0")
 
 
 @pytest.fixture(scope="module")

@@ -229,15 +229,20 @@ def dspark():
     return load_model(os.path.join(GOLDEN_DIR, "v41-dspark-fp8"))
 
 
-@pytest.mark.parametrize("wrong", [None, 0.3])
-def test_speculative_decoding_stays_lossless_with_a_grammar(dspark, monkeypatch, wrong):
-    """Greedy constrained output with DSpark verification equals plain constrained decoding: the drafter's
-    own drafts (sampled under the mask) and oracle drafts with wrong tokens the grammar rejects."""
+@pytest.fixture(scope="module")
+def plain_constrained(dspark):
+    """(prompts, params, plain constrained greedy outputs): decoded once for both drafters below."""
     batch = prompts([9, 23])
     plain_engine = make(dspark)
-    spec = json_spec(plain_engine)
-    params = SamplingParams(temperature=0, max_tokens=100, structured=spec)
-    plain = [o.token_ids for o in plain_engine.generate(batch, params)]
+    params = SamplingParams(temperature=0, max_tokens=100, structured=json_spec(plain_engine))
+    return batch, params, [o.token_ids for o in plain_engine.generate(batch, params)]
+
+
+@pytest.mark.parametrize("wrong", [None, 0.3])
+def test_speculative_decoding_stays_lossless_with_a_grammar(dspark, plain_constrained, monkeypatch, wrong):
+    """Greedy constrained output with DSpark verification equals plain constrained decoding: the drafter's
+    own drafts (sampled under the mask) and oracle drafts with wrong tokens the grammar rejects."""
+    batch, params, plain = plain_constrained
     assert all(valid(ByteTokenizer(dspark.cfg.vocab_size).decode(t[:-1])) for t in plain)
     if wrong is not None:
         oracle(monkeypatch, {tuple(p): t for p, t in zip(batch, plain)}, wrong)

@@ -48,13 +48,19 @@ def oracle(monkeypatch, truth: dict, wrong: float, seed: int = 0):
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
+@pytest.fixture(scope="module")
+def plain_greedy(model):
+    """(prompts, their plain greedy outputs): decoded once for the three drafters below."""
+    batch = prompts([13, 30, 5, 47, 21])
+    return batch, [o.token_ids for o in make(model).generate(batch, GREEDY)]
+
+
 @pytest.mark.parametrize("wrong", [None, 0.08, 0.5])
-def test_greedy_speculative_equals_plain_decoding(model, monkeypatch, wrong):
+def test_greedy_speculative_equals_plain_decoding(model, plain_greedy, monkeypatch, wrong):
     """40 tokens from prompts of 5-47 tokens cross the 8-slot windows and ratio-2 groups many times; the
     drafter itself (random weights: nearly always rejected), an oracle right 92% of the time (mostly
     whole blocks) and one right half the time. Requests arrive together and run batched."""
-    batch = prompts([13, 30, 5, 47, 21])
-    plain = [o.token_ids for o in make(model).generate(batch, GREEDY)]
+    batch, plain = plain_greedy
     if wrong is not None:
         oracle(monkeypatch, {tuple(p): t for p, t in zip(batch, plain)}, wrong)
     engine = make(model, speculative=True)

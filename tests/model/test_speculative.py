@@ -50,14 +50,20 @@ def _oracle_drafts(model, monkeypatch, truth: torch.Tensor, wrong_every: int):
     monkeypatch.setattr(dspark, "draft", fake)
 
 
+@pytest.fixture(scope="module")
+def plain40(model):
+    """Plain greedy decoding of 40 tokens from _prompt(), once for the three drafters below."""
+    with model.numerics(16):
+        return generate(model, _prompt(), 40)
+
+
 @pytest.mark.parametrize("drafts", ["drafter", "oracle-mostly-right", "oracle-every-other-wrong"])
-def test_greedy_speculative_equals_plain_decoding(model, monkeypatch, drafts):
+def test_greedy_speculative_equals_plain_decoding(model, plain40, monkeypatch, drafts):
     """40 tokens from a 13-token prompt cross the 8-slot windows and the ratio-2 groups many times; the
     drafter (random weights: nearly every block rejected), an oracle drafter that is right except every
     7th position (whole blocks accepted, partial blocks) and one wrong every other position."""
-    prompt = _prompt()
+    prompt, plain = _prompt(), plain40
     with model.numerics(16):
-        plain = generate(model, prompt, 40)
         if drafts != "drafter":
             _oracle_drafts(model, monkeypatch, plain, 7 if drafts == "oracle-mostly-right" else 2)
         stats = SpeculativeStats()
