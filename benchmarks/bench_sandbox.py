@@ -40,6 +40,7 @@ import sys
 import time
 
 from dsv41.rl.sandbox import SandboxLimits, SandboxPool, grade_programs, run_python, sandbox_uid
+from dsv41.rl.sandbox.cgroups import own_paths
 from dsv41.rl.sandbox.orchestrator import launcher_zygote
 
 TESTS = ["assert add(1, 2) == 3", "add(-1, 5) == 4", "add(0, 0) == 0"]
@@ -101,18 +102,16 @@ def meminfo() -> dict[str, int]:
     return out
 
 
+def own_cgroup(controller: str) -> str | None:
+    """This process's directory in a v1 controller's hierarchy (the sandboxes' cgroups are made below it),
+    or None where the controller is not mounted as v1."""
+    path = own_paths()[1].get(controller)
+    return None if path is None else f"/sys/fs/cgroup/{controller}{path.rstrip('/')}"
+
+
 def own_memory_cgroup() -> str | None:
-    """This process's v1 memory cgroup directory (the sandboxes' cgroups are made below it), or None."""
-    try:
-        with open("/proc/self/cgroup", encoding="ascii") as f:
-            for line in f:
-                _, controllers, path = line.rstrip("\n").split(":", 2)
-                if "memory" in controllers.split(","):
-                    directory = "/sys/fs/cgroup/memory" + path.rstrip("/")
-                    return directory if os.path.isdir(directory) else None
-    except OSError:
-        pass
-    return None
+    directory = own_cgroup("memory")
+    return directory if directory is not None and os.path.isdir(directory) else None
 
 
 def cgroup_bytes(directory: str | None) -> dict[str, int]:
@@ -164,15 +163,8 @@ def sandbox_processes(uids: set[int], rollup: bool = False) -> list[dict]:
 
 def slots_pids_dir() -> str | None:
     """The v1 pids hierarchy's dsv41-sandbox directory below this process's cgroup (the slots' cgroups)."""
-    try:
-        with open("/proc/self/cgroup", encoding="ascii") as f:
-            for line in f:
-                _, controllers, path = line.rstrip("\n").split(":", 2)
-                if "pids" in controllers.split(","):
-                    return "/sys/fs/cgroup/pids" + path.rstrip("/") + "/dsv41-sandbox"
-    except OSError:
-        pass
-    return None
+    directory = own_cgroup("pids")
+    return None if directory is None else directory + "/dsv41-sandbox"
 
 
 def count_up(slots: list[int], up: set[int], pids_dir: str | None) -> int:
@@ -233,13 +225,11 @@ def leftovers(uids: set[int]) -> dict:
     users of the machine may have sandboxes of their own elsewhere), still on the machine."""
     slots = {u - sandbox_uid(0) for u in uids}
     left_cgroups = 0
-    with open("/proc/self/cgroup", encoding="ascii") as f:
-        for line in f:
-            _, controllers, path = line.rstrip("\n").split(":", 2)
-            for controller in set(controllers.split(",")) & {"memory", "pids", "cpu"}:
-                parent = f"/sys/fs/cgroup/{controller}{path.rstrip('/')}/dsv41-sandbox"
-                if os.path.isdir(parent):
-                    left_cgroups += sum(1 for d in os.listdir(parent) if d.startswith("slot-") and int(d[5:]) in slots)
+    for controller in ("memory", "pids", "cpu"):
+        directory = own_cgroup(controller)
+        parent = None if directory is None else directory + "/dsv41-sandbox"
+        if parent is not None and os.path.isdir(parent):
+            left_cgroups += sum(1 for d in os.listdir(parent) if d.startswith("slot-") and int(d[5:]) in slots)
     return {"processes": len(sandbox_processes(uids)), "cgroups": left_cgroups}
 
 

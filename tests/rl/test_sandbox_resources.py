@@ -365,7 +365,7 @@ def test_cgroups_are_removed_after_the_run():
     result = run_python("print(1)", limits=SMALL)
     assert result.ok and result.isolation["cgroup"] is True
     _, v1_mounts = cgroups._mounts()
-    _, v1_paths = cgroups._own_paths()
+    _, v1_paths = cgroups.own_paths()
     for controller in ("memory", "pids", "cpu"):
         parent = os.path.join(v1_mounts[controller], v1_paths[controller].lstrip("/"), "dsv41-sandbox")
         assert not os.path.exists(os.path.join(parent, f"slot-{result.slot}"))

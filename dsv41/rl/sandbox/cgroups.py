@@ -54,7 +54,7 @@ def _mounts() -> tuple[str | None, dict[str, str]]:
     return v2, v1
 
 
-def _own_paths() -> tuple[str | None, dict[str, str]]:
+def own_paths() -> tuple[str | None, dict[str, str]]:
     """Our cgroup: (its v2 path, {v1 controller: its path}) from /proc/self/cgroup."""
     v2, v1 = None, {}
     with open("/proc/self/cgroup", encoding="utf-8") as f:
@@ -114,7 +114,7 @@ class RunCgroup:
     @classmethod
     def create(cls, slot: int, memory_bytes: int, max_tasks: int, cpu_cores: float = 1.0) -> RunCgroup:
         v2_mount, v1_mounts = _mounts()
-        v2_path, v1_paths = _own_paths()
+        v2_path, v1_paths = own_paths()
         errors = []
         if v2_mount is not None and v2_path is not None:
             try:
