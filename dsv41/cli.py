@@ -428,6 +428,8 @@ def cmd_serve(args) -> int:
         raise ValueError("flash has 763B parameters; random weights for it do not fit here")
     if args.engine_fused_kernels is None:  # ready to answer at once; the kernels arrive a few seconds later
         args.engine_fused_kernels = "background"
+    if args.engine_compile_decode is None:  # a server lives long enough to repay compiling its decode steps;
+        args.engine_compile_decode = "background"  # until a bucket is built its steps run eager
     engine_config = _engine_config(args)
     parallel = _parallel_config(args)
     if parallel.world_size > 1:

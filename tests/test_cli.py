@@ -433,3 +433,24 @@ def test_fused_kernel_defaults_per_command(monkeypatch):
     assert run_main(["serve", "tiny"]) == 0
     assert run_main(["serve", "tiny", "--fused-kernels", "off"]) == 0
     assert seen == ["off", "now", "off", "now", "background", "off"]
+
+
+def test_serve_compiles_its_decode_steps_in_the_background_and_chat_does_not(monkeypatch):
+    """A server repays compiling its decode regions (built on a thread while the eager ops answer); chat and
+    generate stay eager (no compiler wait); --compile-decode overrides either."""
+    import dsv41.engine
+    import dsv41.server.run
+
+    seen = []
+
+    def fake_build_engine(name, engine_config=None, **kwargs):
+        seen.append(engine_config.compile_decode)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(dsv41.engine, "build_engine", fake_build_engine)
+    monkeypatch.setattr(dsv41.server.run, "serve", lambda model, **kw: seen.append(kw["engine_config"].compile_decode))
+    run_main(["chat", "--preset", "tiny"])
+    run_main(["generate", "--preset", "tiny", "--prompt", "hi", "--compile-decode", "now"])
+    assert run_main(["serve", "tiny"]) == 0
+    assert run_main(["serve", "tiny", "--compile-decode", "off"]) == 0
+    assert seen == ["off", "now", "background", "off"]

@@ -50,6 +50,9 @@ class DecodeBatch:
     # `fast` numerics: attention as one dense softmax over the gathered rows (ops.dense_decode_attn), the
     # indexer's picks in torch.topk's order; else every op as the per-chunk path computes it
     fast: bool = False
+    # `fast` numerics with the compiled decode regions of this batch's bucket (dsv41.engine.compiled): the
+    # window attention and the indexer's query run as compiled graphs
+    regions: object = None
 
     @classmethod
     def build(cls, caches: list, positions: list[int], device) -> DecodeBatch:
@@ -142,6 +145,26 @@ def decode_attend(
     token per sequence. Returns [B, 1, H, D] like `Attention.attend`."""
     layer, w = attn.layer_id, attn.window
     slots = batch.slots
+    if batch.regions is not None:  # fast numerics, compiled: the ring decoded and the new row encoded inside
+        valid = batch.window_valid(layer, w)  # [B, W+1]
+        selected = None
+        if attn.ratio:
+            picked, selected = _compressed(attn, x, qr, batch, states, pool)
+            valid = torch.cat([valid, picked[:, 0] >= 0], dim=1)
+        o, codes, scale = batch.regions.window_attention(
+            q,
+            states.window_codes[slots, layer],
+            states.window_scale[slots, layer],
+            kv,
+            valid,
+            selected,
+            attn.attn_sink,
+            attn.softmax_scale,
+        )
+        at = batch.ring_slots(w)
+        states.window_codes[slots, layer, at] = codes
+        states.window_scale[slots, layer, at] = scale
+        return o
 
     # window: the ring as it was, then the new token; ids oldest first, -1 before the window's first position
     ring = fp8_dequant(
@@ -253,9 +276,12 @@ def _select(attn, x, qr, batch: DecodeBatch, pool: PagedKVPool) -> torch.Tensor:
     if t == 0:
         return torch.full((b, 1, idx.topk), -1, dtype=torch.int64, device=pos.device)
     freqs = batch.rope(attn.rope)
-    q = idx.wq_b(qr).unflatten(-1, (idx.n_heads, idx.head_dim))
-    q = ops.fp4_qdq(_rope_rows(q, freqs, idx.rope_dim), FP4_BLOCK, "ue8m0")
-    weights = idx.weights_proj(x) * idx.weight_scale
+    if batch.regions is not None:
+        q, weights = batch.regions.index_query(idx, qr, x, freqs)
+    else:
+        q = idx.wq_b(qr).unflatten(-1, (idx.n_heads, idx.head_dim))
+        q = ops.fp4_qdq(_rope_rows(q, freqs, idx.rope_dim), FP4_BLOCK, "ue8m0")
+        weights = idx.weights_proj(x) * idx.weight_scale
     if idx.uses_candidates:  # the entries of the candidate blocks the candidate source picked this step
         entries, usable = ops.candidate_entries(
             batch.shared["candidate_blocks"], visible.view(b, 1, 1), idx.candidate_block_size

@@ -24,14 +24,34 @@ from __future__ import annotations
 
 import logging
 import threading
+import types
 
 import torch
 
+from dsv41 import ops
 from dsv41.model.block import Block
+from dsv41.ops.quant import FP4_BLOCK, FP8_BLOCK, fp8_dequant, fp8_quant
 
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
+
+MODULE_ARGS = ("block", "attn", "idx")  # the regions' module arguments
+
+
+def _keep_guard(entries) -> list[bool]:
+    """Dynamo guard filter: drop the guards on the module arguments (their attributes, parameters and hooks)
+    and on globals; keep those on the tensor arguments (shapes, dtypes: they pick the bucket's graph) and the
+    grad-mode state. Checking every attribute and parameter of the block handed in costs ~80 us a call, four
+    calls a layer. What they would catch cannot differ between calls: the regions are traced only from blocks
+    of one shape, under `fast` numerics (the runner enters the same settings around every forward), and
+    `_warm` runs every layer through them before a bucket is used."""
+    return [not (e.is_global or e.name.split(".")[0].split("[")[0] in MODULE_ARGS) for e in entries]
+
+
+# cpp_wrapper: a graph's calling code is C++ too, not Python (a region calls dozens of kernels; ~15% of a
+# batch-1 step on the machines measured)
+_OPTIONS = {"cpp_wrapper": True, "guard_filter_fn": _keep_guard}
 
 
 def pre_attention(block: Block, h: torch.Tensor, pre_mix: torch.Tensor):
@@ -58,6 +78,42 @@ def post_attention(block: Block, x, residual, post, comb, attn_pre):
     return h, mixes, block.ffn_norm(block.hc_pre(h, attn_pre))
 
 
+def window_attention(q, ring_codes, ring_scale, kv, valid, selected, attn_sink, softmax_scale: float):
+    """The `fast` decode attention of one layer (dsv41.engine.batched.decode_attend): the FP8 window ring
+    decoded, the new token's row appended and encoded for the ring, and the dense softmax over the window and
+    the selected compressed rows (`ops.dense_decode_attn`). ring_codes [B, W, D] e4m3, ring_scale
+    [B, W, D/FP8_BLOCK] uint8 (UE8M0 bits), kv [B, 1, D], valid [B, W + 1 (+ k)], selected [B, k, D] or None
+    -> (o [B, 1, H, D] bf16, the new row's codes [B, D] and scale bits [B, D/FP8_BLOCK])."""
+    # UE8M0 bits <-> the power of two they stand for, as integer shifts into an fp32's exponent field: inductor
+    # has no kernel for float8_e8m0fnu conversions (each became an ~80 us fallback call)
+    scale = (ring_scale.to(torch.int32) << 23).view(torch.float32)  # 2^(bits - 127), bits in 1..254
+    ring = fp8_dequant(ring_codes, scale).to(kv.dtype)
+    rows = torch.cat([ring, kv] if selected is None else [ring, kv, selected], dim=1)
+    codes, new_scale = fp8_quant(kv[:, 0])
+    o = ops.dense_decode_attn(q, rows, valid, attn_sink, softmax_scale)
+    return o, codes, (new_scale.view(torch.int32) >> 23).to(torch.uint8)
+
+
+def index_query(idx, qr, x, freqs):
+    """The indexer's per-token work of a decode step: its RoPE'd, FP4-rounded query heads [B, 1, h, d]
+    and head weights [B, 1, h] (dsv41.engine.batched._select). freqs [B, rope/2] (one position per row)."""
+    q = idx.wq_b(qr).unflatten(-1, (idx.n_heads, idx.head_dim))
+    q = ops.apply_rope(q.transpose(0, 1), freqs, idx.rope_dim).transpose(0, 1)
+    return ops.fp4_qdq(q, FP4_BLOCK, "ue8m0"), idx.weights_proj(x) * idx.weight_scale
+
+
+def post_attention_ffn(block: Block, x, residual, post, comb, attn_pre, stacks):
+    """`post_attention`, the MoE (`MoE.decode_forward` over the experts' stacked weights) and the FFN
+    sublayer's expand: the whole block after its attention -> (h [1, T, hc, dim], the FFN pre mix)."""
+    h, (ffn_pre, ffn_post, ffn_comb), y = post_attention(block, x, residual, post, comb, attn_pre)
+    return block.hc_post(block.ffn.decode_forward(y, stacks), h, ffn_post, ffn_comb), ffn_pre
+
+
+def _own_code(fn):
+    """A copy of function `fn` with a code object of its own (Dynamo's graph cache is per code object)."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     """Pad dim 1 (tokens) of t with zeros to `rows`."""
     extra = rows - t.size(1)
@@ -81,14 +137,32 @@ class CompiledDecode:
         self.model, self.buckets = model, buckets
         self.ready: set[int] = set()
         self.failed = False
+        # one compiled function per (region, bucket), each with a code object of its own: Dynamo keeps its
+        # graphs per code object and checks the guards of every graph it holds in turn, so one function
+        # serving all buckets would try up to six guard sets a call; one per bucket tries one
         self._compiled = {
-            name: torch.compile(fn, dynamic=False) for name, fn in self._functions().items()
-        }  # one compile cache per process; graphs are keyed by the padded shapes
+            b: {
+                name: torch.compile(_own_code(fn), dynamic=False, options=_OPTIONS)
+                for name, fn in self._functions().items()
+            }
+            for b in buckets
+        }
         self._thread: threading.Thread | None = None
+        for block in model.layers:  # the experts' weights as stacked views (MoE.stack_experts): the MoE then
+            if block.ffn.dispatcher is None:  # runs inside `post_attention_ffn` (bf16 experts only)
+                block.ffn.stack_experts()
 
     @staticmethod
     def _functions() -> dict:
-        return {"pre_attention": pre_attention, "project": project, "output": output, "post_attention": post_attention}
+        return {
+            "pre_attention": pre_attention,
+            "project": project,
+            "output": output,
+            "post_attention": post_attention,
+            "post_attention_ffn": post_attention_ffn,
+            "window_attention": window_attention,
+            "index_query": index_query,
+        }
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
@@ -97,13 +171,13 @@ class CompiledDecode:
         b = self.bucket(n)
         if b is None or b not in self.ready or self.failed:
             return None
-        return _Regions(self._compiled, n, b)
+        return _Regions(self._compiled[b], n, b)
 
     # ---------------------------------------------------------------- building
     def build(self, buckets: tuple[int, ...] | None = None) -> None:
         """Compile the given buckets now (each traced on every layer shape the model has)."""
         for b in buckets or self.buckets:
-            if self.failed or b in self.ready:
+            if self.failed or b in self.ready or b not in self._compiled:
                 continue
             try:
                 self._warm(b)
@@ -129,7 +203,7 @@ class CompiledDecode:
         h = torch.zeros(1, rows, cfg.hc_mult, cfg.dim, dtype=torch.bfloat16, device=dev)
         pre = torch.full((1, rows, cfg.hc_mult), 1.0 / cfg.hc_mult, device=dev)
         positions = torch.arange(rows, device=dev)
-        regions = _Regions(self._compiled, rows, rows)
+        regions = _Regions(self._compiled[rows], rows, rows)
         with model.numerics(0):
             for block in model.layers:
                 attn = block.attn
@@ -137,7 +211,31 @@ class CompiledDecode:
                 (a_pre, a_post, a_comb), x = regions.pre_attention(block, h, pre)
                 qr, q, kv = regions.project(attn, x, freqs)
                 o = regions.output(attn, q, freqs)
-                regions.post_attention(block, o, h, a_post, a_comb, a_pre)
+                self._warm_attention(regions, attn, rows, positions)
+                stacks = block.ffn.stacked()
+                if stacks is not None:
+                    regions.post_attention_ffn(block, o, h, a_post, a_comb, a_pre, stacks)
+                else:
+                    regions.post_attention(block, o, h, a_post, a_comb, a_pre)
+
+    def _warm_attention(self, regions: _Regions, attn, rows: int, positions: torch.Tensor) -> None:
+        """The decode attention's regions on one layer's shapes, on stand-in inputs (zero rings, no valid row
+        but the new token's)."""
+        cfg, dev = self.model.cfg, self.model.device
+        w, d, bf16 = attn.window, attn.head_dim, torch.bfloat16
+        q = torch.zeros(rows, 1, attn.n_heads, d, dtype=bf16, device=dev)
+        kv = torch.zeros(rows, 1, d, dtype=bf16, device=dev)
+        codes = torch.zeros(rows, w, d, dtype=torch.float8_e4m3fn, device=dev)
+        scales = torch.full((rows, w, d // FP8_BLOCK), 127, dtype=torch.uint8, device=dev)
+        k = cfg.index_topk if attn.ratio else 0
+        valid = torch.zeros(rows, w + 1 + k, dtype=torch.bool, device=dev)
+        valid[:, w] = True
+        selected = torch.zeros(rows, k, d, dtype=bf16, device=dev) if attn.ratio else None
+        regions.window_attention(q, codes, scales, kv, valid, selected, attn.attn_sink, attn.softmax_scale)
+        if attn.indexer is not None:
+            qr = torch.zeros(rows, 1, cfg.q_lora_rank, dtype=bf16, device=dev)
+            x = torch.zeros(rows, 1, cfg.dim, dtype=bf16, device=dev)
+            regions.index_query(attn.indexer, qr, x, attn.rope.at(positions, dev))
 
 
 class _Regions:
@@ -170,3 +268,26 @@ class _Regions:
 
     def post_attention(self, block, x, residual, post, comb, attn_pre):
         return self._call("post_attention", block, x, residual, post, comb, attn_pre)
+
+    def post_attention_ffn(self, block, x, residual, post, comb, attn_pre, stacks):
+        padded = [_pad_rows(t, self.rows) for t in (x, residual, post, comb, attn_pre)]
+        out = self.compiled["post_attention_ffn"](block, *padded, stacks)
+        return out if self.rows == self.n else _cut(out, self.n)
+
+    # the attention's per-sequence tensors are batch-first ([B, ...], one decode token per sequence)
+    def _pad0(self, t: torch.Tensor | None, fill=0) -> torch.Tensor | None:
+        if t is None or self.rows == self.n:
+            return t
+        return torch.cat([t, t.new_full((self.rows - t.size(0), *t.shape[1:]), fill)])
+
+    def window_attention(self, q, ring_codes, ring_scale, kv, valid, selected, attn_sink, softmax_scale):
+        """`window_attention` for the B real sequences (padding rows have no valid row)."""
+        p = self._pad0
+        out = self.compiled["window_attention"](
+            p(q), p(ring_codes), p(ring_scale), p(kv), p(valid), p(selected), attn_sink, softmax_scale
+        )
+        return out if self.rows == self.n else tuple(t[: self.n] for t in out)
+
+    def index_query(self, idx, qr, x, freqs):
+        out = self.compiled["index_query"](idx, self._pad0(qr), self._pad0(x), self._pad0(freqs, 1))
+        return out if self.rows == self.n else tuple(t[: self.n] for t in out)

@@ -163,6 +163,7 @@ class ModelRunner:
             shared["moe_aux"] = record
         if regions is not None:
             shared["regions"] = regions
+            steps[0][0].regions = regions  # the decode attention's compiled parts (dsv41.engine.batched)
         backend = PagedAttention(chunks, positions, steps, regions, self.per_chunk, self.boundary)
         capture = bool(self.targets)
         h, pre_mix, hidden = run_layers(model, h, pre_mix, backend, shared, image_mask, hash_ids, capture)

@@ -187,6 +187,57 @@ class MoE(nn.Module):
         out += self.shared_experts(x)
         return out.to(x.dtype).view(shape)
 
+    def stack_experts(self) -> bool:
+        """Lay the routed experts' and the shared expert's bf16 weights out as three stacked tensors
+        (w1, w3 [E + 1, I, D], w2 [E + 1, D, I]; the shared expert last) and make every expert Linear's
+        weight a view into them, so `decode_forward` can gather any expert's rows from one tensor without a
+        second copy of the weights. In-place updates (copy_, optimizer steps) reach both; a weight whose
+        `.data` is replaced is noticed by `stacked()` and the stacking dropped. False (nothing changed) for
+        quantized experts or experts of another width."""
+        experts = [*self.experts, self.shared_experts]
+        linears = {name: [getattr(e, name) for e in experts] for name in ("w1", "w3", "w2")}
+        for group in linears.values():
+            if any(m.weight.dtype != torch.bfloat16 or m.weight.shape != group[0].weight.shape for m in group):
+                return False
+        if self.stacked() is not None:
+            return True
+        stacks = []
+        with torch.no_grad():
+            for name in ("w1", "w3", "w2"):
+                stack = torch.stack([m.weight.detach() for m in linears[name]])  # [E + 1, out, in]
+                for e, m in enumerate(linears[name]):
+                    m.weight.data = stack[e]
+                stacks.append(stack)
+        weights = [m.weight for name in ("w1", "w3", "w2") for m in linears[name]]
+        self.__dict__["_stacked"] = (tuple(stacks), weights, [w.data_ptr() for w in weights])
+        return True
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(w1, w3, w2) of `stack_experts` while every expert weight is still a view into them, else None."""
+        stacked = self.__dict__.get("_stacked")
+        if stacked is None:
+            return None
+        stacks, weights, ptrs = stacked
+        if any(w.data_ptr() != p for w, p in zip(weights, ptrs)):
+            del self.__dict__["_stacked"]
+            return None
+        return stacks
+
+    def decode_forward(self, x: torch.Tensor, stacks: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [B, S, dim] bf16 -> [B, S, dim] bf16 for a handful of text tokens (a fast decode step), written
+        for the compiler: the router, then the picked experts and the shared expert (one more pick of weight
+        1) as gathered dot products over the stacked weights (`ops.moe.gathered_experts`). Same routing and
+        math as `forward`, other roundings (the `fast` numerics)."""
+        shape = x.shape
+        x = x.reshape(-1, self.dim)
+        weights, indices = self.gate(x)
+        shared = torch.full_like(indices[:, :1], len(self.experts))
+        indices = torch.cat([indices, shared], dim=1)  # [T, k + 1]
+        weights = torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1)
+        w1, w3, w2 = stacks
+        out = ops.moe.gathered_experts(x, weights, indices, w1, w3, w2, self.shared_experts.swiglu_limit)
+        return out.to(x.dtype).view(shape)
+
     def _routed_sorted(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """The routed experts' summed outputs [T, dim] fp32, without autograd: the (token, pick) pairs sorted
         by expert once, each expert run on its contiguous slice, the outputs added back in one index_add_.

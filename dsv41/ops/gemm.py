@@ -66,6 +66,13 @@ def linear(
     return invariant_matmul(x, weight, row_chunk)
 
 
+def row_products(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T as broadcast products summed in fp32, rounded to x's dtype: written for
+    the compiler, which makes it one reduction loop over the weight (the compiled decode regions' one-row
+    layers, dsv41.engine.compiled). Eager, it materialises [..., N, K] products: not a fast path."""
+    return (x.float().unsqueeze(-2) * weight.float()).sum(-1).to(x.dtype)
+
+
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T computed as GEMMs of exactly `chunk` rows (zero-padding the last).
 

@@ -103,6 +103,32 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, reference
     return (canonical.silu(gate) if reference else F.silu(gate)) * up
 
 
+def gathered_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """The picked experts' weighted outputs summed, for a few tokens, as dot products over gathered rows of
+    stacked expert weights: x [T, D] bf16, weights [T, k] fp32, indices [T, k] into w1, w3 [E, I, D] and
+    w2 [E, D, I] bf16 -> fp32 [T, D].
+
+    For the compiled decode step (dsv41.engine.compiled): written as broadcast products and sums, inductor
+    turns each into one loop that reads the picked experts' weight rows where they lie (the gather is folded
+    into the load, nothing is copied), so a decode step's experts cost one kernel instead of three GEMM calls
+    and their glue per pick. Eager, the same expression materialises [T, k, I, D] products: a reference,
+    not a fast path. Each GEMM's output is rounded to x's dtype where the expert's Linear would round it."""
+    xf = x.float()[:, None, None, :]  # [T, 1, 1, D]
+    gate = (xf * w1[indices].float()).sum(-1).to(x.dtype)  # [T, k, I]
+    up = (xf * w3[indices].float()).sum(-1).to(x.dtype)
+    h = (clamped_swiglu(gate, up, limit) * weights.unsqueeze(-1)).to(x.dtype).float()  # [T, k, I]
+    out = (h[:, :, None, :] * w2[indices].float()).sum(-1).to(x.dtype)  # [T, k, D]
+    return out.float().sum(1)
+
+
 def expert_load(indices: torch.Tensor, n_experts: int, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Tokens routed to each expert: indices [..., k] -> fp32 counts [E] (only rows where mask is True)."""
     if mask is not None:

@@ -24,15 +24,40 @@ def test_compiled_regions_serve_decode_batches_and_agree_with_the_reference(monk
         EngineConfig(numerics="fast", compile_decode="now", max_num_seqs=4, kv_pool_tokens=8192, fused_kernels="off"),
     )
     assert engine.runner.compiled.ready == {1, 2, 4}
-    used = []
+    used, calls = [], {}
     real = compiled._Regions.pre_attention
     monkeypatch.setattr(compiled._Regions, "pre_attention", lambda self, *a: used.append(self.rows) or real(self, *a))
+    for name in ("post_attention_ffn", "window_attention", "index_query"):
+        fn = getattr(compiled._Regions, name)
+        monkeypatch.setattr(
+            compiled._Regions, name, lambda self, *a, fn=fn, name=name: calls.update({name: 1}) or fn(self, *a)
+        )
     tokens = np.fromfile(VAL, dtype=np.uint16)
     prompts = held_out_windows(tokens[2000:], [40, 72, 104], stride=150)  # 3 decode tokens a step: bucket 4
     result = decode_agreement(engine, engine.model, prompts, new_tokens=16, passes=1)
     assert result.top1 >= 0.99 and result.kl_mean <= 2e-3, result.as_dict()
     # the steps decoding all three ran compiled, padded to 4 rows (and those decoding fewer, at their buckets)
     assert used.count(4) >= 10 * engine.model_config.n_layers and set(used) <= {1, 2, 4}, used
+    # the MoE, the window attention and the indexer's query ran inside compiled regions too
+    assert set(calls) == {"post_attention_ffn", "window_attention", "index_query"}, calls
+
+
+@pytest.mark.slow
+def test_a_broken_compiled_moe_fails_the_agreement_check(monkeypatch):
+    """The compiled MoE without its shared expert (the last gathered pick dropped) must fail the same check."""
+    import dsv41.ops.moe as moe_ops
+
+    real = moe_ops.gathered_experts
+    monkeypatch.setattr(moe_ops, "gathered_experts", lambda x, w, i, *rest: real(x, w[:, :-1], i[:, :-1], *rest))
+    engine = build_engine(
+        checkpoint_path(),
+        EngineConfig(numerics="fast", compile_decode="now", max_num_seqs=4, kv_pool_tokens=8192, fused_kernels="off"),
+    )
+    assert engine.runner.compiled.ready == {1, 2, 4}
+    tokens = np.fromfile(VAL, dtype=np.uint16)
+    prompts = held_out_windows(tokens[2000:], [40, 72, 104], stride=150)
+    result = decode_agreement(engine, engine.model, prompts, new_tokens=16, passes=1)
+    assert not (result.top1 >= 0.99 and result.kl_mean <= 2e-3), result.as_dict()
 
 
 def test_padding_rows_to_a_bucket_and_cutting_them_back():
@@ -43,3 +68,40 @@ def test_padding_rows_to_a_bucket_and_cutting_them_back():
     regions = compiled._Regions({}, 3, 4)
     freqs = torch.polar(torch.ones(3, 5), torch.rand(3, 5))
     assert torch.equal(regions._freqs(freqs)[3], torch.ones(5, dtype=torch.complex64))  # the identity rotation
+
+
+def test_the_window_attention_region_reads_and_writes_the_rings_format():
+    """`window_attention` (run eager here: the compiler keeps its math) decodes the FP8 ring from its UE8M0
+    bits, attends like ops.dense_decode_attn over ring + new row + selected rows, and hands back the new
+    row's codes and scale bits exactly as fp8_quant and a float8_e8m0fnu cast would store them."""
+    from dsv41 import ops
+    from dsv41.ops.quant import fp8_dequant, fp8_quant
+
+    g = torch.Generator().manual_seed(0)
+    b, w, d, h, k = 3, 8, 128, 2, 4
+    ring_codes, ring_scale = fp8_quant(torch.randn(b, w, d, generator=g).bfloat16() * 4)
+    bits = ring_scale.to(torch.float8_e8m0fnu).view(torch.uint8)
+    kv = torch.randn(b, 1, d, generator=g).bfloat16() * 1e-3  # small: a scale far from the ring's
+    q = torch.randn(b, 1, h, d, generator=g).bfloat16()
+    selected = torch.randn(b, k, d, generator=g).bfloat16()
+    valid = torch.rand(b, w + 1 + k, generator=g) > 0.3
+    sink = torch.randn(h, generator=g)
+    o, codes, new_bits = compiled.window_attention(q, ring_codes, bits, kv, valid, selected, sink, d**-0.5)
+
+    ring = fp8_dequant(ring_codes, ring_scale).bfloat16()
+    want = ops.dense_decode_attn(q, torch.cat([ring, kv, selected], dim=1), valid, sink, d**-0.5)
+    want_codes, want_scale = fp8_quant(kv[:, 0])
+    assert torch.equal(o, want)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(new_bits, want_scale.to(torch.float8_e8m0fnu).view(torch.uint8))
+    o2, _, _ = compiled.window_attention(q[:, :, :1], ring_codes, bits, kv, valid[:, : w + 1], None, sink[:1], 0.1)
+    assert o2.shape == (b, 1, 1, d)
+
+
+def test_batch_first_padding_of_the_attention_regions():
+    regions = compiled._Regions({}, 3, 4)
+    t = torch.ones(3, 2, dtype=torch.bool)
+    assert regions._pad0(t).shape == (4, 2) and not regions._pad0(t)[3].any()
+    freqs = torch.polar(torch.ones(3, 5), torch.rand(3, 5))
+    assert torch.equal(regions._pad0(freqs, 1)[3], torch.ones(5, dtype=torch.complex64))
+    assert regions._pad0(None) is None

@@ -183,6 +183,8 @@ def _spawn_decode_worker(port):
             str(port),
             "--kv-pool-tokens",
             "8192",
+            "--compile-decode",
+            "off",
             "--max-model-len",
             "1024",
             "--fused-kernels",

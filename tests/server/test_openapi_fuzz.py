@@ -32,7 +32,7 @@ def server():
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=PYTHONPATH, OMP_NUM_THREADS="1")
     args = ["serve", "tiny", "--port", str(port), "--api-key", KEY, "--max-model-len", "128", "--max-choices", "2"]
-    args += ["--kv-pool-tokens", "4096", "--log-level", "warning", "--threads", "1"]
+    args += ["--kv-pool-tokens", "4096", "--log-level", "warning", "--threads", "1", "--compile-decode", "off"]
     proc = subprocess.Popen([sys.executable, "-m", "dsv41.cli", *args], env=env, stdout=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
