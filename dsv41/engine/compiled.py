@@ -30,7 +30,7 @@ import torch
 
 from dsv41 import ops
 from dsv41.model.block import Block
-from dsv41.ops.quant import FP4_BLOCK, FP8_BLOCK, fp8_dequant, fp8_quant
+from dsv41.ops.quant import FP4_BLOCK, FP8_BLOCK, KV_FP4_BLOCK, fp4_quant_rounded, fp8_dequant, fp8_quant
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,17 @@ def index_query(idx, qr, x, freqs):
     return ops.fp4_qdq(q, FP4_BLOCK, "ue8m0"), idx.weights_proj(x) * idx.weight_scale
 
 
+def compress_latent(attn, x, freqs):
+    """A ratio-1 compressor's work for a decode step (every token completes its group,
+    dsv41.engine.batched._compress): x [B, 1, dim], freqs [B, rope/2] -> the new entries' packed FP4 KV
+    (codes, scales) and, where the layer owns index keys, their packed FP4 keys (codes, scales), else None."""
+    comp = attn.compressor
+    latent = comp.norm(comp.wkv(x))[:, 0].unsqueeze(0)  # [1, B, D]: one row of B entries at their positions
+    keys = attn.indexer.make_keys(latent, freqs)[0] if attn.indexer is not None else None
+    kv = ops.fp4_quant(ops.apply_rope(latent, freqs, attn.rope_dim)[0], KV_FP4_BLOCK, "e4m3")
+    return kv, None if keys is None else fp4_quant_rounded(keys, FP4_BLOCK, "ue8m0")
+
+
 def post_attention_ffn(block: Block, x, residual, post, comb, attn_pre, stacks):
     """`post_attention`, the MoE (`MoE.decode_forward` over the experts' stacked weights) and the FFN
     sublayer's expand: the whole block after its attention -> (h [1, T, hc, dim], the FFN pre mix)."""
@@ -162,6 +173,7 @@ class CompiledDecode:
             "post_attention_ffn": post_attention_ffn,
             "window_attention": window_attention,
             "index_query": index_query,
+            "compress_latent": compress_latent,
         }
 
     def bucket(self, n: int) -> int | None:
@@ -232,10 +244,12 @@ class CompiledDecode:
         valid[:, w] = True
         selected = torch.zeros(rows, k, d, dtype=bf16, device=dev) if attn.ratio else None
         regions.window_attention(q, codes, scales, kv, valid, selected, attn.attn_sink, attn.softmax_scale)
+        x = torch.zeros(rows, 1, cfg.dim, dtype=bf16, device=dev)
         if attn.indexer is not None:
             qr = torch.zeros(rows, 1, cfg.q_lora_rank, dtype=bf16, device=dev)
-            x = torch.zeros(rows, 1, cfg.dim, dtype=bf16, device=dev)
             regions.index_query(attn.indexer, qr, x, attn.rope.at(positions, dev))
+        if attn.compressor is not None and attn.ratio == 1:
+            regions.compress_latent(attn, x, attn.rope.at(positions, dev))
 
 
 class _Regions:
@@ -287,6 +301,13 @@ class _Regions:
             p(q), p(ring_codes), p(ring_scale), p(kv), p(valid), p(selected), attn_sink, softmax_scale
         )
         return out if self.rows == self.n else tuple(t[: self.n] for t in out)
+
+    def compress_latent(self, attn, x, freqs):
+        kv, keys = self.compiled["compress_latent"](attn, self._pad0(x), self._pad0(freqs, 1))
+        if self.rows == self.n:
+            return kv, keys
+        cut = lambda pair: None if pair is None else tuple(t[: self.n] for t in pair)  # noqa: E731
+        return cut(kv), cut(keys)
 
     def index_query(self, idx, qr, x, freqs):
         out = self.compiled["index_query"](idx, self._pad0(qr), self._pad0(x), self._pad0(freqs, 1))

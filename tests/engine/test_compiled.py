@@ -27,7 +27,7 @@ def test_compiled_regions_serve_decode_batches_and_agree_with_the_reference(monk
     used, calls = [], {}
     real = compiled._Regions.pre_attention
     monkeypatch.setattr(compiled._Regions, "pre_attention", lambda self, *a: used.append(self.rows) or real(self, *a))
-    for name in ("post_attention_ffn", "window_attention", "index_query"):
+    for name in ("post_attention_ffn", "window_attention", "index_query", "compress_latent"):
         fn = getattr(compiled._Regions, name)
         monkeypatch.setattr(
             compiled._Regions, name, lambda self, *a, fn=fn, name=name: calls.update({name: 1}) or fn(self, *a)
@@ -38,8 +38,8 @@ def test_compiled_regions_serve_decode_batches_and_agree_with_the_reference(monk
     assert result.top1 >= 0.99 and result.kl_mean <= 2e-3, result.as_dict()
     # the steps decoding all three ran compiled, padded to 4 rows (and those decoding fewer, at their buckets)
     assert used.count(4) >= 10 * engine.model_config.n_layers and set(used) <= {1, 2, 4}, used
-    # the MoE, the window attention and the indexer's query ran inside compiled regions too
-    assert set(calls) == {"post_attention_ffn", "window_attention", "index_query"}, calls
+    # the MoE, the window attention, the indexer's query and the ratio-1 compressors ran compiled too
+    assert set(calls) == {"post_attention_ffn", "window_attention", "index_query", "compress_latent"}, calls
 
 
 @pytest.mark.slow
