@@ -1,23 +1,31 @@
-"""Compiled token-wise regions of a `fast` decode step, one graph per batch bucket (docs/engine-speed.md).
+"""The compiled regions of a `fast` decode step, one graph per region and batch bucket (docs/engine-speed.md).
 
 A decode step of a small batch is bound by dispatch, not by arithmetic: each block runs ~150 small eager
 ops (the hyper-connection RMS statistic, mix projection, sigmoids and 20 Sinkhorn iterations, the
-collapse and expand sums, norms, the q/kv projections and RoPE, FP8 rounding), a few microseconds each.
-Under `fast` numerics nothing asks for those ops' exact roundings, so each run of them between the
-sequence-mixing attention and the MoE's data-dependent expert dispatch is compiled into one graph
-(torch.compile, inductor's C++ backend on a CPU) with static shapes:
+collapse and expand sums, norms, the q/kv projections and RoPE, FP8 rounding, the MoE's routing and
+expert calls, the window ring's FP8 codes), a few microseconds each. Under `fast` numerics nothing asks for
+those ops' exact roundings, so they are compiled (torch.compile, inductor's C++ backend and C++ wrapper on
+a CPU) with static shapes, leaving eager only what has data-dependent shapes (the indexer's scoring over
+the visible entries and its top-k, the ratio-2 compressors' group completion, the paged gathers and writes):
 
 - `pre_attention`: the attention sublayer's mixes (RMS, projection, Sinkhorn) and its normed input;
 - `project`: the attention's q/kv projections, norms, RoPE and the window KV's FP8 rounding;
+- `window_attention`: the FP8 window ring decoded, the new row encoded, the dense softmax over the window
+  and the selected compressed rows (dsv41.engine.batched.decode_attend);
+- `index_query`: the indexer's query heads and head weights;
+- `compress_latent`: a ratio-1 compressor's new entry (latent, index keys, FP4 packing);
 - `output`: the inverse RoPE and the grouped output projection;
-- `post_attention`: the attention sublayer's expand (`hc_post`), the FFN sublayer's mixes and normed input.
+- `post_attention_ffn`: the attention sublayer's expand (`hc_post`), the FFN sublayer's mixes and normed
+  input, and the whole MoE over the experts' stacked weights (`MoE.decode_forward`); `post_attention`
+  without the MoE where the experts cannot be stacked (quantized experts, expert parallelism).
 
 The functions take the block or attention module as an argument, so one graph serves every layer of the
 same shape (the compiler treats the modules' weights as inputs). A batch of B decode tokens is padded to the
 next bucket (1, 2, 4, 8, 16, 32 rows; token-wise math, so the padding rows never touch the real ones);
 larger batches and prefill chunks stay eager. Compiling a bucket takes seconds (tens on a cold compiler
 cache; inductor's on-disk caches make later processes faster), so buckets are built on a background thread
-or before the first request (`EngineConfig.fused_kernels`), and until a bucket is built its steps run eager.
+(`dsv41 serve`'s default) or before the first request (`EngineConfig.compile_decode`), and until a bucket is
+built its steps run eager.
 """
 
 from __future__ import annotations

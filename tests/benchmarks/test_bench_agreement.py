@@ -24,7 +24,7 @@ def test_bench_agreement_quick_run(tmp_path):
     result = json.loads((tmp_path / "agreement.json").read_text())
     rows = result["rows"]
     assert [(r["mode"], r["path"].split(",")[0]) for r in rows] == [
-        (mode, path) for mode in ("fast", "deterministic") for path in ("prefill", "prefill", "decode")
+        (mode, path) for mode in ("fast", "fast-compiled", "deterministic") for path in ("prefill", "prefill", "decode")
     ]
     for r in rows:
         assert r["positions"] > 0 and r["top1"] >= 0.99 and r["kl_mean"] <= 2e-3, r
