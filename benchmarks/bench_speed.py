@@ -104,9 +104,10 @@ def active_weight_bytes(model: Transformer, batch: int) -> float:
 
 # ---------------------------------------------------------------------- decode
 def engine_decode(model, batch: int, context: int, steps: int, **overrides) -> dict:
-    engine = make_engine(
-        model, kv_pool_tokens=batch * (context + 256) + 4096, max_model_len=context + 4096, **overrides
-    )
+    # max_num_seqs = the batch: the compiled decode step builds only the buckets up to it (each bucket is a
+    # few seconds of compiling, and every cell builds a fresh engine)
+    settings = dict(kv_pool_tokens=batch * (context + 256) + 4096, max_model_len=context + 4096, max_num_seqs=batch)
+    engine = make_engine(model, **(settings | overrides))
     for i in range(batch):
         synthetic_sequence(engine, context, seed=i)
     engine.step()  # warm-up
