@@ -413,20 +413,26 @@ def test_serve_port_clash_is_one_line_before_any_engine(monkeypatch, capsys):
     assert not built
 
 
-def test_fused_kernel_defaults_per_command(monkeypatch):
-    """Issue 30: chat and generate do not wait for the fused kernels' compiler (a short process never
-    repays it), serve builds them in the background, and --fused-kernels overrides either."""
+def _engine_config_fields_seen(monkeypatch, name: str) -> list:
+    """Stub out the engine build and the server: each command then records its EngineConfig's `name` field."""
     import dsv41.engine
     import dsv41.server.run
 
     seen = []
 
-    def fake_build_engine(name, engine_config=None, **kwargs):
-        seen.append(engine_config.fused_kernels)
+    def fake_build_engine(model, engine_config=None, **kwargs):
+        seen.append(getattr(engine_config, name))
         raise ValueError("stop here")
 
     monkeypatch.setattr(dsv41.engine, "build_engine", fake_build_engine)
-    monkeypatch.setattr(dsv41.server.run, "serve", lambda model, **kw: seen.append(kw["engine_config"].fused_kernels))
+    monkeypatch.setattr(dsv41.server.run, "serve", lambda model, **kw: seen.append(getattr(kw["engine_config"], name)))
+    return seen
+
+
+def test_fused_kernel_defaults_per_command(monkeypatch):
+    """Issue 30: chat and generate do not wait for the fused kernels' compiler (a short process never
+    repays it), serve builds them in the background, and --fused-kernels overrides either."""
+    seen = _engine_config_fields_seen(monkeypatch, "fused_kernels")
     for argv in (["generate", "--preset", "tiny", "--prompt", "hi"], ["chat", "--preset", "tiny"]):
         run_main(argv)
         run_main(argv + ["--fused-kernels", "now"])
@@ -438,17 +444,7 @@ def test_fused_kernel_defaults_per_command(monkeypatch):
 def test_serve_compiles_its_decode_steps_in_the_background_and_chat_does_not(monkeypatch):
     """A server repays compiling its decode regions (built on a thread while the eager ops answer); chat and
     generate stay eager (no compiler wait); --compile-decode overrides either."""
-    import dsv41.engine
-    import dsv41.server.run
-
-    seen = []
-
-    def fake_build_engine(name, engine_config=None, **kwargs):
-        seen.append(engine_config.compile_decode)
-        raise ValueError("stop here")
-
-    monkeypatch.setattr(dsv41.engine, "build_engine", fake_build_engine)
-    monkeypatch.setattr(dsv41.server.run, "serve", lambda model, **kw: seen.append(kw["engine_config"].compile_decode))
+    seen = _engine_config_fields_seen(monkeypatch, "compile_decode")
     run_main(["chat", "--preset", "tiny"])
     run_main(["generate", "--preset", "tiny", "--prompt", "hi", "--compile-decode", "now"])
     assert run_main(["serve", "tiny"]) == 0

@@ -131,6 +131,39 @@ def _rope_rows(x: torch.Tensor, freqs: torch.Tensor, rope_dim: int) -> torch.Ten
     return ops.apply_rope(x.transpose(0, 1), freqs, rope_dim).transpose(0, 1)
 
 
+def window_attention(q, ring_codes, ring_scale, kv, valid, selected, attn_sink, softmax_scale: float):
+    """The `fast` decode attention of one layer: the FP8 window ring decoded, the new token's row appended
+    and encoded for the ring, and the dense softmax over the window and the selected compressed rows
+    (`ops.dense_decode_attn`). ring_codes [B, W, D] e4m3, ring_scale [B, W, D/FP8_BLOCK] uint8 (UE8M0 bits),
+    kv [B, 1, D], valid [B, W + 1 (+ k)], selected [B, k, D] or None -> (o [B, 1, H, D] bf16, the new row's
+    codes [B, D] and scale bits [B, D/FP8_BLOCK]). Also a compiled region (dsv41.engine.compiled)."""
+    # UE8M0 bits <-> the power of two they stand for, as integer shifts into an fp32's exponent field: inductor
+    # has no kernel for float8_e8m0fnu conversions (each became an ~80 us fallback call)
+    scale = (ring_scale.to(torch.int32) << 23).view(torch.float32)  # 2^(bits - 127), bits in 1..254
+    ring = fp8_dequant(ring_codes, scale).to(kv.dtype)
+    rows = torch.cat([ring, kv] if selected is None else [ring, kv, selected], dim=1)
+    codes, new_scale = fp8_quant(kv[:, 0])
+    o = ops.dense_decode_attn(q, rows, valid, attn_sink, softmax_scale)
+    return o, codes, (new_scale.view(torch.int32) >> 23).to(torch.uint8)
+
+
+def index_query(idx, qr: torch.Tensor, x: torch.Tensor, freqs: torch.Tensor):
+    """The indexer's per-token work of a decode step: its RoPE'd, FP4-rounded query heads [B, 1, h, d] and
+    head weights [B, 1, h]. freqs [B, rope/2] (one position per row). Also a compiled region."""
+    q = idx.wq_b(qr).unflatten(-1, (idx.n_heads, idx.head_dim))
+    return ops.fp4_qdq(_rope_rows(q, freqs, idx.rope_dim), FP4_BLOCK, "ue8m0"), idx.weights_proj(x) * idx.weight_scale
+
+
+def pack_entries(attn, latent: torch.Tensor, freqs: torch.Tensor):
+    """Completed groups' latents [C, D] at their RoPE rows freqs [C, rope/2] -> their packed FP4 KV (codes,
+    scales) and, where the layer owns index keys, their packed FP4 keys (codes, scales), else None. The KV is
+    quantised once from the unrounded latent: its codes decode to exactly the model's fp4_qdq values."""
+    latent = latent.unsqueeze(0)  # [1, C, D]: one row of C groups at their own positions
+    keys = attn.indexer.make_keys(latent, freqs)[0] if attn.indexer is not None else None
+    kv = ops.fp4_quant(ops.apply_rope(latent, freqs, attn.rope_dim)[0], KV_FP4_BLOCK, "e4m3")
+    return kv, None if keys is None else fp4_quant_rounded(keys, FP4_BLOCK, "ue8m0")
+
+
 def decode_attend(
     attn,
     x: torch.Tensor,
@@ -145,13 +178,14 @@ def decode_attend(
     token per sequence. Returns [B, 1, H, D] like `Attention.attend`."""
     layer, w = attn.layer_id, attn.window
     slots = batch.slots
-    if batch.regions is not None:  # fast numerics, compiled: the ring decoded and the new row encoded inside
+    if batch.fast:  # the window and the selected rows as one dense softmax, compiled where the step has regions
         valid = batch.window_valid(layer, w)  # [B, W+1]
         selected = None
         if attn.ratio:
             picked, selected = _compressed(attn, x, qr, batch, states, pool)
             valid = torch.cat([valid, picked[:, 0] >= 0], dim=1)
-        o, codes, scale = batch.regions.window_attention(
+        attend = window_attention if batch.regions is None else batch.regions.window_attention
+        o, codes, scale = attend(
             q,
             states.window_codes[slots, layer],
             states.window_scale[slots, layer],
@@ -177,12 +211,6 @@ def decode_attend(
     states.window_codes[slots, layer, at] = codes
     states.window_scale[slots, layer, at] = scale.to(torch.float8_e8m0fnu).view(torch.uint8)
 
-    if batch.fast:
-        valid = batch.window_valid(layer, w)  # [B, W+1]
-        if attn.ratio:
-            picked, selected = _compressed(attn, x, qr, batch, states, pool)
-            rows, valid = torch.cat([rows, selected], dim=1), torch.cat([valid, picked[:, 0] >= 0], dim=1)
-        return ops.dense_decode_attn(q, rows, valid, attn.attn_sink, attn.softmax_scale)
     if not attn.ratio:
         return ops.paged_sparse_attn(
             q,
@@ -258,13 +286,8 @@ def _compress(attn, x, batch: DecodeBatch, states: StatePool, pool: PagedKVPool)
         states.group_score[layer][full] = -torch.inf
         states.group_kv[layer][full] = 0.0
     group = pos[done] // ratio
-    freqs = attn.rope.at(group * ratio, x.device)  # a group is stamped with its first token
-    latent = latent.unsqueeze(0)  # [1, C, D]: one row of C groups at their own positions
-    keys = attn.indexer.make_keys(latent, freqs)[0] if attn.indexer is not None else None
-    # quantised once from the unrounded latent: its codes decode to exactly the model's fp4_qdq values
-    kv = ops.fp4_quant(ops.apply_rope(latent, freqs, attn.rope_dim)[0], KV_FP4_BLOCK, "e4m3")
-    rows = pool.rows_batched(layer, batch.tables[done], group.unsqueeze(1))[:, 0]
-    pool.write_packed(layer, rows, kv, None if keys is None else fp4_quant_rounded(keys, FP4_BLOCK, "ue8m0"))
+    kv, keys = pack_entries(attn, latent, attn.rope.at(group * ratio, x.device))  # stamped with its first token
+    pool.write_packed(layer, pool.rows_batched(layer, batch.tables[done], group.unsqueeze(1))[:, 0], kv, keys)
 
 
 def _select(attn, x, qr, batch: DecodeBatch, pool: PagedKVPool) -> torch.Tensor:
@@ -280,12 +303,7 @@ def _select(attn, x, qr, batch: DecodeBatch, pool: PagedKVPool) -> torch.Tensor:
     if t == 0:
         return torch.full((b, 1, idx.topk), -1, dtype=torch.int64, device=pos.device)
     freqs = batch.rope(attn.rope)
-    if batch.regions is not None:
-        q, weights = batch.regions.index_query(idx, qr, x, freqs)
-    else:
-        q = idx.wq_b(qr).unflatten(-1, (idx.n_heads, idx.head_dim))
-        q = ops.fp4_qdq(_rope_rows(q, freqs, idx.rope_dim), FP4_BLOCK, "ue8m0")
-        weights = idx.weights_proj(x) * idx.weight_scale
+    q, weights = (index_query if batch.regions is None else batch.regions.index_query)(idx, qr, x, freqs)
     if idx.uses_candidates:  # the entries of the candidate blocks the candidate source picked this step
         entries, usable = ops.candidate_entries(
             batch.shared["candidate_blocks"], visible.view(b, 1, 1), idx.candidate_block_size

@@ -36,9 +36,9 @@ import types
 
 import torch
 
-from dsv41 import ops
+from dsv41.engine.batched import index_query, pack_entries, window_attention
 from dsv41.model.block import Block
-from dsv41.ops.quant import FP4_BLOCK, FP8_BLOCK, KV_FP4_BLOCK, fp4_quant_rounded, fp8_dequant, fp8_quant
+from dsv41.ops.quant import FP8_BLOCK
 
 log = logging.getLogger(__name__)
 
@@ -86,39 +86,11 @@ def post_attention(block: Block, x, residual, post, comb, attn_pre):
     return h, mixes, block.ffn_norm(block.hc_pre(h, attn_pre))
 
 
-def window_attention(q, ring_codes, ring_scale, kv, valid, selected, attn_sink, softmax_scale: float):
-    """The `fast` decode attention of one layer (dsv41.engine.batched.decode_attend): the FP8 window ring
-    decoded, the new token's row appended and encoded for the ring, and the dense softmax over the window and
-    the selected compressed rows (`ops.dense_decode_attn`). ring_codes [B, W, D] e4m3, ring_scale
-    [B, W, D/FP8_BLOCK] uint8 (UE8M0 bits), kv [B, 1, D], valid [B, W + 1 (+ k)], selected [B, k, D] or None
-    -> (o [B, 1, H, D] bf16, the new row's codes [B, D] and scale bits [B, D/FP8_BLOCK])."""
-    # UE8M0 bits <-> the power of two they stand for, as integer shifts into an fp32's exponent field: inductor
-    # has no kernel for float8_e8m0fnu conversions (each became an ~80 us fallback call)
-    scale = (ring_scale.to(torch.int32) << 23).view(torch.float32)  # 2^(bits - 127), bits in 1..254
-    ring = fp8_dequant(ring_codes, scale).to(kv.dtype)
-    rows = torch.cat([ring, kv] if selected is None else [ring, kv, selected], dim=1)
-    codes, new_scale = fp8_quant(kv[:, 0])
-    o = ops.dense_decode_attn(q, rows, valid, attn_sink, softmax_scale)
-    return o, codes, (new_scale.view(torch.int32) >> 23).to(torch.uint8)
-
-
-def index_query(idx, qr, x, freqs):
-    """The indexer's per-token work of a decode step: its RoPE'd, FP4-rounded query heads [B, 1, h, d]
-    and head weights [B, 1, h] (dsv41.engine.batched._select). freqs [B, rope/2] (one position per row)."""
-    q = idx.wq_b(qr).unflatten(-1, (idx.n_heads, idx.head_dim))
-    q = ops.apply_rope(q.transpose(0, 1), freqs, idx.rope_dim).transpose(0, 1)
-    return ops.fp4_qdq(q, FP4_BLOCK, "ue8m0"), idx.weights_proj(x) * idx.weight_scale
-
-
 def compress_latent(attn, x, freqs):
     """A ratio-1 compressor's work for a decode step (every token completes its group,
-    dsv41.engine.batched._compress): x [B, 1, dim], freqs [B, rope/2] -> the new entries' packed FP4 KV
-    (codes, scales) and, where the layer owns index keys, their packed FP4 keys (codes, scales), else None."""
+    dsv41.engine.batched._compress): x [B, 1, dim], freqs [B, rope/2] -> `pack_entries` of the new latents."""
     comp = attn.compressor
-    latent = comp.norm(comp.wkv(x))[:, 0].unsqueeze(0)  # [1, B, D]: one row of B entries at their positions
-    keys = attn.indexer.make_keys(latent, freqs)[0] if attn.indexer is not None else None
-    kv = ops.fp4_quant(ops.apply_rope(latent, freqs, attn.rope_dim)[0], KV_FP4_BLOCK, "e4m3")
-    return kv, None if keys is None else fp4_quant_rounded(keys, FP4_BLOCK, "ue8m0")
+    return pack_entries(attn, comp.norm(comp.wkv(x))[:, 0], freqs)
 
 
 def post_attention_ffn(block: Block, x, residual, post, comb, attn_pre, stacks):

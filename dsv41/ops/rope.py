@@ -91,30 +91,25 @@ def apply_rope(
     to take the query's rotation back off the attention output). reference: canonical numerics, each pair
     (a, b) rotated by (c, s) as a*c - b*s, a*s + b*c in float64, rounded to fp32 and then x's dtype.
     """
-    if inverse and not torch.compiler.is_compiling():
-        freqs = freqs.conj()
     rows = freqs.size(0) if freqs.ndim == 3 else 1
     pairs = rope_dim // 2
     if x.ndim == 3:
         freqs = freqs.view(rows, x.size(1), pairs)
     else:
         freqs = freqs.view(rows, x.size(1), 1, pairs)
-    if reference:
-        ab = x[..., -rope_dim:].double().unflatten(-1, (-1, 2))  # [..., pairs, 2]
+    if reference or torch.compiler.is_compiling():
+        # in real pairs: under reference numerics in float64, rounded to fp32 and then x's dtype; inside a
+        # compiled graph in fp32, because inductor generates no code for complex arithmetic (each complex op
+        # would be an eager fallback inside the graph)
+        dtype = torch.float64 if reference else torch.float32
+        ab = x[..., -rope_dim:].to(dtype).unflatten(-1, (-1, 2))  # [..., pairs, 2]
         a, b = ab[..., 0], ab[..., 1]
-        freqs = freqs.resolve_conj()
-        c, s = freqs.real.double(), freqs.imag.double()
+        cs = torch.view_as_real(freqs.resolve_conj()).to(dtype)
+        c, s = cs[..., 0], -cs[..., 1] if inverse else cs[..., 1]
         rotated = torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(-2).float().to(x.dtype)
         return torch.cat([x[..., :-rope_dim], rotated], dim=-1)
-    if torch.compiler.is_compiling():
-        # inductor generates no code for complex arithmetic (each complex op would be an eager fallback
-        # inside the graph): the same rotation in real pairs, fused with its neighbours
-        ab = x[..., -rope_dim:].float().unflatten(-1, (-1, 2))
-        a, b = ab[..., 0], ab[..., 1]
-        cs = torch.view_as_real(freqs)
-        c, s = cs[..., 0], -cs[..., 1] if inverse else cs[..., 1]
-        rotated = torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(-2).to(x.dtype)
-        return torch.cat([x[..., :-rope_dim], rotated], dim=-1)
+    if inverse:
+        freqs = freqs.conj()
     rot = torch.view_as_complex(x[..., -rope_dim:].float().unflatten(-1, (-1, 2)))
     rotated = torch.view_as_real(rot * freqs).flatten(-2).to(x.dtype)
     return torch.cat([x[..., :-rope_dim], rotated], dim=-1)

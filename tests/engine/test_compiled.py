@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import dsv41.engine.batched as batched
 import dsv41.engine.compiled as compiled
 from dsv41.checkpoints import checkpoint_path
 from dsv41.engine import EngineConfig
@@ -86,7 +87,7 @@ def test_the_window_attention_region_reads_and_writes_the_rings_format():
     selected = torch.randn(b, k, d, generator=g).bfloat16()
     valid = torch.rand(b, w + 1 + k, generator=g) > 0.3
     sink = torch.randn(h, generator=g)
-    o, codes, new_bits = compiled.window_attention(q, ring_codes, bits, kv, valid, selected, sink, d**-0.5)
+    o, codes, new_bits = batched.window_attention(q, ring_codes, bits, kv, valid, selected, sink, d**-0.5)
 
     ring = fp8_dequant(ring_codes, ring_scale).bfloat16()
     want = ops.dense_decode_attn(q, torch.cat([ring, kv, selected], dim=1), valid, sink, d**-0.5)
@@ -94,7 +95,7 @@ def test_the_window_attention_region_reads_and_writes_the_rings_format():
     assert torch.equal(o, want)
     assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
     assert torch.equal(new_bits, want_scale.to(torch.float8_e8m0fnu).view(torch.uint8))
-    o2, _, _ = compiled.window_attention(q[:, :, :1], ring_codes, bits, kv, valid[:, : w + 1], None, sink[:1], 0.1)
+    o2, _, _ = batched.window_attention(q[:, :, :1], ring_codes, bits, kv, valid[:, : w + 1], None, sink[:1], 0.1)
     assert o2.shape == (b, 1, 1, d)
 
 
