@@ -183,6 +183,8 @@ class ModelRunner:
             last.extend(range(offset - c.logit_rows(), offset))
         if not last:
             return torch.empty(0, cfg.vocab_size)
+        if regions is not None and regions.rows == 1 and (head := model.head_bf16()) is not None:
+            return regions.final_logits(model.norm, h, pre_mix, head)  # one token: the compiled head
         index = torch.tensor(last, device=device)
         x = model.norm(Block.hc_pre(h[:, index], pre_mix[:, index]))[0]  # [n, dim]
         return model.logits(x)

@@ -232,6 +232,26 @@ class Transformer(nn.Module):
             return ops.canonical.linear(x.float(), self.head.weight)
         return ops.invariant_matmul(x.float(), self.head.weight, self.row_chunk)
 
+    def keep_bf16_head(self) -> int:
+        """Keep a bf16 copy of the fp32 head (returns its bytes) for `head_bf16`: the compiled batch-1 decode
+        step reads it instead of the head (dsv41.engine.compiled.final_logits), half the bytes of the largest
+        single weight of a decode step."""
+        self.__dict__["_head_bf16"] = None
+        self.head_bf16()
+        return self.head.weight.numel() * 2
+
+    def head_bf16(self) -> torch.Tensor | None:
+        """The bf16 copy of the head (`keep_bf16_head`), made again when the head's weight changed (its version
+        or storage); None if none is kept."""
+        if "_head_bf16" not in self.__dict__:
+            return None
+        w = self.head.weight
+        stamp = (w._version, w.data_ptr())
+        cached = self.__dict__["_head_bf16"]
+        if cached is None or cached[0] != stamp:
+            cached = self.__dict__["_head_bf16"] = (stamp, w.detach().to(torch.bfloat16))
+        return cached[1]
+
     def set_engram_token_map(self, token_map: torch.Tensor) -> None:
         """Install the raw-id -> compressed-id map used by the Engram hash (spec §5)."""
         if self.engram_hash is None:

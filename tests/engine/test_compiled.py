@@ -14,6 +14,7 @@ from dsv41.checkpoints import checkpoint_path
 from dsv41.engine import EngineConfig
 from dsv41.engine.build import build_engine
 from dsv41.eval.agreement import decode_agreement, held_out_windows
+from dsv41.model.block import Block
 
 VAL = os.path.join(os.path.dirname(__file__), "..", "data", "shakespeare-chat-val", "val.bin")
 
@@ -28,7 +29,7 @@ def test_compiled_regions_serve_decode_batches_and_agree_with_the_reference(monk
     used, calls = [], {}
     real = compiled._Regions.pre_attention
     monkeypatch.setattr(compiled._Regions, "pre_attention", lambda self, *a: used.append(self.rows) or real(self, *a))
-    for name in ("post_attention_ffn", "window_attention", "index_query", "compress_latent"):
+    for name in ("post_attention_ffn", "window_attention", "index_query", "compress_latent", "final_logits"):
         fn = getattr(compiled._Regions, name)
         monkeypatch.setattr(
             compiled._Regions, name, lambda self, *a, fn=fn, name=name: calls.update({name: 1}) or fn(self, *a)
@@ -41,6 +42,10 @@ def test_compiled_regions_serve_decode_batches_and_agree_with_the_reference(monk
     assert used.count(4) >= 10 * engine.model_config.n_layers and set(used) <= {1, 2, 4}, used
     # the MoE, the window attention, the indexer's query and the ratio-1 compressors ran compiled too
     assert set(calls) == {"post_attention_ffn", "window_attention", "index_query", "compress_latent"}, calls
+    # one sequence alone: bucket 1, whose logits come from the compiled head over its bf16 copy
+    alone = decode_agreement(engine, engine.model, prompts[:1], new_tokens=24, passes=1)
+    assert alone.top1 >= 0.99 and alone.kl_mean <= 2e-3, alone.as_dict()
+    assert "final_logits" in calls and 1 in used
 
 
 @pytest.mark.slow
@@ -106,3 +111,35 @@ def test_batch_first_padding_of_the_attention_regions():
     freqs = torch.polar(torch.ones(3, 5), torch.rand(3, 5))
     assert torch.equal(regions._pad0(freqs, 1)[3], torch.ones(5, dtype=torch.complex64))
     assert regions._pad0(None) is None
+
+
+def test_the_one_token_head_reads_a_bf16_copy_and_keeps_fp32_logits(tiny_model):
+    """`final_logits` (run eager here: the compiler keeps its math) gives the logits of the bf16 copy of the
+    head, summed in fp32 and not rounded to bf16 (rounded, ~0.7% of the top-1 picks flip against the
+    reference); the copy follows the head when its weight changes."""
+    model = tiny_model
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(1, 1, model.cfg.hc_mult, model.cfg.dim, generator=g).bfloat16()
+    pre = torch.rand(1, 1, model.cfg.hc_mult, generator=g)
+    assert model.head_bf16() is None
+    model.keep_bf16_head()
+    try:
+        head = model.head_bf16()
+        assert head.dtype == torch.bfloat16 and torch.equal(head, model.head.weight.bfloat16())
+        got = compiled.final_logits(model.norm, h, pre, head)
+        x = model.norm(Block.hc_pre(h, pre))[0]
+        want = x.float() @ model.head.weight.bfloat16().float().t()
+        assert got.dtype == torch.float32 and got.shape == (1, model.cfg.vocab_size)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert (got != got.bfloat16().float()).any()  # fp32 logits, not bf16 ones
+        # within bf16 rounding of the weights of the fp32 head's logits
+        torch.testing.assert_close(got, model.logits(x), rtol=0, atol=2e-2 * model.logits(x).abs().max().item())
+        with torch.no_grad():
+            model.head.weight.mul_(2)
+        try:
+            assert torch.equal(model.head_bf16(), model.head.weight.bfloat16())
+        finally:
+            with torch.no_grad():
+                model.head.weight.div_(2)
+    finally:
+        model.__dict__.pop("_head_bf16", None)  # the shared model as it was
