@@ -194,7 +194,9 @@ def main(argv=None) -> int:
     args.name = args.name or args.preset or "small"
     torch.set_num_threads(args.threads)
     model = args.model if args.model is not None else random_drafter_model(args.preset)
-    variants = {"plain": {}, "speculative": {"speculative": True}}
+    # plain decoding with its compiled decode steps too (`fast` numerics, as `dsv41 serve` runs): the speculative
+    # engine's verify and draft passes run eager, so this is the plain decoding it has to beat
+    variants = {"plain": {}, "plain, compiled decode": {"compile_decode": "now"}, "speculative": {"speculative": True}}
     if args.oracle_acceptance is None:  # the confidence head means something only for a trained drafter
         variants[f"speculative, confidence >= {args.min_confidence}"] = {
             "speculative": True,
