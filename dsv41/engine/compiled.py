@@ -39,6 +39,7 @@ import torch
 
 from dsv41.engine.batched import index_query, pack_entries, window_attention
 from dsv41.model.block import Block
+from dsv41.ops import moe_cpu
 from dsv41.ops.quant import FP8_BLOCK
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,7 @@ class CompiledDecode:
     # ---------------------------------------------------------------- building
     def build(self, buckets: tuple[int, ...] | None = None) -> None:
         """Compile the given buckets now (each traced on every layer shape the model has)."""
+        self._choose_expert_kernel()
         for b in buckets or self.buckets:
             if self.failed or b in self.ready or b not in self._compiled:
                 continue
@@ -198,6 +200,16 @@ class CompiledDecode:
         self._thread = threading.Thread(target=self.build, name="dsv41-compile-decode", daemon=True)
         self._thread.start()
         return self._thread
+
+    def _choose_expert_kernel(self) -> None:
+        """The picked experts by the C++ kernel (dsv41.ops.moe_cpu) where it is built with the bf16 dot-product
+        instructions, else by the compiled reference. Decided before the first graph is traced."""
+        use = None
+        for block in self.model.layers:
+            stacks = block.ffn.stacked()
+            if stacks is not None and moe_cpu.fits(stacks[0], stacks[2]):
+                use = moe_cpu.available() if use is None else use  # built (~1 s) only where it could serve
+                block.ffn.cpu_expert_kernel = use
 
     @torch.inference_mode()
     def _warm(self, rows: int) -> None:

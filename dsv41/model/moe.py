@@ -11,7 +11,7 @@ from torch import nn
 from dsv41 import ops
 from dsv41.config import ModelConfig
 from dsv41.model.layers import Linear
-from dsv41.ops import canonical
+from dsv41.ops import canonical, moe_cpu
 
 
 class RoutingRecord:
@@ -154,6 +154,9 @@ class MoE(nn.Module):
         # expert parallelism (dsv41.distributed.expert_parallel): computes the routed experts' summed outputs
         # from (moe, x, weights, indices) when the experts live on other ranks; None runs them here
         self.dispatcher = None
+        # `decode_forward` runs the picked experts by the C++ kernel (dsv41.ops.moe_cpu) instead of the compiled
+        # reference; set by the engine's compiled decode step where that kernel is the faster
+        self.cpu_expert_kernel = False
 
     def forward(
         self,
@@ -235,7 +238,11 @@ class MoE(nn.Module):
         indices = torch.cat([indices, shared], dim=1)  # [T, k + 1]
         weights = torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1)
         w1, w3, w2 = stacks
-        out = ops.moe.gathered_experts(x, weights, indices, w1, w3, w2, self.shared_experts.swiglu_limit)
+        # the C++ kernel from 4 tokens (a graph's shapes are static, so this picks per batch bucket); below, its
+        # call from the graph costs more than it saves (dsv41.ops.moe_cpu)
+        kernel = self.cpu_expert_kernel and x.size(0) >= moe_cpu.MIN_ROWS
+        experts = torch.ops.dsv41.gathered_experts_cpu if kernel else ops.moe.gathered_experts
+        out = experts(x, weights, indices, w1, w3, w2, self.shared_experts.swiglu_limit)
         return out.to(x.dtype).view(shape)
 
     def _routed_sorted(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from dsv41.engine import EngineConfig
 from dsv41.engine.build import build_engine
 from dsv41.eval.agreement import decode_agreement, held_out_windows
 from dsv41.model.block import Block
+from dsv41.ops import moe_cpu
 
 VAL = os.path.join(os.path.dirname(__file__), "..", "data", "shakespeare-chat-val", "val.bin")
 
@@ -34,6 +35,12 @@ def test_compiled_regions_serve_decode_batches_and_agree_with_the_reference(monk
         monkeypatch.setattr(
             compiled._Regions, name, lambda self, *a, fn=fn, name=name: calls.update({name: 1}) or fn(self, *a)
         )
+    kernel_calls = []  # the C++ expert kernel (dsv41.ops.moe_cpu) serves the 4-row bucket where it is the faster
+    if moe_cpu.available():
+        real_kernel = moe_cpu.library().gathered_experts
+        monkeypatch.setattr(
+            moe_cpu.library(), "gathered_experts", lambda *a: kernel_calls.append(a[7]) or real_kernel(*a)
+        )
     tokens = np.fromfile(VAL, dtype=np.uint16)
     prompts = held_out_windows(tokens[2000:], [40, 72, 104], stride=150)  # 3 decode tokens a step: bucket 4
     result = decode_agreement(engine, engine.model, prompts, new_tokens=16, passes=1)
@@ -42,6 +49,8 @@ def test_compiled_regions_serve_decode_batches_and_agree_with_the_reference(monk
     assert used.count(4) >= 10 * engine.model_config.n_layers and set(used) <= {1, 2, 4}, used
     # the MoE, the window attention, the indexer's query and the ratio-1 compressors ran compiled too
     assert set(calls) == {"post_attention_ffn", "window_attention", "index_query", "compress_latent"}, calls
+    if moe_cpu.available():
+        assert kernel_calls and set(kernel_calls) == {4}, set(kernel_calls)  # 4 rows; 1 and 2 stay compiled
     # one sequence alone: bucket 1, whose logits come from the compiled head over its bf16 copy
     alone = decode_agreement(engine, engine.model, prompts[:1], new_tokens=24, passes=1)
     assert alone.top1 >= 0.99 and alone.kl_mean <= 2e-3, alone.as_dict()
@@ -49,12 +58,21 @@ def test_compiled_regions_serve_decode_batches_and_agree_with_the_reference(monk
 
 
 @pytest.mark.slow
-def test_a_broken_compiled_moe_fails_the_agreement_check(monkeypatch):
-    """The compiled MoE without its shared expert (the last gathered pick dropped) must fail the same check."""
+@pytest.mark.parametrize("path", ["compiled reference", "C++ kernel"])
+def test_a_broken_compiled_moe_fails_the_agreement_check(monkeypatch, path):
+    """The compiled MoE without its shared expert (the last gathered pick dropped) must fail the same check,
+    on either path the decode step runs its experts by (dsv41.ops.moe_cpu serves 4-row buckets where built)."""
     import dsv41.ops.moe as moe_ops
 
-    real = moe_ops.gathered_experts
-    monkeypatch.setattr(moe_ops, "gathered_experts", lambda x, w, i, *rest: real(x, w[:, :-1], i[:, :-1], *rest))
+    if path == "C++ kernel":
+        if not moe_cpu.available():
+            pytest.skip("the C++ expert kernel serves only where the CPU has bf16 dot products")
+        real_launch = moe_cpu._launch
+        monkeypatch.setattr(moe_cpu, "_launch", lambda x, w, *rest: real_launch(x, w * (w < 1), *rest))
+    else:
+        monkeypatch.setattr(moe_cpu, "available", lambda: False)
+        real = moe_ops.gathered_experts
+        monkeypatch.setattr(moe_ops, "gathered_experts", lambda x, w, i, *rest: real(x, w[:, :-1], i[:, :-1], *rest))
     engine = build_engine(
         checkpoint_path(),
         EngineConfig(numerics="fast", compile_decode="now", max_num_seqs=4, kv_pool_tokens=8192, fused_kernels="off"),
