@@ -141,6 +141,7 @@ class CompiledDecode:
         self.model, self.buckets = model, buckets
         self.ready: set[int] = set()
         self.failed = False
+        self._expert_kernel_chosen = False
         # one compiled function per (region, bucket), each with a code object of its own: Dynamo keeps its
         # graphs per code object and checks the guards of every graph it holds in turn, so one function
         # serving all buckets would try up to six guard sets a call; one per bucket tries one
@@ -183,11 +184,11 @@ class CompiledDecode:
     # ---------------------------------------------------------------- building
     def build(self, buckets: tuple[int, ...] | None = None) -> None:
         """Compile the given buckets now (each traced on every layer shape the model has)."""
-        self._choose_expert_kernel()
         for b in buckets or self.buckets:
             if self.failed or b in self.ready or b not in self._compiled:
                 continue
             try:
+                self._choose_expert_kernel()
                 self._warm(b)
             except Exception as err:  # noqa: BLE001 - no compiler, an op it cannot take: the eager ops serve
                 log.warning("compiled decode regions unavailable (%s: %s); decoding eager", type(err).__name__, err)
@@ -204,7 +205,9 @@ class CompiledDecode:
     def _choose_expert_kernel(self) -> None:
         """The picked experts by the C++ kernel (dsv41.ops.moe_cpu) where it is built with the bf16 dot-product
         instructions, else by the compiled reference. Decided before the first graph is traced."""
-        use = None
+        if self._expert_kernel_chosen:
+            return
+        self._expert_kernel_chosen, use = True, None
         for block in self.model.layers:
             stacks = block.ffn.stacked()
             if stacks is not None and moe_cpu.fits(stacks[0], stacks[2]):

@@ -53,18 +53,22 @@ def library() -> ctypes.CDLL | None:
     key = hashlib.sha256(source + "\0".join((cxx, *FLAGS)).encode()).hexdigest()[:16]
     path = os.path.join(_cache_dir(), f"moe_cpu-{key}.so")
     if not os.path.exists(path):
-        os.makedirs(_cache_dir(), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
-        os.close(fd)
+        tmp = None
         try:  # built beside the target, then renamed: a process never loads another's half-written file
+            os.makedirs(_cache_dir(), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
+            os.close(fd)
             subprocess.run([cxx, *FLAGS, SOURCE, "-o", tmp], check=True, capture_output=True, timeout=300)
             os.replace(tmp, path)
-        except (OSError, subprocess.SubprocessError):
+        except (OSError, subprocess.SubprocessError):  # no writable cache, a compiler error: not available
             return None
         finally:
-            if os.path.exists(tmp):
+            if tmp is not None and os.path.exists(tmp):
                 os.remove(tmp)
-    lib = ctypes.CDLL(path)
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError:
+        return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.gathered_experts.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float, i64]
     lib.gathered_experts.restype = None
