@@ -238,10 +238,7 @@ class MoE(nn.Module):
         indices = torch.cat([indices, shared], dim=1)  # [T, k + 1]
         weights = torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1)
         w1, w3, w2 = stacks
-        # the C++ kernel from 4 tokens (a graph's shapes are static, so this picks per batch bucket); below, its
-        # call from the graph costs more than it saves (dsv41.ops.moe_cpu)
-        kernel = self.cpu_expert_kernel and x.size(0) >= moe_cpu.MIN_ROWS
-        experts = torch.ops.dsv41.gathered_experts_cpu if kernel else ops.moe.gathered_experts
+        experts = moe_cpu.gathered_experts_cpu if self.cpu_expert_kernel else ops.moe.gathered_experts
         out = experts(x, weights, indices, w1, w3, w2, self.shared_experts.swiglu_limit)
         return out.to(x.dtype).view(shape)
 

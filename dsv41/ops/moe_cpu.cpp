@@ -1,5 +1,6 @@
 // The picked experts of a few tokens (a fast decode step's MoE) on a CPU: dsv41.ops.moe_cpu builds this file
-// with the machine's own instruction set (-march=native) and calls `gathered_experts`.
+// with the machine's own instruction set (-march=native) and loads it; it registers the op
+// torch.ops.dsv41.gathered_experts_cpu, which a compiled graph calls through the dispatcher.
 //
 // Same math as dsv41.ops.moe.gathered_experts (its reference): for each (token, pick) pair, gate and up are
 // dot products of the token with rows of w1 and w3, rounded to bf16; h = silu(min(gate, limit)) *
@@ -10,6 +11,11 @@
 // instructions (AVX512-BF16) the dot products take the bf16 rows as they are, 32 products per instruction,
 // instead of widening each row to fp32 first. Sums run in another order than the reference's: `fast`
 // numerics only.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -146,3 +152,36 @@ void gathered_experts(const uint16_t* x, const float* weights, const int64_t* in
 }
 
 }  // extern "C"
+
+namespace {
+
+// the op: contiguous CPU tensors as `gathered_experts` takes them -> out [T, D] fp32
+at::Tensor gathered_experts_op(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& indices,
+                               const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& w2, double limit) {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w1.scalar_type() == at::kBFloat16 &&
+                    w3.scalar_type() == at::kBFloat16 && w2.scalar_type() == at::kBFloat16,
+                "gathered_experts_cpu: x and the expert stacks must be bf16");
+    TORCH_CHECK(x.dim() == 2 && indices.dim() == 2 && w1.dim() == 3 && w1.sizes() == w3.sizes() && w2.dim() == 3,
+                "gathered_experts_cpu: x [T, D], indices [T, k], w1 and w3 [E, I, D], w2 [E, D, I]");
+    const at::Tensor xc = x.contiguous(), wc = weights.to(at::kFloat).contiguous();
+    const at::Tensor ic = indices.to(at::kLong).contiguous();
+    const at::Tensor a = w1.contiguous(), b = w3.contiguous(), c = w2.contiguous();
+    const int64_t T = ic.size(0), K = ic.size(1), E = a.size(0), I = a.size(1), D = a.size(2);
+    TORCH_CHECK(xc.size(0) == T && xc.size(1) == D && wc.numel() == T * K && c.size(1) == D && c.size(2) == I,
+                "gathered_experts_cpu: shapes do not match");
+    at::Tensor out = at::empty({T, D}, xc.options().dtype(at::kFloat));
+    gathered_experts(reinterpret_cast<const uint16_t*>(xc.data_ptr()), wc.data_ptr<float>(), ic.data_ptr<int64_t>(),
+                     reinterpret_cast<const uint16_t*>(a.data_ptr()), reinterpret_cast<const uint16_t*>(b.data_ptr()),
+                     reinterpret_cast<const uint16_t*>(c.data_ptr()), out.data_ptr<float>(), T, K, E, D, I,
+                     float(limit), at::get_num_threads());
+    return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(dsv41, m) {
+    m.def("gathered_experts_cpu(Tensor x, Tensor weights, Tensor indices, Tensor w1, Tensor w3, Tensor w2, "
+          "float limit) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(dsv41, CPU, m) { m.impl("gathered_experts_cpu", &gathered_experts_op); }

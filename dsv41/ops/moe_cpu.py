@@ -5,15 +5,15 @@
 picked expert is read once for every token that picked it, and uses the CPU's bf16 dot-product instructions
 (AVX512-BF16) on the bf16 rows as they are. Measured against the compiled reference on `small`'s expert shapes
 (17 stacked experts of 384 x 384, 12 layers' worth of weights so they come from memory; one thread, AMD EPYC
-Zen 4), called from inside a compiled graph as the decode step calls it: 548 against 618 us a layer at 4 tokens,
-786 against 1,039 at 8, 1,735 against 3,651 at 32; at 1 token the call's own cost (the custom op's dispatch to
-Python and back, ~60 us) makes it slower (205 against 175 us), so the decode step uses it from `MIN_ROWS`.
+Zen 4), called from inside a compiled graph as the decode step calls it: 122 against 146 us a layer at 1 token,
+362 against 480 at 4, 617 against 883 at 8, 1,543 against 3,237 at 32.
 
-It is built once per machine with the machine's instruction set (`c++ -O3 -march=native -fopenmp`, ~1 s),
-cached under ~/.cache/dsv41/kernels keyed by the source and the compiler, and loaded with ctypes. It is used
-only where it was built with the bf16 dot-product instructions (`available`): elsewhere (AVX2 CPUs) the
-widening form is no faster than inductor's, which keeps the work. The engine's compiled decode step calls it
-through the custom op `torch.ops.dsv41.gathered_experts_cpu`, so it sits inside the compiled graph.
+It is built once per machine with the machine's instruction set (`c++ -O3 -march=native -fopenmp` against
+torch's headers, ~6 s), cached under ~/.cache/dsv41/kernels keyed by the source, the compiler and the torch
+version, and loaded as the op `torch.ops.dsv41.gathered_experts_cpu` (registered from C++, so a compiled
+graph calls it through the dispatcher, with no trip through Python). It is used only where it was built with
+the bf16 dot-product instructions (`available`): elsewhere (AVX2 CPUs) its widening form is no faster than
+inductor's, which keeps the work.
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ import tempfile
 import torch
 
 SOURCE = os.path.join(os.path.dirname(__file__), "moe_cpu.cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-MIN_ROWS = 4  # tokens from which a decode step's MoE runs by this kernel
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
 
 
 def _compiler() -> str | None:
@@ -41,16 +40,33 @@ def _cache_dir() -> str:
     return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dsv41", "kernels")
 
 
+def _torch_flags() -> list[str]:
+    """Headers, libraries and ABI of the torch this process runs."""
+    from torch.utils import cpp_extension  # imports setuptools (~0.1 s): only when a build is wanted
+
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    return [
+        *(f"-I{p}" for p in cpp_extension.include_paths()),
+        abi,
+        f"-L{lib}",
+        f"-Wl,-rpath,{lib}",
+        "-lc10",
+        "-ltorch_cpu",
+    ]
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The built kernel (built now if this machine has no build of this source yet), or None where it cannot
-    be built (no C++ compiler, a compiler error)."""
+    """The built kernel, its op registered (built now if this machine has no build of this source yet), or
+    None where it cannot be built or loaded (no C++ compiler, a compiler error, no writable cache)."""
     cxx = _compiler()
     if cxx is None:
         return None
     with open(SOURCE, "rb") as f:
         source = f.read()
-    key = hashlib.sha256(source + "\0".join((cxx, *FLAGS)).encode()).hexdigest()[:16]
+    flags = [*FLAGS, *_torch_flags()]
+    key = hashlib.sha256(source + "\0".join((cxx, torch.__version__, *flags)).encode()).hexdigest()[:16]
     path = os.path.join(_cache_dir(), f"moe_cpu-{key}.so")
     if not os.path.exists(path):
         tmp = None
@@ -58,27 +74,31 @@ def library() -> ctypes.CDLL | None:
             os.makedirs(_cache_dir(), exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
             os.close(fd)
-            subprocess.run([cxx, *FLAGS, SOURCE, "-o", tmp], check=True, capture_output=True, timeout=300)
+            subprocess.run([cxx, SOURCE, "-o", tmp, *flags], check=True, capture_output=True, timeout=600)
             os.replace(tmp, path)
-        except (OSError, subprocess.SubprocessError):  # no writable cache, a compiler error: not available
+        except (OSError, subprocess.SubprocessError):
             return None
         finally:
             if tmp is not None and os.path.exists(tmp):
                 os.remove(tmp)
     try:
+        torch.ops.load_library(path)  # registers torch.ops.dsv41.gathered_experts_cpu
         lib = ctypes.CDLL(path)
-    except OSError:
+    except (OSError, RuntimeError):
         return None
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.gathered_experts.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float, i64]
-    lib.gathered_experts.restype = None
     lib.bf16_dot.restype = ctypes.c_int
+    torch.library.register_fake("dsv41::gathered_experts_cpu")(_shape)
     return lib
+
+
+def _shape(x, weights, indices, w1, w3, w2, limit):
+    """What the op returns, for tracing: fp32 [T, D]."""
+    return x.new_empty(x.shape, dtype=torch.float32)
 
 
 def available() -> bool:
     """Is the kernel built here with the bf16 dot-product instructions (the form that beats the compiled
-    reference)?"""
+    reference)? Builds it if needed."""
     lib = library()
     return lib is not None and lib.bf16_dot() == 1
 
@@ -94,35 +114,8 @@ def fits(w1: torch.Tensor, w2: torch.Tensor) -> bool:
     )
 
 
-@torch.library.custom_op("dsv41::gathered_experts_cpu", mutates_args=())
-def gathered_experts_cpu(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    indices: torch.Tensor,
-    w1: torch.Tensor,
-    w3: torch.Tensor,
-    w2: torch.Tensor,
-    limit: float,
-) -> torch.Tensor:
-    """`ops.moe.gathered_experts` by the C++ kernel: x [T, D] bf16, weights [T, k] fp32, indices [T, k] into
-    w1, w3 [E, I, D] and w2 [E, D, I] bf16 -> fp32 [T, D]."""
-    x, weights, indices = x.contiguous(), weights.float().contiguous(), indices.to(torch.int64).contiguous()
-    w1, w3, w2 = w1.contiguous(), w3.contiguous(), w2.contiguous()  # views of the stacks: no copies
-    out = torch.empty(x.size(0), w2.size(1), dtype=torch.float32)
-    _launch(x, weights, indices, w1, w3, w2, out, limit)
-    return out
-
-
-def _launch(x, weights, indices, w1, w3, w2, out, limit: float) -> None:
-    """The kernel on contiguous tensors, writing `out`."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError("the C++ expert kernel could not be built on this machine (dsv41.ops.moe_cpu)")
-    (t, k), (e, i, d) = indices.shape, w1.shape
-    ptrs = (a.data_ptr() for a in (x, weights, indices, w1, w3, w2, out))
-    lib.gathered_experts(*ptrs, t, k, e, d, i, float(limit), torch.get_num_threads())
-
-
-@gathered_experts_cpu.register_fake
-def _(x, weights, indices, w1, w3, w2, limit):
-    return x.new_empty(x.shape, dtype=torch.float32)
+def gathered_experts_cpu(x, weights, indices, w1, w3, w2, limit: float) -> torch.Tensor:
+    """`ops.moe.gathered_experts` by the C++ kernel (`library()` must have loaded it): x [T, D] bf16, weights
+    [T, k] fp32, indices [T, k] into w1, w3 [E, I, D] and w2 [E, D, I] bf16 -> fp32 [T, D]. What
+    `MoE.decode_forward` calls where `available()`; a compiled graph traces through to the op."""
+    return torch.ops.dsv41.gathered_experts_cpu(x, weights, indices, w1, w3, w2, limit)
