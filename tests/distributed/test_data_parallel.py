@@ -377,6 +377,7 @@ def test_torchrun_ranks_serve_as_spawned_ones(reference):
             time.sleep(0.2)
 
 
+@pytest.mark.slow  # speculative x data and expert parallelism (~10 s); each alone is in the default tier
 def test_speculative_decoding_across_ranks(tmp_path):
     """--speculative under data and expert parallelism: the DSpark drafter's own MoE layers are sharded too
     and their rounds interleave with the backbone's; every token and logprob is the single-device speculative
