@@ -52,7 +52,7 @@ def test_alone_batched_and_any_chunking_give_the_same_tokens():
 def test_preemption_and_prefix_hits_repeat_the_first_run():
     model = tied_model()
     batch = prompts([40, 33, 51, 27], seed=4)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     alone = [make(model).generate([p], params)[0].token_ids for p in batch]
     # a pool too small for all four: the newest requests are preempted and recomputed from their tokens
     tight = make(model, kv_pool_tokens=160)
