@@ -126,6 +126,7 @@ def test_record_routing_needs_a_replayable_engine():
         RolloutWorker(model, tok, EngineConfig(prefill_mode="full", enable_prefix_caching=False))
 
 
+@pytest.mark.slow  # the `small` preset's model (~8 s on one core); CI runs -m slow
 def test_small_preset_rollouts_replay_bit_for_bit():
     """The CPU presets' own shapes, where tiny ones do not reach: 64-entry windows and top-64 selections
     with prompts shorter and longer than both, sharing decode steps and 16-token prefill chunks."""
