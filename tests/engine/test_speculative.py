@@ -377,7 +377,7 @@ def test_batched_verify_gives_the_bits_of_per_request_verify(model, monkeypatch)
     from dsv41.engine.runner import ModelRunner
 
     batch = prompts([13, 30, 5, 47, 21], seed=4)
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0)
     plain, plain_lp = _greedy_with_logprobs(make(model), batch, params)
     oracle(monkeypatch, {tuple(p): t for p, t in zip(batch, plain)}, 0.25, seed=5)
     widest = []
