@@ -14,7 +14,7 @@ from dsv41.ops import topk_canonical
 from tests.conftest import tie_every_selection
 from tests.engine.helpers import make, prompts
 
-GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 def tied_model(seed: int = 1) -> Transformer:
@@ -45,7 +45,7 @@ def test_alone_batched_and_any_chunking_give_the_same_tokens():
         assert chunked == alone, chunk
     # and the plain model's own greedy loop (prefill then one token at a time) agrees, full prefill
     with model.numerics(16):
-        reference = [generate(model, torch.tensor([p]), 10)[0].tolist() for p in batch[:3]]
+        reference = [generate(model, torch.tensor([p]), 6)[0].tolist() for p in batch[:3]]
     assert [o.token_ids for o in make(model, prefill_mode="full").generate(batch[:3], GREEDY)] == reference
 
 
