@@ -14,10 +14,11 @@ def eager_reference_ops(monkeypatch):
     monkeypatch.setenv("DSV41_FUSED", "0")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference():
     """name -> (text, tokens' logprobs) from the single-device engine, each prompt of
-    test_data_parallel.PROMPTS run on its own."""
+    test_data_parallel.PROMPTS run on its own; computed once for every module that compares with it (read
+    only)."""
     from tests.distributed.test_data_parallel import _reference
 
     threads = torch.get_num_threads()

@@ -304,6 +304,7 @@ def test_a_dead_rank_fails_requests_and_health_not_the_front():
         assert proc.wait(timeout=60) == 0
 
 
+@pytest.mark.slow  # a fault run: three processes to one error line (~8 s on one core); CI runs -m slow
 def test_a_rank_failing_at_start_up_is_one_clear_error(tmp_path):
     """A checkpoint whose damage only rank 1 reads (one of its experts' tensors stored in the wrong dtype;
     rank 0 never reads that tensor): serve exits with one line naming the rank, not a hang."""
@@ -350,6 +351,9 @@ def test_a_rank_failing_at_start_up_is_one_clear_error(tmp_path):
     assert f"{bad}: checkpoint dtype torch.float16" in done.stderr
 
 
+# slow tier: tests/distributed/test_engram_serve.py serves two data-parallel ranks without expert parallelism
+# in the default tier (every expert on each rank, no MoE rounds, the single device's outputs)
+@pytest.mark.slow
 def test_data_parallel_without_expert_parallel(reference):
     """--expert-parallel-size 1: each rank holds every expert; the ranks still step together, and a request's
     output is still one device's."""
@@ -377,6 +381,7 @@ def test_torchrun_ranks_serve_as_spawned_ones(reference):
             time.sleep(0.2)
 
 
+@pytest.mark.slow  # speculative x data and expert parallelism (~10 s); each alone is in the default tier
 def test_speculative_decoding_across_ranks(tmp_path):
     """--speculative under data and expert parallelism: the DSpark drafter's own MoE layers are sharded too
     and their rounds interleave with the backbone's; every token and logprob is the single-device speculative

@@ -1,8 +1,8 @@
 """`dsv41 serve tiny --tensor-parallel-size 2` (dsv41.distributed.tensor_parallel inside the lockstep ranks of
 dsv41.distributed.data_parallel), driven through its HTTP front with the `openai` client: concurrent requests'
 greedy text and chosen-token logprobs equal the single-device engine's bit for bit; a layout that splits an
-output group is refused before any rank starts. The D x T = 2 x 2 layout with expert parallelism is in the
-slow tier (four processes)."""
+output group is refused before any rank starts. The D x T = 2 x 2 layout with expert parallelism (four
+processes), the same serve under torchrun and speculative decoding over TP ranks are in the slow tier."""
 
 import os
 import subprocess
@@ -51,11 +51,13 @@ def test_tensor_parallel_serving_equals_single_device(reference):
         assert _metric(base, "requests_finished_total") == 4
 
 
+@pytest.mark.slow  # torchrun's launch is covered by test_torchrun_ranks_serve_as_spawned_ones (data parallel)
 def test_tensor_parallel_under_torchrun(reference):
     with _serve("--tensor-parallel-size", "2", torchrun=2) as (_, base):
         _check_concurrent(base, reference, ["b", "e"])
 
 
+@pytest.mark.slow  # speculative x tensor parallelism (~9 s); each alone is in the default tier
 def test_speculative_decoding_from_a_sharded_checkpoint(tmp_path):
     """--speculative with the heads split over two TP ranks that each read only their head rows from a
     checkpoint folder: the DSpark drafter's stages stay whole on both ranks; every token and logprob is the

@@ -14,7 +14,7 @@ from dsv41.ops import topk_canonical
 from tests.conftest import tie_every_selection
 from tests.engine.helpers import make, prompts
 
-GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 def tied_model(seed: int = 1) -> Transformer:
@@ -45,14 +45,14 @@ def test_alone_batched_and_any_chunking_give_the_same_tokens():
         assert chunked == alone, chunk
     # and the plain model's own greedy loop (prefill then one token at a time) agrees, full prefill
     with model.numerics(16):
-        reference = [generate(model, torch.tensor([p]), 10)[0].tolist() for p in batch[:3]]
+        reference = [generate(model, torch.tensor([p]), 6)[0].tolist() for p in batch[:3]]
     assert [o.token_ids for o in make(model, prefill_mode="full").generate(batch[:3], GREEDY)] == reference
 
 
 def test_preemption_and_prefix_hits_repeat_the_first_run():
     model = tied_model()
     batch = prompts([40, 33, 51, 27], seed=4)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     alone = [make(model).generate([p], params)[0].token_ids for p in batch]
     # a pool too small for all four: the newest requests are preempted and recomputed from their tokens
     tight = make(model, kv_pool_tokens=160)

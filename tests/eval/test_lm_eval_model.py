@@ -205,7 +205,7 @@ metric_list:
     higher_is_better: true
 """)
     results = lm_eval.simple_evaluate(
-        model=lm, tasks=["dsv41_add"], task_manager=TaskManager(include_path=str(tmp_path))
+        model=lm, tasks=["dsv41_add"], task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False)
     )
     scores = results["results"]["dsv41_add"]
     assert scores["sample_len"] == len(rows)

@@ -253,9 +253,10 @@ def test_random_init_leaves_no_matrix_at_zero_and_routes_tokens_apart():
 def test_chunking_and_decode_are_bit_identical_under_engine_numerics():
     """On the released 40-layer schedule (the real40 golden config, random weights): with batch-invariant
     GEMMs and canonical top-k ties (`Transformer.numerics(16)`, what the engine runs), a prefill in
-    chunks of 7, in two chunks, or one token at a time gives exactly the logits of one prefill. (Under
-    the reference numerics the same runs differ by rms ratio ~0.2 and argmax ~0.7, measured at 120
-    tokens: tie flips and row-count-dependent GEMM orders.)"""
+    chunks of 7, in two chunks, or one token at a time (positions 12-31, across the 8-slot window, the top-k
+    and candidate-block counts, then 60-71, across original_seq_len 64) gives exactly the logits of one
+    prefill. (Under the reference numerics the same runs differ by rms ratio ~0.2 and argmax ~0.7, measured
+    at 120 tokens: tie flips and row-count-dependent GEMM orders.)"""
     from dsv41.config import ModelConfig
 
     cfg = ModelConfig.from_file("tests/data/golden/v41-real40-fp8/config.json")
@@ -272,5 +273,5 @@ def test_chunking_and_decode_are_bit_identical_under_engine_numerics():
 
     with model.numerics(16):
         one = run([n])
-        for chunks in ([7] * 10 + [2], [40, 32], [12] + [1] * (n - 12)):
+        for chunks in ([7] * 10 + [2], [40, 32], [12] + [1] * 20 + [28] + [1] * 12):
             assert torch.equal(run(chunks), one), chunks

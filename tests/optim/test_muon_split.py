@@ -34,7 +34,7 @@ def run_steps(rank=None, world=None):
     return [p.detach().clone() for p in params]
 
 
-def _worker(rank, world, store_path, out_path):
+def _worker(rank, world, store_path, out_path, single_path):
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback: no dependence on the host name's address
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
@@ -43,11 +43,11 @@ def _worker(rank, world, store_path, out_path):
         dist.barrier()  # no rank tears gloo down while the other still has traffic in flight
     finally:
         dist.destroy_process_group()
-
-
-def _single(_, out_path):
-    torch.set_num_threads(1)
-    torch.save(run_steps(), out_path)
+    if rank == 0:
+        # the single-process reference, in a fresh process too (this one, its group gone) with the workers'
+        # thread count and torch settings, so the GEMM reduction order is the same and bit equality is a fair
+        # demand
+        torch.save(run_steps(), single_path)
 
 
 def test_owner_map_balances_and_covers_every_parameter():
@@ -62,10 +62,8 @@ def test_owner_map_balances_and_covers_every_parameter():
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="gloo is not available")
 def test_two_ranks_apply_the_single_process_update(tmp_path):
     world = 2
-    mp.spawn(_worker, args=(world, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=world, join=True)
-    # the reference runs in a fresh process too, with the workers' thread count and torch settings, so
-    # the GEMM reduction order is the same and bit equality is a fair demand
-    mp.spawn(_single, args=(str(tmp_path / "single"),), nprocs=1, join=True)
+    args = (world, str(tmp_path / "store"), str(tmp_path / "out"), str(tmp_path / "single"))
+    mp.spawn(_worker, args=args, nprocs=world, join=True)
     expected = torch.load(str(tmp_path / "single"))
     for rank in range(world):
         got = torch.load(f"{tmp_path / 'out'}.{rank}")

@@ -73,31 +73,27 @@ def _one_chunk(sample):
     return sample
 
 
-def test_router_gradients_are_nonzero_and_other_ids_change_the_output(setup):
-    model, _, _, rollouts = setup
+def test_after_an_update_engine_and_learner_still_agree(setup):
+    """The update's backward reaches every layer's router and no indexer (frozen in RL), and replaying other
+    experts changes the output; after the step the rollouts are off-policy, and fresh rollouts of the
+    updated engine replay bit for bit."""
+    model, worker, requests, rollouts = setup
     policy = ReplayPolicy(model)
-    samples = [r.sample() for r in rollouts]
-    logp, mask = policy(samples)
-    (logp * mask).sum().backward()
+    opt = build_optimizers(policy.master, OptimConfig(lr=1e-3))
+    logp, mask = policy([r.sample() for r in rollouts])
+    (-(logp * mask).sum() / mask.sum()).backward()
     masters = dict(policy.master.named_parameters())
     for i in range(model.cfg.n_layers):
         grad = masters[f"layers.{i}.ffn.gate.weight"].grad
         assert grad is not None and grad.abs().sum() > 0, f"layer {i}: no router gradient"
     assert all(masters[n].grad is None for n in masters if ".indexer." in n)  # frozen in RL
     # replaying other experts (each id moved by one) changes the log-probabilities
-    for s in samples:
+    others = [r.sample() for r in rollouts]
+    for s in others:
         s.routed_experts = (s.routed_experts.long() + 1) % model.cfg.n_routed_experts
     with torch.no_grad():
-        moved, _ = policy(samples)
-    assert not torch.equal(moved[mask], logp.detach()[mask])
-
-
-def test_after_an_update_engine_and_learner_still_agree(setup):
-    model, worker, requests, rollouts = setup
-    policy = ReplayPolicy(model)
-    opt = build_optimizers(policy.master, OptimConfig(lr=1e-3))
-    logp, mask = policy([r.sample() for r in rollouts])
-    (-(logp * mask).sum() / mask.sum()).backward()
+        other, _ = policy(others)
+    assert not torch.equal(other[mask], logp.detach()[mask])
     opt.step()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     policy.sync_policy()  # the rollout engine shares this model
@@ -126,6 +122,7 @@ def test_record_routing_needs_a_replayable_engine():
         RolloutWorker(model, tok, EngineConfig(prefill_mode="full", enable_prefix_caching=False))
 
 
+@pytest.mark.slow  # the `small` preset's model (~8 s on one core); CI runs -m slow
 def test_small_preset_rollouts_replay_bit_for_bit():
     """The CPU presets' own shapes, where tiny ones do not reach: 64-entry windows and top-64 selections
     with prompts shorter and longer than both, sharing decode steps and 16-token prefill chunks."""

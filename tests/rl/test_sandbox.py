@@ -386,6 +386,7 @@ def test_grade_programs_through_a_pool(pool):
     assert scores == [1.0, 0.0, 0.5]
 
 
+@pytest.mark.slow  # starts a Ray cluster (~12 s on a loaded machine); CI runs -m slow
 def test_ray_pool_maps_in_order_on_distinct_slots():
     ray = pytest.importorskip("ray")
     was_initialized = ray.is_initialized()

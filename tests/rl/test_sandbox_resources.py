@@ -146,7 +146,11 @@ except BlockingIOError:
 alive = [p for p in kids if os.waitpid(p, os.WNOHANG)[0] == 0]
 print(sum(reports.get(p, 0) for p in alive) >> 20, len(reports))
 """
-    limits = dataclasses.replace(ROOMY, max_processes=24)
+    # A wall limit well past the parent's 3 s sleep: on a loaded machine, 20 writers at the memory limit
+    # (reclaim, OOM kills, the run's CPU quota shared with the parent) once took the run past ROOMY's 8 s, and
+    # its status was "timeout" instead of one this test checks. The run still ends when the parent prints
+    # (~3 s), or at once when the OOM killer picks the parent (the usual case); a hang still fails it.
+    limits = dataclasses.replace(ROOMY, max_processes=24, wall_time_s=30)
     result = run_python(code, limits=limits)
     # Socket buffers belong to no process's RSS, so the OOM killer may well pick the parent: then the
     # whole run ends as memory_limit, also contained.

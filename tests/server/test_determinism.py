@@ -30,7 +30,7 @@ def _complete(srv, prompt: str) -> str:
     r = httpx.post(
         srv.base_url + "/v1/completions",
         timeout=120,
-        json={"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True},
+        json={"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True},
     )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
@@ -60,7 +60,7 @@ def test_solo_batched_staggered_and_repeated_requests_agree(tied_server):
     cached = httpx.post(
         tied_server.base_url + "/v1/completions",
         timeout=60,
-        json={"prompt": PROMPTS[2], "max_tokens": 24, "temperature": 0, "ignore_eos": True},
+        json={"prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0, "ignore_eos": True},
     ).json()
     assert cached["choices"][0]["text"] == solo[2]
     assert cached["usage"]["prompt_tokens_details"]["cached_tokens"] == cached["usage"]["prompt_tokens"]

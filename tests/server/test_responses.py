@@ -647,6 +647,11 @@ def test_text_format_json_schema_is_enforced(constrained_client):
         assert r.text.format.type == "json_schema"
 
 
+# grammar-enforced calls from random weights decode hundreds of noise tokens after a ~1,100-token tools prompt
+# (~17 s on one core): the slow tier. In the default tier, test_tool_choice_named (scripted) checks the Responses
+# tool_choice's prompt and function_call items, and tests/server/test_structured_outputs.py the real engine's
+# enforced calls validating
+@pytest.mark.slow
 def test_tool_choice_required_gives_a_valid_function_call(constrained_client):
     jsonschema = optional_import("jsonschema")
     for choice in ("required", {"type": "function", "name": "book"}):

@@ -212,7 +212,12 @@ def test_required_tool_choice_gives_calls_that_validate(tool_server):
         assert c.finish_reason == "tool_calls" and c.message.tool_calls, c.message
         for call in c.message.tool_calls:
             _valid(json.loads(call.function.arguments), schemas[call.function.name])
-    # one call only with parallel_tool_calls=false
+
+
+@pytest.mark.slow  # ~300 more noise tokens after the tools prompt (~8 s on one core); CI runs -m slow
+def test_required_tool_choice_without_parallel_calls_gives_one_call(tool_server):
+    served, client = tool_server[:2], tool_server[2]
+    schemas = _schemas()
     r = client.chat.completions.create(
         model=served[1].model_name,
         messages=USER,

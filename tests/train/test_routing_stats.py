@@ -64,6 +64,7 @@ def test_sharded_blocks_report_the_routing_of_every_layer():
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 
+@pytest.mark.slow  # two training runs at 2 threads (~10 s on a loaded machine); CI runs -m slow
 def test_two_thread_runs_are_bit_identical(tiny_corpus, tmp_path):
     """Defect 2: with 2 threads the Engram tables' gradients used to be accumulated in a thread-dependent
     order (indexing backward), so two identical runs differed from step 3 on."""
