@@ -211,7 +211,7 @@ class CompiledDecode:
         for block in self.model.layers:
             stacks = block.ffn.stacked()
             if stacks is not None and moe_cpu.fits(stacks[0], stacks[2]):
-                use = moe_cpu.available() if use is None else use  # built (~1 s) only where it could serve
+                use = moe_cpu.available() if use is None else use  # built (~6 s, once) only where it could serve
                 block.ffn.cpu_expert_kernel = use
 
     @torch.inference_mode()
