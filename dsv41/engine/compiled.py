@@ -141,7 +141,6 @@ class CompiledDecode:
         self.model, self.buckets = model, buckets
         self.ready: set[int] = set()
         self.failed = False
-        self._expert_kernel_chosen = False
         # one compiled function per (region, bucket), each with a code object of its own: Dynamo keeps its
         # graphs per code object and checks the guards of every graph it holds in turn, so one function
         # serving all buckets would try up to six guard sets a call; one per bucket tries one
@@ -205,9 +204,7 @@ class CompiledDecode:
     def _choose_expert_kernel(self) -> None:
         """The picked experts by the C++ kernel (dsv41.ops.moe_cpu) where it is built with the bf16 dot-product
         instructions, else by the compiled reference. Decided before the first graph is traced."""
-        if self._expert_kernel_chosen:
-            return
-        self._expert_kernel_chosen, use = True, None
+        use = None  # the same answer on every call (moe_cpu.library is built and loaded once a process)
         for block in self.model.layers:
             stacks = block.ffn.stacked()
             if stacks is not None and moe_cpu.fits(stacks[0], stacks[2]):

@@ -13,6 +13,16 @@ from dsv41.ops.quant import FP4_BLOCK, FP8_BLOCK
 WEIGHT_FORMATS = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn, "fp4": torch.int8}
 
 
+def weight_copy(holder: dict, key: str, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A copy of `weight` in `dtype`, kept in `holder[key]` as (stamp, copy) and made again when the weight
+    changed (its version counter or its storage): the fast paths' fp32 or bf16 copies of a weight."""
+    stamp = (weight._version, weight.data_ptr())
+    cached = holder.get(key)
+    if cached is None or cached[0] != stamp:
+        cached = holder[key] = (stamp, weight.detach().to(dtype))
+    return cached[1]
+
+
 class Linear(nn.Module):
     """y = x W^T without bias. `fmt` picks the storage:
 
@@ -55,12 +65,7 @@ class Linear(nn.Module):
         return self.weight.numel() * 4
 
     def _refresh_fp32(self) -> torch.Tensor:
-        w = self.weight
-        stamp = (w._version, w.data_ptr())
-        cached = self.__dict__.get("_fp32_copy")
-        if cached is None or cached[0] != stamp:
-            cached = self.__dict__["_fp32_copy"] = (stamp, w.detach().float())
-        return cached[1]
+        return weight_copy(self.__dict__, "_fp32_copy", self.weight, torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == x.size(-1) and self.weight.dtype == x.dtype == torch.bfloat16 and torch.compiler.is_compiling():

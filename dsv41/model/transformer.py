@@ -27,7 +27,7 @@ from dsv41.model.block import Block
 from dsv41.model.cache import ModelCache
 from dsv41.model.engram import EngramLayout, NgramHasher
 from dsv41.model.forward import AttentionBackend, run_layers
-from dsv41.model.layers import Linear, RMSNorm
+from dsv41.model.layers import Linear, RMSNorm, weight_copy
 from dsv41.model.moe import RoutingRecord
 from dsv41.model.training import forward_train
 from dsv41.vision.processor import ImagePatches
@@ -245,12 +245,7 @@ class Transformer(nn.Module):
         or storage); None if none is kept."""
         if "_head_bf16" not in self.__dict__:
             return None
-        w = self.head.weight
-        stamp = (w._version, w.data_ptr())
-        cached = self.__dict__["_head_bf16"]
-        if cached is None or cached[0] != stamp:
-            cached = self.__dict__["_head_bf16"] = (stamp, w.detach().to(torch.bfloat16))
-        return cached[1]
+        return weight_copy(self.__dict__, "_head_bf16", self.head.weight, torch.bfloat16)
 
     def set_engram_token_map(self, token_map: torch.Tensor) -> None:
         """Install the raw-id -> compressed-id map used by the Engram hash (spec §5)."""

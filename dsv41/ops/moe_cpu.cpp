@@ -87,10 +87,7 @@ inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 }  // namespace
 
-extern "C" {
-
-// 1 where the dot products use the bf16 dot-product instructions
-int bf16_dot() { return kBf16Dot ? 1 : 0; }
+namespace {
 
 // x [T, D] bf16, weights [T, K] fp32, indices [T, K] int64 into w1, w3 [E, I, D] and w2 [E, D, I] bf16 (all
 // contiguous) -> out [T, D] fp32. `threads` OpenMP threads.
@@ -151,10 +148,6 @@ void gathered_experts(const uint16_t* x, const float* weights, const int64_t* in
     }
 }
 
-}  // extern "C"
-
-namespace {
-
 // the op: contiguous CPU tensors as `gathered_experts` takes them -> out [T, D] fp32
 at::Tensor gathered_experts_op(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& indices,
                                const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& w2, double limit) {
@@ -177,11 +170,15 @@ at::Tensor gathered_experts_op(const at::Tensor& x, const at::Tensor& weights, c
     return out;
 }
 
+// true where the dot products use the bf16 dot-product instructions
+bool bf16_dot() { return kBf16Dot; }
+
 }  // namespace
 
 TORCH_LIBRARY(dsv41, m) {
     m.def("gathered_experts_cpu(Tensor x, Tensor weights, Tensor indices, Tensor w1, Tensor w3, Tensor w2, "
           "float limit) -> Tensor");
+    m.def("gathered_experts_cpu_bf16_dot() -> bool", &bf16_dot);
 }
 
 TORCH_LIBRARY_IMPL(dsv41, CPU, m) { m.impl("gathered_experts_cpu", &gathered_experts_op); }

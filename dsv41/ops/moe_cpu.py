@@ -18,7 +18,6 @@ inductor's, which keeps the work.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import os
@@ -57,9 +56,9 @@ def _torch_flags() -> list[str]:
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The built kernel, its op registered (built now if this machine has no build of this source yet), or
-    None where it cannot be built or loaded (no C++ compiler, a compiler error, no writable cache)."""
+def library() -> str | None:
+    """The built kernel's path, its ops registered (built now if this machine has no build of this source yet),
+    or None where it cannot be built or loaded (no C++ compiler, a compiler error, no writable cache)."""
     cxx = _compiler()
     if cxx is None:
         return None
@@ -82,13 +81,11 @@ def library() -> ctypes.CDLL | None:
             if tmp is not None and os.path.exists(tmp):
                 os.remove(tmp)
     try:
-        torch.ops.load_library(path)  # registers torch.ops.dsv41.gathered_experts_cpu
-        lib = ctypes.CDLL(path)
+        torch.ops.load_library(path)  # registers torch.ops.dsv41.gathered_experts_cpu (and _bf16_dot)
     except (OSError, RuntimeError):
         return None
-    lib.bf16_dot.restype = ctypes.c_int
     torch.library.register_fake("dsv41::gathered_experts_cpu")(_shape)
-    return lib
+    return path
 
 
 def _shape(x, weights, indices, w1, w3, w2, limit):
@@ -99,8 +96,7 @@ def _shape(x, weights, indices, w1, w3, w2, limit):
 def available() -> bool:
     """Is the kernel built here with the bf16 dot-product instructions (the form that beats the compiled
     reference)? Builds it if needed."""
-    lib = library()
-    return lib is not None and lib.bf16_dot() == 1
+    return library() is not None and torch.ops.dsv41.gathered_experts_cpu_bf16_dot()
 
 
 def fits(w1: torch.Tensor, w2: torch.Tensor) -> bool:
