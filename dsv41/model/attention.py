@@ -25,7 +25,7 @@ from torch import nn
 from dsv41 import ops
 from dsv41.config import ModelConfig
 from dsv41.model.layers import Linear, RMSNorm
-from dsv41.ops import canonical
+from dsv41.ops import canonical, index_cpu
 from dsv41.ops.qat import rounded
 from dsv41.ops.quant import FP4_BLOCK, KV_FP4_BLOCK
 
@@ -109,6 +109,10 @@ class Indexer(nn.Module):
         # pieces scored per merge: the [S, H, piece] intermediates stay small (the scoring is memory-bound)
         # while the top-k merge, whose cost is per call, runs once per merge_every pieces
         self.merge_every = 8
+        # a chunk's scoring work (queries x keys) from which a Full layer's selection runs as one C++ kernel
+        # on a CPU (dsv41.ops.index_cpu, the same picks): below it the GEMM path costs about the same, and a
+        # short prompt never waits for the kernel's one-time build (~8 s a machine)
+        self.cpu_kernel_min_pairs = 1 << 22
         # the stored format of the index keys: MXFP4 (the release, spec §8). False keeps them in bf16, only to
         # measure what FP4 storage costs (dsv41.eval.cost); the engine's packed pool stores E2M1, so it
         # needs True
@@ -165,6 +169,17 @@ class Indexer(nn.Module):
             scores = scores.masked_fill(~shared["candidates"], -torch.inf)
         return ops.select_topk(scores, k, offset, self.canonical_ties)
 
+    def _cpu_kernel_serves(self, q: torch.Tensor, pairs: int) -> bool:
+        """Does the C++ kernel take this selection: a CPU with AVX512-VNNI, MXFP4 keys, not the reference's
+        numerics, and enough work to pay (builds the kernel the first time it would)."""
+        return (
+            pairs >= self.cpu_kernel_min_pairs
+            and self.fp4_keys
+            and not self.reference_numerics
+            and index_cpu.fits(q, q)
+            and index_cpu.available()
+        )
+
     def _select_streaming(
         self, q, weights, cache, source: int, n_keys: int, visible: torch.Tensor, offset: int, k: int, shared: dict
     ) -> torch.Tensor:
@@ -185,6 +200,11 @@ class Indexer(nn.Module):
             # ascending positions, unusable picks last (their slots become -1 below)
             order = torch.where(picked_scores > -torch.inf, picked, torch.iinfo(torch.int64).max).argsort(dim=-1)
             picked, picked_scores = picked.gather(-1, order), picked_scores.gather(-1, order)
+        elif not self.is_candidate_source and self._cpu_kernel_serves(q, s * n_keys):
+            keys = cache.read_index_keys(source, b, n_keys)  # [B, T, D]
+            rows = visible.reshape(-1).expand(s)
+            picked = torch.stack([index_cpu.index_topk_cpu(q[i], keys[i], weights[i], rows, k) for i in range(b)])
+            return torch.where(picked >= 0, picked + offset, -1).int()
         else:
             # key blocks of about `score_budget` per-head scores, a whole number of candidate blocks
             size = self.candidate_block_size

@@ -175,7 +175,7 @@ bool bf16_dot() { return kBf16Dot; }
 
 }  // namespace
 
-TORCH_LIBRARY(dsv41, m) {
+TORCH_LIBRARY_FRAGMENT(dsv41, m) {
     m.def("gathered_experts_cpu(Tensor x, Tensor weights, Tensor indices, Tensor w1, Tensor w3, Tensor w2, "
           "float limit) -> Tensor");
     m.def("gathered_experts_cpu_bf16_dot() -> bool", &bf16_dot);

@@ -8,9 +8,8 @@ picked expert is read once for every token that picked it, and uses the CPU's bf
 Zen 4), called from inside a compiled graph as the decode step calls it: 122 against 146 us a layer at 1 token,
 362 against 480 at 4, 617 against 883 at 8, 1,543 against 3,237 at 32.
 
-It is built once per machine with the machine's instruction set (`c++ -O3 -march=native -fopenmp` against
-torch's headers, ~6 s), cached under ~/.cache/dsv41/kernels keyed by the source, the compiler and the torch
-version, and loaded as the op `torch.ops.dsv41.gathered_experts_cpu` (registered from C++, so a compiled
+It is built once per machine with the machine's instruction set (`cpp_build`: `c++ -O3 -march=native -fopenmp`
+against torch's headers, ~6 s, cached under ~/.cache/dsv41/kernels), and loaded as the op `torch.ops.dsv41.gathered_experts_cpu` (registered from C++, so a compiled
 graph calls it through the dispatcher, with no trip through Python). It is used only where it was built with
 the bf16 dot-product instructions (`available`): elsewhere (AVX2 CPUs) its widening form is no faster than
 inductor's, which keeps the work.
@@ -19,72 +18,19 @@ inductor's, which keeps the work.
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 
 import torch
 
-SOURCE = os.path.join(os.path.dirname(__file__), "moe_cpu.cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CXX") or next((shutil.which(c) for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
-
-
-def _cache_dir() -> str:
-    return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dsv41", "kernels")
-
-
-def _torch_flags() -> list[str]:
-    """Headers, libraries and ABI of the torch this process runs."""
-    from torch.utils import cpp_extension  # imports setuptools (~0.1 s): only when a build is wanted
-
-    lib = os.path.join(os.path.dirname(torch.__file__), "lib")
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    return [
-        *(f"-I{p}" for p in cpp_extension.include_paths()),
-        abi,
-        f"-L{lib}",
-        f"-Wl,-rpath,{lib}",
-        "-lc10",
-        "-ltorch_cpu",
-    ]
+from dsv41.ops import cpp_build
 
 
 @functools.cache
 def library() -> str | None:
     """The built kernel's path, its ops registered (built now if this machine has no build of this source yet),
-    or None where it cannot be built or loaded (no C++ compiler, a compiler error, no writable cache)."""
-    cxx = _compiler()
-    if cxx is None:
-        return None
-    with open(SOURCE, "rb") as f:
-        source = f.read()
-    flags = [*FLAGS, *_torch_flags()]
-    key = hashlib.sha256(source + "\0".join((cxx, torch.__version__, *flags)).encode()).hexdigest()[:16]
-    path = os.path.join(_cache_dir(), f"moe_cpu-{key}.so")
-    if not os.path.exists(path):
-        tmp = None
-        try:  # built beside the target, then renamed: a process never loads another's half-written file
-            os.makedirs(_cache_dir(), exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
-            os.close(fd)
-            subprocess.run([cxx, SOURCE, "-o", tmp, *flags], check=True, capture_output=True, timeout=600)
-            os.replace(tmp, path)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        finally:
-            if tmp is not None and os.path.exists(tmp):
-                os.remove(tmp)
-    try:
-        torch.ops.load_library(path)  # registers torch.ops.dsv41.gathered_experts_cpu (and _bf16_dot)
-    except (OSError, RuntimeError):
-        return None
-    torch.library.register_fake("dsv41::gathered_experts_cpu")(_shape)
+    or None where it cannot be built or loaded (`cpp_build.load`)."""
+    path = cpp_build.load("moe_cpu")
+    if path is not None:
+        torch.library.register_fake("dsv41::gathered_experts_cpu")(_shape)
     return path
 
 

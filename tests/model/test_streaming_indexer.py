@@ -8,6 +8,7 @@ from dsv41 import ops
 from dsv41.config import small, tiny
 from dsv41.model.init import init_random_weights
 from dsv41.model.transformer import Transformer
+from dsv41.ops import index_cpu
 
 
 def _tied_scores(shape, seed):
@@ -41,11 +42,12 @@ def _model(cfg, seed=1):
     return init_random_weights(Transformer(cfg), seed=seed).eval()
 
 
-def _run(model, ids, chunks, streaming: bool, budget: int):
+def _run(model, ids, chunks, streaming: bool, budget: int, kernel: bool = False):
     for layer in model.layers:
         if layer.attn.indexer is not None:
             layer.attn.indexer.streaming = streaming
             layer.attn.indexer.score_budget = budget
+            layer.attn.indexer.cpu_kernel_min_pairs = 0 if kernel else 1 << 62
     cache = model.new_cache(ids.size(0), ids.size(1))
     logits, traces, start = [], [], 0
     with torch.inference_mode():
@@ -73,6 +75,28 @@ def test_streaming_selection_equals_materialised(preset, length, chunks, budget)
     assert [sorted(t) for t in got] == [sorted(t) for t in want]
     names = [n for t in want for n in t]
     assert any("candidates" in n for n in names) and sum("topk_idxs" in n for n in names) > 3
+    for g, w in zip(got, want):
+        for name in w:
+            assert torch.equal(g[name], w[name]), name
+    assert torch.equal(got_logits, want_logits)
+
+
+@pytest.mark.skipif(index_cpu.library() is None, reason="no C++ compiler to build the kernel")
+@pytest.mark.parametrize("preset,length,chunks", [("tiny", 120, (37, 80, 81, 120)), ("small", 700, (300, 640, 700))])
+def test_kernel_selection_equals_materialised(preset, length, chunks, monkeypatch):
+    """The Full layers' selection by the C++ kernel (dsv41.ops.index_cpu; the portable build too, where the CPU
+    has no AVX512-VNNI and the model would not use it) gives the materialised path's picks and logits, bit for
+    bit, chunk after chunk: the kernel's offsets, visibility and unusable picks are wired as the reference's."""
+    monkeypatch.setattr(index_cpu, "available", lambda: True)
+    calls = []
+    real = index_cpu.index_topk_cpu
+    monkeypatch.setattr(index_cpu, "index_topk_cpu", lambda *a: calls.append(1) or real(*a))
+    cfg = {"tiny": tiny, "small": small}[preset]()
+    model = _model(cfg, seed=2)
+    ids = torch.randint(3, cfg.vocab_size, (1, length), generator=torch.Generator().manual_seed(5))
+    want_logits, want = _run(model, ids, chunks, streaming=False, budget=1 << 14)
+    got_logits, got = _run(model, ids, chunks, streaming=True, budget=1 << 14, kernel=True)
+    assert calls  # the kernel served
     for g, w in zip(got, want):
         for name in w:
             assert torch.equal(g[name], w[name]), name

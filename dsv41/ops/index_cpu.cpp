@@ -1,0 +1,355 @@
+// A Full indexer layer's selection on a CPU, scores and top-k in one pass: dsv41.ops.index_cpu builds this file
+// with the machine's own instruction set (-march=native) and loads it; it registers the op
+// torch.ops.dsv41.index_topk_cpu.
+//
+// The same selection as dsv41.ops.indexer (its reference: index_scores, mask_invisible, topk_canonical): for
+// query s and a visible entry t (t < visible[s]), per head h the dot product q[s, h] . k[t] rounded to bf16,
+// ReLU, times w[s, h] rounded to bf16, summed over the heads in order in fp32 and rounded to bf16; the k best
+// entries by (score desc, position asc), returned in ascending position order. Nothing of size [S, T] is ever
+// written: each query keeps its running top-k while it scans the keys.
+//
+// The products are exact integers. q and k are MXFP4 values (E2M1 times a power of two per block of 32), so
+// within a block of 32 every value is an integer m, |m| < 16, times one power of two (the block's largest
+// magnitude fixes it), and a block's dot product is an exact int32 sum: on a CPU with AVX512-VNNI, 64 int8
+// products per instruction (twice the bf16 dot-product instruction's 32). The block sums, scaled by their powers
+// of two, are added in fp32: exact wherever the bf16 GEMM of the reference is, so a score has the reference's
+// bits (tested equal).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define DSV41_VNNI 1
+#endif
+
+namespace {
+
+constexpr int kBlock = 32;  // the MXFP4 block
+constexpr int kTile = 16;   // keys scored together (one 512-bit register of int32 sums)
+constexpr int kBias = 16;   // keys are stored as m + 16 (unsigned bytes, what VNNI's first operand is)
+
+inline float bf16_to_f32(uint16_t v) {
+    uint32_t bits = uint32_t(v) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+// to the nearest bf16 value, ties to even, as a float (finite inputs: the scores here are)
+inline float round_bf16(float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+// One block of 32 bf16 values on an MXFP4 grid -> integers m (|m| < 16) and the power of two they scale:
+// value = m * scale. The largest magnitude M = f * 2^E (f in [0.5, 1)) has at most two significant bits
+// and every other value of the block is a multiple of M's grid step, which is at least 2^(E - 4); so with
+// scale = 2^(E - 4), M / scale is in [8, 16) and every value is an integer. Returns false when a value is
+// not on that grid (not MXFP4-rounded).
+inline bool to_ints(const uint16_t* v, int8_t* m, float* scale) {
+    float amax = 0.f;
+    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(bf16_to_f32(v[i])));
+    if (amax == 0.f) {
+        std::memset(m, 0, kBlock);
+        *scale = 0.f;
+        return true;
+    }
+    int e;
+    std::frexp(amax, &e);
+    const float unit = std::ldexp(1.f, e - 4), inv = std::ldexp(1.f, 4 - e);
+    for (int i = 0; i < kBlock; ++i) {
+        const float x = bf16_to_f32(v[i]) * inv;  // exact: a power of two
+        if (x != std::nearbyint(x) || std::fabs(x) >= 16.f) return false;
+        m[i] = int8_t(x);
+    }
+    *scale = unit;
+    return true;
+}
+
+struct Pick {
+    float score;
+    int64_t pos;
+};
+
+// worse = lower score, or the same score at a higher position (ties go to the lowest position)
+inline bool worse(const Pick& a, const Pick& b) { return a.score < b.score || (a.score == b.score && a.pos > b.pos); }
+
+// A query's running top-k: a heap whose top is the worst kept pick. Keys arrive in ascending position, so a
+// new entry that ties the worst kept score is worse than it and never enters.
+struct TopK {
+    std::vector<Pick> heap;
+    int64_t k;
+    float floor = -INFINITY;  // the worst kept score once the heap is full
+    explicit TopK(int64_t k_) : k(k_) { heap.reserve(k_); }
+    void offer(float score, int64_t pos) {
+        auto cmp = [](const Pick& a, const Pick& b) { return worse(b, a); };  // max-heap of "worse" = min at top
+        if (int64_t(heap.size()) < k) {
+            heap.push_back({score, pos});
+            std::push_heap(heap.begin(), heap.end(), cmp);
+        } else if (score > heap.front().score) {
+            std::pop_heap(heap.begin(), heap.end(), cmp);
+            heap.back() = {score, pos};
+            std::push_heap(heap.begin(), heap.end(), cmp);
+        } else {
+            return;
+        }
+        if (int64_t(heap.size()) == k) floor = heap.front().score;
+    }
+};
+
+// Keys packed for the scan: per tile of 16 keys, per block, per group of 4 values: 16 x 4 bytes (m + 16), the
+// layout VNNI multiplies (each 32-bit lane one key's 4 values); and per tile and block 16 scales.
+struct PackedKeys {
+    int64_t tiles, blocks;
+    std::vector<uint8_t> bytes;   // [tiles][blocks][8][16][4]
+    std::vector<float> scales;    // [tiles][blocks][16]
+};
+
+bool pack_keys(const uint16_t* k, int64_t T, int64_t D, PackedKeys& out) {
+    out.blocks = D / kBlock;
+    out.tiles = (T + kTile - 1) / kTile;
+    out.bytes.assign(out.tiles * out.blocks * kBlock * kTile, uint8_t(kBias));
+    out.scales.assign(out.tiles * out.blocks * kTile, 0.f);
+    std::atomic<bool> ok{true};
+    at::parallel_for(0, out.tiles, 64, [&](int64_t t0, int64_t t1) {
+        int8_t m[kBlock];
+        for (int64_t tile = t0; tile < t1; ++tile)
+            for (int64_t j = 0; j < kTile; ++j) {
+                const int64_t t = tile * kTile + j;
+                if (t >= T) break;
+                for (int64_t b = 0; b < out.blocks; ++b) {
+                    float scale;
+                    if (!to_ints(k + t * D + b * kBlock, m, &scale)) ok = false;
+                    out.scales[(tile * out.blocks + b) * kTile + j] = scale;
+                    uint8_t* dst = out.bytes.data() + (tile * out.blocks + b) * kBlock * kTile;
+                    for (int g = 0; g < kBlock / 4; ++g)
+                        for (int i = 0; i < 4; ++i) dst[(g * kTile + j) * 4 + i] = uint8_t(m[g * 4 + i] + kBias);
+                }
+            }
+    });
+    return ok;
+}
+
+// One query's heads, as the scan reads them: per head and block 32 signed bytes, the scale, and the bias
+// correction kBias * sum(m) (what the keys' bias adds to each int32 sum).
+struct PackedQuery {
+    std::vector<int8_t> m;        // [H][blocks][32]
+    std::vector<float> scale;     // [H][blocks]
+    std::vector<int32_t> bias;    // [H][blocks]
+};
+
+bool pack_query(const uint16_t* q, int64_t H, int64_t D, PackedQuery& out) {
+    const int64_t blocks = D / kBlock;
+    out.m.resize(H * D);
+    out.scale.resize(H * blocks);
+    out.bias.resize(H * blocks);
+    for (int64_t hb = 0; hb < H * blocks; ++hb) {
+        if (!to_ints(q + hb * kBlock, out.m.data() + hb * kBlock, &out.scale[hb])) return false;
+        int32_t sum = 0;
+        for (int i = 0; i < kBlock; ++i) sum += out.m[hb * kBlock + i];
+        out.bias[hb] = kBias * sum;
+    }
+    return true;
+}
+
+// The scores of one tile of 16 keys for one query -> out[16] (bf16 values as floats).
+#if defined(DSV41_VNNI)
+// to the nearest bf16 value, ties to even, subnormals kept (the conversion instruction would flush them, and
+// the reference's rounding does not)
+inline __m512 to_bf16(__m512 x) {
+    __m512i b = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    b = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32(int32_t(0xffff0000u))));
+}
+
+// NB blocks a key (a compile-time count, so the tile's NB * 8 key registers stay in registers across the heads),
+// NQ queries a pass (independent chains for the CPU to overlap)
+template <int NB, int NQ>
+inline void score_tile_nb(const PackedKeys& keys, int64_t tile, const PackedQuery* const* q, const float* const* w,
+                          int64_t H, float (*out)[kTile]) {
+    const uint8_t* kb = keys.bytes.data() + tile * NB * kBlock * kTile;
+    const float* ks = keys.scales.data() + tile * NB * kTile;
+    __m512i kreg[NB * 8];
+    __m512 kscale[NB];
+    for (int i = 0; i < NB * 8; ++i) kreg[i] = _mm512_loadu_si512(kb + i * 64);
+    for (int b = 0; b < NB; ++b) kscale[b] = _mm512_loadu_ps(ks + b * kTile);
+    __m512 total[NQ];
+    for (int j = 0; j < NQ; ++j) total[j] = _mm512_setzero_ps();
+    for (int64_t h = 0; h < H; ++h) {
+        for (int j = 0; j < NQ; ++j) {
+            const int32_t* qw = reinterpret_cast<const int32_t*>(q[j]->m.data());  // 4 signed bytes a word
+            __m512 head = _mm512_setzero_ps();
+            for (int b = 0; b < NB; ++b) {
+                const int32_t* qb = qw + (h * NB + b) * 8;
+                // the sum starts at minus the keys' bias (one chain: the other heads' and queries' chains overlap it)
+                __m512i sums = _mm512_set1_epi32(-q[j]->bias[h * NB + b]);
+                for (int g = 0; g < 8; ++g) sums = _mm512_dpbusd_epi32(sums, kreg[b * 8 + g], _mm512_set1_epi32(qb[g]));
+                const __m512 scale = _mm512_mul_ps(kscale[b], _mm512_set1_ps(q[j]->scale[h * NB + b]));
+                head = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, head);  // exact product: a power of two
+            }
+            head = _mm512_max_ps(to_bf16(head), _mm512_setzero_ps());
+            total[j] = _mm512_add_ps(total[j], to_bf16(_mm512_mul_ps(head, _mm512_set1_ps(w[j][h]))));
+        }
+    }
+    for (int j = 0; j < NQ; ++j) _mm512_storeu_ps(out[j], to_bf16(total[j]));
+}
+
+template <int NQ>
+inline void score_tile(const PackedKeys& keys, int64_t tile, const PackedQuery* const* q, const float* const* w,
+                       int64_t H, float (*out)[kTile]) {
+    switch (keys.blocks) {
+        case 1: return score_tile_nb<1, NQ>(keys, tile, q, w, H, out);
+        case 2: return score_tile_nb<2, NQ>(keys, tile, q, w, H, out);
+        case 3: return score_tile_nb<3, NQ>(keys, tile, q, w, H, out);
+        default: return score_tile_nb<4, NQ>(keys, tile, q, w, H, out);
+    }
+}
+constexpr bool kVnni = true;
+#else
+template <int NQ>
+inline void score_tile(const PackedKeys& keys, int64_t tile, const PackedQuery* const* qs, const float* const* ws,
+                       int64_t H, float (*out)[kTile]) {
+    const int64_t blocks = keys.blocks;
+    const uint8_t* kb = keys.bytes.data() + tile * blocks * kBlock * kTile;
+    const float* ks = keys.scales.data() + tile * blocks * kTile;
+    for (int n = 0; n < NQ; ++n) {
+        const PackedQuery& q = *qs[n];
+        float total[kTile] = {};
+        for (int64_t h = 0; h < H; ++h) {
+            float head[kTile] = {};
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int8_t* qm = q.m.data() + (h * blocks + b) * kBlock;
+                const uint8_t* kv = kb + b * kBlock * kTile;
+                int32_t acc[kTile] = {};
+                for (int g = 0; g < kBlock / 4; ++g)
+                    for (int j = 0; j < kTile; ++j)
+                        for (int i = 0; i < 4; ++i) acc[j] += int32_t(kv[(g * kTile + j) * 4 + i]) * qm[4 * g + i];
+                const float qs_ = q.scale[h * blocks + b];
+                const int32_t bias = q.bias[h * blocks + b];
+                for (int j = 0; j < kTile; ++j) head[j] += float(acc[j] - bias) * (ks[b * kTile + j] * qs_);
+            }
+            for (int j = 0; j < kTile; ++j) total[j] += round_bf16(std::max(round_bf16(head[j]), 0.f) * ws[n][h]);
+        }
+        for (int j = 0; j < kTile; ++j) out[n][j] = round_bf16(total[j]);
+    }
+}
+constexpr bool kVnni = false;
+#endif
+
+// The first m scores of a tile (keys base .. base + m - 1) into a query's running top-k. Most scores of a long
+// scan fall below the floor: with AVX-512 one compare finds the few that do not.
+inline void offer_tile(TopK& top, const float* scores, int64_t base, int64_t m) {
+#if defined(DSV41_VNNI)
+    uint32_t mask = _mm512_cmp_ps_mask(_mm512_loadu_ps(scores), _mm512_set1_ps(top.floor), _CMP_GT_OQ);
+    mask &= m >= kTile ? 0xffffu : (1u << m) - 1u;
+    while (mask) {
+        const int e = __builtin_ctz(mask);
+        mask &= mask - 1;
+        if (scores[e] > top.floor) top.offer(scores[e], base + e);  // the floor may have risen meanwhile
+    }
+#else
+    for (int64_t e = 0; e < m; ++e)
+        if (scores[e] > top.floor) top.offer(scores[e], base + e);
+#endif
+}
+
+// q [S, H, D], k [T, D], weights [S, H] bf16; visible [S] int64 -> picks [S, topk] int64: the positions of each
+// query's top-k visible entries in ascending order, -1 after them when fewer than topk are visible.
+at::Tensor index_topk_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& weights,
+                         const at::Tensor& visible, int64_t topk) {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                    weights.scalar_type() == at::kBFloat16,
+                "index_topk_cpu: q, k and weights must be bf16");
+    TORCH_CHECK(q.dim() == 3 && k.dim() == 2 && weights.dim() == 2 && visible.dim() == 1,
+                "index_topk_cpu: q [S, H, D], k [T, D], weights [S, H], visible [S]");
+    const int64_t S = q.size(0), H = q.size(1), D = q.size(2), T = k.size(0);
+    TORCH_CHECK(k.size(1) == D && D % kBlock == 0 && D <= 4 * kBlock && weights.size(0) == S && weights.size(1) == H &&
+                    visible.size(0) == S && topk > 0,
+                "index_topk_cpu: shapes do not match (D must be 32, 64, 96 or 128)");
+    const at::Tensor qc = q.contiguous(), kc = k.contiguous(), wc = weights.to(at::kFloat).contiguous();
+    const at::Tensor vc = visible.to(at::kLong).contiguous();
+    PackedKeys keys;
+    TORCH_CHECK(pack_keys(reinterpret_cast<const uint16_t*>(kc.data_ptr()), T, D, keys),
+                "index_topk_cpu: the keys are not MXFP4-rounded (fp4_qdq, block 32)");
+    at::Tensor picks = at::empty({S, topk}, qc.options().dtype(at::kLong));
+    const uint16_t* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr());
+    const float* wp = wc.data_ptr<float>();
+    const int64_t* vp = vc.data_ptr<int64_t>();
+    int64_t* out = picks.data_ptr<int64_t>();
+    std::atomic<bool> ok{true};
+    // queries interleaved over the threads: later queries of a chunk see more keys
+    const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), S));
+    at::parallel_for(0, threads, 1, [&](int64_t r0, int64_t r1) {
+        constexpr int kPair = 2;  // queries scored together
+        PackedQuery pq[kPair];
+        TopK top[kPair] = {TopK(topk), TopK(topk)};
+        float scores[kPair][kTile];
+        for (int64_t r = r0; r < r1; ++r) {
+            std::vector<int64_t> mine;
+            for (int64_t s = r; s < S; s += threads) mine.push_back(s);
+            for (size_t i = 0; i < mine.size(); i += kPair) {
+                const int nq = int(std::min<size_t>(kPair, mine.size() - i));
+                int64_t n[kPair] = {0, 0}, reach = 0;
+                const PackedQuery* qs[kPair] = {&pq[0], &pq[nq - 1]};
+                const float* ws[kPair];
+                for (int j = 0; j < nq; ++j) {
+                    const int64_t s = mine[i + j];
+                    if (!pack_query(qp + s * H * D, H, D, pq[j])) ok = false;
+                    n[j] = std::min(std::max<int64_t>(vp[s], 0), T);
+                    reach = std::max(reach, n[j]);
+                    ws[j] = wp + s * H;
+                    top[j].heap.clear();
+                    top[j].floor = -INFINITY;
+                }
+                if (nq < kPair) ws[1] = ws[0];
+                for (int64_t tile = 0; tile * kTile < reach; ++tile) {
+                    if (nq == kPair)
+                        score_tile<kPair>(keys, tile, qs, ws, H, scores);
+                    else
+                        score_tile<1>(keys, tile, qs, ws, H, scores);
+                    const int64_t base = tile * kTile;
+                    for (int j = 0; j < nq; ++j) {
+                        const int64_t m = std::min<int64_t>(kTile, n[j] - base);  // <= 0: past this query's reach
+                        if (m <= 0) continue;
+                        // finite scores always beat the empty heap's -inf floor; a tie with a full heap's worst
+                        // never enters (it sits at a higher position)
+                        offer_tile(top[j], scores[j], base, m);
+                    }
+                }
+                for (int j = 0; j < nq; ++j) {
+                    int64_t* row = out + mine[i + j] * topk;
+                    const int64_t got = int64_t(top[j].heap.size());
+                    for (int64_t e = 0; e < got; ++e) row[e] = top[j].heap[e].pos;
+                    std::sort(row, row + got);
+                    std::fill(row + got, row + topk, int64_t(-1));
+                }
+            }
+        }
+    });
+    TORCH_CHECK(ok, "index_topk_cpu: the queries are not MXFP4-rounded (fp4_qdq, block 32)");
+    return picks;
+}
+
+// true where the products use AVX512-VNNI
+bool vnni() { return kVnni; }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dsv41, m) {
+    m.def("index_topk_cpu(Tensor q, Tensor k, Tensor weights, Tensor visible, int topk) -> Tensor");
+    m.def("index_topk_cpu_vnni() -> bool", &vnni);
+}
+
+TORCH_LIBRARY_IMPL(dsv41, CPU, m) { m.impl("index_topk_cpu", &index_topk_op); }

@@ -1,0 +1,77 @@
+"""The C++ selection kernel of a Full indexer layer (dsv41.ops.index_cpu) against its reference: the scores of
+`ops.index_scores`, the visibility mask and the canonical top-k (`ops.select_topk`). The kernel's integer
+products are exact, so its picks must equal the reference's exactly, ties included. Built here with this
+machine's instruction set: the AVX512-VNNI form where the CPU has it, the portable form elsewhere; both are
+checked by the same tests."""
+
+import pytest
+import torch
+
+from dsv41 import ops
+from dsv41.ops import index_cpu
+from dsv41.ops.quant import fp4_qdq
+
+pytestmark = pytest.mark.skipif(index_cpu.library() is None, reason="no C++ compiler to build the kernel")
+
+
+def _case(s, t, heads=8, dim=64, seed=0, tied=False):
+    g = torch.Generator().manual_seed(seed)
+    q = fp4_qdq(torch.randn(s, heads, dim, generator=g).bfloat16(), 32, "ue8m0")
+    if tied:  # a few distinct keys repeated: many entries score exactly alike
+        k = fp4_qdq(torch.randn(5, dim, generator=g).bfloat16(), 32, "ue8m0")[torch.randint(0, 5, (t,), generator=g)]
+    else:  # keys of very different scales, so blocks carry different powers of two
+        k = fp4_qdq((torch.randn(t, dim, generator=g) * torch.rand(t, 1, generator=g) * 8).bfloat16(), 32, "ue8m0")
+    w = (torch.randn(s, heads, generator=g) * 0.2).bfloat16()  # negative weights too
+    return q, k, w
+
+
+def _reference(q, k, w, visible, topk):
+    scores = ops.mask_invisible(ops.index_scores(q[None], k[None], w[None]), visible.view(-1, 1))
+    picks = ops.select_topk(scores, topk, 0, canonical=True)[0].long()
+    # the reference's unusable picks (fewer visible entries than topk) are -1; the kernel puts them last too
+    return picks
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_kernel_picks_what_the_reference_picks(dim, tied):
+    s, t, topk = 37, 300, 16
+    q, k, w = _case(s, t, dim=dim, seed=dim + tied, tied=tied)
+    # visible counts from none to all, some below topk, some not a whole tile of 16
+    visible = torch.linspace(0, t, s).long()
+    got = index_cpu.index_topk_cpu(q, k, w, visible, topk)
+    want = _reference(q, k, w, visible, topk)
+    assert got.dtype == torch.int64 and got.shape == (s, topk)
+    assert torch.equal(got, want)
+    assert (got[0] == -1).all() and (got[-1] >= 0).all()  # the case covers "nothing visible" and "all visible"
+
+
+def test_the_kernel_breaks_ties_towards_the_lowest_position():
+    q, k, w = _case(4, 64, seed=1)
+    k = k[:1].expand(64, -1).contiguous()  # every entry the same key: every score ties
+    got = index_cpu.index_topk_cpu(q, k, w, torch.full((4,), 64), 5)
+    assert torch.equal(got, torch.arange(5).expand(4, 5))
+
+
+def test_the_kernel_does_not_depend_on_the_thread_count():
+    q, k, w = _case(33, 500, seed=2)
+    visible = torch.full((33,), 500)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = index_cpu.index_topk_cpu(q, k, w, visible, 24)
+        torch.set_num_threads(2)
+        two = index_cpu.index_topk_cpu(q, k, w, visible, 24)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_values_off_the_mxfp4_grid_are_refused():
+    q, k, w = _case(3, 40, seed=3)
+    with pytest.raises(RuntimeError, match="not MXFP4-rounded"):
+        index_cpu.index_topk_cpu(q, (k.float() * 1.01).bfloat16(), w, torch.full((3,), 40), 4)
+    with pytest.raises(RuntimeError, match="not MXFP4-rounded"):
+        index_cpu.index_topk_cpu((q.float() + 0.01).bfloat16(), k, w, torch.full((3,), 40), 4)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        index_cpu.index_topk_cpu(q[..., :48], k[:, :48], w, torch.full((3,), 40), 4)
