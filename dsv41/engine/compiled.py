@@ -39,7 +39,7 @@ import torch
 
 from dsv41.engine.batched import index_query, pack_entries, window_attention
 from dsv41.model.block import Block
-from dsv41.ops import moe_cpu
+from dsv41.ops import index_cpu, moe_cpu
 from dsv41.ops.quant import FP8_BLOCK
 
 log = logging.getLogger(__name__)
@@ -210,6 +210,9 @@ class CompiledDecode:
             if stacks is not None and moe_cpu.fits(stacks[0], stacks[2]):
                 use = moe_cpu.available() if use is None else use  # built (~6 s, once) only where it could serve
                 block.ffn.cpu_expert_kernel = use
+        # the index layers' C++ scan (dsv41.ops.paged, dsv41.ops.index_cpu), which a decode step uses once it is
+        # built but never waits for: built here, with the graphs
+        index_cpu.available()
 
     @torch.inference_mode()
     def _warm(self, rows: int) -> None:

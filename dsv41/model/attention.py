@@ -201,6 +201,7 @@ class Indexer(nn.Module):
             order = torch.where(picked_scores > -torch.inf, picked, torch.iinfo(torch.int64).max).argsort(dim=-1)
             picked, picked_scores = picked.gather(-1, order), picked_scores.gather(-1, order)
         elif not self.is_candidate_source and self._cpu_kernel_serves(q, s * n_keys):
+            # all keys at once (the kernel packs them to int8 itself): 128 B an entry in bf16, 64 MB at 1M tokens
             keys = cache.read_index_keys(source, b, n_keys)  # [B, T, D]
             rows = visible.reshape(-1).expand(s)
             picked = torch.stack([index_cpu.index_topk_cpu(q[i], keys[i], weights[i], rows, k) for i in range(b)])

@@ -47,19 +47,38 @@ def _torch_flags() -> list[str]:
 
 
 @functools.cache
+def _target(name: str) -> tuple[str, str, list[str]] | None:
+    """(compiler, the library's cache path, flags) for `<name>.cpp` here; None without a C++ compiler."""
+    cxx = _compiler()
+    if cxx is None:
+        return None
+    with open(_source(name), "rb") as f:
+        source = f.read()
+    flags = [*FLAGS, *_torch_flags()]
+    key = hashlib.sha256(source + "\0".join((cxx, torch.__version__, *flags)).encode()).hexdigest()[:16]
+    return cxx, os.path.join(cache_dir(), f"{name}-{key}.so"), flags
+
+
+def _source(name: str) -> str:
+    return os.path.join(os.path.dirname(__file__), f"{name}.cpp")
+
+
+def is_built(name: str) -> bool:
+    """Is there a build of this source for this machine in the cache already (nothing is built)?"""
+    target = _target(name)
+    return target is not None and os.path.exists(target[1])
+
+
+@functools.cache
 def load(name: str) -> str | None:
     """Build (if this machine has no build of this source yet) and load `<name>.cpp` from this folder; the
     library's path, or None where it cannot be built or loaded (no C++ compiler, a compiler error, no
     writable cache)."""
-    cxx = _compiler()
-    if cxx is None:
+    target = _target(name)
+    if target is None:
         return None
-    source_path = os.path.join(os.path.dirname(__file__), f"{name}.cpp")
-    with open(source_path, "rb") as f:
-        source = f.read()
-    flags = [*FLAGS, *_torch_flags()]
-    key = hashlib.sha256(source + "\0".join((cxx, torch.__version__, *flags)).encode()).hexdigest()[:16]
-    path = os.path.join(cache_dir(), f"{name}-{key}.so")
+    cxx, path, flags = target
+    source_path = _source(name)
     if not os.path.exists(path):
         tmp = None
         try:  # built beside the target, then renamed: a process never loads another's half-written file

@@ -342,6 +342,101 @@ at::Tensor index_topk_op(const at::Tensor& q, const at::Tensor& k, const at::Ten
     return picks;
 }
 
+// One tile of a sequence's keys (rows[0..m), m <= 16) read from the engine's packed pool into the scan's layout
+// (tile 0 of `out`): E2M1 codes two a byte (the even value in the low nibble, the sign in bit 3) and one UE8M0
+// scale byte per 32 values. Exact: a doubled E2M1 magnitude is an integer (0, 1, 2, 3, 4, 6, 8, 12) and the
+// scale byte e means 2^(e - 127), so value = m * 2^(e - 128).
+void pack_tile_from_codes(const uint8_t* codes, const uint8_t* scale_bytes, const int64_t* rows, int64_t m,
+                          int64_t D, PackedKeys& out) {
+    static constexpr int8_t kDoubled[8] = {0, 1, 2, 3, 4, 6, 8, 12};
+    const int64_t blocks = D / kBlock;
+    std::fill(out.bytes.begin(), out.bytes.end(), uint8_t(kBias));
+    std::fill(out.scales.begin(), out.scales.end(), 0.f);
+    for (int64_t j = 0; j < m; ++j) {
+        const uint8_t* c = codes + rows[j] * (D / 2);
+        for (int64_t b = 0; b < blocks; ++b) {
+            out.scales[b * kTile + j] = std::ldexp(1.f, int(scale_bytes[rows[j] * blocks + b]) - 128);
+            uint8_t* dst = out.bytes.data() + b * kBlock * kTile;
+            for (int i = 0; i < kBlock; ++i) {
+                const uint8_t code = (c[(b * kBlock + i) / 2] >> (4 * (i & 1))) & 0xF;
+                const int8_t v = (code & 8) ? -kDoubled[code & 7] : kDoubled[code & 7];
+                dst[((i / 4) * kTile + j) * 4 + (i % 4)] = uint8_t(v + kBias);
+            }
+        }
+    }
+}
+
+// A Full index layer's decode scores read from the packed pool, one query per sequence: q [B, H, D] and weights
+// [B, H] bf16, key_codes [rows, D/2] and key_scale [rows, D/32] uint8, tables [B, max_blocks] int64 (the
+// sequences' block tables, `per` entries a block), visible [B] -> bf16 scores [B, n] of entries 0..n-1, -inf
+// past each sequence's visible count. The scores of `ops.index_scores` on the dequantised keys, bit for bit.
+at::Tensor paged_index_scores_op(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& key_codes,
+                                 const at::Tensor& key_scale, const at::Tensor& tables, int64_t per,
+                                 const at::Tensor& visible, int64_t n) {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16 && weights.scalar_type() == at::kBFloat16,
+                "paged_index_scores_cpu: q and weights must be bf16");
+    TORCH_CHECK(key_codes.scalar_type() == at::kByte && key_scale.scalar_type() == at::kByte,
+                "paged_index_scores_cpu: key codes and scales must be uint8");
+    TORCH_CHECK(q.dim() == 3 && weights.dim() == 2 && tables.dim() == 2 && visible.dim() == 1,
+                "paged_index_scores_cpu: q [B, H, D], weights [B, H], tables [B, blocks], visible [B]");
+    const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+    TORCH_CHECK(D % kBlock == 0 && D <= 4 * kBlock && key_codes.size(1) == D / 2 && key_scale.size(1) == D / kBlock &&
+                    weights.size(0) == B && weights.size(1) == H && tables.size(0) == B && visible.size(0) == B &&
+                    per > 0 && n >= 0,
+                "paged_index_scores_cpu: shapes do not match");
+    const at::Tensor qc = q.contiguous(), wc = weights.to(at::kFloat).contiguous();
+    const at::Tensor cc = key_codes.contiguous(), sc = key_scale.contiguous();
+    const at::Tensor tc = tables.to(at::kLong).contiguous(), vc = visible.to(at::kLong).contiguous();
+    const int64_t rows_total = cc.size(0), max_blocks = tc.size(1);
+    std::vector<PackedQuery> queries(B);
+    for (int64_t b = 0; b < B; ++b)
+        TORCH_CHECK(pack_query(reinterpret_cast<const uint16_t*>(qc.data_ptr()) + b * H * D, H, D, queries[b]),
+                    "paged_index_scores_cpu: the queries are not MXFP4-rounded (fp4_qdq, block 32)");
+    at::Tensor out = at::empty({B, n}, qc.options());
+    uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+    const int64_t* tp = tc.data_ptr<int64_t>();
+    const int64_t* vp = vc.data_ptr<int64_t>();
+    const float* wp = wc.data_ptr<float>();
+    const uint8_t* codes = cc.data_ptr<uint8_t>();
+    const uint8_t* scales = sc.data_ptr<uint8_t>();
+    const int64_t tiles = (n + kTile - 1) / kTile;
+    std::atomic<bool> ok{true};
+    at::parallel_for(0, B * tiles, 16, [&](int64_t i0, int64_t i1) {
+        PackedKeys keys;
+        keys.tiles = 1;
+        keys.blocks = D / kBlock;
+        keys.bytes.resize(keys.blocks * kBlock * kTile);
+        keys.scales.resize(keys.blocks * kTile);
+        float scores[1][kTile];
+        int64_t rows[kTile];
+        for (int64_t item = i0; item < i1; ++item) {
+            const int64_t b = item / tiles, base = (item % tiles) * kTile;
+            const int64_t m = std::min<int64_t>(kTile, std::min(n, vp[b]) - base);  // visible entries here
+            const int64_t width = std::min<int64_t>(kTile, n - base);
+            uint16_t* dst = op + b * n + base;
+            if (m > 0) {
+                for (int64_t j = 0; j < m; ++j) {
+                    const int64_t e = base + j, block = e / per;
+                    const int64_t row = block < max_blocks ? tp[b * max_blocks + block] * per + e % per : -1;
+                    if (row < 0 || row >= rows_total) ok = false;
+                    rows[j] = row < 0 || row >= rows_total ? 0 : row;
+                }
+                pack_tile_from_codes(codes, scales, rows, m, D, keys);
+                const PackedQuery* qs[1] = {&queries[b]};
+                const float* ws[1] = {wp + b * H};
+                score_tile<1>(keys, 0, qs, ws, H, scores);
+            }
+            for (int64_t j = 0; j < width; ++j) {
+                uint32_t bits;
+                std::memcpy(&bits, &scores[0][j], 4);
+                dst[j] = j < m ? uint16_t(bits >> 16) : uint16_t(0xFF80);  // bf16 already; -inf past visible
+            }
+        }
+    });
+    TORCH_CHECK(ok, "paged_index_scores_cpu: a visible entry's block is outside the pool");
+    return out;
+}
+
 // true where the products use AVX512-VNNI
 bool vnni() { return kVnni; }
 
@@ -350,6 +445,11 @@ bool vnni() { return kVnni; }
 TORCH_LIBRARY_FRAGMENT(dsv41, m) {
     m.def("index_topk_cpu(Tensor q, Tensor k, Tensor weights, Tensor visible, int topk) -> Tensor");
     m.def("index_topk_cpu_vnni() -> bool", &vnni);
+    m.def("paged_index_scores_cpu(Tensor q, Tensor weights, Tensor key_codes, Tensor key_scale, Tensor tables, "
+          "int per, Tensor visible, int n) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(dsv41, CPU, m) { m.impl("index_topk_cpu", &index_topk_op); }
+TORCH_LIBRARY_IMPL(dsv41, CPU, m) {
+    m.impl("index_topk_cpu", &index_topk_op);
+    m.impl("paged_index_scores_cpu", &paged_index_scores_op);
+}

@@ -8,8 +8,13 @@ query: the MXFP4 values as exact small integers (int8 dot products, 64 per instr
 reference's bf16 roundings, and a running top-k per query; no [S, T] tensor is written. Its picks equal the
 reference's (tested).
 
-Built and loaded by `cpp_build` as `torch.ops.dsv41.index_topk_cpu`. Used only where it was built with
-AVX512-VNNI (`available`); elsewhere the reference's bf16 or fp32 GEMMs keep the work.
+A decode step's Full index layers score their one query per sequence from the packed pool the same way
+(`paged_index_scores_cpu`: the E2M1 codes are the integers, the UE8M0 bytes the powers of two), without
+dequantising the keys to bf16 first.
+
+Built and loaded by `cpp_build` as `torch.ops.dsv41.index_topk_cpu` and `paged_index_scores_cpu`. Used only
+where it was built with AVX512-VNNI (`available`); elsewhere the reference's bf16 or fp32 GEMMs keep the
+work.
 """
 
 from __future__ import annotations
@@ -27,8 +32,11 @@ def library() -> str | None:
     return cpp_build.load("index_cpu")
 
 
-def available() -> bool:
-    """Is the kernel built here with AVX512-VNNI (the form that beats the GEMM path)? Builds it if needed."""
+def available(build: bool = True) -> bool:
+    """Is the kernel built here with AVX512-VNNI (the form that beats the GEMM path)? Builds it if needed; with
+    build=False only a build already in the cache counts (a decode step never waits ~8 s for the compiler)."""
+    if not build and not cpp_build.is_built("index_cpu"):
+        return False
     return library() is not None and torch.ops.dsv41.index_topk_cpu_vnni()
 
 
@@ -39,6 +47,25 @@ def fits(q: torch.Tensor, keys: torch.Tensor) -> bool:
         and q.dtype == keys.dtype == torch.bfloat16
         and q.size(-1) in (32, 64, 96, 128)
         and keys.size(-1) == q.size(-1)
+    )
+
+
+def paged_index_scores_cpu(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    key_codes: torch.Tensor,
+    key_scale: torch.Tensor,
+    tables: torch.Tensor,
+    entries_per_block: int,
+    visible: torch.Tensor,
+    n: int,
+) -> torch.Tensor:
+    """A Full index layer's decode scores straight from the packed pool: q [B, H, D] (MXFP4-rounded) and weights
+    [B, H] bf16, key_codes [rows, D/2] (E2M1 pairs) and key_scale [rows, D/32] (UE8M0 bytes) uint8, tables [B,
+    max_blocks] int64, visible [B] -> bf16 [B, n], -inf past each sequence's visible entries: what
+    `ops.paged_index_scores` computes by dequantising the keys and a GEMM, the same bits."""
+    return torch.ops.dsv41.paged_index_scores_cpu(
+        q, weights, key_codes, key_scale, tables, entries_per_block, visible, n
     )
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv41.ops import index_cpu
 from dsv41.ops.indexer import index_scores_mm
 from dsv41.ops.quant import FP4_BLOCK, KV_FP4_BLOCK, fp4_dequant_bf16
 from dsv41.ops.sparse_attn import sparse_attn
@@ -107,6 +108,12 @@ def paged_index_scores(
         )
         return scores.unsqueeze(1)  # [B, 1, t]
     limit = visible.view(b, 1, 1)
+    if entries is None and _cpu_kernel_serves(q, pages):  # the same bits, read from the codes in place
+        t = int(visible.max())
+        scores = index_cpu.paged_index_scores_cpu(
+            q[:, 0], weights[:, 0], pages.key_codes, pages.key_scale, tables, pages.entries_per_block, visible, t
+        )
+        return scores.unsqueeze(1)  # [B, 1, t]
     if entries is None:
         t = int(visible.max())
         per = pages.entries_per_block
@@ -117,6 +124,18 @@ def paged_index_scores(
         keys = gather_keys(pages, page_rows(tables, torch.minimum(entries, last)[:, 0], pages.entries_per_block))
         usable = entries < limit if usable is None else usable & (entries < limit)
     return index_scores_mm(q, keys, weights).masked_fill(~usable, -torch.inf)
+
+
+def _cpu_kernel_serves(q: torch.Tensor, pages: PagedCache) -> bool:
+    """The C++ scan (dsv41.ops.index_cpu) where it is already built here with AVX512-VNNI: bf16 MXFP4 queries
+    on a CPU, keys of at most 4 blocks of 32."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.bfloat16
+        and pages.key_codes.dtype == torch.uint8
+        and q.size(-1) in (32, 64, 96, 128)
+        and index_cpu.available(build=False)
+    )
 
 
 def paged_sparse_attn(

@@ -75,3 +75,32 @@ def test_values_off_the_mxfp4_grid_are_refused():
         index_cpu.index_topk_cpu((q.float() + 0.01).bfloat16(), k, w, torch.full((3,), 40), 4)
     with pytest.raises(RuntimeError, match="shapes do not match"):
         index_cpu.index_topk_cpu(q[..., :48], k[:, :48], w, torch.full((3,), 40), 4)
+
+
+def test_paged_scores_equal_the_dequantised_scan(monkeypatch):
+    """A decode step's Full-layer scores read from the packed pool (E2M1 codes and UE8M0 bytes, through
+    scattered block tables) equal `ops.paged_index_scores`' dequantise-then-GEMM reference, -inf included."""
+    from dsv41.ops.paged import PagedCache, paged_index_scores
+    from dsv41.ops.quant import fp4_quant
+
+    g = torch.Generator().manual_seed(4)
+    per, blocks, dim, heads = 4, 40, 64, 8
+    rows = per * blocks
+    # keys of very different scales: the blocks' UE8M0 bytes differ
+    key_codes, key_scale = fp4_quant(
+        torch.randn(rows, dim, generator=g) * torch.rand(rows, 1, generator=g) * 8, 32, "ue8m0"
+    )
+    kv_codes, kv_scale = fp4_quant(torch.randn(rows, 32, generator=g), 16, "e4m3")
+    pages = PagedCache(
+        kv_codes, kv_scale.to(torch.float8_e4m3fn), key_codes, key_scale.to(torch.float8_e8m0fnu).view(torch.uint8), per
+    )
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:12] for _ in range(4)])  # [4, 12] scattered
+    visible = torch.tensor([37, 0, 16, 45])  # none, a whole tile, partial tiles
+    q = fp4_qdq(torch.randn(4, 1, heads, dim, generator=g).bfloat16(), 32, "ue8m0")
+    w = (torch.randn(4, 1, heads, generator=g) * 0.3).bfloat16()
+    got = index_cpu.paged_index_scores_cpu(q[:, 0], w[:, 0], pages.key_codes, pages.key_scale, tables, per, visible, 45)
+    monkeypatch.setattr(index_cpu, "available", lambda build=True: False)  # the reference path
+    want = paged_index_scores(q, w, pages, tables, visible)[:, 0]
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape == (4, 45)
+    assert torch.equal(got, want)
+    assert torch.isinf(got[1]).all() and torch.isfinite(got[3]).all()
