@@ -113,7 +113,9 @@ class ModelRunner:
         if self.mode is None:
             return contextlib.nullcontext()
         fp32_rows = self.fp32_rows if self.mode == "fast" else 0
-        return self.model.numerics(self.row_chunk, reference=self.mode == "reference", fp32_rows=fp32_rows)
+        return self.model.numerics(
+            self.row_chunk, reference=self.mode == "reference", fp32_rows=fp32_rows, fast=self.mode == "fast"
+        )
 
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """Run the chunks; returns fp32 logits [n, vocab] for the chunks with want_logits, in order."""

@@ -25,7 +25,7 @@ from torch import nn
 from dsv41 import ops
 from dsv41.config import ModelConfig
 from dsv41.model.layers import Linear, RMSNorm
-from dsv41.ops import canonical, index_cpu
+from dsv41.ops import attn_cpu, canonical, index_cpu
 from dsv41.ops.qat import rounded
 from dsv41.ops.quant import FP4_BLOCK, KV_FP4_BLOCK
 
@@ -286,6 +286,9 @@ class Attention(nn.Module):
         # packed pool stores E2M1, so it needs True
         self.fp4_kv = True
         self.reference_numerics = False  # canonical sparse attention and RoPE (dsv41.ops.canonical)
+        # `fast` numerics (the engine's default, Transformer.numerics(fast=True)): a prefill chunk's attention as
+        # one fp32 softmax per query in C++ (dsv41.ops.attn_cpu), judged statistically like every fast kernel
+        self.fast_kernels = False
         # > 0 (the engine's batch-invariant numerics): the attention's head products in GEMMs of one output
         # group's heads each, so tensor parallelism (whole groups per rank) gives one device's bits
         self.row_chunk = 0
@@ -400,10 +403,27 @@ class Attention(nn.Module):
             comp_rows, comp_ids = self._compressed(x, qr, start_pos, rows.size(1), cache, shared)
             rows = torch.cat([rows, comp_rows], dim=1)
             ids = torch.cat([ids, comp_ids], dim=-1)
+            if self._fast_attention_serves(q, rows):  # one fp32 softmax a query: the widths do not matter
+                return attn_cpu.sparse_attn_cpu(q, rows, self.attn_sink, ids, self.softmax_scale)
             if shared.get("lone_widths") and comp_ids.size(-1):
                 return self._attend_at_lone_widths(q, rows, ids, start_pos, window)
+        elif self._fast_attention_serves(q, rows):
+            return attn_cpu.sparse_attn_cpu(q, rows, self.attn_sink, ids, self.softmax_scale)
         return ops.sparse_attn(
             q, rows, self.attn_sink, ids, self.softmax_scale, self.reference_numerics, self.heads_per_call
+        )
+
+    def _fast_attention_serves(self, q: torch.Tensor, rows: torch.Tensor) -> bool:
+        """Under `fast` numerics (`fast_kernels`, set by the engine's runner), a chunk of 256 queries or more
+        runs the C++ attention (dsv41.ops.attn_cpu) where the CPU has bf16 dot products; the first such chunk
+        builds it (~8 s, once a machine). Smaller chunks (a chat turn, decode-sized verify chunks), where it
+        saves little, keep the model's attention: which path a chunk takes depends on its size only."""
+        return (
+            self.fast_kernels
+            and q.size(1) >= 256
+            and not self.reference_numerics
+            and attn_cpu.fits(q, rows)
+            and attn_cpu.available()
         )
 
     def _attend_at_lone_widths(

@@ -136,7 +136,7 @@ class Transformer(nn.Module):
                     setattr(module, name, value)
 
     @contextmanager
-    def numerics(self, row_chunk: int, reference: bool = False, fp32_rows: int = 0):
+    def numerics(self, row_chunk: int, reference: bool = False, fp32_rows: int = 0, fast: bool = False):
         """Within the block: batch-invariant GEMMs in `row_chunk`-row chunks, reference or canonical
         numerics (see `set_reference_numerics`) and eval mode; the model's own settings come back after,
         so a caller that lends its model (the engine) does not change it.
@@ -149,6 +149,7 @@ class Transformer(nn.Module):
             "canonical_ties": not reference,
             "reference_numerics": reference,
             "fp32_rows": fp32_rows,  # fast numerics: small calls as fp32 GEMMs (Linear.keep_fp32_copy)
+            "fast_kernels": fast,  # fast numerics: kernels judged statistically (Attention.attend's C++ attention)
         }
         changed = []  # (module __dict__, name, previous value)
         for module in self._modules_with_numerics():

@@ -19,6 +19,7 @@ from dsv41.engine.batched import DecodeBatch
 from dsv41.engine.build import build_engine
 from dsv41.eval.agreement import compare, decode_agreement, held_out_windows, prefill_agreement
 from dsv41.model.layers import Linear
+from dsv41.ops import attn_cpu
 
 VAL = os.path.join(os.path.dirname(__file__), "..", "data", "shakespeare-chat-val", "val.bin")
 
@@ -36,6 +37,8 @@ def memo() -> dict:
 
 @pytest.fixture(scope="module")
 def engine():
+    # the C++ attention of fast prefill chunks (those of 256 queries or more) built before anything is timed
+    attn_cpu.available()
     return build_engine(checkpoint_path(), EngineConfig(numerics="fast", kv_pool_tokens=16384, fused_kernels="off"))
 
 
@@ -108,6 +111,10 @@ def test_a_broken_fast_kernel_fails_the_checks(engine, held_out, memo, monkeypat
         broken = _attention_with_a_wrong_scale(dsv41.ops.sparse_attn)
         monkeypatch.setattr(dsv41.ops, "sparse_attn", broken)
         monkeypatch.setattr(dsv41.ops.paged, "sparse_attn", broken)
+        real = attn_cpu.sparse_attn_cpu  # the C++ prefill attention, where it serves
+        monkeypatch.setattr(
+            attn_cpu, "sparse_attn_cpu", lambda q, kv, sink, idx, scale: real(q, kv, sink, idx, scale * 1.1)
+        )
     # the first windows of the mixed batch: their reference logits are already known
     result = prefill_agreement(engine, engine.model, held_out_windows(held_out[384:], LENGTHS[:4]), memo)
     assert not result.meets(), result.as_dict()

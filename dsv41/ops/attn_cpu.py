@@ -1,0 +1,55 @@
+"""The sparse attention of a `fast` prefill chunk as one C++ kernel on a CPU (attn_cpu.cpp beside this file).
+
+`ops.sparse_attn` (the reference: the model's blocked online softmax with bf16 probabilities) gathers each
+query's picked rows into a [queries, picks, D] tensor 64 picks at a time and runs a small batched GEMM per
+query; on a 1,024-token chunk the gather and those GEMMs are about a third of the chunk's time. This kernel
+reads each query's rows where they lie and does one fp32 softmax per query and head: the `fast` numerics of
+decode (`ops.dense_decode_attn`), for a whole chunk. It is judged like every `fast` kernel, statistically
+(docs/numerics.md), never by bits.
+
+Built and loaded by `cpp_build` as `torch.ops.dsv41.sparse_attn_cpu`; used only where it was built with the
+bf16 dot-product instructions (`available`), by a model inside `Transformer.numerics(fast=True)` (the
+engine's `fast` mode).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from dsv41.ops import cpp_build
+
+
+@functools.cache
+def library() -> str | None:
+    """The built kernel's path, its op registered, or None where it cannot be built or loaded."""
+    return cpp_build.load("attn_cpu")
+
+
+def available(build: bool = True) -> bool:
+    """Is the kernel built here with the bf16 dot-product instructions? Builds it if needed; with build=False
+    only a build already in the cache counts."""
+    if not build and not cpp_build.is_built("attn_cpu"):
+        return False
+    return library() is not None and torch.ops.dsv41.sparse_attn_cpu_bf16_dot()
+
+
+def fits(q: torch.Tensor, kv: torch.Tensor) -> bool:
+    """bf16 on a CPU with a head dim that is a whole number of 32-value dot products, and no gradient wanted
+    (the kernel has no backward)."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == kv.dtype == torch.bfloat16
+        and q.size(-1) % 32 == 0
+        and not (torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad))
+    )
+
+
+def sparse_attn_cpu(
+    q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, indices: torch.Tensor, softmax_scale: float
+) -> torch.Tensor:
+    """q [B, M, H, D] bf16, kv [B, N, D] bf16, attn_sink [H], indices [B, M, K] (-1 unused) -> bf16 [B, M, H, D]:
+    sum_k softmax_k(scale * q . kv[idx_k]) * kv[idx_k], the sink in the denominator, in fp32 (`library()` must
+    have loaded the kernel)."""
+    return torch.ops.dsv41.sparse_attn_cpu(q, kv, attn_sink, indices, softmax_scale)
