@@ -60,20 +60,15 @@ class Block(nn.Module):
     @staticmethod
     def hc_pre(h: torch.Tensor, pre: torch.Tensor, reference: bool = False) -> torch.Tensor:
         """Collapse the copies: [B,S,hc,dim] x [B,S,hc] -> [B,S,dim] in h's dtype (fp32 products, their sum
-        in float64 under reference numerics)."""
-        terms = pre.unsqueeze(-1) * h.float()
-        if reference:
-            return canonical.sum(terms, dim=2, dtype=h.dtype)
-        return torch.sum(terms, dim=2).to(h.dtype)
+        in float64 under reference numerics; dsv41.ops.mhc)."""
+        return ops.mhc.hc_pre(h, pre, reference)
 
     @staticmethod
     def hc_post(
         out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, reference: bool = False
     ) -> torch.Tensor:
-        """copy_j = post_j * out + sum_i comb[i, j] * residual_i; [B,S,dim] -> [B,S,hc,dim]."""
-        terms = comb.unsqueeze(-1) * residual.unsqueeze(-2)
-        mixed = canonical.sum(terms, dim=2) if reference else torch.sum(terms, dim=2)
-        return (post.unsqueeze(-1) * out.unsqueeze(-2) + mixed).type_as(out)
+        """copy_j = post_j * out + sum_i comb[i, j] * residual_i; [B,S,dim] -> [B,S,hc,dim] (dsv41.ops.mhc)."""
+        return ops.mhc.hc_post(out, residual, post, comb, reference)
 
     def forward(
         self,

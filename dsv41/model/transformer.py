@@ -185,7 +185,8 @@ class Transformer(nn.Module):
         """name -> (verdict, args) of the fused kernels this model uses (dsv41.ops.fused)."""
         cfg, device = self.cfg, self.device.type
         probes = {
-            "sinkhorn": (ops.sinkhorn.fused_normalize_agrees, (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, device))
+            "sinkhorn": (ops.sinkhorn.fused_normalize_agrees, (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, device)),
+            "hc_mix": (ops.mhc.mix_fusion_agrees, (cfg.hc_mult, device)),
         }
         if any(layer.attn.indexer is not None for layer in self.layers):
             probes["index_score_epilogue"] = (ops.indexer.epilogue_fusion_agrees, (cfg.index_n_heads, device))

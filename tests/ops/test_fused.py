@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dsv41 import ops
-from dsv41.ops import fused, indexer, sinkhorn
+from dsv41.ops import fused, indexer, mhc, sinkhorn
 
 needs_compiler = pytest.mark.skipif(
     not any(shutil.which(c) for c in ("c++", "g++", "clang++")), reason="torch.compile on CPU needs a C++ compiler"
@@ -116,7 +116,41 @@ def test_model_logits_are_the_same_with_and_without_fused_kernels(monkeypatch):
             decode = torch.cat([model(ids[:, i : i + 1], i, cache) for i in range(512, 520)], dim=1)
         out.append((prefill, decode))
     assert indexer.epilogue_fusion_agrees(cfg.index_n_heads, "cpu")
+    assert mhc.mix_fusion_agrees(cfg.hc_mult, "cpu")  # the fused expand ran too
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+
+
+def _expand_case(rows, dim, seed, hc=4):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        (torch.randn(1, rows, dim, generator=g) * 4).bfloat16(),
+        (torch.randn(1, rows, hc, dim, generator=g) * 4).bfloat16(),
+        torch.rand(1, rows, hc, generator=g) * 2,
+        torch.rand(1, rows, hc, hc, generator=g) * 2,
+    )
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows,dim", [(1, 384), (9, 64), (1024, 384)])
+def test_fused_mhc_expand_is_bit_identical(rows, dim):
+    args = _expand_case(rows, dim, rows + dim)
+    with torch.inference_mode():
+        got = mhc.compiled_post()(*args)
+    assert torch.equal(got, mhc.hc_post_eager(*args))
+
+
+def test_the_expand_probe_says_no_to_another_summation_order():
+    """The copies summed last to first differ from ATen's left-to-right sum in the last bit on some values."""
+
+    def reversed_chain(out, residual, post, comb):
+        mixed = comb[..., 3, :, None] * residual[..., 3, None, :].float()
+        for i in (2, 1, 0):
+            mixed = mixed + comb[..., i, :, None] * residual[..., i, None, :].float()
+        return (post.unsqueeze(-1) * out.unsqueeze(-2) + mixed).type_as(out)
+
+    cases = [_expand_case(517, 384, 1)]
+    assert fused.agrees(mhc.hc_post_chain, mhc.hc_post_eager, cases)
+    assert not fused.agrees(reversed_chain, mhc.hc_post_eager, cases)
 
 
 @needs_compiler
