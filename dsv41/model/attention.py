@@ -176,7 +176,7 @@ class Indexer(nn.Module):
             pairs >= self.cpu_kernel_min_pairs
             and self.fp4_keys
             and not self.reference_numerics
-            and index_cpu.fits(q, q)
+            and index_cpu.fits(q)
             and index_cpu.available()
         )
 
@@ -398,17 +398,16 @@ class Attention(nn.Module):
         """The sequence-mixing part for one run of consecutive positions: update the window ring and the
         compressed cache, select, and attend. Returns [B, S, H, head_dim] (still RoPE'd)."""
         rows, ids = self._window(kv, start_pos, cache)
+        window, lone = ids.size(-1), False
         if self.ratio:
-            window = ids.size(-1)
             comp_rows, comp_ids = self._compressed(x, qr, start_pos, rows.size(1), cache, shared)
             rows = torch.cat([rows, comp_rows], dim=1)
             ids = torch.cat([ids, comp_ids], dim=-1)
-            if self._fast_attention_serves(q, rows):  # one fp32 softmax a query: the widths do not matter
-                return attn_cpu.sparse_attn_cpu(q, rows, self.attn_sink, ids, self.softmax_scale)
-            if shared.get("lone_widths") and comp_ids.size(-1):
-                return self._attend_at_lone_widths(q, rows, ids, start_pos, window)
-        elif self._fast_attention_serves(q, rows):
+            lone = bool(shared.get("lone_widths")) and comp_ids.size(-1) > 0
+        if self._fast_attention_serves(q, rows):  # one fp32 softmax a query: the widths do not matter
             return attn_cpu.sparse_attn_cpu(q, rows, self.attn_sink, ids, self.softmax_scale)
+        if lone:
+            return self._attend_at_lone_widths(q, rows, ids, start_pos, window)
         return ops.sparse_attn(
             q, rows, self.attn_sink, ids, self.softmax_scale, self.reference_numerics, self.heads_per_call
         )

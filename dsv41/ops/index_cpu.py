@@ -40,14 +40,10 @@ def available(build: bool = True) -> bool:
     return library() is not None and torch.ops.dsv41.index_topk_cpu_vnni()
 
 
-def fits(q: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Can the kernel take these: bf16 on a CPU, a head dim that is a whole number of MXFP4 blocks."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype == keys.dtype == torch.bfloat16
-        and q.size(-1) in (32, 64, 96, 128)
-        and keys.size(-1) == q.size(-1)
-    )
+def fits(q: torch.Tensor) -> bool:
+    """Can the kernel take these queries: bf16 on a CPU, a head dim of one to four MXFP4 blocks (the op checks
+    that the keys match)."""
+    return q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.size(-1) in (32, 64, 96, 128)
 
 
 def paged_index_scores_cpu(

@@ -129,13 +129,7 @@ def paged_index_scores(
 def _cpu_kernel_serves(q: torch.Tensor, pages: PagedCache) -> bool:
     """The C++ scan (dsv41.ops.index_cpu) where it is already built here with AVX512-VNNI: bf16 MXFP4 queries
     on a CPU, keys of at most 4 blocks of 32."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype == torch.bfloat16
-        and pages.key_codes.dtype == torch.uint8
-        and q.size(-1) in (32, 64, 96, 128)
-        and index_cpu.available(build=False)
-    )
+    return pages.key_codes.dtype == torch.uint8 and index_cpu.fits(q) and index_cpu.available(build=False)
 
 
 def paged_sparse_attn(
