@@ -47,16 +47,18 @@ def _torch_flags() -> list[str]:
 
 
 @functools.cache
-def _target(name: str) -> tuple[str, str, list[str]] | None:
-    """(compiler, the library's cache path, flags) for `<name>.cpp` here; None without a C++ compiler."""
+def _target(name: str) -> tuple[str, str] | None:
+    """(compiler, the library's cache path) for `<name>.cpp` here; None without a C++ compiler. The key covers
+    the source, the compiler, the flags and the torch build (its version, folder and ABI), without importing
+    torch's extension helpers (~0.2 s): a process that only asks whether a build exists stays cheap."""
     cxx = _compiler()
     if cxx is None:
         return None
     with open(_source(name), "rb") as f:
         source = f.read()
-    flags = [*FLAGS, *_torch_flags()]
-    key = hashlib.sha256(source + "\0".join((cxx, torch.__version__, *flags)).encode()).hexdigest()[:16]
-    return cxx, os.path.join(cache_dir(), f"{name}-{key}.so"), flags
+    torch_build = (torch.__version__, os.path.dirname(torch.__file__), str(torch._C._GLIBCXX_USE_CXX11_ABI))
+    key = hashlib.sha256(source + "\0".join((cxx, *torch_build, *FLAGS)).encode()).hexdigest()[:16]
+    return cxx, os.path.join(cache_dir(), f"{name}-{key}.so")
 
 
 def _source(name: str) -> str:
@@ -77,9 +79,10 @@ def load(name: str) -> str | None:
     target = _target(name)
     if target is None:
         return None
-    cxx, path, flags = target
+    cxx, path = target
     source_path = _source(name)
     if not os.path.exists(path):
+        flags = [*FLAGS, *_torch_flags()]
         tmp = None
         try:  # built beside the target, then renamed: a process never loads another's half-written file
             os.makedirs(cache_dir(), exist_ok=True)
