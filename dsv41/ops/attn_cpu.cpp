@@ -22,22 +22,11 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_bf16.h"
+
 namespace {
 
-inline float bf16_to_f32(uint16_t v) {
-    uint32_t bits = uint32_t(v) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // to the nearest, ties to even (NaN stays NaN)
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return uint16_t(bits >> 16);
-}
+using namespace dsv41_bf16;
 
 #if defined(__AVX512BF16__)
 constexpr bool kBf16Dot = true;
@@ -141,7 +130,7 @@ at::Tensor sparse_attn_op(const at::Tensor& q, const at::Tensor& kv, const at::T
                     denom[h] += e;
                     // P . V takes the probability rounded to bf16, as the model's attention does (its
                     // denominator the unrounded one): a cheap rounding that keeps fast closer to the reference
-                    p[h] = bf16_to_f32(f32_to_bf16(e));
+                    p[h] = round_bf16(e);
                 }
                 add_weighted_row(kp + (b * N + rows[k]) * D, p.data(), H, D, acc.data());
             }

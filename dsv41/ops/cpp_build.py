@@ -1,4 +1,5 @@
-"""Build and load the C++ CPU kernels beside this file (moe_cpu.cpp, index_cpu.cpp).
+"""Build and load the C++ CPU kernels beside this file (moe_cpu.cpp, index_cpu.cpp, attn_cpu.cpp, and the
+header they share, cpu_bf16.h).
 
 Each is built once per machine with the machine's own instruction set (`c++ -O3 -march=native -fopenmp`
 against the running torch's headers, a few seconds), cached under ~/.cache/dsv41/kernels keyed by the source,
@@ -19,6 +20,7 @@ import tempfile
 
 import torch
 
+HEADER = os.path.join(os.path.dirname(__file__), "cpu_bf16.h")  # included by every kernel source here
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
 
 
@@ -54,8 +56,10 @@ def _target(name: str) -> tuple[str, str] | None:
     cxx = _compiler()
     if cxx is None:
         return None
-    with open(_source(name), "rb") as f:
-        source = f.read()
+    source = b""
+    for path in (_source(name), HEADER):  # a change to the shared header rebuilds every kernel
+        with open(path, "rb") as f:
+            source += f.read()
     torch_build = (torch.__version__, os.path.dirname(torch.__file__), str(torch._C._GLIBCXX_USE_CXX11_ABI))
     key = hashlib.sha256(source + "\0".join((cxx, *torch_build, *FLAGS)).encode()).hexdigest()[:16]
     return cxx, os.path.join(cache_dir(), f"{name}-{key}.so")

@@ -30,27 +30,15 @@
 #define DSV41_VNNI 1
 #endif
 
+#include "cpu_bf16.h"
+
 namespace {
+
+using namespace dsv41_bf16;
 
 constexpr int kBlock = 32;  // the MXFP4 block
 constexpr int kTile = 16;   // keys scored together (one 512-bit register of int32 sums)
 constexpr int kBias = 16;   // keys are stored as m + 16 (unsigned bytes, what VNNI's first operand is)
-
-inline float bf16_to_f32(uint16_t v) {
-    uint32_t bits = uint32_t(v) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-}
-
-// to the nearest bf16 value, ties to even, as a float (finite inputs: the scores here are)
-inline float round_bf16(float f) {
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-    std::memcpy(&f, &bits, 4);
-    return f;
-}
 
 // One block of 32 bf16 values on an MXFP4 grid -> integers m (|m| < 16) and the power of two they scale:
 // value = m * scale. The largest magnitude M = f * 2^E (f in [0.5, 1)) has at most two significant bits

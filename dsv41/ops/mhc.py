@@ -60,15 +60,14 @@ def compiled_post():
     return fused.compile_fused(hc_post_chain)
 
 
-def usable(*tensors: torch.Tensor) -> bool:
-    """The fused forms serve where no gradient is wanted (they are inference kernels), outside a graph being
+def usable(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> bool:
+    """The fused expand serves where no gradient is wanted (it is an inference kernel), outside a graph being
     compiled (which fuses the eager form itself) and where the probe agreed."""
     if not fused.enabled() or torch.compiler.is_compiling():
         return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (out, residual, post, comb)):
         return False
-    h = tensors[0]
-    return mix_fusion_agrees(h.size(-2) if h.dim() == 4 else tensors[1].size(-2), h.device.type)
+    return mix_fusion_agrees(residual.size(-2), out.device.type)
 
 
 @fused.Verdict

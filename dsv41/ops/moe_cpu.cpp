@@ -25,23 +25,11 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_bf16.h"
+
 namespace {
 
-inline float bf16_to_f32(uint16_t v) {
-    uint32_t bits = uint32_t(v) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-}
-
-// to the nearest bf16, ties to even, as torch rounds (NaN stays NaN)
-inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return uint16_t(bits >> 16);
-}
+using namespace dsv41_bf16;
 
 #if defined(__AVX512BF16__)
 constexpr bool kBf16Dot = true;
@@ -82,8 +70,6 @@ inline float dot(const uint16_t* a, const uint16_t* b, int64_t n) {
     return total;
 }
 #endif
-
-inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 }  // namespace
 
