@@ -6,7 +6,7 @@
 Prints tables and writes bench_out/speed_<preset>.json and a PNG. Side by side (compare ratios; these
 machines are noisy):
 - decode tokens/s at batch 1/8/32 x context 512/4K/32K: the engine in `fast` numerics (its default, with its
-  compiled decode regions), `fast` with eager ops only, `deterministic`, and the plain loop (the core model's forward + `ModelCache`, one
+  compiled decode regions), `fast` with eager ops only, `deterministic` (compiled tiles, and eager), and the plain loop (the core model's forward + `ModelCache`, one
   batch at one position). Contexts are laid down synthetically (random values on the storage grids, the
   same state for both), so a decode step does the work it does after a real prefill;
 - decode step time vs context at batch 1;
@@ -192,6 +192,7 @@ DECODE_HEADER = [
     "fast tok/s",
     "fast, eager",
     "deterministic",
+    "determ., eager",
     "plain loop",
     "transformers V4",
     "fast/plain",
@@ -479,7 +480,9 @@ def main(argv=None) -> int:
             # decode regions (built before the first timed step), and with eager ops only
             eng = engine_decode(model, b, ctx, steps, compile_decode="now")
             eager = engine_decode(model, b, ctx, steps)
-            det = engine_decode(model, b, ctx, steps, numerics="deterministic")
+            # deterministic with its compiled tiles (as `serve --numerics deterministic` runs it) and eager
+            det = engine_decode(model, b, ctx, steps, numerics="deterministic", compile_decode="now")
+            det_eager = engine_decode(model, b, ctx, steps, numerics="deterministic")
             plain = plain_decode(model, b, ctx, steps)
             # transformers' prefill of the synthetic context is slow past ~8K tokens in all (minutes here)
             hf_cell = hf_decode(hf, b, ctx, steps) if hf is not None and b * ctx <= HF_MAX_PREFILL else None
@@ -491,6 +494,7 @@ def main(argv=None) -> int:
                     "engine_tok_s": eng["tok_s"],
                     "engine_eager_tok_s": eager["tok_s"],
                     "deterministic_tok_s": det["tok_s"],
+                    "deterministic_eager_tok_s": det_eager["tok_s"],
                     "transformers_v4_tok_s": hf_cell["tok_s"] if hf_cell else None,
                     "plain_tok_s": plain["tok_s"],
                     "engine_step_ms": eng["step_ms"],
@@ -509,6 +513,7 @@ def main(argv=None) -> int:
                     eng["tok_s"],
                     eager["tok_s"],
                     det["tok_s"],
+                    det_eager["tok_s"],
                     plain["tok_s"],
                     hf_cell["tok_s"] if hf_cell else "-",
                     eng["tok_s"] / plain["tok_s"],
@@ -638,6 +643,7 @@ def _decode_bars(ax, results: dict) -> None:
         ("engine_tok_s", "engine, fast"),
         ("engine_eager_tok_s", "engine, fast, eager"),
         ("deterministic_tok_s", "engine, deterministic"),
+        ("deterministic_eager_tok_s", "engine, deterministic, eager"),
         ("plain_tok_s", "plain loop"),
         ("transformers_v4_tok_s", "transformers DeepSeek-V4"),
     ]

@@ -133,6 +133,20 @@ def _cut(value, n: int):
     return value[:, :n]
 
 
+def choose_expert_kernel(model) -> None:
+    """The picked experts by the C++ kernel (dsv41.ops.moe_cpu) where it is built with the bf16 dot-product
+    instructions, else by the compiled reference. Decided before the first graph is traced."""
+    use = None  # the same answer on every call (moe_cpu.library is built and loaded once a process)
+    for block in model.layers:
+        stacks = block.ffn.stacked()
+        if stacks is not None and moe_cpu.fits(stacks[0], stacks[2]):
+            use = moe_cpu.available() if use is None else use  # built (~6 s, once) only where it could serve
+            block.ffn.cpu_expert_kernel = use
+    # the index layers' C++ scan (dsv41.ops.paged, dsv41.ops.index_cpu), which a decode step uses once it is
+    # built but never waits for: built here, with the graphs
+    index_cpu.available()
+
+
 class CompiledDecode:
     """The compiled regions of one model's decode steps, bucket by bucket. `regions(n)` gives an object with
     the four functions for a decode batch of n tokens once that bucket is built, else None (run eager)."""
@@ -187,7 +201,7 @@ class CompiledDecode:
             if self.failed or b in self.ready or b not in self._compiled:
                 continue
             try:
-                self._choose_expert_kernel()
+                choose_expert_kernel(self.model)
                 self._warm(b)
             except Exception as err:  # noqa: BLE001 - no compiler, an op it cannot take: the eager ops serve
                 log.warning("compiled decode regions unavailable (%s: %s); decoding eager", type(err).__name__, err)
@@ -200,19 +214,6 @@ class CompiledDecode:
         self._thread = threading.Thread(target=self.build, name="dsv41-compile-decode", daemon=True)
         self._thread.start()
         return self._thread
-
-    def _choose_expert_kernel(self) -> None:
-        """The picked experts by the C++ kernel (dsv41.ops.moe_cpu) where it is built with the bf16 dot-product
-        instructions, else by the compiled reference. Decided before the first graph is traced."""
-        use = None  # the same answer on every call (moe_cpu.library is built and loaded once a process)
-        for block in self.model.layers:
-            stacks = block.ffn.stacked()
-            if stacks is not None and moe_cpu.fits(stacks[0], stacks[2]):
-                use = moe_cpu.available() if use is None else use  # built (~6 s, once) only where it could serve
-                block.ffn.cpu_expert_kernel = use
-        # the index layers' C++ scan (dsv41.ops.paged, dsv41.ops.index_cpu), which a decode step uses once it is
-        # built but never waits for: built here, with the graphs
-        index_cpu.available()
 
     @torch.inference_mode()
     def _warm(self, rows: int) -> None:
@@ -277,6 +278,14 @@ class _Regions:
     def pre_attention(self, block, h, pre_mix):
         return self._call("pre_attention", block, h, pre_mix)
 
+    @staticmethod
+    def stacks_for(block, image_mask, shared):
+        """The experts' stacks when the MoE joins `post_attention_ffn` (text tokens, experts in bf16, no
+        routing record, no expert parallelism), else None (`post_attention`, then the eager MoE)."""
+        if image_mask is not None or "moe_aux" in shared or block.ffn.dispatcher is not None:
+            return None
+        return block.ffn.stacked()
+
     def _freqs(self, freqs: torch.Tensor) -> torch.Tensor:
         """RoPE rows [T, rope/2] complex64 (tokens on dim 0) padded with the identity rotation."""
         if self.rows == self.n:
@@ -327,3 +336,171 @@ class _Regions:
     def index_query(self, idx, qr, x, freqs):
         out = self.compiled["index_query"](idx, self._pad0(qr), self._pad0(x), self._pad0(freqs, 1))
         return out if self.rows == self.n else tuple(t[: self.n] for t in out)
+
+
+# ------------------------------------------------------------------ deterministic numerics: one tile shape
+TILE_REGIONS = ("pre_attention", "project", "output", "post_attention", "post_attention_ffn")
+
+
+def _tile(t: torch.Tensor, dim: int, start: int, n: int, rows: int) -> torch.Tensor:
+    """Tokens start .. start+n of t along `dim` (0 or 1; dim 0 of a dim-1 tensor has size 1) as a contiguous
+    tile of `rows` tokens, the last real token repeated into the padding: a padding row then routes to the
+    experts a real one picked, so it reads no expert weights of its own."""
+    if n == rows:
+        return t[start : start + rows] if dim == 0 else t[0, start : start + rows].unsqueeze(0)
+    idx = torch.arange(start, start + rows, device=t.device).clamp_(max=start + n - 1)
+    return t.index_select(dim, idx)
+
+
+def _cat(parts: list):
+    """The tiles' outputs (nested tuples of [1, n, ...] tensors) joined along the token dim."""
+    if isinstance(parts[0], tuple):
+        return tuple(_cat([p[i] for p in parts]) for i in range(len(parts[0])))
+    return torch.cat(parts, dim=1)
+
+
+class CompiledTiles:
+    """`deterministic` numerics compiled: the token-wise regions (`pre_attention`, `project`, `output`,
+    `post_attention[_ffn]`) compiled at one static shape of `rows` tokens and called for every forward of the
+    engine: prefill chunks, decode steps and verify chunks alike, tile after tile, the last tile padded. Every
+    token then goes through the same graph at the same shapes whatever shares its forward, so its numbers
+    cannot depend on the batch, the chunking or the step kind: batch invariance by construction, not by
+    emulation (docs/numerics.md). What that needs of the graph, that a row's result depends neither on its
+    place in the tile nor on the other rows (GEMMs at a fixed row count under MKL's strict mode, per-row
+    reductions and elementwise code, the C++ expert kernel's fixed order per (token, expert) pair), is checked
+    on every layer when the graphs are built: where it fails, the engine stays eager.
+
+    One tile size only: graphs compiled at fewer rows were tried for the small calls (a one-token step pays
+    for 15 padding rows) and, though they passed this check on random rows, gave other bits than the full
+    tile on a model whose router scores tie (the compiler lowers a top-k of one row its own way).
+
+    The attention's sequence mixing stays eager (its batch-invariant kernels). The mode is chosen once, before
+    the first request: the tiles and the eager ops give different bits, so an engine never switches between
+    them while it serves. Engines over one model share its graphs (`for_model`)."""
+
+    def __init__(self, model, rows: int, moe_inside: bool):
+        self.model, self.rows, self.moe_inside = model, rows, moe_inside
+        functions = CompiledDecode._functions()
+        self._compiled = {
+            name: torch.compile(_own_code(functions[name]), dynamic=False, options=_OPTIONS) for name in TILE_REGIONS
+        }
+        self.ready: bool | None = None  # None: not built yet; False: unavailable here
+
+    @classmethod
+    def for_model(cls, model, rows: int, numerics, moe_inside: bool) -> CompiledTiles | None:
+        """The model's tiles for this tile size and MoE placement, built under `numerics` (the runner's
+        context) on first use and kept on the model, or None where they cannot serve."""
+        kept = model.__dict__.setdefault("_compiled_tiles", {})
+        key = (rows, moe_inside)
+        if key not in kept:
+            kept[key] = cls(model, rows, moe_inside)
+        tiles = kept[key]
+        if tiles.ready is None:
+            tiles.ready = tiles._build(numerics)
+        return tiles if tiles.ready else None
+
+    def regions(self) -> _TiledRegions:
+        return _TiledRegions(self._compiled, self.rows, self.moe_inside)
+
+    def _build(self, numerics) -> bool:
+        try:
+            if self.moe_inside:
+                for block in self.model.layers:
+                    if block.ffn.dispatcher is None:
+                        block.ffn.stack_experts()
+                choose_expert_kernel(self.model)
+            with numerics():
+                bad = self._warm_and_check()
+        except Exception as err:  # noqa: BLE001 - no compiler, an op it cannot take: the eager ops serve
+            log.warning("compiled deterministic tiles unavailable (%s: %s); running eager", type(err).__name__, err)
+            return False
+        if bad:
+            log.warning("compiled deterministic tiles: %s depends on the other rows of its tile; running eager", bad)
+            return False
+        return True
+
+    @torch.inference_mode()
+    def _warm_and_check(self) -> str | None:
+        """Trace every region on every layer, on random rows, and check it: rows 0 .. R-1 against rows 1 .. R of
+        the same R + 1 (each row in another place, beside other rows) and against rows 0 .. 2 (a padded
+        tile). Returns the first region whose shared rows differ, or None."""
+        cfg, model, rows = self.model.cfg, self.model, self.rows
+        dev, bf16 = model.device, torch.bfloat16
+        g = torch.Generator(device="cpu").manual_seed(0)
+        n = rows + 1
+        regions = self.regions()
+
+        def rand(*shape, dtype=torch.float32):
+            return torch.randn(*shape, generator=g).to(device=dev, dtype=dtype)
+
+        for block in model.layers:
+            attn = block.attn
+            freqs = attn.rope.at(torch.arange(n, device=dev), dev)
+            h, x = rand(1, n, cfg.hc_mult, cfg.dim, dtype=bf16), rand(1, n, cfg.dim, dtype=bf16)
+            o = rand(1, n, attn.n_heads, attn.head_dim, dtype=bf16)
+            mix = rand(1, n, cfg.hc_mult).softmax(-1)
+            post, comb = rand(1, n, cfg.hc_mult).sigmoid(), rand(1, n, cfg.hc_mult, cfg.hc_mult).softmax(-1)
+            stacks = regions.stacks_for(block, None, {})
+            calls = {"pre_attention": (block, (h, mix)), "project": (attn, (x, freqs)), "output": (attn, (o, freqs))}
+            if stacks is not None:
+                calls["post_attention_ffn"] = (block, (x, h, post, comb, mix))
+            else:
+                calls["post_attention"] = (block, (x, h, post, comb, mix))
+            for name, (module, args) in calls.items():
+                extra = (stacks,) if name == "post_attention_ffn" else ()
+
+                def run(a, b, name=name, module=module, args=args, extra=extra):
+                    cut = [t[a:b] if t.dim() == 2 else t[:, a:b] for t in args]  # freqs: tokens on dim 0
+                    return _flat(getattr(regions, name)(module, *cut, *extra))
+
+                want = run(0, rows)
+                for a, b in ((1, n), (0, min(3, rows))):
+                    got, end = run(a, b), min(b, rows)  # the rows both calls computed: a .. end - 1
+                    if not all(torch.equal(w[:, a:end], t[:, : end - a]) for w, t in zip(want, got)):
+                        return f"{name} (layer {block.layer_id})"
+        return None
+
+
+def _flat(value) -> list[torch.Tensor]:
+    if isinstance(value, tuple):
+        return [t for v in value for t in _flat(v)]
+    return [value]
+
+
+class _TiledRegions:
+    """The tile graphs for one forward of any number of tokens (`CompiledTiles`)."""
+
+    tiled = True
+
+    def __init__(self, compiled: dict, rows: int, moe_inside: bool):
+        self.compiled, self.rows, self.moe_inside = compiled, rows, moe_inside
+
+    def stacks_for(self, block, image_mask, shared):
+        """The MoE joins the tile graph for every token or for none (decided once per engine)."""
+        return block.ffn.stacked() if self.moe_inside and block.ffn.dispatcher is None else None
+
+    def _run(self, name: str, module, tokens: list, extra=()):
+        """tokens: (tensor, token dim) pairs, cut into tiles; extra: passed to every tile as they are."""
+        total = tokens[0][0].size(tokens[0][1])
+        outs = []
+        for start in range(0, total, self.rows):
+            n = min(self.rows, total - start)
+            out = self.compiled[name](module, *(_tile(t, d, start, n, self.rows) for t, d in tokens), *extra)
+            outs.append(out if n == self.rows else _cut(out, n))
+        return outs[0] if len(outs) == 1 else _cat(outs)
+
+    def pre_attention(self, block, h, pre_mix):
+        return self._run("pre_attention", block, [(h, 1), (pre_mix, 1)])
+
+    def project(self, attn, x, freqs):
+        return self._run("project", attn, [(x, 1), (freqs, 0)])
+
+    def output(self, attn, o, freqs):
+        return self._run("output", attn, [(o, 1), (freqs, 0)])
+
+    def post_attention(self, block, x, residual, post, comb, attn_pre):
+        return self._run("post_attention", block, [(t, 1) for t in (x, residual, post, comb, attn_pre)])
+
+    def post_attention_ffn(self, block, x, residual, post, comb, attn_pre, stacks):
+        tokens = [(t, 1) for t in (x, residual, post, comb, attn_pre)]
+        return self._run("post_attention_ffn", block, tokens, (stacks,))

@@ -22,7 +22,7 @@ from collections import deque
 import torch
 
 from dsv41.config import ModelConfig
-from dsv41.engine.compiled import BUCKETS, CompiledDecode
+from dsv41.engine.compiled import BUCKETS, CompiledDecode, CompiledTiles
 from dsv41.engine.config import EngineConfig
 from dsv41.engine.handoff import KVHandoff, check_handoff
 from dsv41.engine.kv_pool import BlockAllocator, PagedKVPool
@@ -98,6 +98,13 @@ class LLMEngine(Scheduling, Speculation):
                 self.runner.compiled.build()
             else:
                 self.runner.compiled.build_in_background()
+        if config.numerics == "deterministic" and config.compile_decode != "off" and fused.enabled():
+            # the token-wise regions compiled at one tile shape for every forward, built before the first
+            # request whatever the setting says: the tiles and the eager ops give different bits, so an engine
+            # never switches between them while it serves (dsv41.engine.compiled.CompiledTiles)
+            vision = any(getattr(block.ffn.gate, "bias_vl", None) is not None for block in model.layers)
+            moe_inside = not (config.record_routing or vision)
+            self.runner.tiles = CompiledTiles.for_model(model, config.row_chunk, self.runner.numerics, moe_inside)
         self.boundary = self.runner.boundary
         limit = config.max_model_len or cfg.max_position_embeddings
         self.max_model_len = min(limit, num_blocks * bs)

@@ -103,6 +103,9 @@ class ModelRunner:
         self.targets = tuple(model.cfg.dspark_target_layer_ids) if capture_hidden and len(model.mtp) else ()
         # fast mode: compiled token-wise regions for decode batches (dsv41.engine.compiled), set by the engine
         self.compiled = None
+        # deterministic mode: the token-wise regions compiled at one tile shape for every forward
+        # (dsv41.engine.compiled.CompiledTiles), set by the engine before its first request
+        self.tiles = None
         # fast mode: calls of at most this many rows run bf16 layers as fp32 GEMMs (dsv41.ops.gemm_choice),
         # set by the engine from its probe; 0: never
         self.fp32_rows = 0
@@ -154,7 +157,12 @@ class ModelRunner:
         steps = self._decode_steps(chunks, device)
         hash_ids = self._engram_hashes(chunks) if model.engram_hash is not None else None
         decode_only = len(steps) == 1 and len(steps[0][1]) == ids.size(1) and record is None
-        regions = self.compiled.regions(ids.size(1)) if self.compiled is not None and decode_only else None
+        if self.tiles is not None:
+            regions = self.tiles.regions()
+        elif self.compiled is not None and decode_only:
+            regions = self.compiled.regions(ids.size(1))
+        else:
+            regions = None
 
         x, image_mask = self._embed(ids, chunks)
         h = x.unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [1, T, hc, dim]
@@ -165,7 +173,8 @@ class ModelRunner:
             shared["moe_aux"] = record
         if regions is not None:
             shared["regions"] = regions
-            steps[0][0].regions = regions  # the decode attention's compiled parts (dsv41.engine.batched)
+            if steps and not getattr(regions, "tiled", False):
+                steps[0][0].regions = regions  # the decode attention's compiled parts (dsv41.engine.batched)
         backend = PagedAttention(chunks, positions, steps, regions, self.per_chunk, self.boundary)
         capture = bool(self.targets)
         h, pre_mix, hidden = run_layers(model, h, pre_mix, backend, shared, image_mask, hash_ids, capture)
@@ -185,7 +194,8 @@ class ModelRunner:
             last.extend(range(offset - c.logit_rows(), offset))
         if not last:
             return torch.empty(0, cfg.vocab_size)
-        if regions is not None and regions.rows == 1 and (head := model.head_bf16()) is not None:
+        one_token = regions is not None and not getattr(regions, "tiled", False) and regions.rows == 1
+        if one_token and (head := model.head_bf16()) is not None:
             return regions.final_logits(model.norm, h, pre_mix, head)  # one token: the compiled head
         index = torch.tensor(last, device=device)
         x = model.norm(Block.hc_pre(h[:, index], pre_mix[:, index]))[0]  # [n, dim]

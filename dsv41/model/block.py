@@ -108,10 +108,9 @@ class Block(nn.Module):
         if regions is not None:
             (attn_pre, attn_post, attn_comb), x = regions.pre_attention(self, h, pre_mix)
             x = attend(x)
-            # the MoE joins the compiled region where nothing needs its per-call view (text tokens, experts
-            # here in bf16, no routing record: dsv41.engine.compiled.post_attention_ffn)
-            stacks = self.ffn.stacked() if image_mask is None and "moe_aux" not in shared else None
-            if stacks is not None and self.ffn.dispatcher is None:
+            # the MoE joins the compiled region where the regions say it may (dsv41.engine.compiled)
+            stacks = regions.stacks_for(self, image_mask, shared)
+            if stacks is not None:
                 return regions.post_attention_ffn(self, x, residual, attn_post, attn_comb, attn_pre, stacks)
             h, (ffn_pre, ffn_post, ffn_comb), x = regions.post_attention(
                 self, x, residual, attn_post, attn_comb, attn_pre

@@ -1,5 +1,7 @@
 """Small engines and random prompts shared by the engine tests."""
 
+import os
+
 import torch
 
 from dsv41.engine import EngineConfig, LLMEngine
@@ -20,6 +22,8 @@ def make(model, **overrides) -> LLMEngine:
         numerics="deterministic",
     )
     settings.update(overrides)
+    if os.environ.get("DSV41_TEST_TILES") and settings["numerics"] == "deterministic":
+        settings.setdefault("compile_decode", "now")
     return LLMEngine(model, ByteTokenizer(model.cfg.vocab_size), EngineConfig(**settings))
 
 

@@ -1,0 +1,135 @@
+"""`deterministic` numerics with the compiled tiles (dsv41.engine.compiled.CompiledTiles): the engine's
+determinism guarantees (alone = batched = chunked = preempted = prefix-cached = speculatively verified =
+handed off, bit for bit) hold when the token-wise regions run as graphs compiled at one tile shape.
+
+The engine scenarios of the eager mode's tests are collected here a second time (imported below) with every
+deterministic engine that `tests.engine.helpers.make` builds compiling its tiles. The eager tests that compare
+the engine with the plain model's own forward do not apply: the plain forward runs eager ops, which round
+differently from the tiles (that comparison is the eager mode's, kept in its own tests)."""
+
+import pytest
+import torch
+
+from dsv41.config import tiny
+from dsv41.engine import SamplingParams
+from dsv41.engine import compiled as compiled_module
+from dsv41.model.init import init_random_weights
+from dsv41.model.transformer import Transformer
+from tests.engine.helpers import make, prompts
+
+# the scenarios, collected in this module too (pytest runs them here under the fixture below)
+from tests.engine.test_batch_invariance import (  # noqa: F401
+    _run,
+    test_logprobs_alone_equal_logprobs_in_a_batch,
+)
+from tests.engine.test_determinism import (  # noqa: F401
+    test_preemption_and_prefix_hits_repeat_the_first_run,
+    tied_model,
+)
+from tests.engine.test_handoff import (  # noqa: F401
+    test_disaggregated_equals_colocated,
+    test_seeded_sampling_and_logprobs_match,
+)
+from tests.engine.test_speculative import (  # noqa: F401
+    model,
+    plain_greedy,
+    test_batched_verify_gives_the_bits_of_per_request_verify,
+    test_greedy_speculative_equals_plain_decoding,
+    test_mixed_acceptance_in_one_batch_and_late_arrivals,
+    test_rollback_leaves_every_cache_as_plain_decoding_does,
+)
+
+pytestmark = pytest.mark.slow  # each model shape compiles its tiles once (~30 s cold, seconds warm)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled_tiles():
+    """Every deterministic engine of this module compiles its tiles (before module-scoped fixtures run)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DSV41_TEST_TILES", "1")
+        yield
+
+
+def _logprobs(engine, batch, params) -> list[tuple[list[int], list[float]]]:
+    """Each request's (tokens, log-probabilities of its sampled tokens)."""
+    return _run(engine, batch, [params] * len(batch))
+
+
+def test_the_tiles_serve_every_forward_and_change_the_bits(monkeypatch):
+    net = init_random_weights(Transformer(tiny()), seed=5).eval()
+    engine = make(net)
+    assert engine.runner.tiles is not None, "the tiles were not built on this machine"
+    calls: list[tuple[str, int]] = []
+    run = compiled_module._TiledRegions._run
+
+    def counting(self, name, module, tokens, extra=()):
+        calls.append((name, tokens[0][0].size(tokens[0][1])))
+        return run(self, name, module, tokens, extra)
+
+    monkeypatch.setattr(compiled_module._TiledRegions, "_run", counting)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    batch = prompts([37, 5])
+    tiled = _logprobs(engine, batch, params)
+    token_counts = {n for name, n in calls if name == "pre_attention"}
+    assert max(token_counts) >= 16, token_counts  # prefill chunks went through the tiles
+    assert 2 in token_counts, token_counts  # and the decode steps of the two requests
+    assert {name for name, _ in calls} >= {"pre_attention", "project", "output"}
+    monkeypatch.delenv("DSV41_TEST_TILES")
+    eager = _logprobs(make(net), batch, params)
+    assert tiled != eager  # the tiles' own roundings: they, not the eager ops, computed the tokens
+
+
+def test_alone_batched_and_any_chunking_give_the_same_tokens_and_logprobs():
+    net = tied_model()
+    batch = prompts([30, 5, 47, 12, 64, 9, 17], seed=3)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    alone = [_logprobs(make(net), [p], params)[0] for p in batch]
+    assert _logprobs(make(net, max_num_seqs=8), batch, params) == alone
+    for chunk in (7, 64):  # chunk boundaries elsewhere (tiles cut elsewhere too), and a one-shot prefill
+        assert _logprobs(make(net, max_num_seqs=8, prefill_chunk_size=chunk), batch, params) == alone, chunk
+
+
+def test_prompt_logprobs_survive_preemption_mid_prefill():
+    net = init_random_weights(Transformer(tiny()), seed=2).eval()
+    batch = prompts([60, 52, 44], seed=3)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+    roomy = [o.prompt_logprobs for o in make(net).generate(batch, params)]
+    tight = make(net, kv_pool_tokens=96)
+    assert [o.prompt_logprobs for o in tight.generate(batch, params)] == roomy
+    assert tight.counters["preemptions_total"] > 0
+
+
+def test_a_region_that_mixes_rows_is_refused(monkeypatch):
+    """The build's check: a pre_attention region whose rows see each other (here through their mean) keeps
+    the engine eager, with the guarantees of the eager mode."""
+    net = init_random_weights(Transformer(tiny()), seed=7).eval()
+    pre_attention = compiled_module.pre_attention
+
+    def mixing(block, h, pre_mix):
+        mixes, x = pre_attention(block, h, pre_mix)
+        return mixes, x + 1e-2 * x.mean(dim=1, keepdim=True)
+
+    monkeypatch.setattr(compiled_module, "pre_attention", mixing)
+    engine = make(net, row_chunk=8)  # a tile size of its own: the model keeps one set of tiles per size
+    assert engine.runner.tiles is None
+    monkeypatch.setattr(compiled_module, "pre_attention", pre_attention)
+    assert make(net, row_chunk=4).runner.tiles is not None
+
+
+def test_a_full_tile_and_a_padded_one_give_a_row_the_same_bits():
+    """Below the engine: one row's output is the same run alone (a padded tile), in a full tile, and split
+    across two tiles' boundary."""
+    net = init_random_weights(Transformer(tiny()), seed=4).eval()
+    engine = make(net)
+    tiles = engine.runner.tiles
+    assert tiles is not None
+    regions, block, cfg = tiles.regions(), net.layers[3], net.cfg
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(1, 40, cfg.hc_mult, cfg.dim, generator=g).bfloat16()
+    mix = torch.rand(1, 40, cfg.hc_mult, generator=g)
+    with engine.runner.numerics(), torch.inference_mode():
+        whole = regions.pre_attention(block, h, mix)[1]
+        for a, b in ((0, 1), (13, 14), (5, 21), (17, 40)):
+            assert torch.equal(regions.pre_attention(block, h[:, a:b], mix[:, a:b])[1], whole[:, a:b]), (a, b)
