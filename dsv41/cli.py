@@ -429,7 +429,11 @@ def cmd_serve(args) -> int:
     if args.engine_fused_kernels is None:  # ready to answer at once; the kernels arrive a few seconds later
         args.engine_fused_kernels = "background"
     if args.engine_compile_decode is None:  # a server lives long enough to repay compiling its decode steps;
-        args.engine_compile_decode = "background"  # until a bucket is built its steps run eager
+        # until a bucket is built its steps run eager. Deterministic numerics compile only when asked: their
+        # compiled tiles give other bits than the eager ops (docs/numerics.md), which a user comparing a
+        # server with `generate` or the Python API would otherwise meet unannounced
+        fast = getattr(args, "engine_numerics", None) in (None, "fast")
+        args.engine_compile_decode = "background" if fast else "off"
     engine_config = _engine_config(args)
     parallel = _parallel_config(args)
     if parallel.world_size > 1:

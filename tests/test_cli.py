@@ -449,4 +449,7 @@ def test_serve_compiles_its_decode_steps_in_the_background_and_chat_does_not(mon
     run_main(["generate", "--preset", "tiny", "--prompt", "hi", "--compile-decode", "now"])
     assert run_main(["serve", "tiny"]) == 0
     assert run_main(["serve", "tiny", "--compile-decode", "off"]) == 0
-    assert seen == ["off", "now", "background", "off"]
+    # deterministic numerics compile only when asked (their compiled tiles give other bits than the eager ops)
+    assert run_main(["serve", "tiny", "--deterministic"]) == 0
+    assert run_main(["serve", "tiny", "--deterministic", "--compile-decode", "now"]) == 0
+    assert seen == ["off", "now", "background", "off", "off", "now"]

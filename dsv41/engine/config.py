@@ -171,9 +171,10 @@ class EngineConfig:
                 "bucket (1, 2, 4, 8, 16, 32 tokens; dsv41.engine.compiled): 'now' before the first request "
                 "(seconds per bucket with a warm compiler cache, a minute or more cold), 'background' on a thread "
                 "while the eager ops serve (`serve`'s default), 'off' not at all (the default elsewhere: a short "
-                "process does not repay the build; docs/engine-speed.md). Under --numerics deterministic, 'now' and "
-                "'background' both compile the token-wise regions at one tile shape for every forward before the "
-                "first request (CompiledTiles: an engine never switches numerics while it serves; docs/numerics.md)"
+                "process does not repay the build; docs/engine-speed.md). Under --numerics deterministic (off by default, "
+                "`serve` included), 'now' and 'background' both compile the token-wise regions at one tile shape for "
+                "every forward before the first request, in a single-process engine (CompiledTiles: other bits than "
+                "the eager ops, and an engine never switches while it serves; docs/numerics.md)"
             ),
         },
     )

@@ -98,10 +98,13 @@ class LLMEngine(Scheduling, Speculation):
                 self.runner.compiled.build()
             else:
                 self.runner.compiled.build_in_background()
-        if config.numerics == "deterministic" and config.compile_decode != "off" and fused.enabled():
+        single = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+        if config.numerics == "deterministic" and config.compile_decode != "off" and fused.enabled() and single:
             # the token-wise regions compiled at one tile shape for every forward, built before the first
             # request whatever the setting says: the tiles and the eager ops give different bits, so an engine
-            # never switches between them while it serves (dsv41.engine.compiled.CompiledTiles)
+            # never switches between them while it serves (dsv41.engine.compiled.CompiledTiles). One process only:
+            # ranks that split the work (data, expert, tensor parallel) keep the eager ops, whose bits on several
+            # ranks equal one device's (tested); the tiles' have not been checked across ranks
             vision = any(getattr(block.ffn.gate, "bias_vl", None) is not None for block in model.layers)
             moe_inside = not (config.record_routing or vision)
             self.runner.tiles = CompiledTiles.for_model(model, config.row_chunk, self.runner.numerics, moe_inside)
