@@ -10,7 +10,9 @@
 // tokens that picked it (the reference reads them once per pair), and on a CPU with bf16 dot-product
 // instructions (AVX512-BF16) the dot products take the bf16 rows as they are, 32 products per instruction,
 // instead of widening each row to fp32 first. Sums run in another order than the reference's: `fast`
-// numerics only.
+// numerics only (and the `deterministic` mode's compiled tiles, where a token's bits never depend on the others:
+// each pair's dot products and a token's sum over its pairs run in one fixed order). A token that repeats the
+// previous one (a padding row) is computed once.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -81,12 +83,27 @@ void gathered_experts(const uint16_t* x, const float* weights, const int64_t* in
                       const uint16_t* w3, const uint16_t* w2, float* out, int64_t T, int64_t K, int64_t E,
                       int64_t D, int64_t I, float limit, int64_t threads) {
     const int64_t P = T * K;
+    // a token whose row, picks and weights equal the previous one's (the padding rows of a compiled step's
+    // bucket or tile repeat a row) takes that token's output at the end: the same inputs give the same bits,
+    // so they are computed once. same[t]: the first token of t's run of copies, or -1
+    std::vector<int64_t> same(T, -1);
+    for (int64_t t = 1; t < T; ++t) {
+        const int64_t s = same[t - 1] >= 0 ? same[t - 1] : t - 1;
+        if (std::memcmp(x + t * D, x + s * D, D * sizeof(uint16_t)) == 0 &&
+            std::memcmp(indices + t * K, indices + s * K, K * sizeof(int64_t)) == 0 &&
+            std::memcmp(weights + t * K, weights + s * K, K * sizeof(float)) == 0)
+            same[t] = s;
+    }
     // the pairs grouped by expert (a counting sort): start[e] .. start[e + 1] in `order`
-    std::vector<int64_t> start(E + 1, 0), order(P);
-    for (int64_t p = 0; p < P; ++p) start[indices[p] + 1]++;
+    std::vector<int64_t> start(E + 1, 0), order;
+    order.reserve(P);
+    for (int64_t p = 0; p < P; ++p)
+        if (same[p / K] < 0) start[indices[p] + 1]++;
     for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+    order.resize(start[E]);
     std::vector<int64_t> fill(start.begin(), start.end() - 1);
-    for (int64_t p = 0; p < P; ++p) order[fill[indices[p]]++] = p;
+    for (int64_t p = 0; p < P; ++p)
+        if (same[p / K] < 0) order[fill[indices[p]]++] = p;
     std::vector<int64_t> experts;  // the picked ones
     for (int64_t e = 0; e < E; ++e)
         if (start[e + 1] > start[e]) experts.push_back(e);
@@ -132,6 +149,8 @@ void gathered_experts(const uint16_t* x, const float* weights, const int64_t* in
             }
         }
     }
+    for (int64_t t = 1; t < T; ++t)
+        if (same[t] >= 0) std::memcpy(out + t * D, out + same[t] * D, D * sizeof(float));
 }
 
 // the op: contiguous CPU tensors as `gathered_experts` takes them -> out [T, D] fp32

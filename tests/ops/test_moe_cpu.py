@@ -54,3 +54,22 @@ def test_fits_takes_bf16_cpu_weights_whose_rows_are_multiples_of_32():
     assert moe_cpu.fits(w1, w2)
     assert not moe_cpu.fits(w1.float(), w2.float())
     assert not moe_cpu.fits(torch.zeros(2, 64, 100, dtype=torch.bfloat16), w2)
+
+
+def test_repeated_tokens_are_computed_once_with_the_bits_of_each_token_alone():
+    """Padding rows repeat a row (the compiled tiles and buckets): the kernel computes a run of copies once.
+    Every token, copies included, gets the bits it gets alone."""
+    x, weights, indices, w1, w3, w2 = _case(4, k=3, seed=11)
+    rows = torch.tensor([0, 1, 1, 1, 2, 3, 3])  # runs of copies in the middle and at the end
+    args = (x[rows], weights[rows], indices[rows], w1, w3, w2)
+    got = torch.ops.dsv41.gathered_experts_cpu(*args, 0.75)
+    for t, r in enumerate(rows.tolist()):
+        alone = torch.ops.dsv41.gathered_experts_cpu(
+            x[r : r + 1], weights[r : r + 1], indices[r : r + 1], w1, w3, w2, 0.75
+        )
+        assert torch.equal(got[t : t + 1], alone), t
+    # a copy whose weights differ is no copy: it is computed with its own
+    changed = weights[rows].clone()
+    changed[2, 0] *= 0.5
+    out = torch.ops.dsv41.gathered_experts_cpu(x[rows], changed, indices[rows], w1, w3, w2, 0.75)
+    assert not torch.equal(out[2], got[2]) and torch.equal(out[3], got[3])
