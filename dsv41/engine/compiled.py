@@ -345,7 +345,8 @@ TILE_REGIONS = ("pre_attention", "project", "output", "post_attention", "post_at
 def _tile(t: torch.Tensor, dim: int, start: int, n: int, rows: int) -> torch.Tensor:
     """Tokens start .. start+n of t along `dim` (0 or 1; dim 0 of a dim-1 tensor has size 1) as a contiguous
     tile of `rows` tokens, the last real token repeated into the padding: a padding row then routes to the
-    experts a real one picked, so it reads no expert weights of its own."""
+    experts a real one picked, so it reads no expert weights of its own, and the C++ expert kernel computes
+    a run of copies once."""
     if n == rows:
         return t[start : start + rows] if dim == 0 else t[0, start : start + rows].unsqueeze(0)
     idx = torch.arange(start, start + rows, device=t.device).clamp_(max=start + n - 1)
