@@ -480,7 +480,7 @@ def main(argv=None) -> int:
             # decode regions (built before the first timed step), and with eager ops only
             eng = engine_decode(model, b, ctx, steps, compile_decode="now")
             eager = engine_decode(model, b, ctx, steps)
-            # deterministic with its compiled tiles (as `serve --numerics deterministic` runs it) and eager
+            # deterministic with its compiled tiles (`--compile-decode now`) and eager (its default)
             det = engine_decode(model, b, ctx, steps, numerics="deterministic", compile_decode="now")
             det_eager = engine_decode(model, b, ctx, steps, numerics="deterministic")
             plain = plain_decode(model, b, ctx, steps)

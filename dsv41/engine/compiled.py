@@ -267,6 +267,8 @@ class CompiledDecode:
 class _Regions:
     """The compiled regions for one decode step of n tokens, padded to `rows`."""
 
+    tiled = False  # (`_TiledRegions`: every forward, no decode attention or head regions)
+
     def __init__(self, compiled: dict, n: int, rows: int):
         self.compiled, self.n, self.rows = compiled, n, rows
 

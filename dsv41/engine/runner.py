@@ -173,7 +173,7 @@ class ModelRunner:
             shared["moe_aux"] = record
         if regions is not None:
             shared["regions"] = regions
-            if steps and not getattr(regions, "tiled", False):
+            if steps and not regions.tiled:
                 steps[0][0].regions = regions  # the decode attention's compiled parts (dsv41.engine.batched)
         backend = PagedAttention(chunks, positions, steps, regions, self.per_chunk, self.boundary)
         capture = bool(self.targets)
@@ -194,7 +194,7 @@ class ModelRunner:
             last.extend(range(offset - c.logit_rows(), offset))
         if not last:
             return torch.empty(0, cfg.vocab_size)
-        one_token = regions is not None and not getattr(regions, "tiled", False) and regions.rows == 1
+        one_token = regions is not None and not regions.tiled and regions.rows == 1
         if one_token and (head := model.head_bf16()) is not None:
             return regions.final_logits(model.norm, h, pre_mix, head)  # one token: the compiled head
         index = torch.tensor(last, device=device)

@@ -95,12 +95,11 @@ void gathered_experts(const uint16_t* x, const float* weights, const int64_t* in
             same[t] = s;
     }
     // the pairs grouped by expert (a counting sort): start[e] .. start[e + 1] in `order`
-    std::vector<int64_t> start(E + 1, 0), order;
-    order.reserve(P);
+    std::vector<int64_t> start(E + 1, 0);
     for (int64_t p = 0; p < P; ++p)
         if (same[p / K] < 0) start[indices[p] + 1]++;
     for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
-    order.resize(start[E]);
+    std::vector<int64_t> order(start[E]);
     std::vector<int64_t> fill(start.begin(), start.end() - 1);
     for (int64_t p = 0; p < P; ++p)
         if (same[p / K] < 0) order[fill[indices[p]]++] = p;
