@@ -97,6 +97,21 @@ class DecodeBatch:
 
         return self._memo(("window_valid", window, first), make)
 
+    def chunk_window_valid(self, layer: int, window: int, starts: torch.Tensor, width: int) -> torch.Tensor:
+        """For a batch whose rows are the tokens of multi-token chunks (`chunk_decode_attend`): [N, W + width]
+        True at the rows of cat(ring as it was before the chunk, the chunk's `width` rows) inside each token's
+        window. starts [N]: the first position of each token's chunk."""
+        first = tuple(c.first[layer] for c in self.caches)
+
+        def make():
+            at = self.positions.unsqueeze(1)
+            firsts = torch.tensor(first, device=at.device).unsqueeze(1)
+            ids = ring_ids(at, starts.unsqueeze(1), firsts, window)  # [N, W] into cat(ring, chunk rows)
+            hits = torch.zeros(ids.size(0), window + width, dtype=torch.int16, device=ids.device)
+            return hits.scatter_add_(1, ids.clamp_min(0), (ids >= 0).to(torch.int16)) > 0
+
+        return self._memo(("chunk_window_valid", window, first), make)
+
     def ring_slots(self, window: int) -> torch.Tensor:
         """[B] ring slot of each new token."""
         return self._memo(("ring_slots", window), lambda: self.positions % window)
@@ -240,6 +255,102 @@ def decode_attend(
         selected,
         attn.heads_per_call,
     )
+
+
+def chunk_decode_attend(
+    attn,
+    x: torch.Tensor,
+    qr: torch.Tensor,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    flat: DecodeBatch,
+    starts: torch.Tensor,
+    chunk_rows: torch.Tensor,
+    steps: list,
+    states: StatePool,
+    pool: PagedKVPool,
+) -> torch.Tensor:
+    """`fast` numerics: the tokens of several sequences' chunks of consecutive new positions (speculative
+    verify chunks, decode tokens) attended in one set of ops, rather than as one decode step per position.
+    x [N, 1, dim], qr, q [N, 1, H, D], kv [N, 1, D] for the N tokens, chunk after chunk; flat: a `DecodeBatch`
+    whose rows are those tokens (each with its sequence's cache, slot and block table); starts [N]: each
+    token's chunk start; chunk_rows [N, n]: for each token, the rows of its chunk's tokens (the last repeated
+    past the chunk's end); steps: (batch, rows) for position i of every chunk, in order.
+
+    What one position writes and a later one reads goes in position order: the compressors take the
+    positions step by step (a group completed at one position is an entry visible to the next). Each token
+    then reads its window as cat(the ring as it was before the chunk, the chunk's own rows) masked to its
+    positions, and the entries visible at its position (the indexer masks later ones); the ring gets every
+    token's row last. Returns [N, 1, H, D]."""
+    layer, w = attn.layer_id, attn.window
+    valid = flat.chunk_window_valid(layer, w, starts, chunk_rows.size(1))  # [N, W + n]
+    selected = None
+    if attn.ratio:
+        if attn.ratio == 1 and attn.compressor is not None:  # each token completes its own group: one call
+            _compress(attn, x, flat, states, pool)
+        elif attn.compressor is not None:
+            kv_rows, score_rows = _compress_chunks(attn, x, flat, starts, chunk_rows[:, 0], states, pool)
+            for batch, rows in steps:  # what each step's `_compress` would have recorded (a verify's rollback)
+                if batch.record_rows is not None:
+                    batch.record_rows[layer] = (kv_rows[rows], score_rows[rows])
+        if attn.indexer is not None:
+            flat.shared.setdefault("topk", {})[layer] = _select(attn, x, qr, flat, pool)
+        picked = flat.shared["topk"][attn.index_source]  # [N, 1, index_topk]
+        gathered = flat.shared.setdefault("gathered", {})
+        key = (attn.kv_source, attn.index_source)
+        if key not in gathered:
+            gathered[key] = ops.gather_picked(pool.pages(attn.kv_source), flat.tables, picked)  # [N, k, D]
+        selected = gathered[key]
+        valid = torch.cat([valid, picked[:, 0] >= 0], dim=1)
+    # the rings decoded once per sequence (not per token), as `window_attention` decodes them
+    seq_slots, seq_of = flat.slots.unique(return_inverse=True)
+    ring_scale = (states.window_scale[seq_slots, layer].to(torch.int32) << 23).view(torch.float32)
+    ring = fp8_dequant(states.window_codes[seq_slots, layer], ring_scale).to(kv.dtype)[seq_of]  # [N, W, D]
+    parts = [ring, kv[:, 0][chunk_rows]]  # the chunk's rows [N, n, D]: each token's own and earlier ones valid
+    rows = torch.cat(parts if selected is None else parts + [selected], dim=1)
+    o = ops.dense_decode_attn(q, rows, valid, attn.attn_sink, attn.softmax_scale)
+    slots = flat.slots
+    codes, scale = fp8_quant(kv[:, 0])
+    at = flat.ring_slots(w)  # distinct per sequence while a chunk is no longer than the window
+    states.window_codes[slots, layer, at] = codes
+    states.window_scale[slots, layer, at] = (scale.view(torch.int32) >> 23).to(torch.uint8)
+    return o
+
+
+def _compress_chunks(attn, x, flat: DecodeBatch, starts, first_row, states: StatePool, pool: PagedKVPool):
+    """A ratio>1 compressor over the tokens of multi-token chunks (`chunk_decode_attend`) in one set of ops,
+    leaving the pool and the partial groups as `_compress` does position after position: each group a token
+    completes pools its members from the chunk's rows or, for positions before the chunk, from the partial
+    group kept in the state; the state then keeps the positions after each sequence's last completed group.
+    first_row [N]: the row of each token's chunk's first token. Returns the fp32 rows (kv, score) [N, D]."""
+    comp, ratio, layer = attn.compressor, attn.ratio, attn.layer_id
+    pos, slots = flat.positions, flat.slots
+    kv, score = comp.wkv(x.float())[:, 0], comp.wgate(x.float())[:, 0]  # [N, D] fp32
+    group_kv, group_score = states.group_kv[layer], states.group_score[layer]  # [slots, ratio, D]
+    done = (pos % ratio == ratio - 1).nonzero().flatten()
+    if done.numel():
+        start = starts[done].unsqueeze(1)
+        members = pos[done].unsqueeze(1) - (ratio - 1) + torch.arange(ratio, device=pos.device)  # [C, ratio]
+        ours = (members >= start).unsqueeze(-1)  # a member computed in this forward, else kept in the state
+        row = first_row[done].unsqueeze(1) + (members - start).clamp_min(0)
+        kept = slots[done]
+        g_kv = torch.where(ours, kv[row], group_kv[kept])  # [C, ratio, D]: member j at state slot j
+        g_score = torch.where(ours, score[row], group_score[kept])
+        latent = comp.norm((g_kv * g_score.softmax(dim=1)).sum(dim=1).to(x.dtype))  # [C, D]
+        group = pos[done] // ratio
+        packed, keys = pack_entries(attn, latent, attn.rope.at(group * ratio, x.device))
+        pool.write_packed(layer, pool.rows_batched(layer, flat.tables[done], group.unsqueeze(1))[:, 0], packed, keys)
+        # a sequence whose chunk completed a group starts its state afresh after the last one
+        group_score[kept] = -torch.inf
+        group_kv[kept] = 0.0
+        seq_slots, seq_of = slots.unique(return_inverse=True)
+        last = torch.full_like(seq_slots, -1).scatter_reduce_(0, seq_of[done], pos[done], "amax")
+        after = (pos > last[seq_of]).nonzero().flatten()
+    else:
+        after = torch.arange(pos.numel(), device=pos.device)
+    group_kv[slots[after], pos[after] % ratio] = kv[after]
+    group_score[slots[after], pos[after] % ratio] = score[after]
+    return kv, score
 
 
 def _compressed(attn, x, qr, batch: DecodeBatch, states: StatePool, pool: PagedKVPool):

@@ -188,7 +188,26 @@ class CompiledDecode:
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
-    def regions(self, n: int) -> _Regions | None:
+    def regions(self, n: int) -> _Regions | _SplitRegions | None:
+        """The token-wise regions (`pre_attention` .. `post_attention_ffn`) for a forward of n decode or verify
+        tokens: one bucket's graphs where n fits a built bucket, else pieces of the built buckets (a speculative
+        verify of 8 sequences x 6 tokens: 32 + 16 rows; `fast` numerics ask no row to keep its bits). None
+        while no bucket is built."""
+        if self.failed or not self.ready:
+            return None
+        pieces, start = [], 0
+        while start < n:
+            rest = n - start
+            b = min((b for b in self.ready if b >= rest), default=None)
+            if b is None:  # more rows than the largest built bucket: a full piece of it, then the rest
+                b = rest = max(self.ready)
+            pieces.append(_Regions(self._compiled[b], rest, b))
+            start += rest
+        return pieces[0] if len(pieces) == 1 else _SplitRegions(pieces)
+
+    def attention_regions(self, n: int) -> _Regions | None:
+        """The decode attention's regions (`window_attention`, `index_query`, `compress_latent`) for one decode
+        step of n sequences, where its bucket is built (larger steps attend eager)."""
         b = self.bucket(n)
         if b is None or b not in self.ready or self.failed:
             return None
@@ -338,6 +357,53 @@ class _Regions:
     def index_query(self, idx, qr, x, freqs):
         out = self.compiled["index_query"](idx, self._pad0(qr), self._pad0(x), self._pad0(freqs, 1))
         return out if self.rows == self.n else tuple(t[: self.n] for t in out)
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """t with the strides of a fresh tensor of its shape: the graphs were traced on such inputs, and Dynamo
+    checks every stride (a slice keeps its parent's, even along a dimension of size 1, and would recompile)."""
+    if t.stride() == torch.empty(0).new_empty(t.shape).stride():
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
+class _SplitRegions:
+    """The token-wise regions of a forward with more tokens than one built bucket holds, as consecutive
+    pieces (`_Regions` each, the last padded to its bucket) whose outputs are joined along the tokens."""
+
+    tiled = False
+
+    def __init__(self, pieces: list[_Regions]):
+        self.pieces = pieces
+        self.rows = sum(p.n for p in pieces)  # never 1: the one-token head is a single bucket's
+
+    stacks_for = staticmethod(_Regions.stacks_for)
+
+    def _run(self, name: str, module, tokens: list, extra=()):
+        """tokens: (tensor, token dim) pairs, cut into the pieces; extra: passed to every piece as they are."""
+        outs, start = [], 0
+        for piece in self.pieces:
+            end = start + piece.n
+            cut = [_dense(t[start:end] if d == 0 else t[:, start:end]) for t, d in tokens]
+            outs.append(getattr(piece, name)(module, *cut, *extra))
+            start = end
+        return _cat(outs)
+
+    def pre_attention(self, block, h, pre_mix):
+        return self._run("pre_attention", block, [(h, 1), (pre_mix, 1)])
+
+    def project(self, attn, x, freqs):
+        return self._run("project", attn, [(x, 1), (freqs, 0)])
+
+    def output(self, attn, o, freqs):
+        return self._run("output", attn, [(o, 1), (freqs, 0)])
+
+    def post_attention(self, block, x, residual, post, comb, attn_pre):
+        return self._run("post_attention", block, [(t, 1) for t in (x, residual, post, comb, attn_pre)])
+
+    def post_attention_ffn(self, block, x, residual, post, comb, attn_pre, stacks):
+        tokens = [(t, 1) for t in (x, residual, post, comb, attn_pre)]
+        return self._run("post_attention_ffn", block, tokens, (stacks,))
 
 
 # ------------------------------------------------------------------ deterministic numerics: one tile shape

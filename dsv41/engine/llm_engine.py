@@ -91,8 +91,11 @@ class LLMEngine(Scheduling, Speculation):
                 model.keep_fp32_gemm_copies()
                 self.runner.fp32_rows = rows
         if config.numerics == "fast" and config.compile_decode != "off" and fused.enabled():
-            # the compiled token-wise regions of decode steps, one graph per batch bucket up to max_num_seqs
-            buckets = tuple(b for b in BUCKETS if b <= config.max_num_seqs) or (BUCKETS[0],)
+            # the compiled token-wise regions of decode and verify steps, one graph per bucket up to the first that
+            # holds the largest such forward (max_num_seqs tokens, each with its draft when speculating); larger
+            # forwards run in pieces of the largest (dsv41.engine.compiled.CompiledDecode.regions)
+            most = config.max_num_seqs * (1 + self.num_draft)
+            buckets = tuple(b for b in BUCKETS if b < most) + tuple(b for b in BUCKETS if b >= most)[:1]
             self.runner.compiled = CompiledDecode(model, buckets)
             if config.compile_decode == "now":
                 self.runner.compiled.build()

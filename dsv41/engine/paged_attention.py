@@ -11,9 +11,11 @@ encoder output, and then leave the batch.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from dsv41.engine.batched import DecodeBatch, decode_attend
+from dsv41.engine.batched import DecodeBatch, chunk_decode_attend, decode_attend
 from dsv41.model.forward import AttentionBackend
 
 
@@ -34,6 +36,10 @@ class PagedAttention(AttentionBackend):
     ):
         self.chunks, self.positions, self.steps, self.regions = chunks, positions, steps, regions
         self.per_chunk, self.boundary = per_chunk, boundary
+        # `fast` numerics: the decode steps' tokens as one batch (`_chunked`), built on the first layer, and its
+        # compiled regions (the indexer's query) where the runner has them for that many rows
+        self.flat, self.flat_regions = None, None
+        self.chunk_steps = True  # False: one decode step per position, as the other modes run them
         self.rope_rows: dict = {}  # id(RotaryTable) -> (positions, its RoPE rows), for this forward
 
     def token_calls(self) -> list[int] | None:
@@ -66,13 +72,16 @@ class PagedAttention(AttentionBackend):
         attn, chunks, steps, regions = layer.attn, self.chunks, self.steps, self.regions
         freqs = self._rope(attn, x.device)
         qr, q, kv = attn.project(x, freqs) if regions is None else regions.project(attn, x, freqs)
+        # the output projection by the same regions as the input's (the deterministic tiles' bits hold only if
+        # every forward, prefill or decode, runs both through them)
+        output = attn.output if regions is None else functools.partial(regions.output, attn)
         if not steps:
             outs, a = [], 0
             for c in chunks:
                 b = a + len(c.tokens)
                 outs.append(attn.attend(x[:, a:b], qr[:, a:b], q[:, a:b], kv[:, a:b], c.start, c.cache, c.shared))
                 a = b
-            return attn.output(torch.cat(outs, dim=1), freqs)
+            return output(torch.cat(outs, dim=1), freqs)
         caches = steps[0][1][0].cache
         states, pool = caches.states, caches.pool
         if len(steps) == 1 and len(steps[0][1]) == x.size(1):  # a decode-only batch: token i is sequence i
@@ -87,7 +96,7 @@ class PagedAttention(AttentionBackend):
                 pool,
             )  # [B, 1, H, D]
             o = o.view(1, o.size(0), *o.shape[2:])  # [1, B, H, D]
-            return attn.output(o, freqs) if regions is None else regions.output(attn, o, freqs)
+            return output(o, freqs)
         out = q.new_empty(q.shape)  # [1, T, H, D]
         offset, a = {}, 0
         for c in chunks:
@@ -98,6 +107,33 @@ class PagedAttention(AttentionBackend):
                 out[:, a:b] = attn.attend(x[:, a:b], qr[:, a:b], q[:, a:b], kv[:, a:b], c.start, c.cache, c.shared)
             a = b
         kept = _verify_group_rows(attn, steps, states)
+        if self._chunked(steps, offset, attn.window, x.device):
+            rows = self.flat_rows
+            step_rows = []
+            for (batch, _), index in zip(steps, self.step_index):
+                batch.record_rows = {} if kept else None
+                step_rows.append((batch, index))
+            out[0, rows] = chunk_decode_attend(
+                attn,
+                x[0, rows].unsqueeze(1),
+                qr[0, rows].unsqueeze(1),
+                q[0, rows].unsqueeze(1),
+                kv[0, rows].unsqueeze(1),
+                self.flat,
+                self.flat_starts,
+                self.chunk_rows,
+                step_rows,
+                states,
+                pool,
+            )[:, 0]
+            if kept:
+                for batch, members in steps:
+                    kv_rows, score_rows = batch.record_rows[attn.layer_id]  # [B_i, D] fp32
+                    for row, c in enumerate(members):
+                        if id(c) in kept:
+                            kept[id(c)][1].append(kv_rows[row : row + 1])
+                            kept[id(c)][2].append(score_rows[row : row + 1])
+            steps = []  # done
         for i, (batch, members) in enumerate(steps):
             at = torch.tensor([offset[id(c)] + i for c in members], device=x.device)
             batch.record_rows = {} if kept else None
@@ -123,7 +159,47 @@ class PagedAttention(AttentionBackend):
                 c.cache.keep_group_rows(
                     attn.layer_id, first, torch.cat(kvs).unsqueeze(0), torch.cat(scores).unsqueeze(0)
                 )
-        return attn.output(out, freqs)
+        return output(out, freqs)
+
+    def _chunked(self, steps: list, offset: dict, window: int, device) -> bool:
+        """Whether the decode steps run as one `chunk_decode_attend` (`fast` numerics, every chunk no longer
+        than the window), building its metadata on the first layer: the tokens' rows in the forward, a
+        `DecodeBatch` over them, each token's chunk start and chunk rows, each step's rows among them."""
+        if not steps[0][0].fast or not self.chunk_steps:
+            return False
+        if self.flat is None:
+            members = steps[0][1]  # every stepped chunk has a token in the first step
+            n = len(steps)
+            if n > window:
+                self.flat = False
+                return False
+            caches, positions, starts, chunk_rows = [], [], [], []
+            first_row: dict = {}
+            for c in members:
+                first_row[id(c)] = len(caches)
+                for i in range(len(c.tokens)):
+                    caches.append(c.cache)
+                    positions.append(c.start + i)
+                    starts.append(c.start)
+                    chunk_rows.append([first_row[id(c)] + min(j, len(c.tokens) - 1) for j in range(n)])
+            self.flat = DecodeBatch.build(caches, positions, device)
+            self.flat.fast, self.flat.regions = True, self.flat_regions
+            self.flat_offsets = None
+            self.flat_starts = torch.tensor(starts, device=device)
+            self.chunk_rows = torch.tensor(chunk_rows, device=device)
+            self.step_index = [
+                torch.tensor([first_row[id(c)] + i for c in members_i], device=device)
+                for i, (_, members_i) in enumerate(steps)
+            ]
+        if self.flat is False:
+            return False
+        members = steps[0][1]
+        offsets = [offset[id(c)] for c in members]
+        if offsets != self.flat_offsets:  # the tokens' rows in this layer's batch (a bounded replay may trim)
+            self.flat_offsets = offsets
+            rows = [a + i for a, c in zip(offsets, members) for i in range(len(c.tokens))]
+            self.flat_rows = torch.tensor(rows, device=device)
+        return True
 
     def _skip_decoder(self, layer, chunks: list, h: torch.Tensor, pre_mix: torch.Tensor):
         """For positions below each chunk's decoder_from: write the boundary layer's compressed entries

@@ -156,11 +156,15 @@ class ModelRunner:
         record = RoutingRecord(ids_only=True) if self.record_routing else None
         steps = self._decode_steps(chunks, device)
         hash_ids = self._engram_hashes(chunks) if model.engram_hash is not None else None
-        decode_only = len(steps) == 1 and len(steps[0][1]) == ids.size(1) and record is None
+        # fast numerics: the compiled regions serve forwards of decode and verify tokens only (a prefill chunk's
+        # long GEMMs gain little from them, and its bounded replay changes the token count mid-forward)
+        stepwise = record is None and all(c.decode or c.verify for c in chunks)
         if self.tiles is not None:
             regions = self.tiles.regions()
-        elif self.compiled is not None and decode_only:
+        elif self.compiled is not None and stepwise:
             regions = self.compiled.regions(ids.size(1))
+            for batch, members in steps:  # each decode step's attention at its own bucket
+                batch.regions = self.compiled.attention_regions(len(members))
         else:
             regions = None
 
@@ -173,9 +177,9 @@ class ModelRunner:
             shared["moe_aux"] = record
         if regions is not None:
             shared["regions"] = regions
-            if steps and not regions.tiled:
-                steps[0][0].regions = regions  # the decode attention's compiled parts (dsv41.engine.batched)
         backend = PagedAttention(chunks, positions, steps, regions, self.per_chunk, self.boundary)
+        if self.compiled is not None and len(steps) > 1:
+            backend.flat_regions = self.compiled.attention_regions(sum(len(m) for _, m in steps))
         capture = bool(self.targets)
         h, pre_mix, hidden = run_layers(model, h, pre_mix, backend, shared, image_mask, hash_ids, capture)
         chunks = backend.chunks
@@ -244,7 +248,9 @@ class ModelRunner:
             return []  # follows the canonical rule (the batched paged path keeps the fast kernels)
         verify = [c for c in chunks if c.verify]
         mode = self.batched_verify
-        batch_them = mode == "on" or (mode == "auto" and len(verify) > max((len(c.tokens) for c in verify), default=0))
+        # `fast` numerics attend all stepped tokens in one set of ops (dsv41.engine.batched.chunk_decode_attend)
+        longest = max((len(c.tokens) for c in verify), default=0)
+        batch_them = mode == "on" or (mode == "auto" and (self.mode == "fast" or len(verify) > longest))
         for c in verify:
             c.stepped = batch_them
         stepped = [c for c in chunks if c.decode or (c.verify and batch_them)]
