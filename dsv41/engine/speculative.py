@@ -13,7 +13,7 @@ import logging
 import torch
 
 from dsv41.engine.runner import Chunk
-from dsv41.engine.sampling import sample, verify_draft
+from dsv41.engine.sampling import GREEDY_TEMPERATURE, sample, verify_draft
 from dsv41.engine.sequence import DraftRings, Sequence, Status
 from dsv41.engine.types import RequestOutput
 
@@ -100,8 +100,13 @@ class Speculation:
         hidden = torch.stack([t[1] for t in todo]).unsqueeze(1)  # [B, 1, F]
 
         drafted: list[list[int]] = [[] for _ in seqs]
+        # every request greedy with no logit processing: one argmax over the batch (ties to the lowest id, as
+        # `sample` breaks them), not a `sample` call per request and position
+        greedy = all(s.params.temperature < GREEDY_TEMPERATURE and not s.params.processes_logits for s in seqs)
 
         def choose(logits: torch.Tensor) -> torch.Tensor:
+            if greedy:
+                return logits.float().argmax(-1)
             # each request draws with its own params, its logit processing seeing the drafts before this
             # one (what plain decoding would have generated there), as verify_draft assumes
             picks = []
