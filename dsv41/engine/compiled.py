@@ -362,7 +362,11 @@ class _Regions:
 def _dense(t: torch.Tensor) -> torch.Tensor:
     """t with the strides of a fresh tensor of its shape: the graphs were traced on such inputs, and Dynamo
     checks every stride (a slice keeps its parent's, even along a dimension of size 1, and would recompile)."""
-    if t.stride() == torch.empty(0).new_empty(t.shape).stride():
+    stride, expected = 1, []
+    for size in reversed(t.shape):
+        expected.append(stride)
+        stride *= size
+    if t.stride() == tuple(reversed(expected)):
         return t
     return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 

@@ -121,6 +121,43 @@ def test_the_window_attention_region_reads_and_writes_the_rings_format():
     assert o2.shape == (b, 1, 1, d)
 
 
+def test_a_forward_larger_than_the_built_buckets_runs_in_pieces(tiny_model):
+    """A decode or verify forward with more tokens than the largest built bucket (a speculative verify of 8
+    sequences x 6 tokens) runs each token-wise region as pieces of the built buckets, the last padded, and
+    joins them: with the regions' own functions eager and batch-invariant GEMMs, every output equals the
+    whole call's bit for bit. The decode attention's regions serve only a step its bucket holds."""
+    model = tiny_model
+    decode = compiled.CompiledDecode(model, (1, 2, 4))  # torch.compile is lazy: nothing is traced here
+    eager = decode._functions()
+    decode._compiled = {b: eager for b in (1, 2, 4)}
+    decode.ready = {1, 2}
+    split = decode.regions(5)
+    assert [(p.n, p.rows) for p in split.pieces] == [(2, 2), (2, 2), (1, 1)]
+    decode.ready = {1, 2, 4}
+    assert [(p.n, p.rows) for p in decode.regions(7).pieces] == [(4, 4), (3, 4)]
+    assert isinstance(decode.regions(3), compiled._Regions) and decode.regions(3).rows == 4
+    assert decode.attention_regions(4).rows == 4 and decode.attention_regions(5) is None
+    regions = decode.regions(7)
+    cfg, g = model.cfg, torch.Generator().manual_seed(0)
+    block, attn = model.layers[2], model.layers[2].attn
+    h = torch.randn(1, 7, cfg.hc_mult, cfg.dim, generator=g).bfloat16()
+    mix = torch.rand(1, 7, cfg.hc_mult, generator=g).softmax(-1)
+    post, comb = torch.rand(1, 7, cfg.hc_mult, generator=g), torch.rand(1, 7, cfg.hc_mult, cfg.hc_mult, generator=g)
+    x = torch.randn(1, 7, cfg.dim, generator=g).bfloat16()
+    o = torch.randn(1, 7, attn.n_heads, attn.head_dim, generator=g).bfloat16()
+    freqs = attn.rope.at(torch.arange(7) + 30, "cpu")
+    calls = {
+        "pre_attention": (block, h, mix),
+        "project": (attn, x, freqs),
+        "output": (attn, o, freqs),
+        "post_attention": (block, x, h, post, comb, mix),
+    }
+    with torch.inference_mode(), model.numerics(16):
+        for name, args in calls.items():
+            got, want = getattr(regions, name)(*args), eager[name](*args)
+            assert all(torch.equal(a, b) for a, b in zip(compiled._flat(got), compiled._flat(want))), name
+
+
 def test_batch_first_padding_of_the_attention_regions():
     regions = compiled._Regions({}, 3, 4)
     t = torch.ones(3, 2, dtype=torch.bool)
