@@ -165,12 +165,14 @@ class Transformer(nn.Module):
             "fp32_rows": fp32_rows,  # fast numerics: small calls as fp32 GEMMs (Linear.keep_fp32_copy)
             "fast_kernels": fast,  # fast numerics: kernels judged statistically (Attention.attend's C++ attention)
         }
-        changed = []  # (module __dict__, name, previous value)
+        changed = []  # (the modules' __dict__s holding a setting, its name, their previous values)
         holders = self._numeric_holders()
         for name, value in wanted.items():
-            for attrs in holders.get(name, ()):
-                if attrs[name] != value:
-                    changed.append((attrs, name, attrs[name]))
+            dicts = holders.get(name, ())
+            previous = [attrs[name] for attrs in dicts]
+            if previous.count(value) != len(previous):
+                changed.append((dicts, name, previous))
+                for attrs in dicts:
                     attrs[name] = value
         training = self.training
         try:
@@ -178,8 +180,9 @@ class Transformer(nn.Module):
                 self.train(False)
             yield self
         finally:
-            for attrs, name, value in reversed(changed):
-                attrs[name] = value
+            for dicts, name, previous in reversed(changed):
+                for attrs, value in zip(dicts, previous):
+                    attrs[name] = value
             if training:
                 self.train(True)
 
