@@ -58,20 +58,24 @@ def fp4_products(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
 
 
 def index_scores_mm(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """`index_scores` with the per-head dot products as one 2-D GEMM per batch row, [S*H, D] x [D, T]:
-    this CPU's batched bf16 GEMM (what the einsum becomes) is 10-20x slower at decode shapes. Same
-    shapes in and out, same bf16 roundings (ReLU and weight applied in place); the products of
-    FP4-rounded q and k and their partial sums are exact in fp32, so the GEMM's summation order does not
-    change a score (tested equal)."""
+    """`index_scores` with the per-head dot products as GEMMs, not the einsum (this CPU's batched bf16 GEMM,
+    what the einsum becomes, is 10-20x slower at decode shapes): small calls (decode steps, a speculative
+    verify's tokens, one row each) as one fp32 batched GEMM over every row, large ones (prefill) as one 2-D
+    GEMM per batch row, [S*H, D] x [D, T], with the fused epilogue. Same shapes in and out, same bf16
+    roundings (ReLU and weight applied in place); the products of FP4-rounded q and k and their partial sums
+    are exact in fp32, so neither the GEMM's summation order nor its batching changes a score (tested
+    equal)."""
     b, s, h, d = q.shape
     fuse = s * k.size(1) >= 1 << 12 and fused.enabled() and epilogue_fusion_agrees(h, q.device.type)
+    if not fuse:  # small calls (decode steps, a verify's tokens): all rows in one fp32 batched GEMM, whose
+        # exact products and sums round once to bf16 like `fp4_products`, then the epilogue in place
+        per_head = torch.matmul(q.reshape(b, s * h, d).float(), k.float().transpose(1, 2))  # [B, S*H, T]
+        per_head = per_head.to(torch.bfloat16).view(b, s, h, -1)
+        return per_head.relu_().mul_(weights.unsqueeze(-1)).sum(dim=2)
     rows = []
     for i in range(b):
         per_head = fp4_products(q[i].reshape(s * h, d), k[i].t()).view(s, h, -1)  # [S, H, T] bf16
-        if fuse:  # one pass: ReLU, weight and head sum fused, the same bf16 roundings
-            rows.append(_compiled_epilogue()(per_head, weights[i]))
-        else:  # in place on the fresh GEMM output: the same roundings, no new multi-MB tensors
-            rows.append(per_head.relu_().mul_(weights[i].unsqueeze(-1)).sum(dim=1))
+        rows.append(_compiled_epilogue()(per_head, weights[i]))  # ReLU, weight and head sum in one pass
     return rows[0].unsqueeze(0) if b == 1 else torch.stack(rows)
 
 

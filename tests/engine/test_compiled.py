@@ -121,12 +121,16 @@ def test_the_window_attention_region_reads_and_writes_the_rings_format():
     assert o2.shape == (b, 1, 1, d)
 
 
-def test_a_forward_larger_than_the_built_buckets_runs_in_pieces(tiny_model):
+def test_a_forward_larger_than_the_built_buckets_runs_in_pieces():
     """A decode or verify forward with more tokens than the largest built bucket (a speculative verify of 8
     sequences x 6 tokens) runs each token-wise region as pieces of the built buckets, the last padded, and
     joins them: with the regions' own functions eager and batch-invariant GEMMs, every output equals the
     whole call's bit for bit. The decode attention's regions serve only a step its bucket holds."""
-    model = tiny_model
+    from dsv41.config import tiny
+    from dsv41.model.init import init_random_weights
+    from dsv41.model.transformer import Transformer
+
+    model = init_random_weights(Transformer(tiny()), seed=1, std=0.1).eval()  # its own: the regions stack experts
     decode = compiled.CompiledDecode(model, (1, 2, 4))  # torch.compile is lazy: nothing is traced here
     eager = decode._functions()
     decode._compiled = {b: eager for b in (1, 2, 4)}

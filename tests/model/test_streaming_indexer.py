@@ -154,7 +154,8 @@ def test_engine_prefill_and_decode_same_with_streaming(mode):
 
 
 @pytest.mark.parametrize(
-    "b,s,h,d,t", [(1, 1, 8, 64, 5000), (3, 1, 8, 64, 300), (1, 64, 4, 64, 777), (2, 5, 16, 128, 40)]
+    "b,s,h,d,t",
+    [(1, 1, 8, 64, 5000), (3, 1, 8, 64, 300), (48, 1, 8, 64, 256), (1, 64, 4, 64, 777), (2, 5, 16, 128, 40)],
 )
 def test_index_scores_mm_equals_the_einsum_reference(b, s, h, d, t):
     """On FP4-rounded q and k (what the indexer scores), the 2-D GEMM formulation gives the einsum's bits,
