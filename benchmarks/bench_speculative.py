@@ -11,7 +11,8 @@ excluded, identical for all). Reports whether the speculative outputs equal the 
 (`fast` numerics do not promise it: a near-tie can flip), the acceptance per draft position (the fraction of
 verify passes whose draft was accepted up to and including that position), tokens per target pass and the
 speed-up against plain and compiled plain decoding. Prints tables, writes <out>/speculative_<name>.json and
-a PNG. These machines are noisy: compare the ratios.
+a PNG. These machines are noisy: compare the ratios (`--repeats N` runs the variants in turn N times and
+keeps each one's median).
 
 Without a trained drafter, the cost of speculation can still be measured at a chosen acceptance:
 
@@ -186,6 +187,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--name", default=None, help="output name (default: the preset, else small)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1, help="rounds over the variants; each reports its median run")
     args = ap.parse_args(argv)
     if (args.model is None) == (args.preset is None):
         ap.error("give one of --model (with --data) or --preset (with --oracle-acceptance)")
@@ -223,6 +225,7 @@ def main(argv=None) -> int:
         "new_tokens": args.new_tokens,
         "threads": args.threads,
         "oracle_acceptance": args.oracle_acceptance,
+        "repeats": args.repeats,
         "batches": {},
     }
     rows, accept_rows = [], []
@@ -236,10 +239,15 @@ def main(argv=None) -> int:
         # the process) run on first use, so the first variant timed would pay for all of them
         for opts in ({}, {"speculative": True}):
             run(model, prompts, 12, **opts)
-        runs = {
-            name: run(model, prompts, args.new_tokens, args.oracle_acceptance, **opts)
-            for name, opts in variants.items()
-        }
+        # the variants in turn, `--repeats` rounds: each keeps its median-speed run (these machines drift)
+        rounds: dict[str, list[dict]] = {name: [] for name in variants}
+        for _ in range(args.repeats):
+            for name, opts in variants.items():
+                rounds[name].append(run(model, prompts, args.new_tokens, args.oracle_acceptance, **opts))
+        runs = {}
+        for name, done in rounds.items():
+            ranked = sorted(done, key=lambda r: r["decode_tokens_per_s"])
+            runs[name] = ranked[len(ranked) // 2] | {"tokens_per_s_runs": [r["decode_tokens_per_s"] for r in done]}
         base, compiled = runs["plain"], runs["plain, compiled decode"]
         for name, r in runs.items():
             # an oracle decides acceptance whatever the tokens: its runs' tokens are not plain decoding's

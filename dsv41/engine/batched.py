@@ -302,12 +302,13 @@ def chunk_decode_attend(
             gathered[key] = ops.gather_picked(pool.pages(attn.kv_source), flat.tables, picked)  # [N, k, D]
         selected = gathered[key]
         valid = torch.cat([valid, picked[:, 0] >= 0], dim=1)
-    # the rings decoded once per sequence (not per token), as `window_attention` decodes them
+    # the rings decoded once per sequence (not per token), as `window_attention` decodes them; the rows kept in
+    # fp32, which holds every FP8 and bf16 value exactly (`dense_decode_attn` computes in fp32 anyway)
     seq_slots, seq_of = flat.slots.unique(return_inverse=True)
     ring_scale = (states.window_scale[seq_slots, layer].to(torch.int32) << 23).view(torch.float32)
-    ring = fp8_dequant(states.window_codes[seq_slots, layer], ring_scale).to(kv.dtype)[seq_of]  # [N, W, D]
-    parts = [ring, kv[:, 0][chunk_rows]]  # the chunk's rows [N, n, D]: each token's own and earlier ones valid
-    rows = torch.cat(parts if selected is None else parts + [selected], dim=1)
+    ring = fp8_dequant(states.window_codes[seq_slots, layer], ring_scale)[seq_of]  # [N, W, D] fp32
+    parts = [ring, kv[:, 0].float()[chunk_rows]]  # the chunk's rows [N, n, D]: each token's own, earlier ones
+    rows = torch.cat(parts if selected is None else parts + [selected.float()], dim=1)
     o = ops.dense_decode_attn(q, rows, valid, attn.attn_sink, attn.softmax_scale)
     slots = flat.slots
     codes, scale = fp8_quant(kv[:, 0])
