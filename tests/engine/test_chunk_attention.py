@@ -24,9 +24,11 @@ def model():
     return load_model(DSPARK)
 
 
-def _state(engine) -> dict:
-    """Every tensor a forward's attention may write: the window rings, partial groups, the paged pool."""
-    states, pool = engine.states, engine.pool
+def _state(backend) -> dict:
+    """Every tensor a forward's attention may write: the window rings, partial groups, the paged pool (of the
+    engine whose forward this backend serves)."""
+    cache = backend.steps[0][1][0].cache
+    states, pool = cache.states, cache.pool
     out = {"codes": states.window_codes.view(torch.uint8), "scale": states.window_scale}
     for name in ("group_kv", "group_score"):
         out |= {(name, k): t for k, t in getattr(states, name).items()}
@@ -47,8 +49,9 @@ def _kept_rows(backend, layer) -> dict:
 
 def test_chunked_verify_attention_equals_the_decode_steps(model, monkeypatch):
     """Speculative decoding of 5 sequences in `fast` numerics with drafts accepted to different lengths (so
-    chunks of 1 to 5 tokens share forwards, groups complete inside and across chunks, rings wrap). For every
-    layer of every forward with verify chunks, the attention runs both ways from one saved state: output,
+    chunks of 1 to 5 tokens share forwards, groups complete inside and across chunks, rings wrap, and decode
+    tokens run beside other requests' prefill chunks). For every layer of every forward with decode steps
+    (other than a decode-only batch, which has one path), the attention runs both ways from one saved state: output,
     rings, partial groups and pool entries must match. Token-wise ops are made batch-invariant for the test
     (the runner's `fast` context swapped for row-chunked GEMMs), so what remains to differ is the order of
     the softmax sums (and the indexer breaks ties by position, as the deterministic mode does: FP4 scores
@@ -56,13 +59,13 @@ def test_chunked_verify_attention_equals_the_decode_steps(model, monkeypatch):
     engine = make(model, numerics="fast", speculative=True, kv_pool_tokens=4096)
     engine.runner.numerics = lambda: model.numerics(16)  # batch-invariant GEMMs under the `fast` paths
     real_attend = PagedAttention.attend
-    seen = {"layers": 0, "longest": 0, "mixed": 0, "kept": 0}
+    seen = {"layers": 0, "longest": 0, "mixed": 0, "kept": 0, "with_prefill": 0}
     errors: list[str] = []
 
     def both(self, layer, x):
-        if len(self.steps) < 2:
-            return real_attend(self, layer, x)
-        live = _state(engine)
+        if not self.steps or (len(self.steps) == 1 and len(self.steps[0][1]) == x.size(1)):
+            return real_attend(self, layer, x)  # no decode step, or decode only (one batched step, no chunks)
+        live = _state(self)
         before = {k: t.clone() for k, t in live.items()}
         self.chunk_steps = False
         stepped = real_attend(self, layer, x)
@@ -73,7 +76,11 @@ def test_chunked_verify_attention_equals_the_decode_steps(model, monkeypatch):
         self.chunk_steps = True
         chunked = real_attend(self, layer, x)
         try:  # the engine turns a forward's exception into failed requests: keep it for the test's end
-            torch.testing.assert_close(chunked, stepped, rtol=2e-2, atol=2e-3)
+            rows, a = [], 0  # the decode and verify tokens' rows (a prefill chunk's run the same code both times)
+            for c in self.chunks:
+                rows += list(range(a, a + len(c.tokens))) if c.decode or c.stepped else []
+                a += len(c.tokens)
+            torch.testing.assert_close(chunked[:, rows], stepped[:, rows], rtol=2e-2, atol=2e-3)
             for k, t in live.items():
                 if k[0] in ("group_kv", "group_score"):
                     torch.testing.assert_close(t, after_steps[k], rtol=1e-5, atol=1e-6)
@@ -91,6 +98,7 @@ def test_chunked_verify_attention_equals_the_decode_steps(model, monkeypatch):
         seen["kept"] += len(kept)
         seen["longest"] = max(seen["longest"], len(self.steps))
         seen["mixed"] = max(seen["mixed"], len({len(c.tokens) for c in self.steps[0][1]}))
+        seen["with_prefill"] += any(not (c.decode or c.verify) for c in self.chunks)
         return chunked
 
     monkeypatch.setattr(PagedAttention, "attend", both)
@@ -117,6 +125,7 @@ def test_chunked_verify_attention_equals_the_decode_steps(model, monkeypatch):
     assert seen["longest"] == model.cfg.dspark_block_size + 1  # whole drafts verified
     assert seen["mixed"] >= 2  # chunks of different lengths in one forward
     assert seen["kept"]  # rollback rows compared
+    assert seen["with_prefill"]  # decode or verify tokens beside other requests' prefill chunks
 
 
 def test_fast_speculative_decoding_verifies_through_the_chunked_attention(model, monkeypatch):
