@@ -371,7 +371,31 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
 
-class _SplitRegions:
+class _RunByTokens:
+    """The token-wise region methods of a regions object that cuts its calls along the tokens itself:
+    `_run(name, module, [(tensor, token dim), ...], extra)` (`_SplitRegions`, `_TiledRegions`)."""
+
+    def _run(self, name: str, module, tokens: list, extra=()):
+        raise NotImplementedError
+
+    def pre_attention(self, block, h, pre_mix):
+        return self._run("pre_attention", block, [(h, 1), (pre_mix, 1)])
+
+    def project(self, attn, x, freqs):
+        return self._run("project", attn, [(x, 1), (freqs, 0)])
+
+    def output(self, attn, o, freqs):
+        return self._run("output", attn, [(o, 1), (freqs, 0)])
+
+    def post_attention(self, block, x, residual, post, comb, attn_pre):
+        return self._run("post_attention", block, [(t, 1) for t in (x, residual, post, comb, attn_pre)])
+
+    def post_attention_ffn(self, block, x, residual, post, comb, attn_pre, stacks):
+        tokens = [(t, 1) for t in (x, residual, post, comb, attn_pre)]
+        return self._run("post_attention_ffn", block, tokens, (stacks,))
+
+
+class _SplitRegions(_RunByTokens):
     """The token-wise regions of a forward with more tokens than one built bucket holds, as consecutive
     pieces (`_Regions` each, the last padded to its bucket) whose outputs are joined along the tokens."""
 
@@ -392,22 +416,6 @@ class _SplitRegions:
             outs.append(getattr(piece, name)(module, *cut, *extra))
             start = end
         return _cat(outs)
-
-    def pre_attention(self, block, h, pre_mix):
-        return self._run("pre_attention", block, [(h, 1), (pre_mix, 1)])
-
-    def project(self, attn, x, freqs):
-        return self._run("project", attn, [(x, 1), (freqs, 0)])
-
-    def output(self, attn, o, freqs):
-        return self._run("output", attn, [(o, 1), (freqs, 0)])
-
-    def post_attention(self, block, x, residual, post, comb, attn_pre):
-        return self._run("post_attention", block, [(t, 1) for t in (x, residual, post, comb, attn_pre)])
-
-    def post_attention_ffn(self, block, x, residual, post, comb, attn_pre, stacks):
-        tokens = [(t, 1) for t in (x, residual, post, comb, attn_pre)]
-        return self._run("post_attention_ffn", block, tokens, (stacks,))
 
 
 # ------------------------------------------------------------------ deterministic numerics: one tile shape
@@ -540,7 +548,7 @@ def _flat(value) -> list[torch.Tensor]:
     return [value]
 
 
-class _TiledRegions:
+class _TiledRegions(_RunByTokens):
     """The tile graphs for one forward of any number of tokens (`CompiledTiles`)."""
 
     tiled = True
@@ -561,19 +569,3 @@ class _TiledRegions:
             out = self.compiled[name](module, *(_tile(t, d, start, n, self.rows) for t, d in tokens), *extra)
             outs.append(out if n == self.rows else _cut(out, n))
         return outs[0] if len(outs) == 1 else _cat(outs)
-
-    def pre_attention(self, block, h, pre_mix):
-        return self._run("pre_attention", block, [(h, 1), (pre_mix, 1)])
-
-    def project(self, attn, x, freqs):
-        return self._run("project", attn, [(x, 1), (freqs, 0)])
-
-    def output(self, attn, o, freqs):
-        return self._run("output", attn, [(o, 1), (freqs, 0)])
-
-    def post_attention(self, block, x, residual, post, comb, attn_pre):
-        return self._run("post_attention", block, [(t, 1) for t in (x, residual, post, comb, attn_pre)])
-
-    def post_attention_ffn(self, block, x, residual, post, comb, attn_pre, stacks):
-        tokens = [(t, 1) for t in (x, residual, post, comb, attn_pre)]
-        return self._run("post_attention_ffn", block, tokens, (stacks,))

@@ -128,11 +128,7 @@ class PagedAttention(AttentionBackend):
             )[:, 0]
             if kept:
                 for batch, members in steps:
-                    kv_rows, score_rows = batch.record_rows[attn.layer_id]  # [B_i, D] fp32
-                    for row, c in enumerate(members):
-                        if id(c) in kept:
-                            kept[id(c)][1].append(kv_rows[row : row + 1])
-                            kept[id(c)][2].append(score_rows[row : row + 1])
+                    _keep_step_rows(kept, batch, members, attn.layer_id)
             steps = []  # done
         for i, (batch, members) in enumerate(steps):
             at = torch.tensor([offset[id(c)] + i for c in members], device=x.device)
@@ -148,11 +144,7 @@ class PagedAttention(AttentionBackend):
                 pool,
             )[:, 0]
             if kept:
-                kv_rows, score_rows = batch.record_rows[attn.layer_id]  # [B_i, D] fp32
-                for row, c in enumerate(members):
-                    if id(c) in kept:
-                        kept[id(c)][1].append(kv_rows[row : row + 1])
-                        kept[id(c)][2].append(score_rows[row : row + 1])
+                _keep_step_rows(kept, batch, members, attn.layer_id)
         for c in chunks:
             if id(c) in kept:
                 first, kvs, scores = kept[id(c)]
@@ -223,6 +215,15 @@ class PagedAttention(AttentionBackend):
         if not dropped:
             return None
         return torch.tensor(keep, dtype=torch.int64, device=h.device)
+
+
+def _keep_step_rows(kept: dict, batch, members: list, layer: int) -> None:
+    """Append the fp32 rows (kv, score) [B_i, D] a decode step's compressor recorded to each kept chunk's lists."""
+    kv_rows, score_rows = batch.record_rows[layer]
+    for row, c in enumerate(members):
+        if id(c) in kept:
+            kept[id(c)][1].append(kv_rows[row : row + 1])
+            kept[id(c)][2].append(score_rows[row : row + 1])
 
 
 def _verify_group_rows(attn, steps, states) -> dict:
