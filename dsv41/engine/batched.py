@@ -146,20 +146,29 @@ def _rope_rows(x: torch.Tensor, freqs: torch.Tensor, rope_dim: int) -> torch.Ten
     return ops.apply_rope(x.transpose(0, 1), freqs, rope_dim).transpose(0, 1)
 
 
+def _scale_of_bits(bits: torch.Tensor) -> torch.Tensor:
+    """UE8M0 bits (uint8, 1..254) -> the fp32 power of two 2^(bits - 127) they stand for, by an integer shift
+    into an fp32's exponent field: inductor has no kernel for float8_e8m0fnu conversions (each became an
+    ~80 us fallback call inside a compiled region)."""
+    return (bits.to(torch.int32) << 23).view(torch.float32)
+
+
+def _bits_of_scale(scale: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_scale_of_bits` for fp32 powers of two (what `fp8_quant` returns as scales)."""
+    return (scale.view(torch.int32) >> 23).to(torch.uint8)
+
+
 def window_attention(q, ring_codes, ring_scale, kv, valid, selected, attn_sink, softmax_scale: float):
     """The `fast` decode attention of one layer: the FP8 window ring decoded, the new token's row appended
     and encoded for the ring, and the dense softmax over the window and the selected compressed rows
     (`ops.dense_decode_attn`). ring_codes [B, W, D] e4m3, ring_scale [B, W, D/FP8_BLOCK] uint8 (UE8M0 bits),
     kv [B, 1, D], valid [B, W + 1 (+ k)], selected [B, k, D] or None -> (o [B, 1, H, D] bf16, the new row's
     codes [B, D] and scale bits [B, D/FP8_BLOCK]). Also a compiled region (dsv41.engine.compiled)."""
-    # UE8M0 bits <-> the power of two they stand for, as integer shifts into an fp32's exponent field: inductor
-    # has no kernel for float8_e8m0fnu conversions (each became an ~80 us fallback call)
-    scale = (ring_scale.to(torch.int32) << 23).view(torch.float32)  # 2^(bits - 127), bits in 1..254
-    ring = fp8_dequant(ring_codes, scale).to(kv.dtype)
+    ring = fp8_dequant(ring_codes, _scale_of_bits(ring_scale)).to(kv.dtype)
     rows = torch.cat([ring, kv] if selected is None else [ring, kv, selected], dim=1)
     codes, new_scale = fp8_quant(kv[:, 0])
     o = ops.dense_decode_attn(q, rows, valid, attn_sink, softmax_scale)
-    return o, codes, (new_scale.view(torch.int32) >> 23).to(torch.uint8)
+    return o, codes, _bits_of_scale(new_scale)
 
 
 def index_query(idx, qr: torch.Tensor, x: torch.Tensor, freqs: torch.Tensor):
@@ -277,11 +286,12 @@ def chunk_decode_attend(
     token's chunk start; chunk_rows [N, n]: for each token, the rows of its chunk's tokens (the last repeated
     past the chunk's end); steps: (batch, rows) for position i of every chunk, in order.
 
-    What one position writes and a later one reads goes in position order: the compressors take the
-    positions step by step (a group completed at one position is an entry visible to the next). Each token
-    then reads its window as cat(the ring as it was before the chunk, the chunk's own rows) masked to its
-    positions, and the entries visible at its position (the indexer masks later ones); the ring gets every
-    token's row last. Returns [N, 1, H, D]."""
+    What one position writes and a later one reads is kept in position order: the compressors write every
+    entry the chunks complete first (a ratio-1 compressor in one call, a ratio-2 one by `_compress_chunks`,
+    with each step's rows recorded for a verify's rollback), and the indexer lets each token see only the
+    entries complete at its position. Each token reads its window as cat(the ring as it was before the
+    chunk, the chunk's own rows) masked to its positions; the ring gets every token's row last.
+    Returns [N, 1, H, D]."""
     layer, w = attn.layer_id, attn.window
     valid = flat.chunk_window_valid(layer, w, starts, chunk_rows.size(1))  # [N, W + n]
     selected = None
@@ -305,7 +315,7 @@ def chunk_decode_attend(
     # the rings decoded once per sequence (not per token), as `window_attention` decodes them; the rows kept in
     # fp32, which holds every FP8 and bf16 value exactly (`dense_decode_attn` computes in fp32 anyway)
     seq_slots, seq_of = flat.slots.unique(return_inverse=True)
-    ring_scale = (states.window_scale[seq_slots, layer].to(torch.int32) << 23).view(torch.float32)
+    ring_scale = _scale_of_bits(states.window_scale[seq_slots, layer])
     ring = fp8_dequant(states.window_codes[seq_slots, layer], ring_scale)[seq_of]  # [N, W, D] fp32
     parts = [ring, kv[:, 0].float()[chunk_rows]]  # the chunk's rows [N, n, D]: each token's own, earlier ones
     rows = torch.cat(parts if selected is None else parts + [selected.float()], dim=1)
@@ -314,7 +324,7 @@ def chunk_decode_attend(
     codes, scale = fp8_quant(kv[:, 0])
     at = flat.ring_slots(w)  # distinct per sequence while a chunk is no longer than the window
     states.window_codes[slots, layer, at] = codes
-    states.window_scale[slots, layer, at] = (scale.view(torch.int32) >> 23).to(torch.uint8)
+    states.window_scale[slots, layer, at] = _bits_of_scale(scale)
     return o
 
 

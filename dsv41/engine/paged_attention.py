@@ -115,10 +115,7 @@ class PagedAttention(AttentionBackend):
                 step_rows.append((batch, index))
             out[0, rows] = chunk_decode_attend(
                 attn,
-                x[0, rows].unsqueeze(1),
-                qr[0, rows].unsqueeze(1),
-                q[0, rows].unsqueeze(1),
-                kv[0, rows].unsqueeze(1),
+                *_tokens_at(rows, x, qr, q, kv),
                 self.flat,
                 self.flat_starts,
                 self.chunk_rows,
@@ -135,10 +132,7 @@ class PagedAttention(AttentionBackend):
             batch.record_rows = {} if kept else None
             out[0, at] = decode_attend(
                 attn,
-                x[0, at].unsqueeze(1),
-                qr[0, at].unsqueeze(1),
-                q[0, at].unsqueeze(1),
-                kv[0, at].unsqueeze(1),
+                *_tokens_at(at, x, qr, q, kv),
                 batch,
                 states,
                 pool,
@@ -215,6 +209,11 @@ class PagedAttention(AttentionBackend):
         if not dropped:
             return None
         return torch.tensor(keep, dtype=torch.int64, device=h.device)
+
+
+def _tokens_at(at: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Tokens `at` of each [1, T, ...] tensor as one sequence each: [len(at), 1, ...]."""
+    return [t[0, at].unsqueeze(1) for t in tensors]
 
 
 def _keep_step_rows(kept: dict, batch, members: list, layer: int) -> None:
