@@ -311,15 +311,18 @@ class DataParallelFront(AsyncEngine):
     def _place(self, command: tuple) -> int:
         """The rank whose prefix cache most likely holds the start of this prompt (`PrefixAffinity` over its
         16-token blocks: the rank that was sent the longest start of it, unless it is busier than the
-        others by `balance_abs`), else the one with the fewest outstanding requests; ties to the lowest rank. A
-        request that arrives with a KV hand-off reads no prefix cache: fewest outstanding only."""
+        others by `balance_abs`), else the one with the fewest outstanding requests. Ties go to the rank given
+        the fewest requests so far, then the lowest: requests that arrive one after another (each done before
+        the next) take turns over the ranks instead of all landing on rank 0. A request that arrives with a KV
+        hand-off reads no prefix cache: fewest outstanding only."""
         request_id, prompt = command[1], command[2]
         extra = command[5] if len(command) > 5 else {}
         load = dict(enumerate(self._outstanding))
+        turns = sorted(range(self.world), key=lambda r: (self._assigned[r], r))  # preference order for ties
         if extra.get("handoff") is not None:
-            rank = min(range(self.world), key=lambda r: (self._outstanding[r], r))
+            rank = min(turns, key=lambda r: self._outstanding[r])  # min keeps the first of equals
         else:
-            rank = self.affinity.choose(list(range(self.world)), self.affinity.keys(prompt), load)
+            rank = self.affinity.choose(turns, self.affinity.keys(prompt), load)
         self._owner[request_id] = rank
         self._outstanding[rank] += 1
         self._assigned[rank] += 1

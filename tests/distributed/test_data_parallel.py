@@ -218,36 +218,56 @@ def test_cancelled_stream_is_aborted_on_its_rank(server):
 
 def test_next_turn_goes_to_the_rank_holding_its_prefix(server):
     """Prefix-cache-aware placement (dsv41.distributed.affinity): a prompt's continuation goes to the rank
-    whose prefix cache holds its start, even while that rank is busier (here with a long stream), and is
-    served from that cache; a least-outstanding choice alone would send it to the idle rank, which would
-    compute it all again."""
+    whose prefix cache holds its start, even while that rank is busier (here with a long stream) and the
+    other is idle, and is served from that cache; a least-outstanding choice alone would send it to the idle
+    rank, which would compute it all again."""
     _, base = server
     client = _client(base)
     first = _prompt(7, 48)
     kw = dict(model="dsv41-tiny", max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
-    assigned = [_metric(base, f"dp_rank{r}_requests_assigned_total") for r in (0, 1)]
+
+    def assigned():
+        return [_metric(base, f"dp_rank{r}_requests_assigned_total") for r in (0, 1)]
+
+    def busy_stream(seed):
+        stream = client.completions.create(
+            model="dsv41-tiny",
+            prompt=_prompt(seed, 5),
+            max_tokens=400,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        next(iter(stream))  # placed, and running there
+        return stream
+
+    def close_and_wait(stream, running):
+        stream.close()  # the front aborts it on its rank
+        deadline = time.monotonic() + 60
+        while _metric(base, "num_requests_running") > running:
+            assert time.monotonic() < deadline, "the closed stream was not aborted"
+            time.sleep(0.2)
+
+    before = assigned()
     placed = _metric(base, "dp_prefix_placements_total")
     assert client.completions.create(prompt=first, **kw).usage.prompt_tokens_details.cached_tokens == 0
-    busy = client.completions.create(
-        model="dsv41-tiny",
-        prompt=_prompt(8, 5),
-        max_tokens=400,
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
-    next(iter(busy))  # both requests went to the idle rank 0, and this one is still running there
+    home = [a - b for a, b in zip(assigned(), before)].index(1)  # the rank that holds `first`'s prefix
+    # a long stream on that rank, and none on the other: a stream placed by load on the other rank is closed,
+    # and the next one then goes to the idle `home`
+    at = assigned()
+    busy = busy_stream(8)
+    if assigned()[home] == at[home]:
+        other = busy
+        busy = busy_stream(10)
+        close_and_wait(other, running=1)
+    assert assigned()[home] == at[home] + 1 and _metric(base, f"dp_rank{1 - home}_running") == 0
     try:
         second = client.completions.create(prompt=first + _prompt(9, 30), **kw)
+        assert assigned()[home] == at[home] + 2, "the continuation left the rank that holds its prefix"
     finally:
-        busy.close()  # aborted on rank 0 (the tests after this one want idle ranks)
-    deadline = time.monotonic() + 60
-    while _metric(base, "num_requests_running") > 0:
-        assert time.monotonic() < deadline, "the closed stream was not aborted"
-        time.sleep(0.2)
-    assert [_metric(base, f"dp_rank{r}_requests_assigned_total") - a for r, a in zip((0, 1), assigned)] == [3, 0]
+        close_and_wait(busy, running=0)  # the tests after this one want idle ranks
     assert _metric(base, "dp_prefix_placements_total") == placed + 1
-    # served from rank 0's cache: the first prompt's snapshot (48 tokens, inside the pool's first 64-token block)
+    # served from that rank's cache: the first prompt's snapshot (48 tokens, inside the pool's first 64-token block)
     assert second.usage.prompt_tokens_details.cached_tokens == len(first)
 
 
