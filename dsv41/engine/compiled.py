@@ -151,8 +151,12 @@ class CompiledDecode:
     """The compiled regions of one model's decode steps, bucket by bucket. `regions(n)` gives an object with
     the four functions for a decode batch of n tokens once that bucket is built, else None (run eager)."""
 
-    def __init__(self, model, buckets: tuple[int, ...] = BUCKETS):
+    def __init__(self, model, buckets: tuple[int, ...] = BUCKETS, numerics=None):
+        # numerics: the context the regions are traced in, the runner's (`ModelRunner.numerics`): the graphs keep
+        # what the modules' settings were then (the guards on the modules are dropped, `_keep_guard`), so they
+        # must be the settings of the forwards that call them (the small-call fp32 GEMMs, `fp32_rows`, above all)
         self.model, self.buckets = model, buckets
+        self.numerics = numerics or (lambda: model.numerics(0, fast=True))
         self.ready: set[int] = set()
         self.failed = False
         # one compiled function per (region, bucket), each with a code object of its own: Dynamo keeps its
@@ -245,7 +249,7 @@ class CompiledDecode:
         pre = torch.full((1, rows, cfg.hc_mult), 1.0 / cfg.hc_mult, device=dev)
         positions = torch.arange(rows, device=dev)
         regions = _Regions(self._compiled[rows], rows, rows)
-        with model.numerics(0):
+        with self.numerics():
             for block in model.layers:
                 attn = block.attn
                 freqs = attn.rope.at(positions, dev)

@@ -96,7 +96,7 @@ class LLMEngine(Scheduling, Speculation):
             # forwards run in pieces of the largest (dsv41.engine.compiled.CompiledDecode.regions)
             most = config.max_num_seqs * (1 + self.num_draft)
             buckets = tuple(b for b in BUCKETS if b < most) + tuple(b for b in BUCKETS if b >= most)[:1]
-            self.runner.compiled = CompiledDecode(model, buckets)
+            self.runner.compiled = CompiledDecode(model, buckets, self.runner.numerics)
             if config.compile_decode == "now":
                 self.runner.compiled.build()
             else:

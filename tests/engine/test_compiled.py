@@ -162,6 +162,32 @@ def test_a_forward_larger_than_the_built_buckets_runs_in_pieces():
             assert all(torch.equal(a, b) for a, b in zip(compiled._flat(got), compiled._flat(want))), name
 
 
+def test_the_regions_are_traced_under_the_runners_numerics(monkeypatch):
+    """The graphs keep the settings the modules had when they were traced (their guards are dropped), so an
+    engine builds its buckets inside its runner's numerics: where the GEMM probe chose fp32 GEMMs for small calls
+    (a CPU without native bf16), the compiled layers read the fp32 copies as the eager ones do. Run with the
+    regions' own functions eager (what the tracer sees), recording each Linear's setting."""
+    import dsv41.engine.llm_engine as llm_engine
+    from dsv41.config import tiny
+    from dsv41.engine import LLMEngine
+    from dsv41.model.init import init_random_weights
+    from dsv41.model.layers import Linear
+    from dsv41.model.transformer import Transformer
+    from dsv41.tokenizer import ByteTokenizer
+
+    monkeypatch.setattr(llm_engine, "fp32_rows", lambda shapes, device: 8)  # as the probe answers on such a CPU
+    monkeypatch.setattr(compiled.torch, "compile", lambda fn, **kw: fn)  # the regions' functions, eager
+    seen = []
+    real = Linear.forward
+    monkeypatch.setattr(Linear, "forward", lambda self, x: seen.append(self.fp32_rows) or real(self, x))
+    model = init_random_weights(Transformer(tiny()), seed=1).eval()
+    config = EngineConfig(numerics="fast", fast_gemm="auto", compile_decode="now", max_num_seqs=2, fused_kernels="now")
+    engine = LLMEngine(model, ByteTokenizer(model.cfg.vocab_size), config)
+    assert engine.runner.fp32_rows == 8 and engine.runner.compiled.ready == {1, 2}
+    assert seen and set(seen) == {8}, set(seen)  # every traced layer under the fp32 choice
+    assert {lin.fp32_rows for lin in model.modules() if isinstance(lin, Linear)} == {0}  # restored after
+
+
 def test_batch_first_padding_of_the_attention_regions():
     regions = compiled._Regions({}, 3, 4)
     t = torch.ones(3, 2, dtype=torch.bool)
