@@ -71,6 +71,8 @@ class LLMEngine(Scheduling, Speculation):
         if self.speculative:
             k = cfg.dspark_block_size
             self.num_draft = k if config.num_speculative_tokens is None else min(k, config.num_speculative_tokens)
+        # the drafter rings' smallest window: rows of one sequence written together never share a ring slot
+        self.draft_window = min((stage.attn.window for stage in model.mtp), default=0)
         self.states = StatePool(cfg, config.max_num_seqs, model.device, drafter=self.speculative)
         self.snapshots = SnapshotStore(config.max_snapshots if config.enable_prefix_caching else 0, config.window_ttl_s)
         self.runner = ModelRunner(

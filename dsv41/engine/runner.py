@@ -143,6 +143,12 @@ class ModelRunner:
     def _draft_rows(self, hidden, start, cache):
         dspark.prefill(self.model.mtp, hidden, start, cache)
 
+    def draft_rows_at(self, hidden: torch.Tensor, positions: torch.Tensor, rings) -> None:
+        """Drafter-ring rows of several sequences at once (hidden [N, F], positions [N], rings: `DraftRings` with
+        each row's sequence slot; at most one row per ring slot of a sequence)."""
+        with self.numerics(), torch.inference_mode():
+            dspark.write_rows(self.model.mtp, hidden, positions, rings)
+
     @torch.inference_mode()
     def _forward(self, chunks: list[Chunk]) -> torch.Tensor:
         model, cfg = self.model, self.cfg

@@ -68,6 +68,10 @@ class Speculation:
         the next block for every decoding sequence, all in one batched drafter pass."""
         model = self.model
         todo = []
+        # fast numerics: the rows of every sequence in one drafter call (they are token-wise, and nothing there asks
+        # a row for the bits of its sequence's own call); the other modes write each sequence's rows by itself
+        together = self.runner.mode == "fast"
+        rows: list[tuple[Sequence, torch.Tensor, int]] = []  # (sequence, main hidden [n, F], first position)
         for seq, chunk in work:
             if seq.status != Status.RUNNING or seq.cache is None or chunk.main_hidden is None:
                 continue
@@ -83,12 +87,19 @@ class Speculation:
             write_from = max(first_pos, seq.rows_end if seq.rows_first is not None else first_pos)
             write_to = last if can_draft else last + 1  # a draft writes the row at `last` itself
             if write_from < write_to:
-                self.runner.draft_rows(
-                    chunk.main_hidden[write_from - first_pos : write_to - first_pos].unsqueeze(0), write_from, seq.cache
-                )
+                hidden = chunk.main_hidden[write_from - first_pos : write_to - first_pos]
+                if together and write_to - write_from <= self.draft_window:
+                    rows.append((seq, hidden, write_from))
+                else:  # a prompt's rows (a whole chunk: only its last window is kept), or one sequence at a time
+                    self.runner.draft_rows(hidden.unsqueeze(0), write_from, seq.cache)
                 self._rows_written(seq, write_from, write_to)
             if can_draft:
                 todo.append((seq, chunk.main_hidden[last - first_pos], last, budget))
+        if rows:
+            slots = [seq.cache.slot for seq, hidden, _ in rows for _ in range(hidden.size(0))]
+            positions = torch.cat([torch.arange(p, p + h.size(0)) for _, h, p in rows])
+            rings = DraftRings(self.states, slots, [0] * len(slots))  # rows_first: read by drafts only
+            self.runner.draft_rows_at(torch.cat([h for _, h, _ in rows]), positions, rings)
         if not todo:
             return
         seqs = [t[0] for t in todo]

@@ -151,6 +151,20 @@ def prefill(stages: nn.ModuleList, hidden: torch.Tensor, start_pos: int, cache) 
         cache.window_write(stage.layer_id, b, slots, rows)
 
 
+def write_rows(stages: nn.ModuleList, hidden: torch.Tensor, positions: torch.Tensor, rings) -> None:
+    """The main rows of any positions of any sequences in one call: hidden [N, F] (main_hidden rows),
+    positions [N] int64; row i goes to slot positions[i] % window of its own ring (`rings.window_write_rows`
+    with rings' slot i the row's sequence). Each row as its own batch entry, so every row is computed as in
+    `prefill`, up to the GEMMs' row counts."""
+    device = hidden.device
+    positions = positions.to(device)
+    mx = main_x(stages, hidden.unsqueeze(1))  # [N, 1, dim]
+    for stage in stages:
+        attn = stage.attn
+        rows = stage.main_kv(mx, attn.rope.at(positions, device).unsqueeze(1))  # [N, 1, head_dim]
+        rings.window_write_rows(stage.layer_id, positions % attn.window, rows)
+
+
 def draft(
     model,
     first: torch.Tensor,

@@ -303,6 +303,47 @@ def test_engine_drafts_equal_the_model_drafter(model):
     assert want[0] != want[1]
 
 
+def test_drafter_rows_of_several_sequences_in_one_call_equal_each_written_alone(model):
+    """`dspark.write_rows` (the `fast` engine's drafter-ring writes after a verify: every sequence's kept rows
+    in one call) puts each row where `dspark.prefill` of its sequence alone puts it, with the same bits under
+    batch-invariant GEMMs: rows of three sequences at positions that wrap their rings, in one shuffled call."""
+    from dsv41.engine.sequence import DraftRings, StatePool
+    from dsv41.model import dspark
+
+    cfg, g = model.cfg, torch.Generator().manual_seed(3)
+    width = len(cfg.dspark_target_layer_ids) * cfg.dim
+    window = min(stage.attn.window for stage in model.mtp)
+    starts, counts = [3, window - 2, 5 * window + 1], [4, 5, window]  # the second and third wrap around
+    hidden = [torch.randn(n, width, generator=g).bfloat16() for n in counts]
+    alone, together = (StatePool(cfg, 3, torch.device("cpu"), drafter=True) for _ in range(2))
+
+    class Alone:  # one sequence's ring in the pool, as `prefill` writes it (SequenceCache.window_write)
+        def __init__(self, slot):
+            self.rings = DraftRings(alone, [slot], [0])
+
+        def window_write(self, layer, b, ring_slots, values):  # values [1, n, D]
+            for i, at in enumerate(ring_slots.tolist()):
+                self.rings.window_write_rows(layer, torch.tensor([at]), values[:, i : i + 1])
+
+    with model.numerics(16), torch.inference_mode():
+        for slot, (h, start) in enumerate(zip(hidden, starts)):
+            dspark.prefill(model.mtp, h.unsqueeze(0), start, Alone(slot))
+        rows = torch.cat(hidden)
+        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, counts)])
+        slots = [s for s, n in enumerate(counts) for _ in range(n)]
+        order = torch.randperm(len(slots), generator=g)
+        dspark.write_rows(
+            model.mtp, rows[order], positions[order], DraftRings(together, [slots[i] for i in order], [0] * len(slots))
+        )
+    for stage in model.mtp:
+        layer = stage.layer_id
+        assert torch.equal(
+            alone.window_codes[:, layer].view(torch.uint8), together.window_codes[:, layer].view(torch.uint8)
+        )
+        assert torch.equal(alone.window_scale[:, layer], together.window_scale[:, layer])
+    assert alone.window_scale[:, model.mtp[0].layer_id].any()
+
+
 def test_speculative_needs_a_drafter():
     from dsv41.config import tiny
     from dsv41.model.init import init_random_weights
