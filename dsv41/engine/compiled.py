@@ -22,8 +22,9 @@ the visible entries and its top-k, the ratio-2 compressors' group completion, th
 
 The functions take the block or attention module as an argument, so one graph serves every layer of the
 same shape (the compiler treats the modules' weights as inputs). A batch of B decode tokens is padded to the
-next bucket (1, 2, 4, 8, 16, 32 rows; token-wise math, so the padding rows never touch the real ones);
-larger batches and prefill chunks stay eager. Compiling a bucket takes seconds (tens on a cold compiler
+next bucket (1, 2, 4, 8, 16, 32, then 48 .. 256 in steps of 1.5x and 2x; token-wise math, so the padding rows
+never touch the real ones); an engine builds the buckets up to the first that holds its largest decode or
+verify forward, larger forwards run in pieces of the largest, and prefill chunks stay eager. Compiling a bucket takes seconds (tens on a cold compiler
 cache; inductor's on-disk caches make later processes faster), so buckets are built on a background thread
 (`dsv41 serve`'s default) or before the first request (`EngineConfig.compile_decode`), and until a bucket is
 built its steps run eager.
@@ -44,7 +45,10 @@ from dsv41.ops.quant import FP8_BLOCK
 
 log = logging.getLogger(__name__)
 
-BUCKETS = (1, 2, 4, 8, 16, 32)
+# past 32 rows, steps of 1.5x and 2x (padding at most a third of a call): a speculative verify of 8 sequences x 6
+# tokens is one call of 48, whose attention regions then run compiled too (1.25x the tokens/s of 32 + 16 rows
+# with eager attention at batch 8 on `small`)
+BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 
 MODULE_ARGS = ("block", "attn", "idx", "norm")  # the regions' module arguments
 

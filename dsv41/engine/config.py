@@ -168,7 +168,8 @@ class EngineConfig:
             "choices": KERNEL_MODES,
             "help": (
                 "under --numerics fast, compile the token-wise parts of decode steps into one graph per batch "
-                "bucket (1, 2, 4, 8, 16, 32 tokens; dsv41.engine.compiled): 'now' before the first request "
+                "bucket (1, 2, 4, 8, 16, 32, 48, ... up to the largest decode or verify forward of --max-num-seqs; "
+                "dsv41.engine.compiled): 'now' before the first request "
                 "(seconds per bucket with a warm compiler cache, a minute or more cold), 'background' on a thread "
                 "while the eager ops serve (`serve`'s default), 'off' not at all (the default elsewhere: a short "
                 "process does not repay the build; docs/engine-speed.md). Under --numerics deterministic (off by default, "
