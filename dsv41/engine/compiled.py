@@ -24,10 +24,10 @@ The functions take the block or attention module as an argument, so one graph se
 same shape (the compiler treats the modules' weights as inputs). A batch of B decode tokens is padded to the
 next bucket (1, 2, 4, 8, 16, 32, then 48 .. 256 in steps of 1.5x and 2x; token-wise math, so the padding rows
 never touch the real ones); an engine builds the buckets up to the first that holds its largest decode or
-verify forward, larger forwards run in pieces of the largest, and prefill chunks stay eager. Compiling a bucket takes seconds (tens on a cold compiler
-cache; inductor's on-disk caches make later processes faster), so buckets are built on a background thread
-(`dsv41 serve`'s default) or before the first request (`EngineConfig.compile_decode`), and until a bucket is
-built its steps run eager.
+verify forward, larger forwards run in pieces of the largest, and prefill chunks stay eager. Compiling a
+bucket takes seconds (tens on a cold compiler cache; inductor's on-disk caches make later processes faster),
+so buckets are built on a background thread (`dsv41 serve`'s default) or before the first request
+(`EngineConfig.compile_decode`), and until a bucket is built its steps run eager.
 """
 
 from __future__ import annotations
