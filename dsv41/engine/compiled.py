@@ -46,8 +46,8 @@ from dsv41.ops.quant import FP8_BLOCK
 log = logging.getLogger(__name__)
 
 # past 32 rows, steps of 1.5x and 2x (padding at most a third of a call): a speculative verify of 8 sequences x 6
-# tokens is one call of 48, whose attention regions then run compiled too (1.25x the tokens/s of 32 + 16 rows
-# with eager attention at batch 8 on `small`)
+# tokens is one call of 48, and its chunked attention's indexer query and ratio-1 compressor run compiled too
+# (1.25x the tokens/s of 32 + 16 rows with those eager, at batch 8 on `small`)
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 
 MODULE_ARGS = ("block", "attn", "idx", "norm")  # the regions' module arguments
