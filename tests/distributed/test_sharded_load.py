@@ -109,6 +109,7 @@ def _rank(rank: int, world: int, port: int, folder: str) -> None:
         with model.numerics(16), torch.inference_mode():
             end_step(model)
         torch.save(logits, os.path.join(folder, f"logits{rank}.pt"))
+        dist.barrier()  # both ranks done before either tears its group down
     finally:
         dist.destroy_process_group()
 
