@@ -210,11 +210,12 @@ class DraftRings:
     """The DSpark stages' rings of several sequences, for one batched draft (dsv41.model.dspark.draft with
     per-row positions): reads dequantise each sequence's ring, writes store one row per sequence."""
 
-    def __init__(self, states: StatePool, slots: list[int], rows_first: list[int]):
+    def __init__(self, states: StatePool, slots: list[int], rows_first: list[int] | None = None):
         device = states.window_codes.device
         self.states = states
         self.slots = torch.tensor(slots, dtype=torch.int64, device=device)  # [B]
-        self.first = torch.tensor(rows_first, dtype=torch.int64)  # [B]
+        # [B]: each ring's first readable position, for a draft's reads (None: the rings are only written)
+        self.first = None if rows_first is None else torch.tensor(rows_first, dtype=torch.int64)
 
     def draft_first(self) -> torch.Tensor:
         return self.first

@@ -98,8 +98,7 @@ class Speculation:
         if rows:
             slots = [seq.cache.slot for seq, hidden, _ in rows for _ in range(hidden.size(0))]
             positions = torch.cat([torch.arange(p, p + h.size(0)) for _, h, p in rows])
-            rings = DraftRings(self.states, slots, [0] * len(slots))  # rows_first: read by drafts only
-            self.runner.draft_rows_at(torch.cat([h for _, h, _ in rows]), positions, rings)
+            self.runner.draft_rows_at(torch.cat([h for _, h, _ in rows]), positions, DraftRings(self.states, slots))
         if not todo:
             return
         seqs = [t[0] for t in todo]

@@ -319,7 +319,7 @@ def test_drafter_rows_of_several_sequences_in_one_call_equal_each_written_alone(
 
     class Alone:  # one sequence's ring in the pool, as `prefill` writes it (SequenceCache.window_write)
         def __init__(self, slot):
-            self.rings = DraftRings(alone, [slot], [0])
+            self.rings = DraftRings(alone, [slot])
 
         def window_write(self, layer, b, ring_slots, values):  # values [1, n, D]
             for i, at in enumerate(ring_slots.tolist()):
@@ -332,9 +332,7 @@ def test_drafter_rows_of_several_sequences_in_one_call_equal_each_written_alone(
         positions = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, counts)])
         slots = [s for s, n in enumerate(counts) for _ in range(n)]
         order = torch.randperm(len(slots), generator=g)
-        dspark.write_rows(
-            model.mtp, rows[order], positions[order], DraftRings(together, [slots[i] for i in order], [0] * len(slots))
-        )
+        dspark.write_rows(model.mtp, rows[order], positions[order], DraftRings(together, [slots[i] for i in order]))
     for stage in model.mtp:
         layer = stage.layer_id
         assert torch.equal(
