@@ -40,7 +40,8 @@ import torch
 
 from dsv41.engine.batched import index_query, pack_entries, window_attention
 from dsv41.model.block import Block
-from dsv41.ops import index_cpu, moe_cpu
+from dsv41.model.layers import Linear
+from dsv41.ops import index_cpu, linear_cpu, moe_cpu
 from dsv41.ops.quant import FP8_BLOCK
 
 log = logging.getLogger(__name__)
@@ -106,14 +107,17 @@ def post_attention_ffn(block: Block, x, residual, post, comb, attn_pre, stacks):
     return block.hc_post(block.ffn.decode_forward(y, stacks), h, ffn_post, ffn_comb), ffn_pre
 
 
-def final_logits(norm, h: torch.Tensor, pre_mix: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+def final_logits(norm, h: torch.Tensor, pre_mix: torch.Tensor, head: torch.Tensor, kernel: bool) -> torch.Tensor:
     """The last norm and the head for a one-token step, over the bf16 copy of the fp32 head
     (`Transformer.keep_bf16_head`): h [1, 1, hc, dim], pre_mix [1, 1, hc], head [vocab, dim] -> fp32 logits
-    [1, vocab]. Inductor makes the head one reduction loop over the bf16 weight: half the bytes of the fp32 head,
-    the largest weight a decode step reads (~0.45 against ~1.3 ms on `small`, one thread, AMD EPYC Zen 4). The
-    products are summed in fp32 and the logits kept in fp32: rounded to bf16, as a bf16 GEMM would give them,
-    they flip ~0.7% of the top-1 picks against the reference (bench_agreement.py)."""
+    [1, vocab]. kernel: the head by the few-row C++ kernel (dsv41.ops.linear_cpu, where it is built), else by
+    inductor's reduction loop over the bf16 weight. Either reads half the bytes of the fp32 head, the largest
+    weight a decode step reads. The products are summed in fp32 and the logits kept in fp32: rounded to bf16,
+    as a bf16 GEMM would give them, they flip ~0.7% of the top-1 picks against the reference
+    (bench_agreement.py)."""
     x = norm(Block.hc_pre(h, pre_mix))[0]  # [1, dim] bf16
+    if kernel:
+        return linear_cpu.rows_linear(x, head)
     return (x.float().unsqueeze(-2) * head.float()).sum(-1)
 
 
@@ -149,6 +153,18 @@ def choose_expert_kernel(model) -> None:
     # the index layers' C++ scan (dsv41.ops.paged, dsv41.ops.index_cpu), which a decode step uses once it is
     # built but never waits for: built here, with the graphs
     index_cpu.available()
+
+
+def choose_rows_kernel(model) -> None:
+    """The bf16 layers' GEMMs inside the compiled regions and tiles by the few-row C++ kernel
+    (dsv41.ops.linear_cpu) where it is built with the bf16 dot-product instructions. Each output is one
+    token's dot product summed in one fixed order whatever the other rows: batch-invariant by construction,
+    so the `deterministic` tiles take it too (and check it, `CompiledTiles._warm_and_check`). Decided before
+    the first graph is traced."""
+    use = linear_cpu.available()
+    for module in model.layers.modules():
+        if isinstance(module, Linear):
+            module.rows_kernel = use  # (each call still checks its dtype, width and row count: `fits`)
 
 
 class CompiledDecode:
@@ -229,6 +245,7 @@ class CompiledDecode:
                 continue
             try:
                 choose_expert_kernel(self.model)
+                choose_rows_kernel(self.model)
                 self._warm(b)
             except Exception as err:  # noqa: BLE001 - no compiler, an op it cannot take: the eager ops serve
                 log.warning("compiled decode regions unavailable (%s: %s); decoding eager", type(err).__name__, err)
@@ -267,7 +284,7 @@ class CompiledDecode:
                 else:
                     regions.post_attention(block, o, h, a_post, a_comb, a_pre)
             if rows == 1:
-                regions.final_logits(model.norm, h, pre, model.head_bf16())
+                regions.final_logits(model.norm, h, pre, model.head_bf16(), linear_cpu.available())
 
     def _warm_attention(self, regions: _Regions, attn, rows: int, positions: torch.Tensor) -> None:
         """The decode attention's regions on one layer's shapes, on stand-in inputs (zero rings, no valid row
@@ -358,9 +375,9 @@ class _Regions:
         cut = lambda pair: None if pair is None else tuple(t[: self.n] for t in pair)  # noqa: E731
         return cut(kv), cut(keys)
 
-    def final_logits(self, norm, h, pre_mix, head):
-        """`final_logits` (one-token steps only: more rows stay with the fp32 head's GEMM)."""
-        return self.compiled["final_logits"](norm, h, pre_mix, head)
+    def final_logits(self, norm, h, pre_mix, head, kernel: bool):
+        """`final_logits` (one-token steps only)."""
+        return self.compiled["final_logits"](norm, h, pre_mix, head, kernel)
 
     def index_query(self, idx, qr, x, freqs):
         out = self.compiled["index_query"](idx, self._pad0(qr), self._pad0(x), self._pad0(freqs, 1))
@@ -498,6 +515,7 @@ class CompiledTiles:
                     if block.ffn.dispatcher is None:
                         block.ffn.stack_experts()
                 choose_expert_kernel(self.model)
+            choose_rows_kernel(self.model)
             with numerics():
                 bad = self._warm_and_check()
         except Exception as err:  # noqa: BLE001 - no compiler, an op it cannot take: the eager ops serve

@@ -55,6 +55,9 @@ class Linear(nn.Module):
         # fast numerics (dsv41.ops.gemm_choice): calls of at most this many rows run as an fp32 GEMM over an
         # fp32 copy of a bf16 weight (`keep_fp32_copy`), where the probe found it faster; 0: never
         self.fp32_rows = 0
+        # inside a `fast` compiled decode region, calls of a few bf16 rows run by the C++ kernel
+        # (dsv41.ops.linear_cpu); set by the engine before its regions are traced, where that kernel is built
+        self.rows_kernel = False
 
     def keep_fp32_copy(self) -> int:
         """Keep an fp32 copy of a bf16 weight for `fp32_rows` (returns its bytes; 0 for other formats). The
@@ -68,6 +71,8 @@ class Linear(nn.Module):
         return weight_copy(self.__dict__, "_fp32_copy", self.weight, torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows_kernel and torch.compiler.is_compiling() and self._rows_kernel_serves(x):
+            return ops.linear_cpu.rows_linear(x, self.weight).to(torch.bfloat16)
         if x.numel() == x.size(-1) and self.weight.dtype == x.dtype == torch.bfloat16 and torch.compiler.is_compiling():
             # one row inside a compiled decode region: a dot product per output row that inductor turns into one
             # loop over the bf16 weight (no GEMM call, no fp32 copy; ~2x a one-row GEMM on the CPUs measured)
@@ -79,6 +84,11 @@ class Linear(nn.Module):
                 w32 = self.__dict__["_fp32_copy"][1] if torch.compiler.is_compiling() else self._refresh_fp32()
                 return F.linear(x.float(), w32).to(torch.bfloat16)
         return ops.linear(x, self.weight, self.scale, row_chunk=self.row_chunk, reference=self.reference_numerics)
+
+    def _rows_kernel_serves(self, x: torch.Tensor) -> bool:
+        """Not under canonical numerics, never under autograd. (Batch-invariant chunks, `row_chunk`, are no
+        bar: each output is its row's dot product in one fixed order whatever the other rows.)"""
+        return not self.reference_numerics and not torch.is_grad_enabled() and ops.linear_cpu.fits(x, self.weight)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"

@@ -4,7 +4,7 @@ Faster implementations (Triton, fused CUDA) can replace these functions one by o
 the documented shapes and numerics.
 """
 
-from dsv41.ops import canonical, mhc
+from dsv41.ops import canonical, linear_cpu, mhc
 from dsv41.ops.engram_hash import ngram_hash
 from dsv41.ops.gemm import (
     dequant_weight,
@@ -41,6 +41,7 @@ from dsv41.ops.sparse_attn import dense_decode_attn, sparse_attn
 
 __all__ = [
     "canonical",
+    "linear_cpu",
     "mhc",
     "ngram_hash",
     "dequant_weight",

@@ -15,7 +15,7 @@ from dsv41.engine import EngineConfig
 from dsv41.engine.build import build_engine
 from dsv41.eval.agreement import decode_agreement, held_out_windows
 from dsv41.model.block import Block
-from dsv41.ops import moe_cpu
+from dsv41.ops import linear_cpu, moe_cpu
 
 VAL = os.path.join(os.path.dirname(__file__), "..", "data", "shakespeare-chat-val", "val.bin")
 
@@ -25,6 +25,11 @@ def test_compiled_regions_serve_decode_batches_and_agree_with_the_reference(monk
     traced = []  # the buckets whose graphs hold the C++ expert kernel (dsv41.ops.moe_cpu), where it serves
     real_kernel = moe_cpu.gathered_experts_cpu
     monkeypatch.setattr(moe_cpu, "gathered_experts_cpu", lambda x, *a: traced.append(x.size(0)) or real_kernel(x, *a))
+    rows_traced = []  # the row counts of the layers' GEMMs traced into the graphs as the few-row kernel
+    real_rows = linear_cpu.rows_linear
+    monkeypatch.setattr(
+        linear_cpu, "rows_linear", lambda x, w: rows_traced.append(x.numel() // x.size(-1)) or real_rows(x, w)
+    )
     engine = build_engine(
         checkpoint_path(),
         EngineConfig(numerics="fast", compile_decode="now", max_num_seqs=4, kv_pool_tokens=8192, fused_kernels="off"),
@@ -50,6 +55,11 @@ def test_compiled_regions_serve_decode_batches_and_agree_with_the_reference(monk
         assert set(traced) == {1, 2, 4}, traced
     else:
         assert not traced
+    # the few-row kernel likewise, where it serves; and the logits of a step of 3 sequences (3 rows, eager)
+    if linear_cpu.available():
+        assert {1, 2, 4} <= set(rows_traced) and 3 in rows_traced, rows_traced
+    else:
+        assert not rows_traced
     # one sequence alone: bucket 1, whose logits come from the compiled head over its bf16 copy
     alone = decode_agreement(engine, engine.model, prompts[:1], new_tokens=24, passes=1)
     assert alone.top1 >= 0.99 and alone.kl_mean <= 2e-3, alone.as_dict()
@@ -197,10 +207,14 @@ def test_batch_first_padding_of_the_attention_regions():
     assert regions._pad0(None) is None
 
 
-def test_the_one_token_head_reads_a_bf16_copy_and_keeps_fp32_logits(tiny_model):
+@pytest.mark.parametrize("kernel", [False, True])
+def test_the_one_token_head_reads_a_bf16_copy_and_keeps_fp32_logits(tiny_model, kernel):
     """`final_logits` (run eager here: the compiler keeps its math) gives the logits of the bf16 copy of the
     head, summed in fp32 and not rounded to bf16 (rounded, ~0.7% of the top-1 picks flip against the
-    reference); the copy follows the head when its weight changes."""
+    reference), by inductor's loop or by the few-row C++ kernel; the copy follows the head when its weight
+    changes."""
+    if kernel and not linear_cpu.available():
+        pytest.skip("the few-row kernel serves only where the CPU has bf16 dot products")
     model = tiny_model
     g = torch.Generator().manual_seed(0)
     h = torch.randn(1, 1, model.cfg.hc_mult, model.cfg.dim, generator=g).bfloat16()
@@ -210,7 +224,7 @@ def test_the_one_token_head_reads_a_bf16_copy_and_keeps_fp32_logits(tiny_model):
     try:
         head = model.head_bf16()
         assert head.dtype == torch.bfloat16 and torch.equal(head, model.head.weight.bfloat16())
-        got = compiled.final_logits(model.norm, h, pre, head)
+        got = compiled.final_logits(model.norm, h, pre, head, kernel)
         x = model.norm(Block.hc_pre(h, pre))[0]
         want = x.float() @ model.head.weight.bfloat16().float().t()
         assert got.dtype == torch.float32 and got.shape == (1, model.cfg.vocab_size)

@@ -1,0 +1,151 @@
+// A bf16 linear layer of a few rows with fp32 sums and an fp32 result, on a CPU with bf16 dot-product
+// instructions (AVX512-BF16): dsv41.ops.linear_cpu builds this file with the machine's own instruction set
+// (-march=native) and loads it; it registers torch.ops.dsv41.rows_linear_cpu, which a compiled graph calls
+// through the dispatcher.
+//
+// y[t, n] = sum_k x[t, k] w[n, k]: the products of bf16 values are exact in fp32, summed in fp32. Each block of
+// 16 weight rows is read from memory once and kept in the L1 cache while every token's dot products with it
+// are taken, 32 products per instruction; a token's 16 sums are then reduced together by a transposing add
+// tree. Every output is its own token's dot product, summed in one fixed order whatever the other rows of the
+// call: batch-invariant by construction. A token equal to the one before it (a padding row) is computed once.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Dot = true;
+
+// the 16 vectors' lane sums, in order, as one vector: a transposing add tree (each level halves the vectors
+// and doubles the rows a vector holds), 15 adds instead of 16 full horizontal reductions
+inline __m512 sum16(__m512 v[16]) {
+    // level 1: 256-bit halves. u[i] = [rows 2i: 8 partials | row 2i+1: 8 partials]
+    __m512 u[8];
+    for (int i = 0; i < 8; ++i) {
+        __m512 a = v[2 * i], b = v[2 * i + 1];
+        __m512 lo = _mm512_shuffle_f32x4(a, b, 0x44);  // [a.q0 a.q1 b.q0 b.q1]
+        __m512 hi = _mm512_shuffle_f32x4(a, b, 0xEE);  // [a.q2 a.q3 b.q2 b.q3]
+        u[i] = _mm512_add_ps(lo, hi);
+    }
+    // level 2: 128-bit lanes. w[i] = [row 4i | 4i+1 | 4i+2 | 4i+3], 4 partials each
+    __m512 w[4];
+    for (int i = 0; i < 4; ++i) {
+        __m512 c = u[2 * i], d = u[2 * i + 1];
+        __m512 e = _mm512_shuffle_f32x4(c, d, 0x88);  // [c.q0 c.q2 d.q0 d.q2]
+        __m512 f = _mm512_shuffle_f32x4(c, d, 0xDD);  // [c.q1 c.q3 d.q1 d.q3]
+        w[i] = _mm512_add_ps(e, f);
+    }
+    // level 3: within 128-bit lanes. lane j of s[i] = [row 4(2i)+j: 2 partials | row 4(2i+1)+j: 2 partials]
+    __m512 s[2];
+    for (int i = 0; i < 2; ++i) {
+        __m512 g = w[2 * i], h = w[2 * i + 1];
+        __m512 p = _mm512_shuffle_ps(g, h, 0x44);  // per lane [g0 g1 h0 h1]
+        __m512 q = _mm512_shuffle_ps(g, h, 0xEE);  // per lane [g2 g3 h2 h3]
+        s[i] = _mm512_add_ps(p, q);
+    }
+    // level 4: lane j = [row j, row 4 + j, row 8 + j, row 12 + j]
+    __m512 p = _mm512_shuffle_ps(s[0], s[1], 0x88);  // per lane [s0.0 s0.2 s1.0 s1.2]
+    __m512 q = _mm512_shuffle_ps(s[0], s[1], 0xDD);  // per lane [s0.1 s0.3 s1.1 s1.3]
+    __m512 r = _mm512_add_ps(p, q);
+    // element 4j + m holds row 4m + j: transpose the 4 x 4 back to row order
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, r);
+}
+
+// rows n0 .. n0+15 of w against the tokens `rows` lists: out[t, n0 .. n0+15]
+inline void block16(const uint16_t* x, const uint16_t* w, float* out, const std::vector<int64_t>& rows, int64_t K,
+                    int64_t N, int64_t n0) {
+    for (const int64_t t : rows) {
+        const uint16_t* xt = x + t * K;
+        __m512 acc[16];
+        for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 32) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512(xt + k);
+            for (int r = 0; r < 16; ++r)
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(w + (n0 + r) * K + k), xv);
+        }
+        _mm512_storeu_ps(out + t * N + n0, sum16(acc));
+    }
+}
+
+// one row n of w against every token (the rows past the last whole block of 16)
+inline void row1(const uint16_t* x, const uint16_t* w, float* out, const std::vector<int64_t>& rows, int64_t K,
+                 int64_t N, int64_t n) {
+    for (const int64_t t : rows) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 32)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + n * K + k),
+                                   (__m512bh)_mm512_loadu_si512(x + t * K + k));
+        out[t * N + n] = _mm512_reduce_add_ps(acc);
+    }
+}
+
+void rows_linear(const uint16_t* x, const uint16_t* w, float* out, int64_t T, int64_t K, int64_t N) {
+    // a token equal to the one before it (the padding rows of a compiled step's bucket or tile repeat a row)
+    // takes that token's output at the end: the same inputs give the same bits, so they are computed once
+    std::vector<int64_t> rows{0}, same(T, -1);
+    for (int64_t t = 1; t < T; ++t) {
+        const int64_t s = same[t - 1] >= 0 ? same[t - 1] : t - 1;
+        if (std::memcmp(x + t * K, x + s * K, K * sizeof(uint16_t)) == 0)
+            same[t] = s;
+        else
+            rows.push_back(t);
+    }
+    const int64_t blocks = N / 16;
+    auto run = [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) block16(x, w, out, rows, K, N, b * 16);
+    };
+    // two threads for a weight of 2 MB or more (the head: its bytes come from memory, two threads read them
+    // faster) or for 2M products or more (~60 us on one thread); the rest (a decode step's layers: a few
+    // microseconds each) on the calling thread, as handing half of it to a worker that must first be woken
+    // costs more than it saves
+    const int64_t U = int64_t(rows.size());
+    if (N * K < (int64_t(1) << 20) && U * N * K < (int64_t(1) << 21))
+        run(0, blocks);
+    else
+        at::parallel_for(0, blocks, 4, run);
+    for (int64_t n = blocks * 16; n < N; ++n) row1(x, w, out, rows, K, N, n);
+    for (int64_t t = 1; t < T; ++t)
+        if (same[t] >= 0) std::memcpy(out + t * N, out + same[t] * N, N * sizeof(float));
+}
+#else
+constexpr bool kBf16Dot = false;
+
+void rows_linear(const uint16_t*, const uint16_t*, float*, int64_t, int64_t, int64_t) {
+    TORCH_CHECK(false, "rows_linear_cpu: built without the bf16 dot-product instructions");
+}
+#endif
+
+// x [T, K] bf16, w [N, K] bf16, K a multiple of 32 -> fp32 [T, N]
+at::Tensor rows_linear_op(const at::Tensor& x, const at::Tensor& w) {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
+                "rows_linear_cpu: x and w must be bf16");
+    TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && w.size(1) % 32 == 0,
+                "rows_linear_cpu: x [T, K], w [N, K], K a multiple of 32");
+    const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+    const int64_t T = xc.size(0), K = xc.size(1), N = wc.size(0);
+    at::Tensor out = at::empty({T, N}, xc.options().dtype(at::kFloat));
+    rows_linear(reinterpret_cast<const uint16_t*>(xc.data_ptr()), reinterpret_cast<const uint16_t*>(wc.data_ptr()),
+                out.data_ptr<float>(), T, K, N);
+    return out;
+}
+
+bool bf16_dot() { return kBf16Dot; }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dsv41, m) {
+    m.def("rows_linear_cpu(Tensor x, Tensor w) -> Tensor");
+    m.def("rows_linear_cpu_bf16_dot() -> bool", &bf16_dot);
+}
+
+TORCH_LIBRARY_IMPL(dsv41, CPU, m) { m.impl("rows_linear_cpu", &rows_linear_op); }
