@@ -491,6 +491,8 @@ class CompiledTiles:
             name: torch.compile(_own_code(functions[name]), dynamic=False, options=_OPTIONS) for name in TILE_REGIONS
         }
         self.ready: bool | None = None  # None: not built yet; False: unavailable here
+        # the logits of every forward by the few-row kernel over the head's bf16 copy, where the kernel is built
+        self.head_kernel = False
 
     @classmethod
     def for_model(cls, model, rows: int, numerics, moe_inside: bool) -> CompiledTiles | None:
@@ -516,6 +518,9 @@ class CompiledTiles:
                         block.ffn.stack_experts()
                 choose_expert_kernel(self.model)
             choose_rows_kernel(self.model)
+            if linear_cpu.available():
+                self.model.keep_bf16_head()
+                self.head_kernel = True
             with numerics():
                 bad = self._warm_and_check()
         except Exception as err:  # noqa: BLE001 - no compiler, an op it cannot take: the eager ops serve

@@ -215,6 +215,8 @@ class ModelRunner:
         x = model.norm(Block.hc_pre(h[:, index], pre_mix[:, index]))[0]  # [n, dim]
         if kernel and (head := model.head_bf16()) is not None and linear_cpu.fits(x, head):
             return linear_cpu.rows_linear(x, head)
+        if self.tiles is not None and self.tiles.head_kernel:  # `deterministic` tiles: every forward's logits
+            return linear_cpu.rows_linear(x, model.head_bf16())  # by the kernel, any rows (batch-invariant)
         return model.logits(x)
 
     def _split_routing(self, record: RoutingRecord, chunks: list[Chunk]) -> None:

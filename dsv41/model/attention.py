@@ -459,8 +459,8 @@ class Attention(nn.Module):
         o = ops.apply_rope(o, freqs, self.rope_dim, inverse=True, reference=self.reference_numerics)
         o = o.unflatten(-2, (self.n_groups, -1)).flatten(-2)  # [..., S, G, H/G * head_dim]
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
-        if self.wo_a.rows_kernel and torch.compiler.is_compiling() and self.wo_a._rows_kernel_serves(o[..., 0, :]):
-            # a compiled decode region (`fast`): each group's rows by the few-row kernel (dsv41.ops.linear_cpu)
+        if self.wo_a.rows_kernel and self.wo_a._rows_kernel_serves(o[..., 0, :]):
+            # each group's rows by the few-row kernel, where the layer takes it (dsv41.ops.linear_cpu)
             groups = [ops.linear_cpu.rows_linear(o[..., g, :], wo_a[g]) for g in range(self.n_groups)]
             o = torch.stack(groups, dim=-2).to(o.dtype)
         else:

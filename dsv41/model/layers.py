@@ -71,7 +71,7 @@ class Linear(nn.Module):
         return weight_copy(self.__dict__, "_fp32_copy", self.weight, torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rows_kernel and torch.compiler.is_compiling() and self._rows_kernel_serves(x):
+        if self.rows_kernel and self._rows_kernel_serves(x):
             return ops.linear_cpu.rows_linear(x, self.weight).to(torch.bfloat16)
         if x.numel() == x.size(-1) and self.weight.dtype == x.dtype == torch.bfloat16 and torch.compiler.is_compiling():
             # one row inside a compiled decode region: a dot product per output row that inductor turns into one
@@ -86,9 +86,16 @@ class Linear(nn.Module):
         return ops.linear(x, self.weight, self.scale, row_chunk=self.row_chunk, reference=self.reference_numerics)
 
     def _rows_kernel_serves(self, x: torch.Tensor) -> bool:
-        """Not under canonical numerics, never under autograd. (Batch-invariant chunks, `row_chunk`, are no
-        bar: each output is its row's dot product in one fixed order whatever the other rows.)"""
-        return not self.reference_numerics and not torch.is_grad_enabled() and ops.linear_cpu.fits(x, self.weight)
+        """Does the few-row C++ kernel (dsv41.ops.linear_cpu, where `rows_kernel` is set) take this call? Under
+        `fast` numerics, calls of at most `MAX_ROWS` rows inside the compiled decode regions. Under batch-invariant
+        chunks (`row_chunk`, the `deterministic` mode), every call, eager or compiled, of any row count: each
+        output is its own row's dot product summed in one fixed order, so a layer that always takes the kernel
+        gives a token the same bits whatever shares its call. Never under canonical numerics or autograd."""
+        if self.reference_numerics or torch.is_grad_enabled():
+            return False
+        if self.row_chunk:
+            return ops.linear_cpu.fits(x, self.weight, max_rows=None)
+        return torch.compiler.is_compiling() and ops.linear_cpu.fits(x, self.weight)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"

@@ -50,14 +50,15 @@ def available() -> bool:
     return library() is not None and torch.ops.dsv41.rows_linear_cpu_bf16_dot()
 
 
-def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Can the kernel take this call: bf16 on a CPU, at most MAX_ROWS rows, rows a multiple of 32 wide?"""
+def fits(x: torch.Tensor, weight: torch.Tensor, max_rows: int | None = MAX_ROWS) -> bool:
+    """Can the kernel take this call: bf16 on a CPU, at most `max_rows` rows (None: any), rows a multiple of 32
+    wide?"""
     return (
         weight.device.type == "cpu"
         and x.dtype == weight.dtype == torch.bfloat16
         and weight.dim() == 2
         and weight.size(-1) % 32 == 0
-        and x.numel() <= MAX_ROWS * x.size(-1)
+        and (max_rows is None or x.numel() <= max_rows * x.size(-1))
     )
 
 
