@@ -40,7 +40,6 @@ import torch
 
 from dsv41.engine.batched import index_query, pack_entries, window_attention
 from dsv41.model.block import Block
-from dsv41.model.layers import Linear
 from dsv41.ops import index_cpu, linear_cpu, moe_cpu
 from dsv41.ops.quant import FP8_BLOCK
 
@@ -155,18 +154,6 @@ def choose_expert_kernel(model) -> None:
     index_cpu.available()
 
 
-def choose_rows_kernel(model) -> None:
-    """The bf16 layers' GEMMs inside the compiled regions and tiles by the few-row C++ kernel
-    (dsv41.ops.linear_cpu) where it is built with the bf16 dot-product instructions. Each output is one
-    token's dot product summed in one fixed order whatever the other rows: batch-invariant by construction,
-    so the `deterministic` tiles take it too (and check it, `CompiledTiles._warm_and_check`). Decided before
-    the first graph is traced."""
-    use = linear_cpu.available()
-    for module in model.layers.modules():
-        if isinstance(module, Linear):
-            module.rows_kernel = use  # (each call still checks its dtype, width and row count: `fits`)
-
-
 class CompiledDecode:
     """The compiled regions of one model's decode steps, bucket by bucket. `regions(n)` gives an object with
     the four functions for a decode batch of n tokens once that bucket is built, else None (run eager)."""
@@ -245,7 +232,6 @@ class CompiledDecode:
                 continue
             try:
                 choose_expert_kernel(self.model)
-                choose_rows_kernel(self.model)
                 self._warm(b)
             except Exception as err:  # noqa: BLE001 - no compiler, an op it cannot take: the eager ops serve
                 log.warning("compiled decode regions unavailable (%s: %s); decoding eager", type(err).__name__, err)
@@ -491,8 +477,6 @@ class CompiledTiles:
             name: torch.compile(_own_code(functions[name]), dynamic=False, options=_OPTIONS) for name in TILE_REGIONS
         }
         self.ready: bool | None = None  # None: not built yet; False: unavailable here
-        # the logits of every forward by the few-row kernel over the head's bf16 copy, where the kernel is built
-        self.head_kernel = False
 
     @classmethod
     def for_model(cls, model, rows: int, numerics, moe_inside: bool) -> CompiledTiles | None:
@@ -517,10 +501,6 @@ class CompiledTiles:
                     if block.ffn.dispatcher is None:
                         block.ffn.stack_experts()
                 choose_expert_kernel(self.model)
-            choose_rows_kernel(self.model)
-            if linear_cpu.available():
-                self.model.keep_bf16_head()
-                self.head_kernel = True
             with numerics():
                 bad = self._warm_and_check()
         except Exception as err:  # noqa: BLE001 - no compiler, an op it cannot take: the eager ops serve

@@ -34,7 +34,7 @@ from dsv41.engine.sequence import Sequence, StatePool, Status
 from dsv41.engine.speculative import Speculation
 from dsv41.engine.types import RequestOutput, SamplingParams
 from dsv41.model.transformer import Transformer
-from dsv41.ops import fused
+from dsv41.ops import fused, linear_cpu
 from dsv41.ops.gemm_choice import fp32_rows
 
 log = logging.getLogger("dsv41.engine")
@@ -98,6 +98,8 @@ class LLMEngine(Scheduling, Speculation):
             # forwards run in pieces of the largest (dsv41.engine.compiled.CompiledDecode.regions)
             most = config.max_num_seqs * (1 + self.num_draft)
             buckets = tuple(b for b in BUCKETS if b < most) + tuple(b for b in BUCKETS if b >= most)[:1]
+            # the regions' bf16 GEMMs and the steps' logits by the few-row kernel, where it is built (~7 s, once)
+            self.runner.rows_kernel = linear_cpu.available()
             self.runner.compiled = CompiledDecode(model, buckets, self.runner.numerics)
             if config.compile_decode == "now":
                 self.runner.compiled.build()
@@ -112,7 +114,14 @@ class LLMEngine(Scheduling, Speculation):
             # ranks equal one device's (tested); the tiles' have not been checked across ranks
             vision = any(getattr(block.ffn.gate, "bias_vl", None) is not None for block in model.layers)
             moe_inside = not (config.record_routing or vision)
+            # every bf16 GEMM and the logits by the few-row kernel where it is built (batch-invariant by
+            # construction), in the tiles and in the eager attention alike; eager engines keep the chunked GEMMs
+            self.runner.rows_kernel = linear_cpu.available()
+            if self.runner.rows_kernel:
+                model.keep_bf16_head()
             self.runner.tiles = CompiledTiles.for_model(model, config.row_chunk, self.runner.numerics, moe_inside)
+            if self.runner.tiles is None:
+                self.runner.rows_kernel = False
         self.boundary = self.runner.boundary
         limit = config.max_model_len or cfg.max_position_embeddings
         self.max_model_len = min(limit, num_blocks * bs)

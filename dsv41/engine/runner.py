@@ -110,6 +110,9 @@ class ModelRunner:
         # fast mode: calls of at most this many rows run bf16 layers as fp32 GEMMs (dsv41.ops.gemm_choice),
         # set by the engine from its probe; 0: never
         self.fp32_rows = 0
+        # the bf16 layers' GEMMs and the logits by the few-row C++ kernel (dsv41.ops.linear_cpu): set by the
+        # engine when its forwards run compiled (fast regions, deterministic tiles) and the kernel is built
+        self.rows_kernel = False
 
     def numerics(self):
         """The context every forward of this runner runs in (also what a rank computing another rank's rows
@@ -118,7 +121,11 @@ class ModelRunner:
             return contextlib.nullcontext()
         fp32_rows = self.fp32_rows if self.mode == "fast" else 0
         return self.model.numerics(
-            self.row_chunk, reference=self.mode == "reference", fp32_rows=fp32_rows, fast=self.mode == "fast"
+            self.row_chunk,
+            reference=self.mode == "reference",
+            fp32_rows=fp32_rows,
+            fast=self.mode == "fast",
+            rows_kernel=self.rows_kernel,
         )
 
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
@@ -208,15 +215,15 @@ class ModelRunner:
         # `fast` decode and verify forwards read the bf16 copy of the head (`final_logits`), by the few-row C++
         # kernel where it is built (dsv41.ops.linear_cpu: ~0.2 against ~1 ms for the fp32 head at 8 rows on `small`)
         stepped = regions is not None and not regions.tiled
-        kernel = stepped and linear_cpu.available()
+        kernel = stepped and self.rows_kernel
         if stepped and regions.rows == 1 and (head := model.head_bf16()) is not None:
             return regions.final_logits(model.norm, h, pre_mix, head, kernel)  # one token: the compiled head
         index = torch.tensor(last, device=device)
         x = model.norm(Block.hc_pre(h[:, index], pre_mix[:, index]))[0]  # [n, dim]
         if kernel and (head := model.head_bf16()) is not None and linear_cpu.fits(x, head):
             return linear_cpu.rows_linear(x, head)
-        if self.tiles is not None and self.tiles.head_kernel:  # `deterministic` tiles: every forward's logits
-            return linear_cpu.rows_linear(x, model.head_bf16())  # by the kernel, any rows (batch-invariant)
+        if self.tiles is not None and self.rows_kernel and (head := model.head_bf16()) is not None:
+            return linear_cpu.rows_linear(x, head)  # `deterministic` tiles: every forward's logits, any rows
         return model.logits(x)
 
     def _split_routing(self, record: RoutingRecord, chunks: list[Chunk]) -> None:

@@ -55,8 +55,8 @@ class Linear(nn.Module):
         # fast numerics (dsv41.ops.gemm_choice): calls of at most this many rows run as an fp32 GEMM over an
         # fp32 copy of a bf16 weight (`keep_fp32_copy`), where the probe found it faster; 0: never
         self.fp32_rows = 0
-        # inside a `fast` compiled decode region, calls of a few bf16 rows run by the C++ kernel
-        # (dsv41.ops.linear_cpu); set by the engine before its regions are traced, where that kernel is built
+        # bf16 calls by the few-row C++ kernel (dsv41.ops.linear_cpu) where `_rows_kernel_serves` says so; set
+        # (`Transformer.numerics`) by an engine whose forwards run compiled, where that kernel is built
         self.rows_kernel = False
 
     def keep_fp32_copy(self) -> int:

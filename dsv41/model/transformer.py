@@ -136,7 +136,14 @@ class Transformer(nn.Module):
         if self._numeric_holder_dicts is None or self._numeric_holder_dicts[0] is not modules:
             holders: dict[str, list[dict]] = {}
             for module in modules:
-                for name in ("row_chunk", "canonical_ties", "reference_numerics", "fp32_rows", "fast_kernels"):
+                for name in (
+                    "row_chunk",
+                    "canonical_ties",
+                    "reference_numerics",
+                    "fp32_rows",
+                    "fast_kernels",
+                    "rows_kernel",
+                ):
                     if name in module.__dict__:
                         holders.setdefault(name, []).append(module.__dict__)
             self._numeric_holder_dicts = (modules, holders)
@@ -150,7 +157,9 @@ class Transformer(nn.Module):
                     setattr(module, name, value)
 
     @contextmanager
-    def numerics(self, row_chunk: int, reference: bool = False, fp32_rows: int = 0, fast: bool = False):
+    def numerics(
+        self, row_chunk: int, reference: bool = False, fp32_rows: int = 0, fast: bool = False, rows_kernel: bool = False
+    ):
         """Within the block: batch-invariant GEMMs in `row_chunk`-row chunks, reference or canonical
         numerics (see `set_reference_numerics`) and eval mode; the model's own settings come back after,
         so a caller that lends its model (the engine) does not change it.
@@ -164,6 +173,7 @@ class Transformer(nn.Module):
             "reference_numerics": reference,
             "fp32_rows": fp32_rows,  # fast numerics: small calls as fp32 GEMMs (Linear.keep_fp32_copy)
             "fast_kernels": fast,  # fast numerics: kernels judged statistically (Attention.attend's C++ attention)
+            "rows_kernel": rows_kernel,  # the few-row C++ GEMM kernel (Linear._rows_kernel_serves says where)
         }
         changed = []  # (the modules' __dict__s holding a setting, its name, their previous values)
         holders = self._numeric_holders()
