@@ -90,6 +90,7 @@ inline void row1(const uint16_t* x, const uint16_t* w, float* out, const std::ve
 }
 
 void rows_linear(const uint16_t* x, const uint16_t* w, float* out, int64_t T, int64_t K, int64_t N) {
+    if (T == 0) return;
     // a token equal to the one before it (the padding rows of a compiled step's bucket or tile repeat a row)
     // takes that token's output at the end: the same inputs give the same bits, so they are computed once
     std::vector<int64_t> rows{0}, same(T, -1);

@@ -49,6 +49,11 @@ def test_repeated_rows_are_computed_once_with_the_bits_of_each_row_alone():
         assert torch.equal(got[t], linear_cpu.rows_linear(x[r : r + 1], w)[0]), t
 
 
+def test_a_call_without_rows_gives_an_empty_result():
+    w = _case(1, 48, 64)[1]
+    assert linear_cpu.rows_linear(torch.zeros(0, 64, dtype=torch.bfloat16), w).shape == (0, 48)
+
+
 def test_fits_takes_bf16_calls_of_a_few_rows_whose_width_is_a_multiple_of_32():
     x, w = torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(16, 64, dtype=torch.bfloat16)
     assert linear_cpu.fits(x, w)
