@@ -158,12 +158,15 @@ class CompiledDecode:
     """The compiled regions of one model's decode steps, bucket by bucket. `regions(n)` gives an object with
     the four functions for a decode batch of n tokens once that bucket is built, else None (run eager)."""
 
-    def __init__(self, model, buckets: tuple[int, ...] = BUCKETS, numerics=None):
+    def __init__(self, model, buckets: tuple[int, ...] = BUCKETS, numerics=None, rows_kernel: bool = False):
         # numerics: the context the regions are traced in, the runner's (`ModelRunner.numerics`): the graphs keep
         # what the modules' settings were then (the guards on the modules are dropped, `_keep_guard`), so they
         # must be the settings of the forwards that call them (the small-call fp32 GEMMs, `fp32_rows`, above all)
         self.model, self.buckets = model, buckets
         self.numerics = numerics or (lambda: model.numerics(0, fast=True))
+        # the one-token head by the few-row kernel (`final_logits`): the runner's choice (`ModelRunner.rows_kernel`),
+        # which its numerics also give the layers
+        self.rows_kernel = rows_kernel
         self.ready: set[int] = set()
         self.failed = False
         # one compiled function per (region, bucket), each with a code object of its own: Dynamo keeps its
@@ -270,7 +273,7 @@ class CompiledDecode:
                 else:
                     regions.post_attention(block, o, h, a_post, a_comb, a_pre)
             if rows == 1:
-                regions.final_logits(model.norm, h, pre, model.head_bf16(), linear_cpu.available())
+                regions.final_logits(model.norm, h, pre, model.head_bf16(), self.rows_kernel)
 
     def _warm_attention(self, regions: _Regions, attn, rows: int, positions: torch.Tensor) -> None:
         """The decode attention's regions on one layer's shapes, on stand-in inputs (zero rings, no valid row

@@ -212,18 +212,17 @@ class ModelRunner:
             last.extend(range(offset - c.logit_rows(), offset))
         if not last:
             return torch.empty(0, cfg.vocab_size)
-        # `fast` decode and verify forwards read the bf16 copy of the head (`final_logits`), by the few-row C++
-        # kernel where it is built (dsv41.ops.linear_cpu: ~0.2 against ~1 ms for the fp32 head at 8 rows on `small`)
-        stepped = regions is not None and not regions.tiled
-        kernel = stepped and self.rows_kernel
-        if stepped and regions.rows == 1 and (head := model.head_bf16()) is not None:
-            return regions.final_logits(model.norm, h, pre_mix, head, kernel)  # one token: the compiled head
+        # compiled forwards read the bf16 copy of the head: a `fast` one-token step in its compiled `final_logits`;
+        # with the few-row C++ kernel (dsv41.ops.linear_cpu: ~0.2 against ~1 ms for the fp32 head at 8 rows on
+        # `small`), `fast` decode and verify forwards of up to MAX_ROWS rows and every forward of `deterministic`
+        # tiles (any rows: each row's logits are its own dot products, batch-invariant by construction)
+        if regions is not None and not regions.tiled and regions.rows == 1 and (head := model.head_bf16()) is not None:
+            return regions.final_logits(model.norm, h, pre_mix, head, self.rows_kernel)
         index = torch.tensor(last, device=device)
         x = model.norm(Block.hc_pre(h[:, index], pre_mix[:, index]))[0]  # [n, dim]
-        if kernel and (head := model.head_bf16()) is not None and linear_cpu.fits(x, head):
-            return linear_cpu.rows_linear(x, head)
-        if self.tiles is not None and self.rows_kernel and (head := model.head_bf16()) is not None:
-            return linear_cpu.rows_linear(x, head)  # `deterministic` tiles: every forward's logits, any rows
+        if regions is not None and self.rows_kernel and (head := model.head_bf16()) is not None:
+            if linear_cpu.fits(x, head, max_rows=None if regions.tiled else linear_cpu.MAX_ROWS):
+                return linear_cpu.rows_linear(x, head)
         return model.logits(x)
 
     def _split_routing(self, record: RoutingRecord, chunks: list[Chunk]) -> None:

@@ -25,37 +25,29 @@ namespace {
 #if defined(__AVX512BF16__)
 constexpr bool kBf16Dot = true;
 
+// a + b after picking lanes of the pair: 128-bit quarters (`shuffle_f32x4`) or, within each quarter, single
+// floats (`shuffle_ps`); LO and HI pick the two halves of every sum
+template <int LO, int HI>
+inline __m512 fold_quarters(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, LO), _mm512_shuffle_f32x4(a, b, HI));
+}
+template <int LO, int HI>
+inline __m512 fold_floats(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, LO), _mm512_shuffle_ps(a, b, HI));
+}
+
 // the 16 vectors' lane sums, in order, as one vector: a transposing add tree (each level halves the vectors
 // and doubles the rows a vector holds), 15 adds instead of 16 full horizontal reductions
 inline __m512 sum16(__m512 v[16]) {
-    // level 1: 256-bit halves. u[i] = [rows 2i: 8 partials | row 2i+1: 8 partials]
-    __m512 u[8];
-    for (int i = 0; i < 8; ++i) {
-        __m512 a = v[2 * i], b = v[2 * i + 1];
-        __m512 lo = _mm512_shuffle_f32x4(a, b, 0x44);  // [a.q0 a.q1 b.q0 b.q1]
-        __m512 hi = _mm512_shuffle_f32x4(a, b, 0xEE);  // [a.q2 a.q3 b.q2 b.q3]
-        u[i] = _mm512_add_ps(lo, hi);
-    }
-    // level 2: 128-bit lanes. w[i] = [row 4i | 4i+1 | 4i+2 | 4i+3], 4 partials each
-    __m512 w[4];
-    for (int i = 0; i < 4; ++i) {
-        __m512 c = u[2 * i], d = u[2 * i + 1];
-        __m512 e = _mm512_shuffle_f32x4(c, d, 0x88);  // [c.q0 c.q2 d.q0 d.q2]
-        __m512 f = _mm512_shuffle_f32x4(c, d, 0xDD);  // [c.q1 c.q3 d.q1 d.q3]
-        w[i] = _mm512_add_ps(e, f);
-    }
-    // level 3: within 128-bit lanes. lane j of s[i] = [row 4(2i)+j: 2 partials | row 4(2i+1)+j: 2 partials]
-    __m512 s[2];
-    for (int i = 0; i < 2; ++i) {
-        __m512 g = w[2 * i], h = w[2 * i + 1];
-        __m512 p = _mm512_shuffle_ps(g, h, 0x44);  // per lane [g0 g1 h0 h1]
-        __m512 q = _mm512_shuffle_ps(g, h, 0xEE);  // per lane [g2 g3 h2 h3]
-        s[i] = _mm512_add_ps(p, q);
-    }
-    // level 4: lane j = [row j, row 4 + j, row 8 + j, row 12 + j]
-    __m512 p = _mm512_shuffle_ps(s[0], s[1], 0x88);  // per lane [s0.0 s0.2 s1.0 s1.2]
-    __m512 q = _mm512_shuffle_ps(s[0], s[1], 0xDD);  // per lane [s0.1 s0.3 s1.1 s1.3]
-    __m512 r = _mm512_add_ps(p, q);
+    __m512 u[8], w[4], s[2];
+    // 256-bit halves: u[i] = [row 2i: 8 partials | row 2i+1: 8 partials] ([a.q0 a.q1 b.q0 b.q1] + [a.q2 a.q3 ..])
+    for (int i = 0; i < 8; ++i) u[i] = fold_quarters<0x44, 0xEE>(v[2 * i], v[2 * i + 1]);
+    // quarters: w[i] = [row 4i | 4i+1 | 4i+2 | 4i+3], 4 partials each ([c.q0 c.q2 d.q0 d.q2] + [c.q1 c.q3 ..])
+    for (int i = 0; i < 4; ++i) w[i] = fold_quarters<0x88, 0xDD>(u[2 * i], u[2 * i + 1]);
+    // within quarters: quarter j of s[i] = [row 8i+j: 2 partials | row 8i+4+j: 2 partials] ([g0 g1 h0 h1] + [g2 ..])
+    for (int i = 0; i < 2; ++i) s[i] = fold_floats<0x44, 0xEE>(w[2 * i], w[2 * i + 1]);
+    // quarter j = [row j, row 4 + j, row 8 + j, row 12 + j] ([s0.0 s0.2 s1.0 s1.2] + [s0.1 s0.3 s1.1 s1.3])
+    const __m512 r = fold_floats<0x88, 0xDD>(s[0], s[1]);
     // element 4j + m holds row 4m + j: transpose the 4 x 4 back to row order
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     return _mm512_permutexvar_ps(order, r);
