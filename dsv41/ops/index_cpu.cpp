@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -24,9 +25,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512BW__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define DSV41_VNNI 1
 #endif
 
@@ -354,13 +358,16 @@ void pack_tile_from_codes(const uint8_t* codes, const uint8_t* scale_bytes, cons
     }
 }
 
-// A Full index layer's decode scores read from the packed pool, one query per sequence: q [B, H, D] and weights
+// An index layer's decode scores read from the packed pool, one query per sequence: q [B, H, D] and weights
 // [B, H] bf16, key_codes [rows, D/2] and key_scale [rows, D/32] uint8, tables [B, max_blocks] int64 (the
-// sequences' block tables, `per` entries a block), visible [B] -> bf16 scores [B, n] of entries 0..n-1, -inf
-// past each sequence's visible count. The scores of `ops.index_scores` on the dequantised keys, bit for bit.
+// sequences' block tables, `per` entries a block), visible [B] -> bf16 scores [B, n]. Without `entries` (a Full
+// layer's scan) score j is entry j's, -inf past each sequence's visible count; with entries [B, n] int64 (a
+// Reindex layer's candidates) score j is entry entries[b, j]'s, -inf where that entry is not visible, or where
+// `usable` [B, n] bool is false. The scores of `ops.index_scores` on the dequantised keys, bit for bit.
 at::Tensor paged_index_scores_op(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& key_codes,
                                  const at::Tensor& key_scale, const at::Tensor& tables, int64_t per,
-                                 const at::Tensor& visible, int64_t n) {
+                                 const at::Tensor& visible, int64_t n, const std::optional<at::Tensor>& entries,
+                                 const std::optional<at::Tensor>& usable) {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16 && weights.scalar_type() == at::kBFloat16,
                 "paged_index_scores_cpu: q and weights must be bf16");
     TORCH_CHECK(key_codes.scalar_type() == at::kByte && key_scale.scalar_type() == at::kByte,
@@ -372,6 +379,15 @@ at::Tensor paged_index_scores_op(const at::Tensor& q, const at::Tensor& weights,
                     weights.size(0) == B && weights.size(1) == H && tables.size(0) == B && visible.size(0) == B &&
                     per > 0 && n >= 0,
                 "paged_index_scores_cpu: shapes do not match");
+    at::Tensor ec, uc;
+    if (entries.has_value()) {
+        ec = entries->to(at::kLong).contiguous();
+        TORCH_CHECK(ec.dim() == 2 && ec.size(0) == B && ec.size(1) == n, "paged_index_scores_cpu: entries [B, n]");
+        if (usable.has_value()) {
+            uc = usable->to(at::kBool).contiguous();
+            TORCH_CHECK(uc.sizes() == ec.sizes(), "paged_index_scores_cpu: usable [B, n], as entries");
+        }
+    }
     const at::Tensor qc = q.contiguous(), wc = weights.to(at::kFloat).contiguous();
     const at::Tensor cc = key_codes.contiguous(), sc = key_scale.contiguous();
     const at::Tensor tc = tables.to(at::kLong).contiguous(), vc = visible.to(at::kLong).contiguous();
@@ -384,6 +400,8 @@ at::Tensor paged_index_scores_op(const at::Tensor& q, const at::Tensor& weights,
     uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
     const int64_t* tp = tc.data_ptr<int64_t>();
     const int64_t* vp = vc.data_ptr<int64_t>();
+    const int64_t* ep = ec.defined() ? ec.data_ptr<int64_t>() : nullptr;
+    const bool* up = uc.defined() ? uc.data_ptr<bool>() : nullptr;
     const float* wp = wc.data_ptr<float>();
     const uint8_t* codes = cc.data_ptr<uint8_t>();
     const uint8_t* scales = sc.data_ptr<uint8_t>();
@@ -396,32 +414,116 @@ at::Tensor paged_index_scores_op(const at::Tensor& q, const at::Tensor& weights,
         keys.bytes.resize(keys.blocks * kBlock * kTile);
         keys.scales.resize(keys.blocks * kTile);
         float scores[1][kTile];
-        int64_t rows[kTile];
+        int64_t rows[kTile], at[kTile];
         for (int64_t item = i0; item < i1; ++item) {
             const int64_t b = item / tiles, base = (item % tiles) * kTile;
-            const int64_t m = std::min<int64_t>(kTile, std::min(n, vp[b]) - base);  // visible entries here
             const int64_t width = std::min<int64_t>(kTile, n - base);
-            uint16_t* dst = op + b * n + base;
-            if (m > 0) {
-                for (int64_t j = 0; j < m; ++j) {
-                    const int64_t e = base + j, block = e / per;
-                    const int64_t row = block < max_blocks ? tp[b * max_blocks + block] * per + e % per : -1;
-                    if (row < 0 || row >= rows_total) ok = false;
-                    rows[j] = row < 0 || row >= rows_total ? 0 : row;
-                }
-                pack_tile_from_codes(codes, scales, rows, m, D, keys);
-                const PackedQuery* qs[1] = {&queries[b]};
-                const float* ws[1] = {wp + b * H};
-                score_tile<1>(keys, 0, qs, ws, H, scores);
-            }
+            int64_t m = 0;  // the tile's live scores: their entries' pool rows, and where each score goes
             for (int64_t j = 0; j < width; ++j) {
+                const int64_t e = ep != nullptr ? ep[b * n + base + j] : base + j;
+                if (e < 0 || e >= vp[b] || (up != nullptr && !up[b * n + base + j])) continue;
+                const int64_t block = e / per;
+                const int64_t row = block < max_blocks ? tp[b * max_blocks + block] * per + e % per : -1;
+                if (row < 0 || row >= rows_total) ok = false;
+                rows[m] = row < 0 || row >= rows_total ? 0 : row;
+                at[m++] = j;
+            }
+            uint16_t* dst = op + b * n + base;
+            for (int64_t j = 0; j < width; ++j) dst[j] = uint16_t(0xFF80);  // -inf where no live entry scores
+            if (m == 0) continue;
+            pack_tile_from_codes(codes, scales, rows, m, D, keys);
+            const PackedQuery* qs[1] = {&queries[b]};
+            const float* ws[1] = {wp + b * H};
+            score_tile<1>(keys, 0, qs, ws, H, scores);
+            for (int64_t j = 0; j < m; ++j) {
                 uint32_t bits;
                 std::memcpy(&bits, &scores[0][j], 4);
-                dst[j] = j < m ? uint16_t(bits >> 16) : uint16_t(0xFF80);  // bf16 already; -inf past visible
+                dst[at[j]] = uint16_t(bits >> 16);  // bf16 already
             }
         }
     });
     TORCH_CHECK(ok, "paged_index_scores_cpu: a visible entry's block is outside the pool");
+    return out;
+}
+
+// The E2M1 values as bf16 bits, codes 0-15 (8-15 negative, 8 a negative zero), twice: a 32-entry table for
+// one AVX-512 permute.
+constexpr uint16_t kE2M1Bits[32] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+                                    0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,
+                                    0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+                                    0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+
+inline float bits_to_f32(uint32_t bits) {
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+// One packed row (D values, a scale byte per `block`) -> D bf16 values: each value times its block's scale in
+// fp32, exact, and its upper half kept (exact too: the low half is zero).
+inline void gather_fp4_row(const uint8_t* c, const uint8_t* s, const float* scale_of, int64_t D, int64_t block,
+                           uint16_t* o) {
+    int64_t j = 0;
+#if defined(__AVX512BW__)
+    const __m512i table = _mm512_loadu_si512(kE2M1Bits);
+    const __m512i nibble = _mm512_set1_epi32(0xF), high = _mm512_set1_epi32(int(0xFFFF0000u));
+    for (; (block == 16 || block == 32) && j + 32 <= D; j += 32) {  // 32 values: 16 bytes, lane i: values 2i, 2i+1
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + j / 2)));
+        const __m512i idx = _mm512_or_si512(_mm512_and_si512(bytes, nibble),
+                                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(bytes, 4), nibble), 16));
+        const __m512i vals = _mm512_permutexvar_epi16(idx, table);  // bf16 pairs
+        const uint8_t* sj = s + j / block;  // lanes 0-7 in the first block, 8-15 in the second (block 16) or the first
+        const __m512 sv = _mm512_insertf32x8(_mm512_set1_ps(scale_of[sj[0]]),
+                                             _mm256_set1_ps(scale_of[sj[block == 16 ? 1 : 0]]), 1);
+        const __m512 even = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(vals, 16)), sv);
+        const __m512 odd = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(vals, high)), sv);
+        const __m512i packed = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
+                                               _mm512_and_si512(_mm512_castps_si512(odd), high));
+        _mm512_storeu_si512(o + j, packed);
+    }
+#endif
+    for (; j < D; ++j) {
+        const uint8_t code = (c[j / 2] >> (4 * (j & 1))) & 0xF;
+        const float v = bits_to_f32(uint32_t(kE2M1Bits[code]) << 16) * scale_of[s[j / block]];
+        uint32_t bits;
+        std::memcpy(&bits, &v, 4);
+        o[j] = uint16_t(bits >> 16);
+    }
+}
+
+// Packed FP4 rows of the pool read back as bf16: codes [R, D/2] uint8 (two E2M1 codes a byte, the even value in
+// the low nibble), scale [R, D/block] uint8 (E4M3 bytes, or UE8M0 with ue8m0), rows [...] int64 flat pool rows
+// -> bf16 [..., D]: `ops.quant.fp4_dequant_bf16` of the gathered rows, the same bits (an E2M1 value times its
+// scale has at most 6 significant bits: exact in fp32 and in bf16, so no rounding happens anywhere).
+at::Tensor gather_fp4_op(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& rows, bool ue8m0) {
+    TORCH_CHECK(codes.scalar_type() == at::kByte && scale.scalar_type() == at::kByte && codes.dim() == 2 &&
+                    scale.dim() == 2 && codes.size(0) == scale.size(0),
+                "gather_fp4_cpu: codes [R, D/2] and scale [R, D/block] uint8");
+    const int64_t R = codes.size(0), half = codes.size(1), D = 2 * half, nb = scale.size(1);
+    TORCH_CHECK(nb > 0 && D % nb == 0 && (D / nb) % 2 == 0, "gather_fp4_cpu: D must be a multiple of the blocks");
+    const int64_t block = D / nb;
+    const at::Tensor cc = codes.contiguous(), sc = scale.contiguous(), rc = rows.to(at::kLong).contiguous();
+    std::vector<int64_t> shape(rc.sizes().begin(), rc.sizes().end());
+    shape.push_back(D);
+    at::Tensor out = at::empty(shape, cc.options().dtype(at::kBFloat16));
+    const int64_t count = rc.numel();
+    const int64_t* rp = rc.data_ptr<int64_t>();
+    for (int64_t i = 0; i < count; ++i)
+        TORCH_CHECK(rp[i] >= 0 && rp[i] < R, "gather_fp4_cpu: row ", rp[i], " is outside the pool of ", R);
+    float scale_of[256];
+    for (int e = 0; e < 256; ++e)
+        scale_of[e] = ue8m0 ? (e == 255 ? NAN : std::ldexp(1.f, e - 127))
+                            : float(c10::Float8_e4m3fn(uint8_t(e), c10::Float8_e4m3fn::from_bits()));
+    const uint8_t* cp = cc.data_ptr<uint8_t>();
+    const uint8_t* sp = sc.data_ptr<uint8_t>();
+    uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+    auto run = [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) gather_fp4_row(cp + rp[i] * half, sp + rp[i] * nb, scale_of, D, block, op + i * D);
+    };
+    if (count * D < (int64_t(1) << 18))  // a decode step's picks: on the calling thread
+        run(0, count);
+    else
+        at::parallel_for(0, count, 64, run);
     return out;
 }
 
@@ -434,10 +536,12 @@ TORCH_LIBRARY_FRAGMENT(dsv41, m) {
     m.def("index_topk_cpu(Tensor q, Tensor k, Tensor weights, Tensor visible, int topk) -> Tensor");
     m.def("index_topk_cpu_vnni() -> bool", &vnni);
     m.def("paged_index_scores_cpu(Tensor q, Tensor weights, Tensor key_codes, Tensor key_scale, Tensor tables, "
-          "int per, Tensor visible, int n) -> Tensor");
+          "int per, Tensor visible, int n, Tensor? entries=None, Tensor? usable=None) -> Tensor");
+    m.def("gather_fp4_cpu(Tensor codes, Tensor scale, Tensor rows, bool ue8m0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dsv41, CPU, m) {
     m.impl("index_topk_cpu", &index_topk_op);
     m.impl("paged_index_scores_cpu", &paged_index_scores_op);
+    m.impl("gather_fp4_cpu", &gather_fp4_op);
 }

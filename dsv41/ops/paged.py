@@ -51,12 +51,21 @@ def page_rows(tables: torch.Tensor, entries: torch.Tensor, entries_per_block: in
 
 def gather_kv(pages: PagedCache, rows: torch.Tensor) -> torch.Tensor:
     """Main KV at flat rows (any shape [...]) -> bf16 [..., head_dim]."""
+    if _gather_kernel_serves(pages.kv_codes, rows):  # the same bits in one pass
+        return index_cpu.gather_fp4(pages.kv_codes, pages.kv_scale.view(torch.uint8), rows, ue8m0=False)
     return fp4_dequant_bf16(pages.kv_codes[rows], pages.kv_scale[rows].float(), KV_FP4_BLOCK)
 
 
 def gather_keys(pages: PagedCache, rows: torch.Tensor) -> torch.Tensor:
     """Index keys at flat rows (any shape [...]) -> bf16 [..., index_dim]."""
+    if _gather_kernel_serves(pages.key_codes, rows):
+        return index_cpu.gather_fp4(pages.key_codes, pages.key_scale, rows, ue8m0=True)
     return fp4_dequant_bf16(pages.key_codes[rows], pages.key_scale[rows].view(torch.float8_e8m0fnu).float(), FP4_BLOCK)
+
+
+def _gather_kernel_serves(codes: torch.Tensor, rows: torch.Tensor) -> bool:
+    """The C++ gather (`index_cpu.gather_fp4`) for uint8 codes on a CPU, where its library is already built."""
+    return codes.dtype == torch.uint8 and not codes.is_cuda and not rows.is_cuda and index_cpu.loaded(build=False)
 
 
 def block_keys(pages: PagedCache, blocks: torch.Tensor) -> torch.Tensor:
@@ -119,6 +128,20 @@ def paged_index_scores(
         per = pages.entries_per_block
         keys = block_keys(pages, tables[:, : -(-t // per)])[:, :t]  # [B, t, d]
         usable = torch.arange(t, device=q.device).view(1, 1, t) < limit
+    elif _cpu_kernel_serves(q, pages):  # a Reindex layer's candidates, scored from the codes in place
+        scores = index_cpu.paged_index_scores_cpu(
+            q[:, 0],
+            weights[:, 0],
+            pages.key_codes,
+            pages.key_scale,
+            tables,
+            pages.entries_per_block,
+            visible,
+            entries.size(-1),
+            entries[:, 0],
+            None if usable is None else usable[:, 0],
+        )
+        return scores.unsqueeze(1)  # [B, 1, n]
     else:
         last = (limit - 1).clamp_min(0)
         keys = gather_keys(pages, page_rows(tables, torch.minimum(entries, last)[:, 0], pages.entries_per_block))

@@ -104,3 +104,76 @@ def test_paged_scores_equal_the_dequantised_scan(monkeypatch):
     assert got.dtype == torch.bfloat16 and got.shape == want.shape == (4, 45)
     assert torch.equal(got, want)
     assert torch.isinf(got[1]).all() and torch.isfinite(got[3]).all()
+
+
+def _pool(seed=4, per=4, blocks=40, dim=64, kv_dim=32):
+    """A packed pool of `blocks` blocks: keys (E2M1 with UE8M0 bytes per 32) and main KV (E2M1 with E4M3 scales
+    per 16), both of very different scales per row, so that rows and blocks carry different scale bytes."""
+    from dsv41.ops.paged import PagedCache
+    from dsv41.ops.quant import fp4_quant
+
+    g = torch.Generator().manual_seed(seed)
+    rows = per * blocks
+    key_codes, key_scale = fp4_quant(
+        torch.randn(rows, dim, generator=g) * torch.rand(rows, 1, generator=g) * 8, 32, "ue8m0"
+    )
+    kv_codes, kv_scale = fp4_quant(
+        torch.randn(rows, kv_dim, generator=g) * torch.rand(rows, 1, generator=g), 16, "e4m3"
+    )
+    return PagedCache(
+        kv_codes, kv_scale.to(torch.float8_e4m3fn), key_codes, key_scale.to(torch.float8_e8m0fnu).view(torch.uint8), per
+    ), g
+
+
+def _reference_reads(monkeypatch):
+    """Every read of the packed pool by its tensor-op reference (no C++ scoring or gather)."""
+    monkeypatch.setattr(index_cpu, "available", lambda build=True: False)
+    monkeypatch.setattr(index_cpu, "loaded", lambda build=True: False)
+
+
+def test_candidate_scores_equal_the_dequantised_gather(monkeypatch):
+    """A Reindex layer's decode scores over explicit candidate entries (some past a sequence's visible count,
+    some marked unusable, repeated ones, every order), read from the packed pool, equal the reference's gather,
+    dequantise and GEMM, -inf included."""
+    from dsv41.ops.paged import paged_index_scores
+
+    pages, g = _pool()
+    heads, dim = 8, 64
+    tables = torch.stack([torch.randperm(40, generator=g)[:12] for _ in range(4)])
+    visible = torch.tensor([37, 0, 16, 45])
+    entries = torch.randint(0, 48, (4, 1, 40), generator=g)  # ids up to 47: some past every visible count
+    entries[0, 0, :5] = 3  # one entry repeated
+    usable = torch.rand(4, 1, 40, generator=g) > 0.2
+    q = fp4_qdq(torch.randn(4, 1, heads, dim, generator=g).bfloat16(), 32, "ue8m0")
+    w = (torch.randn(4, 1, heads, generator=g) * 0.3).bfloat16()
+    for mask in (usable, None):
+        got = paged_index_scores(q, w, pages, tables, visible, entries, mask)
+        with monkeypatch.context() as m:
+            _reference_reads(m)
+            want = paged_index_scores(q, w, pages, tables, visible, entries, mask)
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape == (4, 1, 40)
+        assert torch.equal(got, want)
+        assert torch.isinf(got[1]).all() and torch.isfinite(got).any()
+
+
+@pytest.mark.parametrize("which", ["kv", "keys"])
+def test_the_gather_reads_the_rows_the_reference_dequantises(monkeypatch, which):
+    """The packed rows read back as bf16 by the C++ gather (E4M3 scales per 16 for the main KV, UE8M0 per 32 for
+    the index keys) have the bits of the reference's table lookup and scaling, signed zeros included, at any
+    rows (repeated, any order) and shape; a row outside the pool is refused."""
+    from dsv41.ops.paged import gather_keys, gather_kv
+
+    pages, g = _pool(seed=7)
+    read = gather_kv if which == "kv" else gather_keys
+    rows = torch.randint(0, 160, (3, 5, 7), generator=g)
+    rows[0, 0, :3] = 11
+    got = read(pages, rows)
+    with monkeypatch.context() as m:
+        _reference_reads(m)
+        want = read(pages, rows)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # bit for bit: -0.0 is not 0.0
+    assert (got.view(torch.int16) == -32768).any()  # the case of a negative zero was exercised
+    codes = pages.kv_codes if which == "kv" else pages.key_codes
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        index_cpu.gather_fp4(codes, torch.zeros(160, 2, dtype=torch.uint8), torch.tensor([160]), ue8m0=True)
