@@ -8,6 +8,7 @@ those ops' exact roundings, so they are compiled (torch.compile, inductor's C++ 
 a CPU) with static shapes, leaving eager only what has data-dependent shapes (the indexer's scoring over
 the visible entries and its top-k, the ratio-2 compressors' group completion, the paged gathers and writes):
 
+- `engram`: an Engram layer's table rows (their UE8M0 scales read from the bits), projection and gates;
 - `pre_attention`: the attention sublayer's mixes (RMS, projection, Sinkhorn) and its normed input;
 - `project`: the attention's q/kv projections, norms, RoPE and the window KV's FP8 rounding;
 - `window_attention`: the FP8 window ring decoded, the new row encoded, the dense softmax over the window
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 # (1.25x the tokens/s of 32 + 16 rows with those eager, at batch 8 on `small`)
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 
-MODULE_ARGS = ("block", "attn", "idx", "norm")  # the regions' module arguments
+MODULE_ARGS = ("block", "attn", "idx", "norm", "module")  # the regions' module arguments
 
 
 def _keep_guard(entries) -> list[bool]:
@@ -66,6 +67,12 @@ def _keep_guard(entries) -> list[bool]:
 # cpp_wrapper: a graph's calling code is C++ too, not Python (a region calls dozens of kernels; ~15% of a
 # batch-1 step on the machines measured)
 _OPTIONS = {"cpp_wrapper": True, "guard_filter_fn": _keep_guard}
+
+
+def engram(module, h: torch.Tensor, hash_ids: torch.Tensor, scale_bits: torch.Tensor) -> torch.Tensor:
+    """`Engram.forward` for text tokens: h [1, T, hc, dim] bf16, hash_ids [1, T, cols], the table's scales as
+    uint8 bits (inductor takes no float8_e8m0fnu tensor) -> h with the memory added."""
+    return module(h, hash_ids, scale_bits=scale_bits)
 
 
 def pre_attention(block: Block, h: torch.Tensor, pre_mix: torch.Tensor):
@@ -188,6 +195,7 @@ class CompiledDecode:
     @staticmethod
     def _functions() -> dict:
         return {
+            "engram": engram,
             "pre_attention": pre_attention,
             "project": project,
             "output": output,
@@ -263,6 +271,9 @@ class CompiledDecode:
             for block in model.layers:
                 attn = block.attn
                 freqs = attn.rope.at(positions, dev)
+                if block.engram is not None:
+                    ids = torch.zeros(1, rows, cfg.n_hash_columns, dtype=torch.int64, device=dev)
+                    regions.engram(block.engram, h, ids)
                 (a_pre, a_post, a_comb), x = regions.pre_attention(block, h, pre)
                 qr, q, kv = regions.project(attn, x, freqs)
                 o = regions.output(attn, q, freqs)
@@ -309,6 +320,16 @@ class _Regions:
         padded = [_pad_rows(t, self.rows) for t in tensors]
         out = self.compiled[name](module, *padded)
         return out if self.rows == self.n else _cut(out, self.n)
+
+    def engram(self, module, h, hash_ids):
+        return self.compiled[
+            "engram"
+        ](
+            module,
+            _pad_rows(h, self.rows),
+            _dense(_pad_rows(hash_ids, self.rows)),  # (a column of the forward's hashes: a strided view)
+            module.embed.scale.view(torch.uint8),
+        )[:, : self.n]
 
     def pre_attention(self, block, h, pre_mix):
         return self._call("pre_attention", block, h, pre_mix)
@@ -391,6 +412,9 @@ class _RunByTokens:
 
     def _run(self, name: str, module, tokens: list, extra=()):
         raise NotImplementedError
+
+    def engram(self, module, h, hash_ids):
+        return self._run("engram", module, [(h, 1), (hash_ids, 1)])  # (`_SplitRegions`: `_Regions.engram`)
 
     def pre_attention(self, block, h, pre_mix):
         return self._run("pre_attention", block, [(h, 1), (pre_mix, 1)])
@@ -566,6 +590,7 @@ class _TiledRegions(_RunByTokens):
     """The tile graphs for one forward of any number of tokens (`CompiledTiles`)."""
 
     tiled = True
+    engram = None  # Engram runs eager, its gate's sigmoid per call (dsv41.ops.lanes)
 
     def __init__(self, compiled: dict, rows: int, moe_inside: bool):
         self.compiled, self.rows, self.moe_inside = compiled, rows, moe_inside

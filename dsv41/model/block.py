@@ -87,8 +87,12 @@ class Block(nn.Module):
         inside the module call, so FSDP2's hooks cover the Engram tables too); capture: called with the
         stream entering the block after its Engram (the DSpark drafter's input)."""
         if engram_ids is not None and self.engram is not None:
-            calls = shared.get("token_calls")
-            h = self.engram(h, engram_ids, None if image_mask is None else ~image_mask, calls)
+            regions = shared.get("regions")  # a fast decode step's compiled regions (dsv41.engine.compiled)
+            if regions is not None and regions.engram is not None and image_mask is None:
+                h = regions.engram(self.engram, h, engram_ids)
+            else:
+                calls = shared.get("token_calls")
+                h = self.engram(h, engram_ids, None if image_mask is None else ~image_mask, calls)
             _trace(shared, f"hidden.layers.{self.layer_id}.engram_out", h)
         if capture is not None:
             capture(h)

@@ -153,9 +153,14 @@ class EngramTable(nn.Module):
     @staticmethod
     def read(weight: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, block: int) -> torch.Tensor:
         """Rows `ids` [...] of FP8 `weight` [rows, dim] with UE8M0 `scale` [rows, dim / block], dequantised ->
-        bf16 [..., dim]. Element by element, so a row's bits do not depend on which other rows are read with
+        bf16 [..., dim]; `scale` may also be given as its uint8 bits. Element by element, so a row's bits do not depend on which other rows are read with
         it (the sharded tables of dsv41.distributed.engram_parallel rely on it)."""
-        values = weight[ids].float().unflatten(-1, (-1, block)) * scale[ids].float().unsqueeze(-1)
+        if scale.dtype == torch.uint8:  # the UE8M0 bits (a compiled region's: inductor takes no float8_e8m0fnu
+            # tensor) shifted into an fp32 exponent field: the same power of two for bits 1..254
+            scales = (scale[ids].to(torch.int32) << 23).view(torch.float32)
+        else:
+            scales = scale[ids].float()
+        values = weight[ids].float().unflatten(-1, (-1, block)) * scales.unsqueeze(-1)
         return values.flatten(-2).to(torch.bfloat16)
 
     def make_trainable(self, dtype: torch.dtype = torch.float32) -> None:
@@ -180,12 +185,22 @@ class Engram(nn.Module):
         self.reference_numerics = False
 
     def forward(
-        self, h: torch.Tensor, hash_ids: torch.Tensor, token_mask: torch.Tensor | None = None, calls=None
+        self,
+        h: torch.Tensor,
+        hash_ids: torch.Tensor,
+        token_mask: torch.Tensor | None = None,
+        calls=None,
+        scale_bits: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """h [B, S, hc, dim] bf16; hash_ids [B, S, cols]; token_mask [B, S] (False = gate shut); calls: the
-        tokens' separate calls when several sequences' chunks share this one (`ops.lanes.per_call`).
+        tokens' separate calls when several sequences' chunks share this one (`ops.lanes.per_call`);
+        scale_bits: the table's scales as uint8 bits (a compiled region's way to read them).
         Returns h + gate * value, gate per (token, copy), value shared by the copies."""
-        kv = self.wkv(self.embed(hash_ids).flatten(-2))  # [B, S, (hc + 1) * dim]
+        if scale_bits is None:
+            rows = self.embed(hash_ids)
+        else:
+            rows = EngramTable.read(self.embed.weight, scale_bits, hash_ids, self.embed.block)
+        kv = self.wkv(rows.flatten(-2))  # [B, S, (hc + 1) * dim]
         key, value = kv.split([self.hc * self.dim, self.dim], dim=-1)
         key = key.float().unflatten(-1, (self.hc, self.dim))
         weight = self.q_weight.float() * self.k_weight.float()  # only their product matters

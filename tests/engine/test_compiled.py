@@ -38,7 +38,7 @@ def test_compiled_regions_serve_decode_batches_and_agree_with_the_reference(monk
     used, calls = [], {}
     real = compiled._Regions.pre_attention
     monkeypatch.setattr(compiled._Regions, "pre_attention", lambda self, *a: used.append(self.rows) or real(self, *a))
-    for name in ("post_attention_ffn", "window_attention", "index_query", "compress_latent", "final_logits"):
+    for name in ("engram", "post_attention_ffn", "window_attention", "index_query", "compress_latent", "final_logits"):
         fn = getattr(compiled._Regions, name)
         monkeypatch.setattr(
             compiled._Regions, name, lambda self, *a, fn=fn, name=name: calls.update({name: 1}) or fn(self, *a)
@@ -49,8 +49,8 @@ def test_compiled_regions_serve_decode_batches_and_agree_with_the_reference(monk
     assert result.top1 >= 0.99 and result.kl_mean <= 2e-3, result.as_dict()
     # the steps decoding all three ran compiled, padded to 4 rows (and those decoding fewer, at their buckets)
     assert used.count(4) >= 10 * engine.model_config.n_layers and set(used) <= {1, 2, 4}, used
-    # the MoE, the window attention, the indexer's query and the ratio-1 compressors ran compiled too
-    assert set(calls) == {"post_attention_ffn", "window_attention", "index_query", "compress_latent"}, calls
+    # Engram, the MoE, the window attention, the indexer's query and the ratio-1 compressors ran compiled too
+    assert set(calls) == {"engram", "post_attention_ffn", "window_attention", "index_query", "compress_latent"}, calls
     if moe_cpu.available():  # traced into every bucket's graph (the tracer calls the Python function)
         assert set(traced) == {1, 2, 4}, traced
     else:
@@ -196,6 +196,30 @@ def test_the_regions_are_traced_under_the_runners_numerics(monkeypatch):
     assert engine.runner.fp32_rows == 8 and engine.runner.compiled.ready == {1, 2}
     assert seen and set(seen) == {8}, set(seen)  # every traced layer under the fp32 choice
     assert {lin.fp32_rows for lin in model.modules() if isinstance(lin, Linear)} == {0}  # restored after
+
+
+def test_the_engram_region_reads_the_tables_scales_from_their_bits():
+    """`engram` (run eager here: the compiler keeps its math) reads the FP8 table's UE8M0 scales from their uint8
+    bits (inductor takes no float8_e8m0fnu tensor) and gives Engram's own output, bit for bit."""
+    from dsv41.config import tiny
+    from dsv41.model.init import init_random_weights
+    from dsv41.model.transformer import Transformer
+
+    cfg = tiny()
+    model = init_random_weights(Transformer(cfg), seed=1, std=0.1).eval()
+    block = next(b for b in model.layers if b.engram is not None)
+    table = block.engram.embed
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # scales of many binades, so that a wrong power of two shows
+        bits = torch.randint(110, 140, table.scale.shape, generator=g, dtype=torch.uint8)
+        table.scale.copy_(bits.view(torch.float8_e8m0fnu))
+    h = torch.randn(1, 3, cfg.hc_mult, cfg.dim, generator=g).bfloat16()
+    ids = torch.randint(0, table.weight.size(0), (1, 3, cfg.n_hash_columns), generator=g)
+    with torch.inference_mode():
+        got = compiled.engram(block.engram, h, ids, table.scale.view(torch.uint8))
+        want = block.engram(h, ids)
+    assert got.dtype == torch.bfloat16 and got.shape == h.shape
+    assert torch.equal(got, want) and not torch.equal(got, h)
 
 
 def test_batch_first_padding_of_the_attention_regions():
