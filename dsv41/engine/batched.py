@@ -47,11 +47,17 @@ class DecodeBatch:
     # when a dict: each ratio>1 compressor leaves its fp32 rows (kv [B, D], score [B, D]) of this step
     # under its layer id (a speculative verify keeps them to rebuild partial groups after a rejection)
     record_rows: dict | None = None
-    # `fast` numerics: attention as one dense softmax over the gathered rows (ops.dense_decode_attn), the
-    # indexer's picks in torch.topk's order; else every op as the per-chunk path computes it
+    token_index: int = 0  # the members' token in their chunks: a forward's i-th decode step runs their i-th
+    # `fast` numerics: the indexer's picks in torch.topk's order, any tie; else in canonical order
     fast: bool = False
-    # `fast` numerics with the compiled decode regions of this batch's bucket (dsv41.engine.compiled): the
-    # window attention and the indexer's query run as compiled graphs
+    # the attention as one dense softmax over the window and the selected rows at a fixed width, masked
+    # (`window_attention`, ops.dense_decode_attn): `fast` numerics, and `deterministic` ones with compiled tiles
+    # (each row at the same width whatever the batch: batch-invariant by construction); else every op as the
+    # per-chunk path computes it, each row at a lone decode's width
+    dense: bool = False
+    # the compiled regions of this batch's attention: `fast` numerics' bucket (dsv41.engine.compiled: the window
+    # attention, the indexer's query, a ratio-1 compressor's entries), or the `deterministic` tiles' window
+    # attention (their `index_query` and `compress_latent` are None: those run eager)
     regions: object = None
 
     @classmethod
@@ -202,7 +208,7 @@ def decode_attend(
     token per sequence. Returns [B, 1, H, D] like `Attention.attend`."""
     layer, w = attn.layer_id, attn.window
     slots = batch.slots
-    if batch.fast:  # the window and the selected rows as one dense softmax, compiled where the step has regions
+    if batch.dense:  # the window and the selected rows as one dense softmax, compiled where the step has regions
         valid = batch.window_valid(layer, w)  # [B, W+1]
         selected = None
         if attn.ratio:
@@ -384,7 +390,7 @@ def _compress(attn, x, batch: DecodeBatch, states: StatePool, pool: PagedKVPool)
     """Add each sequence's token to its compressor; store the latents of the groups it completes."""
     comp, ratio, layer = attn.compressor, attn.ratio, attn.layer_id
     pos, slots = batch.positions, batch.slots
-    if ratio == 1 and batch.regions is not None:  # every token completes its group: one compiled region
+    if ratio == 1 and batch.regions is not None and batch.regions.compress_latent is not None:  # one compiled region
         kv, keys = batch.regions.compress_latent(attn, x, batch.rope(attn.rope))
         pool.write_packed(layer, pool.rows_batched(layer, batch.tables, pos.unsqueeze(1))[:, 0], kv, keys)
         return
@@ -425,7 +431,8 @@ def _select(attn, x, qr, batch: DecodeBatch, pool: PagedKVPool) -> torch.Tensor:
     if t == 0:
         return torch.full((b, 1, idx.topk), -1, dtype=torch.int64, device=pos.device)
     freqs = batch.rope(attn.rope)
-    q, weights = (index_query if batch.regions is None else batch.regions.index_query)(idx, qr, x, freqs)
+    compiled = None if batch.regions is None else batch.regions.index_query
+    q, weights = (index_query if compiled is None else compiled)(idx, qr, x, freqs)
     if idx.uses_candidates:  # the entries of the candidate blocks the candidate source picked this step
         entries, usable = ops.candidate_entries(
             batch.shared["candidate_blocks"], visible.view(b, 1, 1), idx.candidate_block_size

@@ -42,7 +42,7 @@ import torch
 from dsv41.engine.batched import index_query, pack_entries, window_attention
 from dsv41.model.block import Block
 from dsv41.ops import index_cpu, linear_cpu, moe_cpu
-from dsv41.ops.quant import FP8_BLOCK
+from dsv41.ops.quant import FP8_BLOCK, fp8_quant
 
 log = logging.getLogger(__name__)
 
@@ -457,7 +457,7 @@ class _SplitRegions(_RunByTokens):
 
 
 # ------------------------------------------------------------------ deterministic numerics: one tile shape
-TILE_REGIONS = ("pre_attention", "project", "output", "post_attention", "post_attention_ffn")
+TILE_REGIONS = ("pre_attention", "project", "output", "post_attention", "post_attention_ffn", "window_attention")
 
 
 def _tile(t: torch.Tensor, dim: int, start: int, n: int, rows: int) -> torch.Tensor:
@@ -521,6 +521,10 @@ class CompiledTiles:
     def regions(self) -> _TiledRegions:
         return _TiledRegions(self._compiled, self.rows, self.moe_inside)
 
+    def attention(self) -> _TiledAttention:
+        """A decode step's dense window attention at the tile shape (`DecodeBatch.dense`)."""
+        return _TiledAttention(self._compiled, self.rows)
+
     def _build(self, numerics) -> bool:
         try:
             if self.moe_inside:
@@ -577,7 +581,55 @@ class CompiledTiles:
                     got, end = run(a, b), min(b, rows)  # the rows both calls computed: a .. end - 1
                     if not all(torch.equal(w[:, a:end], t[:, : end - a]) for w, t in zip(want, got)):
                         return f"{name} (layer {block.layer_id})"
+        tiled = self.attention()
+        for ratio in sorted({block.attn.ratio > 0 for block in model.layers}):  # window only, and with entries
+            attn = next(block.attn for block in model.layers if (block.attn.ratio > 0) == ratio)
+            w, d, k = attn.window, attn.head_dim, cfg.index_topk if ratio else 0
+            codes, scale = fp8_quant(rand(n, w, d) * rand(n, w, 1).exp())
+            args = (
+                rand(n, 1, attn.n_heads, d, dtype=bf16),
+                codes,
+                scale.to(torch.float8_e8m0fnu).view(torch.uint8),  # the rings' UE8M0 bits
+                rand(n, 1, d, dtype=bf16),
+                torch.rand(n, w + 1 + k, generator=g).to(dev) > 0.3,
+                rand(n, k, d, dtype=bf16) if ratio else None,
+            )
+
+            def run(a, b, args=args, attn=attn):
+                cut = [None if t is None else t[a:b] for t in args]
+                return [t.unsqueeze(0) for t in tiled.window_attention(*cut, attn.attn_sink, attn.softmax_scale)]
+
+            want = run(0, rows)
+            for a, b in ((1, n), (0, min(3, rows))):
+                got, end = run(a, b), min(b, rows)
+                if not all(torch.equal(w_[:, a:end], t[:, : end - a]) for w_, t in zip(want, got)):
+                    return f"window_attention (layer {attn.layer_id})"
         return None
+
+
+class _TiledAttention:
+    """The `deterministic` tiles' decode attention (`CompiledTiles.attention`): `window_attention` compiled at the
+    tile shape and called tile after tile along the batch (one decode token per sequence), the last tile padded
+    with its last real row. The indexer's query and the compressors run eager (their batch-invariant ops)."""
+
+    index_query = None
+    compress_latent = None
+
+    def __init__(self, compiled: dict, rows: int):
+        self.compiled, self.rows = compiled, rows
+
+    def window_attention(self, q, ring_codes, ring_scale, kv, valid, selected, attn_sink, softmax_scale):
+        total, outs = q.size(0), []
+        for start in range(0, total, self.rows):
+            n = min(self.rows, total - start)
+            tiles = [None if t is None else _tile(t, 0, start, n, self.rows) for t in (q, ring_codes, ring_scale, kv)]
+            tiles += [
+                _tile(valid, 0, start, n, self.rows),
+                None if selected is None else _tile(selected, 0, start, n, self.rows),
+            ]
+            out = self.compiled["window_attention"](*tiles, attn_sink, softmax_scale)
+            outs.append(out if n == self.rows else tuple(t[:n] for t in out))
+        return outs[0] if len(outs) == 1 else tuple(torch.cat([o[i] for o in outs]) for i in range(len(outs[0])))
 
 
 def _flat(value) -> list[torch.Tensor]:

@@ -127,8 +127,8 @@ class PagedAttention(AttentionBackend):
                 for batch, members in steps:
                     _keep_step_rows(kept, batch, members, attn.layer_id)
             steps = []  # done
-        for i, (batch, members) in enumerate(steps):
-            at = torch.tensor([offset[id(c)] + i for c in members], device=x.device)
+        for batch, members in steps:
+            at = torch.tensor([offset[id(c)] + batch.token_index for c in members], device=x.device)
             batch.record_rows = {} if kept else None
             out[0, at] = decode_attend(
                 attn,
@@ -169,7 +169,8 @@ class PagedAttention(AttentionBackend):
                     starts.append(c.start)
                     chunk_rows.append([first_row[id(c)] + min(j, len(c.tokens) - 1) for j in range(n)])
             self.flat = DecodeBatch.build(caches, positions, device)
-            self.flat.fast, self.flat.regions = True, self.flat_regions
+            self.flat.fast = self.flat.dense = True
+            self.flat.regions = self.flat_regions
             self.flat_offsets = None
             self.flat_starts = torch.tensor(starts, device=device)
             self.chunk_rows = torch.tensor(chunk_rows, device=device)
@@ -233,8 +234,8 @@ def _verify_group_rows(attn, steps, states) -> dict:
     if attn.compressor is None or attn.ratio < 2:
         return {}
     layer, ratio, kept = attn.layer_id, attn.ratio, {}
-    for c in steps[0][1]:
-        if c.verify and c.cache.keep_group_rows is not None:
+    for c in (c for _, members in steps for c in members):  # (every chunk has its first token in some step)
+        if c.verify and id(c) not in kept and c.cache.keep_group_rows is not None:
             pending, slot = c.start % ratio, c.cache.slot
             kept[id(c)] = (
                 c.start - pending,

@@ -175,6 +175,8 @@ class ModelRunner:
         stepwise = record is None and all(c.decode or c.verify for c in chunks)
         if self.tiles is not None:
             regions = self.tiles.regions()
+            for batch, _ in steps:  # the decode attention at the tile shape too, dense (DecodeBatch.dense)
+                batch.regions = self.tiles.attention()
         elif self.compiled is not None and stepwise:
             regions = self.compiled.regions(ids.size(1))
             for batch, members in steps:  # each decode step's attention at its own bucket
@@ -271,15 +273,25 @@ class ModelRunner:
         # `fast` numerics attend all stepped tokens in one set of ops (dsv41.engine.batched.chunk_decode_attend)
         longest = max((len(c.tokens) for c in verify), default=0)
         batch_them = mode == "on" or (mode == "auto" and (self.mode == "fast" or len(verify) > longest))
+        # with compiled tiles a decode step's attention is the tiles' dense one: a verified token gets a decode
+        # step's bits only as a row of a decode step (the per-chunk path attends another way); "off" then runs
+        # each verify chunk in decode steps of its own
+        batch_them = batch_them or self.tiles is not None
         for c in verify:
             c.stepped = batch_them
         stepped = [c for c in chunks if c.decode or (c.verify and batch_them)]
+        groups = [stepped]  # chunks whose i-th tokens share decode step i
+        if self.tiles is not None and mode == "off":  # each verify chunk in decode steps of its own
+            groups = [[c for c in chunks if c.decode]] + [[c] for c in verify]
         steps = []
-        for i in range(max((len(c.tokens) for c in stepped), default=0)):
-            members = [c for c in stepped if len(c.tokens) > i]
-            batch = DecodeBatch.build([c.cache for c in members], [c.start + i for c in members], device)
-            batch.fast = self.mode == "fast"
-            steps.append((batch, members))
+        for group in groups:
+            for i in range(max((len(c.tokens) for c in group), default=0)):
+                members = [c for c in group if len(c.tokens) > i]
+                batch = DecodeBatch.build([c.cache for c in members], [c.start + i for c in members], device)
+                batch.token_index = i
+                batch.fast = self.mode == "fast"
+                batch.dense = batch.fast or self.tiles is not None
+                steps.append((batch, members))
         return steps
 
     def _engram_hashes(self, chunks: list[Chunk]) -> torch.Tensor:

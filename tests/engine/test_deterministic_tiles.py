@@ -69,6 +69,12 @@ def test_the_tiles_serve_every_forward_and_change_the_bits(monkeypatch):
         return run(self, name, module, tokens, extra)
 
     monkeypatch.setattr(compiled_module._TiledRegions, "_run", counting)
+    attention = compiled_module._TiledAttention.window_attention
+    monkeypatch.setattr(
+        compiled_module._TiledAttention,
+        "window_attention",
+        lambda self, q, *a: calls.append(("window_attention", q.size(0))) or attention(self, q, *a),
+    )
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
     batch = prompts([37, 5])
     tiled = _logprobs(engine, batch, params)
@@ -76,6 +82,8 @@ def test_the_tiles_serve_every_forward_and_change_the_bits(monkeypatch):
     assert max(token_counts) >= 16, token_counts  # prefill chunks went through the tiles
     assert 2 in token_counts, token_counts  # and the decode steps of the two requests
     assert {name for name, _ in calls} >= {"pre_attention", "project", "output"}
+    # the decode steps' attention too, every layer of them, at the tile shape (dense, DecodeBatch.dense)
+    assert 2 in {n for name, n in calls if name == "window_attention"}, calls
     monkeypatch.delenv("DSV41_TEST_TILES")
     eager = _logprobs(make(net), batch, params)
     assert tiled != eager  # the tiles' own roundings: they, not the eager ops, computed the tokens
@@ -116,6 +124,20 @@ def test_a_region_that_mixes_rows_is_refused(monkeypatch):
     assert engine.runner.tiles is None
     monkeypatch.setattr(compiled_module, "pre_attention", pre_attention)
     assert make(net, row_chunk=4).runner.tiles is not None
+
+
+def test_a_decode_attention_that_mixes_rows_is_refused(monkeypatch):
+    """The build's check covers the decode attention's tile graph too: one whose rows see each other keeps the
+    engine eager."""
+    net = init_random_weights(Transformer(tiny()), seed=7).eval()
+    window_attention = compiled_module.window_attention
+
+    def mixing(q, *args):
+        o, codes, scale = window_attention(q, *args)
+        return o + 1e-2 * o.mean(dim=0, keepdim=True), codes, scale
+
+    monkeypatch.setattr(compiled_module, "window_attention", mixing)
+    assert make(net, row_chunk=8).runner.tiles is None
 
 
 def test_a_full_tile_and_a_padded_one_give_a_row_the_same_bits():

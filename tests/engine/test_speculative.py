@@ -432,6 +432,6 @@ def test_batched_verify_gives_the_bits_of_per_request_verify(model, monkeypatch)
     assert max(widest) >= 3  # several requests' verify tokens shared a decode step
     widest.clear()
     alone, alone_lp = _greedy_with_logprobs(make(model, speculative=True, batched_verify="off"), batch, params)
-    assert max(widest) == 0  # no verify token went through a batched decode step
+    assert max(widest) <= 1  # no decode step held two requests' verify tokens
     assert batched == alone == plain
     assert batched_lp == alone_lp == plain_lp  # bit for bit
