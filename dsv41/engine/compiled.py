@@ -457,7 +457,16 @@ class _SplitRegions(_RunByTokens):
 
 
 # ------------------------------------------------------------------ deterministic numerics: one tile shape
-TILE_REGIONS = ("pre_attention", "project", "output", "post_attention", "post_attention_ffn", "window_attention")
+TILE_REGIONS = (
+    "pre_attention",
+    "project",
+    "output",
+    "post_attention",
+    "post_attention_ffn",
+    "window_attention",
+    "index_query",
+    "compress_latent",
+)
 
 
 def _tile(t: torch.Tensor, dim: int, start: int, n: int, rows: int) -> torch.Tensor:
@@ -604,38 +613,77 @@ class CompiledTiles:
                 got, end = run(a, b), min(b, rows)
                 if not all(torch.equal(w_[:, a:end], t[:, : end - a]) for w_, t in zip(want, got)):
                     return f"window_attention (layer {attn.layer_id})"
+        for block in model.layers:  # the indexer's query and a ratio-1 compressor's entries, on every layer
+            attn = block.attn
+            freqs = attn.rope.at(torch.arange(n, device=dev), dev)
+            x = rand(n, 1, cfg.dim, dtype=bf16)
+            calls = {}
+            if attn.indexer is not None:
+                calls["index_query"] = (attn.indexer, [rand(n, 1, cfg.q_lora_rank, dtype=bf16), x, freqs])
+            if attn.compressor is not None and attn.ratio == 1:
+                calls["compress_latent"] = (attn, [x, freqs])
+            for name, (module, args) in calls.items():
+
+                def run(a, b, name=name, module=module, args=args):
+                    return [t.unsqueeze(0) for t in _flat(getattr(tiled, name)(module, *(t[a:b] for t in args)))]
+
+                want = run(0, rows)
+                for a, b in ((1, n), (0, min(3, rows))):
+                    got, end = run(a, b), min(b, rows)
+                    if not all(torch.equal(w_[:, a:end], t[:, : end - a]) for w_, t in zip(want, got)):
+                        return f"{name} (layer {block.layer_id})"
         return None
 
 
 class _TiledAttention:
-    """The `deterministic` tiles' decode attention (`CompiledTiles.attention`): `window_attention` compiled at the
-    tile shape and called tile after tile along the batch (one decode token per sequence), the last tile padded
-    with its last real row. The indexer's query and the compressors run eager (their batch-invariant ops)."""
-
-    index_query = None
-    compress_latent = None
+    """The `deterministic` tiles' decode-step regions (`CompiledTiles.attention`), batch-first (one decode token
+    per sequence): `window_attention`, the indexer's query (`index_query`) and a ratio-1 compressor's new entries
+    (`compress_latent`), each compiled at the tile shape and called tile after tile along the batch, the last
+    tile padded with its last real row."""
 
     def __init__(self, compiled: dict, rows: int):
         self.compiled, self.rows = compiled, rows
 
-    def window_attention(self, q, ring_codes, ring_scale, kv, valid, selected, attn_sink, softmax_scale):
-        total, outs = q.size(0), []
+    def _run(self, name: str, lead: tuple, tensors: list, extra=()):
+        """compiled[name](*lead, *tiles of `tensors` along dim 0 (None passed as it is), *extra), joined."""
+        total = next(t for t in tensors if t is not None).size(0)
+        outs = []
         for start in range(0, total, self.rows):
             n = min(self.rows, total - start)
-            tiles = [None if t is None else _tile(t, 0, start, n, self.rows) for t in (q, ring_codes, ring_scale, kv)]
-            tiles += [
-                _tile(valid, 0, start, n, self.rows),
-                None if selected is None else _tile(selected, 0, start, n, self.rows),
-            ]
-            out = self.compiled["window_attention"](*tiles, attn_sink, softmax_scale)
-            outs.append(out if n == self.rows else tuple(t[:n] for t in out))
-        return outs[0] if len(outs) == 1 else tuple(torch.cat([o[i] for o in outs]) for i in range(len(outs[0])))
+            tiles = [None if t is None else _tile(t, 0, start, n, self.rows) for t in tensors]
+            out = self.compiled[name](*lead, *tiles, *extra)
+            outs.append(out if n == self.rows else _nested(lambda t, n=n: t[:n], out))
+        return outs[0] if len(outs) == 1 else _join0(outs)
+
+    def window_attention(self, q, ring_codes, ring_scale, kv, valid, selected, attn_sink, softmax_scale):
+        tensors = [q, ring_codes, ring_scale, kv, valid, selected]
+        return self._run("window_attention", (), tensors, (attn_sink, softmax_scale))
+
+    def index_query(self, idx, qr, x, freqs):
+        return self._run("index_query", (idx,), [qr, x, freqs])
+
+    def compress_latent(self, attn, x, freqs):
+        return self._run("compress_latent", (attn,), [x, freqs])
+
+
+def _nested(fn, value):
+    """fn applied to every tensor of a nested tuple (None kept)."""
+    if isinstance(value, tuple):
+        return tuple(_nested(fn, v) for v in value)
+    return None if value is None else fn(value)
+
+
+def _join0(parts: list):
+    """The tiles' outputs (nested tuples of batch-first tensors, or None) joined along dim 0."""
+    if isinstance(parts[0], tuple):
+        return tuple(_join0([p[i] for p in parts]) for i in range(len(parts[0])))
+    return None if parts[0] is None else torch.cat(parts)
 
 
 def _flat(value) -> list[torch.Tensor]:
     if isinstance(value, tuple):
         return [t for v in value for t in _flat(v)]
-    return [value]
+    return [] if value is None else [value]
 
 
 class _TiledRegions(_RunByTokens):
