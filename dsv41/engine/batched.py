@@ -184,6 +184,22 @@ def index_query(idx, qr: torch.Tensor, x: torch.Tensor, freqs: torch.Tensor):
     return ops.fp4_qdq(_rope_rows(q, freqs, idx.rope_dim), FP4_BLOCK, "ue8m0"), idx.weights_proj(x) * idx.weight_scale
 
 
+def compress_group(attn, x: torch.Tensor, group_kv: torch.Tensor, group_score: torch.Tensor, slot, freqs):
+    """A ratio > 1 compressor's per-token work of a decode step, for every row as if its token completed its
+    group: x [B, 1, dim]; group_kv and group_score [B, ratio, D] fp32 (each sequence's kept partial group);
+    slot [B] int64 (the token's place in its group); freqs [B, rope/2] (RoPE rows of each group's first
+    position) -> (the token's fp32 rows kv, score [B, D]; `pack_entries` of each row's group with this token in
+    it). The caller keeps the packed entries of the rows whose token does complete a group. Also a compiled
+    region (dsv41.engine.compiled)."""
+    comp = attn.compressor
+    kv, score = comp.wkv(x.float())[:, 0], comp.wgate(x.float())[:, 0]  # [B, D] fp32
+    mine = (torch.arange(group_kv.size(1), device=x.device) == slot.unsqueeze(1)).unsqueeze(-1)  # [B, ratio, 1]
+    g_kv = torch.where(mine, kv.unsqueeze(1), group_kv)
+    g_score = torch.where(mine, score.unsqueeze(1), group_score)
+    latent = comp.norm((g_kv * g_score.softmax(dim=1)).sum(dim=1).to(x.dtype))  # [B, D]
+    return kv, score, pack_entries(attn, latent, freqs)
+
+
 def pack_entries(attn, latent: torch.Tensor, freqs: torch.Tensor):
     """Completed groups' latents [C, D] at their RoPE rows freqs [C, rope/2] -> their packed FP4 KV (codes,
     scales) and, where the layer owns index keys, their packed FP4 keys (codes, scales), else None. The KV is
@@ -393,6 +409,31 @@ def _compress(attn, x, batch: DecodeBatch, states: StatePool, pool: PagedKVPool)
     if ratio == 1 and batch.regions is not None and batch.regions.compress_latent is not None:  # one compiled region
         kv, keys = batch.regions.compress_latent(attn, x, batch.rope(attn.rope))
         pool.write_packed(layer, pool.rows_batched(layer, batch.tables, pos.unsqueeze(1))[:, 0], kv, keys)
+        return
+    if ratio > 1 and batch.regions is not None and batch.regions.compress_group is not None:  # one compiled region
+        slot_in_group = pos % ratio
+        kv, score, (packed, keys) = batch.regions.compress_group(
+            attn,
+            x,
+            states.group_kv[layer][slots],
+            states.group_score[layer][slots],
+            slot_in_group,
+            attn.rope.at(pos // ratio * ratio, x.device),
+        )
+        if batch.record_rows is not None:
+            batch.record_rows[layer] = (kv, score)
+        states.group_kv[layer][slots, slot_in_group] = kv
+        states.group_score[layer][slots, slot_in_group] = score
+        done = slot_in_group == ratio - 1
+        if not bool(done.any()):
+            return
+        full = slots[done]
+        states.group_score[layer][full] = -torch.inf
+        states.group_kv[layer][full] = 0.0
+        packed = tuple(t[done] for t in packed)
+        keys = None if keys is None else tuple(t[done] for t in keys)
+        rows = pool.rows_batched(layer, batch.tables[done], (pos[done] // ratio).unsqueeze(1))[:, 0]
+        pool.write_packed(layer, rows, packed, keys)
         return
     if ratio == 1:
         latent, done = comp.norm(comp.wkv(x)), torch.ones_like(pos, dtype=torch.bool)  # [B, 1, D]

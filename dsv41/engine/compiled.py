@@ -15,6 +15,7 @@ the visible entries and its top-k, the ratio-2 compressors' group completion, th
   and the selected compressed rows (dsv41.engine.batched.decode_attend);
 - `index_query`: the indexer's query heads and head weights;
 - `compress_latent`: a ratio-1 compressor's new entry (latent, index keys, FP4 packing);
+- `compress_group`: a ratio-2 compressor's rows and, as if the token completed its group, the group's entry;
 - `output`: the inverse RoPE and the grouped output projection;
 - `post_attention_ffn`: the attention sublayer's expand (`hc_post`), the FFN sublayer's mixes and normed
   input, and the whole MoE over the experts' stacked weights (`MoE.decode_forward`); `post_attention`
@@ -39,7 +40,7 @@ import types
 
 import torch
 
-from dsv41.engine.batched import index_query, pack_entries, window_attention
+from dsv41.engine.batched import compress_group, index_query, pack_entries, window_attention
 from dsv41.model.block import Block
 from dsv41.ops import index_cpu, linear_cpu, moe_cpu
 from dsv41.ops.quant import FP8_BLOCK, fp8_quant
@@ -204,6 +205,7 @@ class CompiledDecode:
             "window_attention": window_attention,
             "index_query": index_query,
             "compress_latent": compress_latent,
+            "compress_group": compress_group,
             "final_logits": final_logits,
         }
 
@@ -306,6 +308,10 @@ class CompiledDecode:
             regions.index_query(attn.indexer, qr, x, attn.rope.at(positions, dev))
         if attn.compressor is not None and attn.ratio == 1:
             regions.compress_latent(attn, x, attn.rope.at(positions, dev))
+        if attn.compressor is not None and attn.ratio > 1:
+            state = torch.zeros(rows, attn.ratio, attn.head_dim, device=dev)
+            slot = positions % attn.ratio
+            regions.compress_group(attn, x, state, state, slot, attn.rope.at(positions, dev))
 
 
 class _Regions:
@@ -384,6 +390,11 @@ class _Regions:
             return kv, keys
         cut = lambda pair: None if pair is None else tuple(t[: self.n] for t in pair)  # noqa: E731
         return cut(kv), cut(keys)
+
+    def compress_group(self, attn, x, group_kv, group_score, slot, freqs):
+        p = self._pad0
+        out = self.compiled["compress_group"](attn, p(x), p(group_kv), p(group_score), p(slot), p(freqs, 1))
+        return out if self.rows == self.n else _nested(lambda t: t[: self.n], out)
 
     def final_logits(self, norm, h, pre_mix, head, kernel: bool):
         """`final_logits` (one-token steps only)."""
@@ -466,6 +477,7 @@ TILE_REGIONS = (
     "window_attention",
     "index_query",
     "compress_latent",
+    "compress_group",
 )
 
 
@@ -622,6 +634,10 @@ class CompiledTiles:
                 calls["index_query"] = (attn.indexer, [rand(n, 1, cfg.q_lora_rank, dtype=bf16), x, freqs])
             if attn.compressor is not None and attn.ratio == 1:
                 calls["compress_latent"] = (attn, [x, freqs])
+            if attn.compressor is not None and attn.ratio > 1:
+                state = rand(n, attn.ratio, attn.head_dim)
+                slot = torch.arange(n, device=dev) % attn.ratio
+                calls["compress_group"] = (attn, [x, state, rand(n, attn.ratio, attn.head_dim), slot, freqs])
             for name, (module, args) in calls.items():
 
                 def run(a, b, name=name, module=module, args=args):
@@ -664,6 +680,9 @@ class _TiledAttention:
 
     def compress_latent(self, attn, x, freqs):
         return self._run("compress_latent", (attn,), [x, freqs])
+
+    def compress_group(self, attn, x, group_kv, group_score, slot, freqs):
+        return self._run("compress_group", (attn,), [x, group_kv, group_score, slot, freqs])
 
 
 def _nested(fn, value):

@@ -38,7 +38,8 @@ def test_compiled_regions_serve_decode_batches_and_agree_with_the_reference(monk
     used, calls = [], {}
     real = compiled._Regions.pre_attention
     monkeypatch.setattr(compiled._Regions, "pre_attention", lambda self, *a: used.append(self.rows) or real(self, *a))
-    for name in ("engram", "post_attention_ffn", "window_attention", "index_query", "compress_latent", "final_logits"):
+    names = ("engram", "post_attention_ffn", "window_attention", "index_query", "compress_latent", "compress_group")
+    for name in (*names, "final_logits"):
         fn = getattr(compiled._Regions, name)
         monkeypatch.setattr(
             compiled._Regions, name, lambda self, *a, fn=fn, name=name: calls.update({name: 1}) or fn(self, *a)
@@ -49,8 +50,8 @@ def test_compiled_regions_serve_decode_batches_and_agree_with_the_reference(monk
     assert result.top1 >= 0.99 and result.kl_mean <= 2e-3, result.as_dict()
     # the steps decoding all three ran compiled, padded to 4 rows (and those decoding fewer, at their buckets)
     assert used.count(4) >= 10 * engine.model_config.n_layers and set(used) <= {1, 2, 4}, used
-    # Engram, the MoE, the window attention, the indexer's query and the ratio-1 compressors ran compiled too
-    assert set(calls) == {"engram", "post_attention_ffn", "window_attention", "index_query", "compress_latent"}, calls
+    # Engram, the MoE, the window attention, the indexer's query and the compressors ran compiled too
+    assert set(calls) == set(names), calls
     if moe_cpu.available():  # traced into every bucket's graph (the tracer calls the Python function)
         assert set(traced) == {1, 2, 4}, traced
     else:
@@ -220,6 +221,38 @@ def test_the_engram_region_reads_the_tables_scales_from_their_bits():
         want = block.engram(h, ids)
     assert got.dtype == torch.bfloat16 and got.shape == h.shape
     assert torch.equal(got, want) and not torch.equal(got, h)
+
+
+def test_the_compressor_region_pools_the_group_its_token_completes():
+    """`compress_group` (run eager here: the compiler keeps its math) gives each row's fp32 rows and the entry of
+    its group with the token written into its slot: for a row whose token completes the group, what the eager
+    decode path stores (the state updated, pooled, normed, RoPE'd at the group's first position, packed)."""
+    from dsv41.config import tiny
+    from dsv41.model.init import init_random_weights
+    from dsv41.model.transformer import Transformer
+
+    model = init_random_weights(Transformer(tiny()), seed=3, std=0.1).eval()
+    attn = next(b.attn for b in model.layers if b.attn.compressor is not None and b.attn.ratio > 1)
+    comp, ratio, d = attn.compressor, attn.ratio, attn.head_dim
+    g = torch.Generator().manual_seed(0)
+    b = 4
+    x = torch.randn(b, 1, model.cfg.dim, generator=g).bfloat16()
+    group_kv = torch.randn(b, ratio, d, generator=g)
+    group_score = torch.randn(b, ratio, d, generator=g)
+    pos = torch.tensor([5, 8, 13, 2])  # slots 1, 0, 1, 0 of groups starting at 4, 8, 12, 2
+    slot = pos % ratio
+    freqs = attn.rope.at(pos // ratio * ratio, "cpu")
+    with torch.inference_mode():
+        kv, score, (packed, keys) = batched.compress_group(attn, x, group_kv, group_score, slot, freqs)
+        want_kv, want_score = comp.wkv(x.float())[:, 0], comp.wgate(x.float())[:, 0]
+        assert torch.equal(kv, want_kv) and torch.equal(score, want_score)
+        state_kv, state_score = group_kv.clone(), group_score.clone()
+        state_kv[torch.arange(b), slot] = want_kv
+        state_score[torch.arange(b), slot] = want_score
+        latent = comp.norm((state_kv * state_score.softmax(dim=1)).sum(dim=1).to(x.dtype))
+        want_packed, want_keys = batched.pack_entries(attn, latent, freqs)
+    for got, want in zip(packed + (keys or ()), want_packed + (want_keys or ())):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 def test_batch_first_padding_of_the_attention_regions():
