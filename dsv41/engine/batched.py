@@ -410,50 +410,42 @@ def _compress(attn, x, batch: DecodeBatch, states: StatePool, pool: PagedKVPool)
         kv, keys = batch.regions.compress_latent(attn, x, batch.rope(attn.rope))
         pool.write_packed(layer, pool.rows_batched(layer, batch.tables, pos.unsqueeze(1))[:, 0], kv, keys)
         return
-    if ratio > 1 and batch.regions is not None and batch.regions.compress_group is not None:  # one compiled region
-        slot_in_group = pos % ratio
-        kv, score, (packed, keys) = batch.regions.compress_group(
-            attn,
-            x,
-            states.group_kv[layer][slots],
-            states.group_score[layer][slots],
-            slot_in_group,
-            attn.rope.at(pos // ratio * ratio, x.device),
-        )
-        if batch.record_rows is not None:
-            batch.record_rows[layer] = (kv, score)
-        states.group_kv[layer][slots, slot_in_group] = kv
-        states.group_score[layer][slots, slot_in_group] = score
-        done = slot_in_group == ratio - 1
-        if not bool(done.any()):
-            return
-        full = slots[done]
-        states.group_score[layer][full] = -torch.inf
-        states.group_kv[layer][full] = 0.0
-        packed = tuple(t[done] for t in packed)
-        keys = None if keys is None else tuple(t[done] for t in keys)
-        rows = pool.rows_batched(layer, batch.tables[done], (pos[done] // ratio).unsqueeze(1))[:, 0]
-        pool.write_packed(layer, rows, packed, keys)
-        return
     if ratio == 1:
         latent, done = comp.norm(comp.wkv(x)), torch.ones_like(pos, dtype=torch.bool)  # [B, 1, D]
         latent = latent[:, 0]
     else:
-        kv, score = comp.wkv(x.float())[:, 0], comp.wgate(x.float())[:, 0]  # [B, D] fp32
+        slot_in_group = pos % ratio
+        region = None if batch.regions is None else batch.regions.compress_group
+        if region is not None:  # one compiled region: the rows, and every row's group as if it completed it
+            kv, score, (packed, keys) = region(
+                attn,
+                x,
+                states.group_kv[layer][slots],
+                states.group_score[layer][slots],
+                slot_in_group,
+                attn.rope.at(pos // ratio * ratio, x.device),
+            )
+        else:
+            kv, score = comp.wkv(x.float())[:, 0], comp.wgate(x.float())[:, 0]  # [B, D] fp32
         if batch.record_rows is not None:
             batch.record_rows[layer] = (kv, score)
-        slot_in_group = pos % ratio
         states.group_kv[layer][slots, slot_in_group] = kv
         states.group_score[layer][slots, slot_in_group] = score
         done = slot_in_group == ratio - 1
         if not bool(done.any()):
             return
         full = slots[done]
-        group_kv, group_score = states.group_kv[layer][full], states.group_score[layer][full]  # [C, ratio, D]
-        pooled = (group_kv * group_score.softmax(dim=1)).sum(dim=1)
-        latent = comp.norm(pooled.to(x.dtype))  # [C, D]
+        if region is None:
+            group_kv, group_score = states.group_kv[layer][full], states.group_score[layer][full]  # [C, ratio, D]
+            latent = comp.norm((group_kv * group_score.softmax(dim=1)).sum(dim=1).to(x.dtype))  # [C, D]
         states.group_score[layer][full] = -torch.inf
         states.group_kv[layer][full] = 0.0
+        if region is not None:  # the completed groups' entries, as the region packed them
+            packed = tuple(t[done] for t in packed)
+            keys = None if keys is None else tuple(t[done] for t in keys)
+            rows = pool.rows_batched(layer, batch.tables[done], (pos[done] // ratio).unsqueeze(1))[:, 0]
+            pool.write_packed(layer, rows, packed, keys)
+            return
     group = pos[done] // ratio
     kv, keys = pack_entries(attn, latent, attn.rope.at(group * ratio, x.device))  # stamped with its first token
     pool.write_packed(layer, pool.rows_batched(layer, batch.tables[done], group.unsqueeze(1))[:, 0], kv, keys)

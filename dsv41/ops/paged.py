@@ -117,31 +117,19 @@ def paged_index_scores(
         )
         return scores.unsqueeze(1)  # [B, 1, t]
     limit = visible.view(b, 1, 1)
-    if entries is None and _cpu_kernel_serves(q, pages):  # the same bits, read from the codes in place
-        t = int(visible.max())
+    if _cpu_kernel_serves(q, pages):  # the same bits, read from the codes in place: a Full layer's every visible
+        # entry, or a Reindex layer's candidates
+        n = int(visible.max()) if entries is None else entries.size(-1)
+        cut = (None, None) if entries is None else (entries[:, 0], None if usable is None else usable[:, 0])
         scores = index_cpu.paged_index_scores_cpu(
-            q[:, 0], weights[:, 0], pages.key_codes, pages.key_scale, tables, pages.entries_per_block, visible, t
+            q[:, 0], weights[:, 0], pages.key_codes, pages.key_scale, tables, pages.entries_per_block, visible, n, *cut
         )
-        return scores.unsqueeze(1)  # [B, 1, t]
+        return scores.unsqueeze(1)  # [B, 1, n]
     if entries is None:
         t = int(visible.max())
         per = pages.entries_per_block
         keys = block_keys(pages, tables[:, : -(-t // per)])[:, :t]  # [B, t, d]
         usable = torch.arange(t, device=q.device).view(1, 1, t) < limit
-    elif _cpu_kernel_serves(q, pages):  # a Reindex layer's candidates, scored from the codes in place
-        scores = index_cpu.paged_index_scores_cpu(
-            q[:, 0],
-            weights[:, 0],
-            pages.key_codes,
-            pages.key_scale,
-            tables,
-            pages.entries_per_block,
-            visible,
-            entries.size(-1),
-            entries[:, 0],
-            None if usable is None else usable[:, 0],
-        )
-        return scores.unsqueeze(1)  # [B, 1, n]
     else:
         last = (limit - 1).clamp_min(0)
         keys = gather_keys(pages, page_rows(tables, torch.minimum(entries, last)[:, 0], pages.entries_per_block))
