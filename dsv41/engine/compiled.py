@@ -328,14 +328,9 @@ class _Regions:
         return out if self.rows == self.n else _cut(out, self.n)
 
     def engram(self, module, h, hash_ids):
-        return self.compiled[
-            "engram"
-        ](
-            module,
-            _pad_rows(h, self.rows),
-            _dense(_pad_rows(hash_ids, self.rows)),  # (a column of the forward's hashes: a strided view)
-            module.embed.scale.view(torch.uint8),
-        )[:, : self.n]
+        ids = _dense(_pad_rows(hash_ids, self.rows))  # (a column of the forward's hashes: a strided view)
+        out = self.compiled["engram"](module, _pad_rows(h, self.rows), ids, module.embed.scale.view(torch.uint8))
+        return out[:, : self.n]
 
     def pre_attention(self, block, h, pre_mix):
         return self._call("pre_attention", block, h, pre_mix)
@@ -625,7 +620,7 @@ class CompiledTiles:
                 got, end = run(a, b), min(b, rows)
                 if not all(torch.equal(w_[:, a:end], t[:, : end - a]) for w_, t in zip(want, got)):
                     return f"window_attention (layer {attn.layer_id})"
-        for block in model.layers:  # the indexer's query and a ratio-1 compressor's entries, on every layer
+        for block in model.layers:  # the indexer's query and the compressors' entries, on every layer
             attn = block.attn
             freqs = attn.rope.at(torch.arange(n, device=dev), dev)
             x = rand(n, 1, cfg.dim, dtype=bf16)
@@ -653,9 +648,9 @@ class CompiledTiles:
 
 class _TiledAttention:
     """The `deterministic` tiles' decode-step regions (`CompiledTiles.attention`), batch-first (one decode token
-    per sequence): `window_attention`, the indexer's query (`index_query`) and a ratio-1 compressor's new entries
-    (`compress_latent`), each compiled at the tile shape and called tile after tile along the batch, the last
-    tile padded with its last real row."""
+    per sequence): `window_attention`, the indexer's query (`index_query`) and the compressors' new entries
+    (`compress_latent`, `compress_group`), each compiled at the tile shape and called tile after tile along the
+    batch, the last tile padded with its last real row."""
 
     def __init__(self, compiled: dict, rows: int):
         self.compiled, self.rows = compiled, rows

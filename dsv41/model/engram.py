@@ -152,9 +152,9 @@ class EngramTable(nn.Module):
 
     @staticmethod
     def read(weight: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, block: int) -> torch.Tensor:
-        """Rows `ids` [...] of FP8 `weight` [rows, dim] with UE8M0 `scale` [rows, dim / block], dequantised ->
-        bf16 [..., dim]; `scale` may also be given as its uint8 bits. Element by element, so a row's bits do not depend on which other rows are read with
-        it (the sharded tables of dsv41.distributed.engram_parallel rely on it)."""
+        """Rows `ids` [...] of FP8 `weight` [rows, dim] with UE8M0 `scale` [rows, dim / block] (or its uint8 bits),
+        dequantised -> bf16 [..., dim]. Element by element, so a row's bits do not depend on which other rows are
+        read with it (the sharded tables of dsv41.distributed.engram_parallel rely on it)."""
         if scale.dtype == torch.uint8:  # the UE8M0 bits (a compiled region's: inductor takes no float8_e8m0fnu
             # tensor) shifted into an fp32 exponent field: the same power of two for bits 1..254
             scales = (scale[ids].to(torch.int32) << 23).view(torch.float32)
