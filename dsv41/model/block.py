@@ -88,7 +88,8 @@ class Block(nn.Module):
         stream entering the block after its Engram (the DSpark drafter's input)."""
         if engram_ids is not None and self.engram is not None:
             regions = shared.get("regions")  # a fast decode step's compiled regions (dsv41.engine.compiled)
-            fp8_table = self.engram.embed.scale is not None  # (not made trainable)
+            # the region reads an FP8 table in place (not one made trainable, nor one sharded over ranks)
+            fp8_table = getattr(self.engram.embed, "scale", None) is not None
             if regions is not None and regions.engram is not None and image_mask is None and fp8_table:
                 h = regions.engram(self.engram, h, engram_ids)
             else:
