@@ -55,9 +55,8 @@ class DecodeBatch:
     # (each row at the same width whatever the batch: batch-invariant by construction); else every op as the
     # per-chunk path computes it, each row at a lone decode's width
     dense: bool = False
-    # the compiled regions of this batch's attention: `fast` numerics' bucket (dsv41.engine.compiled: the window
-    # attention, the indexer's query, a ratio-1 compressor's entries), or the `deterministic` tiles' window
-    # attention (their `index_query` and `compress_latent` are None: those run eager)
+    # the compiled regions of this batch's attention (dsv41.engine.compiled: the window attention, the indexer's
+    # query, the compressors' entries): `fast` numerics' bucket, or the `deterministic` tiles'; None: eager
     regions: object = None
 
     @classmethod
@@ -406,7 +405,7 @@ def _compress(attn, x, batch: DecodeBatch, states: StatePool, pool: PagedKVPool)
     """Add each sequence's token to its compressor; store the latents of the groups it completes."""
     comp, ratio, layer = attn.compressor, attn.ratio, attn.layer_id
     pos, slots = batch.positions, batch.slots
-    if ratio == 1 and batch.regions is not None and batch.regions.compress_latent is not None:  # one compiled region
+    if ratio == 1 and batch.regions is not None:  # every token completes its group: one compiled region
         kv, keys = batch.regions.compress_latent(attn, x, batch.rope(attn.rope))
         pool.write_packed(layer, pool.rows_batched(layer, batch.tables, pos.unsqueeze(1))[:, 0], kv, keys)
         return
@@ -464,8 +463,7 @@ def _select(attn, x, qr, batch: DecodeBatch, pool: PagedKVPool) -> torch.Tensor:
     if t == 0:
         return torch.full((b, 1, idx.topk), -1, dtype=torch.int64, device=pos.device)
     freqs = batch.rope(attn.rope)
-    compiled = None if batch.regions is None else batch.regions.index_query
-    q, weights = (index_query if compiled is None else compiled)(idx, qr, x, freqs)
+    q, weights = (index_query if batch.regions is None else batch.regions.index_query)(idx, qr, x, freqs)
     if idx.uses_candidates:  # the entries of the candidate blocks the candidate source picked this step
         entries, usable = ops.candidate_entries(
             batch.shared["candidate_blocks"], visible.view(b, 1, 1), idx.candidate_block_size

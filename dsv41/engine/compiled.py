@@ -592,11 +592,8 @@ class CompiledTiles:
                     cut = [t[a:b] if t.dim() == 2 else t[:, a:b] for t in args]  # freqs: tokens on dim 0
                     return _flat(getattr(regions, name)(module, *cut, *extra))
 
-                want = run(0, rows)
-                for a, b in ((1, n), (0, min(3, rows))):
-                    got, end = run(a, b), min(b, rows)  # the rows both calls computed: a .. end - 1
-                    if not all(torch.equal(w[:, a:end], t[:, : end - a]) for w, t in zip(want, got)):
-                        return f"{name} (layer {block.layer_id})"
+                if not _rows_agree(run, rows):
+                    return f"{name} (layer {block.layer_id})"
         tiled = self.attention()
         for ratio in sorted({block.attn.ratio > 0 for block in model.layers}):  # window only, and with entries
             attn = next(block.attn for block in model.layers if (block.attn.ratio > 0) == ratio)
@@ -615,11 +612,8 @@ class CompiledTiles:
                 cut = [None if t is None else t[a:b] for t in args]
                 return [t.unsqueeze(0) for t in tiled.window_attention(*cut, attn.attn_sink, attn.softmax_scale)]
 
-            want = run(0, rows)
-            for a, b in ((1, n), (0, min(3, rows))):
-                got, end = run(a, b), min(b, rows)
-                if not all(torch.equal(w_[:, a:end], t[:, : end - a]) for w_, t in zip(want, got)):
-                    return f"window_attention (layer {attn.layer_id})"
+            if not _rows_agree(run, rows):
+                return f"window_attention (layer {attn.layer_id})"
         for block in model.layers:  # the indexer's query and the compressors' entries, on every layer
             attn = block.attn
             freqs = attn.rope.at(torch.arange(n, device=dev), dev)
@@ -638,12 +632,20 @@ class CompiledTiles:
                 def run(a, b, name=name, module=module, args=args):
                     return [t.unsqueeze(0) for t in _flat(getattr(tiled, name)(module, *(t[a:b] for t in args)))]
 
-                want = run(0, rows)
-                for a, b in ((1, n), (0, min(3, rows))):
-                    got, end = run(a, b), min(b, rows)
-                    if not all(torch.equal(w_[:, a:end], t[:, : end - a]) for w_, t in zip(want, got)):
-                        return f"{name} (layer {block.layer_id})"
+                if not _rows_agree(run, rows):
+                    return f"{name} (layer {block.layer_id})"
         return None
+
+
+def _rows_agree(run, rows: int) -> bool:
+    """`run(a, b)` (the outputs [1, b - a, ...] of rows a .. b-1 of R + 1 random rows, R = rows) gives each row
+    the same bits in another place and beside other rows (rows 1 .. R) and in a padded tile (rows 0 .. 2)."""
+    want = run(0, rows)
+    for a, b in ((1, rows + 1), (0, min(3, rows))):
+        got, end = run(a, b), min(b, rows)  # the rows both calls computed: a .. end - 1
+        if not all(torch.equal(w[:, a:end], t[:, : end - a]) for w, t in zip(want, got)):
+            return False
+    return True
 
 
 class _TiledAttention:

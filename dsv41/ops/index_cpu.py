@@ -44,9 +44,7 @@ def loaded(build: bool = True) -> bool:
 def available(build: bool = True) -> bool:
     """Is the kernel built here with AVX512-VNNI (the form that beats the GEMM path)? Builds it if needed; with
     build=False only a build already in the cache counts (a decode step never waits ~8 s for the compiler)."""
-    if not build and not cpp_build.is_built("index_cpu"):
-        return False
-    return library() is not None and torch.ops.dsv41.index_topk_cpu_vnni()
+    return loaded(build) and torch.ops.dsv41.index_topk_cpu_vnni()
 
 
 def fits(q: torch.Tensor) -> bool:
