@@ -42,7 +42,7 @@ import torch
 
 from dsv41.engine.batched import compress_group, index_query, pack_entries, window_attention
 from dsv41.model.block import Block
-from dsv41.ops import index_cpu, linear_cpu, moe_cpu
+from dsv41.ops import attn_cpu, index_cpu, linear_cpu, moe_cpu
 from dsv41.ops.quant import FP8_BLOCK, fp8_quant
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,16 @@ def _keep_guard(entries) -> list[bool]:
 # cpp_wrapper: a graph's calling code is C++ too, not Python (a region calls dozens of kernels; ~15% of a
 # batch-1 step on the machines measured)
 _OPTIONS = {"cpp_wrapper": True, "guard_filter_fn": _keep_guard}
+# graphs of up to this many rows run their generated kernels on one thread: a region's elementwise work at these
+# sizes is a few us a kernel, less than the OpenMP barriers between its dozens of kernels (the Sinkhorn's
+# iterations each end in one) cost on 2 threads. Measured on 2 cores, one process, alternating: a `fast` decode
+# step 1.11x faster at batch 8, 1.04x at 32; `deterministic` tiles 1.10x at batch 8. The C++ kernels a graph
+# calls (the GEMMs, the experts) keep their own threads.
+ONE_THREAD_ROWS = 64
+
+
+def _options(rows: int) -> dict:
+    return dict(_OPTIONS, **{"cpp.threads": 1}) if rows <= ONE_THREAD_ROWS else _OPTIONS
 
 
 def engram(module, h: torch.Tensor, hash_ids: torch.Tensor, scale_bits: torch.Tensor) -> torch.Tensor:
@@ -175,6 +185,9 @@ class CompiledDecode:
         # the one-token head by the few-row kernel (`final_logits`): the runner's choice (`ModelRunner.rows_kernel`),
         # which its numerics also give the layers
         self.rows_kernel = rows_kernel
+        # the decode attention by the C++ kernel (dsv41.ops.attn_cpu) where it is built with bf16 dot products,
+        # else the `window_attention` region; decided when the buckets are built (None until then)
+        self.attn_kernel: bool | None = None
         self.ready: set[int] = set()
         self.failed = False
         # one compiled function per (region, bucket), each with a code object of its own: Dynamo keeps its
@@ -182,7 +195,7 @@ class CompiledDecode:
         # serving all buckets would try up to six guard sets a call; one per bucket tries one
         self._compiled = {
             b: {
-                name: torch.compile(_own_code(fn), dynamic=False, options=_OPTIONS)
+                name: torch.compile(_own_code(fn), dynamic=False, options=_options(b))
                 for name, fn in self._functions().items()
             }
             for b in buckets
@@ -225,7 +238,7 @@ class CompiledDecode:
             b = min((b for b in self.ready if b >= rest), default=None)
             if b is None:  # more rows than the largest built bucket: a full piece of it, then the rest
                 b = rest = max(self.ready)
-            pieces.append(_Regions(self._compiled[b], rest, b))
+            pieces.append(_Regions(self._compiled[b], rest, b, self.attn_kernel))
             start += rest
         return pieces[0] if len(pieces) == 1 else _SplitRegions(pieces)
 
@@ -235,11 +248,13 @@ class CompiledDecode:
         b = self.bucket(n)
         if b is None or b not in self.ready or self.failed:
             return None
-        return _Regions(self._compiled[b], n, b)
+        return _Regions(self._compiled[b], n, b, self.attn_kernel)
 
     # ---------------------------------------------------------------- building
     def build(self, buckets: tuple[int, ...] | None = None) -> None:
         """Compile the given buckets now (each traced on every layer shape the model has)."""
+        if self.attn_kernel is None:
+            self.attn_kernel = attn_cpu.available()  # builds it once per machine (seconds), before any bucket serves
         for b in buckets or self.buckets:
             if self.failed or b in self.ready or b not in self._compiled:
                 continue
@@ -268,7 +283,7 @@ class CompiledDecode:
         h = torch.zeros(1, rows, cfg.hc_mult, cfg.dim, dtype=torch.bfloat16, device=dev)
         pre = torch.full((1, rows, cfg.hc_mult), 1.0 / cfg.hc_mult, device=dev)
         positions = torch.arange(rows, device=dev)
-        regions = _Regions(self._compiled[rows], rows, rows)
+        regions = _Regions(self._compiled[rows], rows, rows, self.attn_kernel)
         with self.numerics():
             for block in model.layers:
                 attn = block.attn
@@ -319,8 +334,8 @@ class _Regions:
 
     tiled = False  # (`_TiledRegions`: every forward, no decode attention or head regions)
 
-    def __init__(self, compiled: dict, n: int, rows: int):
-        self.compiled, self.n, self.rows = compiled, n, rows
+    def __init__(self, compiled: dict, n: int, rows: int, attn_kernel: bool = False):
+        self.compiled, self.n, self.rows, self.attn_kernel = compiled, n, rows, attn_kernel
 
     def _call(self, name: str, module, *tensors):
         padded = [_pad_rows(t, self.rows) for t in tensors]
@@ -372,7 +387,9 @@ class _Regions:
         return torch.cat([t, t.new_full((self.rows - t.size(0), *t.shape[1:]), fill)])
 
     def window_attention(self, q, ring_codes, ring_scale, kv, valid, selected, attn_sink, softmax_scale):
-        """`window_attention` for the B real sequences (padding rows have no valid row)."""
+        """`window_attention` for the B real sequences (padding rows have no valid row), or the C++ kernel's."""
+        if self.attn_kernel:  # each sequence alone: no padding
+            return attn_cpu.decode_attn_cpu(q, ring_codes, ring_scale, kv, valid, selected, attn_sink, softmax_scale)
         p = self._pad0
         out = self.compiled["window_attention"](
             p(q), p(ring_codes), p(ring_scale), p(kv), p(valid), p(selected), attn_sink, softmax_scale
@@ -476,15 +493,19 @@ TILE_REGIONS = (
 )
 
 
-def _tile(t: torch.Tensor, dim: int, start: int, n: int, rows: int) -> torch.Tensor:
+def _tile(t: torch.Tensor, dim: int, start: int, n: int, pads: dict) -> torch.Tensor:
     """Tokens start .. start+n of t along `dim` (0 or 1; dim 0 of a dim-1 tensor has size 1) as a contiguous
-    tile of `rows` tokens, the last real token repeated into the padding: a padding row then routes to the
-    experts a real one picked, so it reads no expert weights of its own, and the C++ expert kernel computes
-    a run of copies once."""
+    tile of `pads["rows"]` tokens, the last real token repeated into the padding: a padding row then routes to
+    the experts a real one picked, so it reads no expert weights of its own, and the C++ expert kernel computes
+    a run of copies once. pads[n]: the tile's row indices for n real rows, made once (a decode step pads
+    every call: an index made per call was ~1 ms of a batch-1 step)."""
+    rows = pads["rows"]
     if n == rows:
         return t[start : start + rows] if dim == 0 else t[0, start : start + rows].unsqueeze(0)
-    idx = torch.arange(start, start + rows, device=t.device).clamp_(max=start + n - 1)
-    return t.index_select(dim, idx)
+    idx = pads.get((n, t.device))
+    if idx is None:
+        idx = pads[(n, t.device)] = torch.arange(rows, device=t.device).clamp_(max=n - 1)  # [rows]
+    return t.narrow(dim, start, n).index_select(dim, idx)
 
 
 def _cat(parts: list):
@@ -517,9 +538,12 @@ class CompiledTiles:
         self.model, self.rows, self.moe_inside = model, rows, moe_inside
         functions = CompiledDecode._functions()
         self._compiled = {
-            name: torch.compile(_own_code(functions[name]), dynamic=False, options=_OPTIONS) for name in TILE_REGIONS
+            name: torch.compile(_own_code(functions[name]), dynamic=False, options=_options(rows))
+            for name in TILE_REGIONS
         }
         self.ready: bool | None = None  # None: not built yet; False: unavailable here
+        self._pads: dict = {"rows": rows}  # a padded tile's row indices by real rows (`_tile`)
+        self.attn_kernel = False  # the decode attention by the C++ kernel (decided by `_build`)
 
     @classmethod
     def for_model(cls, model, rows: int, numerics, moe_inside: bool) -> CompiledTiles | None:
@@ -535,11 +559,11 @@ class CompiledTiles:
         return tiles if tiles.ready else None
 
     def regions(self) -> _TiledRegions:
-        return _TiledRegions(self._compiled, self.rows, self.moe_inside)
+        return _TiledRegions(self._compiled, self._pads, self.moe_inside)
 
     def attention(self) -> _TiledAttention:
         """A decode step's dense window attention at the tile shape (`DecodeBatch.dense`)."""
-        return _TiledAttention(self._compiled, self.rows)
+        return _TiledAttention(self._compiled, self._pads, self.attn_kernel)
 
     def _build(self, numerics) -> bool:
         try:
@@ -548,6 +572,9 @@ class CompiledTiles:
                     if block.ffn.dispatcher is None:
                         block.ffn.stack_experts()
                 choose_expert_kernel(self.model)
+            # the C++ decode attention computes each sequence alone in one order (batch-invariant by
+            # construction, checked below like the graphs) where it is built with bf16 dot products
+            self.attn_kernel = attn_cpu.available()
             with numerics():
                 bad = self._warm_and_check()
         except Exception as err:  # noqa: BLE001 - no compiler, an op it cannot take: the eager ops serve
@@ -654,8 +681,8 @@ class _TiledAttention:
     (`compress_latent`, `compress_group`), each compiled at the tile shape and called tile after tile along the
     batch, the last tile padded with its last real row."""
 
-    def __init__(self, compiled: dict, rows: int):
-        self.compiled, self.rows = compiled, rows
+    def __init__(self, compiled: dict, pads: dict, attn_kernel: bool = False):
+        self.compiled, self.pads, self.rows, self.attn_kernel = compiled, pads, pads["rows"], attn_kernel
 
     def _run(self, name: str, lead: tuple, tensors: list, extra=()):
         """compiled[name](*lead, *tiles of `tensors` along dim 0 (None passed as it is), *extra), joined."""
@@ -663,12 +690,14 @@ class _TiledAttention:
         outs = []
         for start in range(0, total, self.rows):
             n = min(self.rows, total - start)
-            tiles = [None if t is None else _tile(t, 0, start, n, self.rows) for t in tensors]
+            tiles = [None if t is None else _tile(t, 0, start, n, self.pads) for t in tensors]
             out = self.compiled[name](*lead, *tiles, *extra)
             outs.append(out if n == self.rows else _nested(lambda t, n=n: t[:n], out))
         return outs[0] if len(outs) == 1 else _join0(outs)
 
     def window_attention(self, q, ring_codes, ring_scale, kv, valid, selected, attn_sink, softmax_scale):
+        if self.attn_kernel:  # each sequence alone, at any batch: no tiles
+            return attn_cpu.decode_attn_cpu(q, ring_codes, ring_scale, kv, valid, selected, attn_sink, softmax_scale)
         tensors = [q, ring_codes, ring_scale, kv, valid, selected]
         return self._run("window_attention", (), tensors, (attn_sink, softmax_scale))
 
@@ -708,8 +737,8 @@ class _TiledRegions(_RunByTokens):
     tiled = True
     engram = None  # Engram runs eager, its gate's sigmoid per call (dsv41.ops.lanes)
 
-    def __init__(self, compiled: dict, rows: int, moe_inside: bool):
-        self.compiled, self.rows, self.moe_inside = compiled, rows, moe_inside
+    def __init__(self, compiled: dict, pads: dict, moe_inside: bool):
+        self.compiled, self.pads, self.rows, self.moe_inside = compiled, pads, pads["rows"], moe_inside
 
     def stacks_for(self, block, image_mask, shared):
         """The MoE joins the tile graph for every token or for none (decided once per engine)."""
@@ -721,6 +750,6 @@ class _TiledRegions(_RunByTokens):
         outs = []
         for start in range(0, total, self.rows):
             n = min(self.rows, total - start)
-            out = self.compiled[name](module, *(_tile(t, d, start, n, self.rows) for t, d in tokens), *extra)
+            out = self.compiled[name](module, *(_tile(t, d, start, n, self.pads) for t, d in tokens), *extra)
             outs.append(out if n == self.rows else _cut(out, n))
         return outs[0] if len(outs) == 1 else _cat(outs)

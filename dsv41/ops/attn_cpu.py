@@ -53,3 +53,15 @@ def sparse_attn_cpu(
     sum_k softmax_k(scale * q . kv[idx_k]) * kv[idx_k], the sink in the denominator, in fp32 (`library()` must
     have loaded the kernel)."""
     return torch.ops.dsv41.sparse_attn_cpu(q, kv, attn_sink, indices, softmax_scale)
+
+
+def decode_attn_cpu(q, ring_codes, ring_scale, kv, valid, selected, attn_sink, softmax_scale: float):
+    """One decode step's attention, as `dsv41.engine.batched.window_attention` (its reference, same arguments and
+    results) computes it with tensor ops: q [B, 1, H, D] bf16, ring_codes [B, W, D] e4m3, ring_scale [B, W, D/32]
+    uint8 (UE8M0 bits), kv [B, 1, D] bf16, valid [B, W + 1 (+ K)], selected [B, K, D] bf16 or None -> (o [B, 1, H,
+    D] bf16, the new row's ring codes [B, D] e4m3 and scale bits [B, D/32] uint8). The codes are `fp8_quant`'s
+    bits; the attention is judged statistically. Each sequence's result is computed alone, in one order, so it
+    does not depend on the batch (`library()` must have loaded the kernel)."""
+    if selected is None:
+        selected = kv.new_empty(kv.size(0), 0, kv.size(-1))
+    return torch.ops.dsv41.decode_attn_cpu(q, ring_codes, ring_scale, kv, valid, selected, attn_sink, softmax_scale)

@@ -15,6 +15,7 @@ from dsv41.engine import SamplingParams
 from dsv41.engine import compiled as compiled_module
 from dsv41.model.init import init_random_weights
 from dsv41.model.transformer import Transformer
+from dsv41.ops import attn_cpu
 from tests.engine.helpers import make, prompts
 
 # the scenarios, collected in this module too (pytest runs them here under the fixture below)
@@ -126,17 +127,25 @@ def test_a_region_that_mixes_rows_is_refused(monkeypatch):
     assert make(net, row_chunk=4).runner.tiles is not None
 
 
-def test_a_decode_attention_that_mixes_rows_is_refused(monkeypatch):
-    """The build's check covers the decode attention's tile graph too: one whose rows see each other keeps the
-    engine eager."""
+@pytest.mark.parametrize("path", ["compiled region", "C++ kernel"])
+def test_a_decode_attention_that_mixes_rows_is_refused(monkeypatch, path):
+    """The build's check covers the decode attention too, on either path it runs by (the tile graph, or the C++
+    kernel where it is built): one whose rows see each other keeps the engine eager."""
     net = init_random_weights(Transformer(tiny()), seed=7).eval()
-    window_attention = compiled_module.window_attention
+    if path == "C++ kernel":
+        if not attn_cpu.available():
+            pytest.skip("the C++ decode attention serves only where the CPU has bf16 dot products")
+        owner, name = attn_cpu, "decode_attn_cpu"
+    else:
+        monkeypatch.setattr(attn_cpu, "available", lambda *a, **k: False)
+        owner, name = compiled_module, "window_attention"
+    attend = getattr(owner, name)
 
     def mixing(q, *args):
-        o, codes, scale = window_attention(q, *args)
+        o, codes, scale = attend(q, *args)
         return o + 1e-2 * o.mean(dim=0, keepdim=True), codes, scale
 
-    monkeypatch.setattr(compiled_module, "window_attention", mixing)
+    monkeypatch.setattr(owner, name, mixing)
     assert make(net, row_chunk=8).runner.tiles is None
 
 

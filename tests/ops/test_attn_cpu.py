@@ -53,3 +53,88 @@ def test_bad_shapes_are_refused():
         attn_cpu.sparse_attn_cpu(q, kv[..., :48], sink, idx, 0.1)
     with pytest.raises(RuntimeError, match="must be bf16"):
         attn_cpu.sparse_attn_cpu(q.float(), kv, sink, idx, 0.1)
+
+
+# ---------------------------------------------------------------------------------------- a decode step's attention
+def _decode_case(b=5, h=3, d=64, w=16, k=12, seed=0):
+    """One decode step of b sequences: the FP8 ring as the pool holds it, the new row, selected rows, a valid mask
+    with holes (row 0 sees nothing at all)."""
+    from dsv41.ops.quant import fp8_quant
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, 1, h, d, generator=g).bfloat16()
+    codes, scale = fp8_quant(torch.randn(b, w, d, generator=g) * torch.randn(b, w, 1, generator=g).exp())
+    bits = scale.to(torch.float8_e8m0fnu).view(torch.uint8)
+    kv = (torch.randn(b, 1, d, generator=g) * 2).bfloat16()
+    selected = torch.randn(b, k, d, generator=g).bfloat16() if k else None
+    valid = torch.rand(b, w + 1 + k, generator=g) > 0.3
+    valid[0] = False
+    return q, codes, bits, kv, valid, selected, torch.randn(h, generator=g)
+
+
+@pytest.mark.parametrize("k", [0, 12])
+def test_the_decode_kernel_gives_the_window_attention(k):
+    """Against `window_attention`'s tensor ops (its reference): the attention equal up to a bf16 step of the
+    output (other summation order, probabilities rounded to bf16 for P.V as the model rounds them), the new row's
+    ring codes and scales bit for bit (they are what later steps read)."""
+    from dsv41.engine.batched import window_attention
+
+    args = _decode_case(k=k, seed=k)
+    want = window_attention(*args, 0.125)
+    got = attn_cpu.decode_attn_cpu(*args, 0.125)
+    assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in want]
+    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=2**-6, atol=2**-8)
+    assert (got[0][0] == 0).all()  # nothing valid: 0, like the reference
+    assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8))
+    assert torch.equal(got[2], want[2])
+
+
+def test_the_decode_kernels_ring_codes_are_fp8_quants_bits_at_the_edges():
+    """Blocks at the scale rule's edges: all zeros (the amax floor), an amax of exactly 448 times a power of two (the
+    scale stays put), just above it, values that round to ties, and negative zero."""
+    from dsv41.ops.quant import fp8_quant
+
+    d = 128
+    rows = torch.zeros(6, d)
+    rows[1, :32] = torch.linspace(-448.0, 448.0, 32) * 2.0**-3
+    rows[1, 32:64] = torch.linspace(-1.0, 1.0, 32) * 448.0 * (1 + 2**-7)
+    rows[2] = torch.randn(d) * 1e-3
+    rows[3] = torch.randn(d) * 3e4
+    rows[4, :32] = torch.arange(32) * 0.5 + 0.25  # halfway between E4M3 neighbours
+    rows[5] = -0.0
+    kv = rows.bfloat16().unsqueeze(1)
+    args = list(_decode_case(b=6, d=d))
+    args[3] = kv
+    _, codes, bits = attn_cpu.decode_attn_cpu(*args, 0.1)
+    want_codes, want_scale = fp8_quant(kv[:, 0])
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(bits, want_scale.to(torch.float8_e8m0fnu).view(torch.uint8))
+
+
+def test_a_sequences_decode_attention_does_not_depend_on_the_batch():
+    """Each sequence alone, in the batch, in another order and beside other rows gives the same bits; what a
+    row may not see (its masked ring, new and selected rows) does not change them."""
+    args = _decode_case(b=7, seed=5)
+    batched = attn_cpu.decode_attn_cpu(*args, 0.1)[0]
+    for i in range(7):
+        alone = attn_cpu.decode_attn_cpu(*(t[i : i + 1] for t in args[:6]), args[6], 0.1)[0]
+        assert torch.equal(alone, batched[i : i + 1])
+    order = torch.tensor([3, 6, 0, 1, 5, 2, 4])
+    shuffled = attn_cpu.decode_attn_cpu(*(t[order] for t in args[:6]), args[6], 0.1)[0]
+    assert torch.equal(shuffled, batched[order])
+    q, codes, bits, kv, valid, selected, sink = args
+    hidden = ~valid
+    noisy = codes.view(torch.uint8).clone()
+    noisy[hidden[:, :16]] = torch.randint(0, 126, (int(hidden[:, :16].sum()), 64), dtype=torch.uint8)
+    sel = selected.clone()
+    sel[hidden[:, 17:]] = 7.0
+    again = attn_cpu.decode_attn_cpu(q, noisy.view(torch.float8_e4m3fn), bits, kv, valid, sel, sink, 0.1)[0]
+    assert torch.equal(again, batched)
+
+
+def test_the_decode_kernel_refuses_bad_inputs():
+    q, codes, bits, kv, valid, selected, sink = _decode_case()
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        attn_cpu.decode_attn_cpu(q, codes, bits, kv, valid[:, :-1], selected, sink, 0.1)
+    with pytest.raises(RuntimeError, match="e4m3"):
+        attn_cpu.decode_attn_cpu(q, codes.view(torch.uint8), bits, kv, valid, selected, sink, 0.1)
