@@ -493,6 +493,14 @@ TILE_REGIONS = (
 )
 
 
+# the regions a one-token call runs at one row where the build's check allows (`CompiledTiles`): those whose
+# one-row graph is faster than the padded tile (inside a batch-1 step: `project` 114 against 154 us, `output` 119
+# against 163, `index_query` 93 against 143). Not the mixes (`pre_attention`) or a ratio-2 compressor's step
+# (`compress_group`), whose fp32 GEMMs of one row inductor lowers to slower loops (263 against 177 us, 478 against
+# 325), nor the expand and MoE (`post_attention[_ffn]`), whose router top-k a graph of one row lowers its own way
+ONE_ROW_REGIONS = ("project", "output", "index_query", "compress_latent")
+
+
 def _tile(t: torch.Tensor, dim: int, start: int, n: int, pads: dict) -> torch.Tensor:
     """Tokens start .. start+n of t along `dim` (0 or 1; dim 0 of a dim-1 tensor has size 1) as a contiguous
     tile of `pads["rows"]` tokens, the last real token repeated into the padding: a padding row then routes to
@@ -526,9 +534,12 @@ class CompiledTiles:
     reductions and elementwise code, the C++ expert kernel's fixed order per (token, expert) pair), is checked
     on every layer when the graphs are built: where it fails, the engine stays eager.
 
-    One tile size only: graphs compiled at fewer rows were tried for the small calls (a one-token step pays
-    for 15 padding rows) and, though they passed this check on random rows, gave other bits than the full
-    tile on a model whose router scores tie (the compiler lowers a top-k of one row its own way).
+    A call of one token (a batch-1 decode step) runs the regions without a top-k at one row instead
+    (`ONE_ROW_REGIONS`), where the build's check finds every layer's one-row graphs give each row the bits of
+    its full tile; else it pays for 15 padding rows like any other call. The MoE's region keeps the tile
+    shape: graphs of fewer rows around the router's top-k passed this check on random rows and then gave
+    other bits than the full tile on a model whose router scores tie (the compiler lowers a top-k of one row
+    its own way).
 
     The attention's sequence mixing stays eager (its batch-invariant kernels). The mode is chosen once, before
     the first request: the tiles and the eager ops give different bits, so an engine never switches between
@@ -541,9 +552,14 @@ class CompiledTiles:
             name: torch.compile(_own_code(functions[name]), dynamic=False, options=_options(rows))
             for name in TILE_REGIONS
         }
+        self._one = {
+            name: torch.compile(_own_code(functions[name]), dynamic=False, options=_options(1))
+            for name in ONE_ROW_REGIONS
+        }
         self.ready: bool | None = None  # None: not built yet; False: unavailable here
         self._pads: dict = {"rows": rows}  # a padded tile's row indices by real rows (`_tile`)
         self.attn_kernel = False  # the decode attention by the C++ kernel (decided by `_build`)
+        self.one_row = False  # one-token calls by the one-row graphs (decided by `_build`'s check)
 
     @classmethod
     def for_model(cls, model, rows: int, numerics, moe_inside: bool) -> CompiledTiles | None:
@@ -558,12 +574,14 @@ class CompiledTiles:
             tiles.ready = tiles._build(numerics)
         return tiles if tiles.ready else None
 
-    def regions(self) -> _TiledRegions:
-        return _TiledRegions(self._compiled, self._pads, self.moe_inside)
+    def regions(self, one_row: bool | None = None) -> _TiledRegions:
+        one = self._one if (self.one_row if one_row is None else one_row) else None
+        return _TiledRegions(self._compiled, self._pads, self.moe_inside, one)
 
-    def attention(self) -> _TiledAttention:
-        """A decode step's dense window attention at the tile shape (`DecodeBatch.dense`)."""
-        return _TiledAttention(self._compiled, self._pads, self.attn_kernel)
+    def attention(self, one_row: bool | None = None) -> _TiledAttention:
+        """A decode step's attention regions at the tile shape (`DecodeBatch.dense`)."""
+        one = self._one if (self.one_row if one_row is None else one_row) else None
+        return _TiledAttention(self._compiled, self._pads, self.attn_kernel, one)
 
     def _build(self, numerics) -> bool:
         try:
@@ -583,18 +601,29 @@ class CompiledTiles:
         if bad:
             log.warning("compiled deterministic tiles: %s depends on the other rows of its tile; running eager", bad)
             return False
+        if self.one_row_differs:
+            log.info(
+                "deterministic tiles: one-token calls padded (%s alone differs from its tile)", self.one_row_differs
+            )
+        self.one_row = self.one_row_differs is None
         return True
 
     @torch.inference_mode()
     def _warm_and_check(self) -> str | None:
         """Trace every region on every layer, on random rows, and check it: rows 0 .. R-1 against rows 1 .. R of
         the same R + 1 (each row in another place, beside other rows) and against rows 0 .. 2 (a padded
-        tile). Returns the first region whose shared rows differ, or None."""
+        tile). Returns the first region whose shared rows differ, or None. The one-row graphs likewise, each row
+        alone against its row of the full tile: the first that differs is kept in `one_row_differs`."""
         cfg, model, rows = self.model.cfg, self.model, self.rows
         dev, bf16 = model.device, torch.bfloat16
         g = torch.Generator(device="cpu").manual_seed(0)
         n = rows + 1
-        regions = self.regions()
+        regions, single = self.regions(one_row=False), self.regions(one_row=True)
+        self.one_row_differs: str | None = None
+
+        def check_single(name: str, run, where: str) -> None:
+            if name in ONE_ROW_REGIONS and self.one_row_differs is None and not _single_rows_agree(run, rows):
+                self.one_row_differs = f"{name} ({where})"
 
         def rand(*shape, dtype=torch.float32):
             return torch.randn(*shape, generator=g).to(device=dev, dtype=dtype)
@@ -615,13 +644,14 @@ class CompiledTiles:
             for name, (module, args) in calls.items():
                 extra = (stacks,) if name == "post_attention_ffn" else ()
 
-                def run(a, b, name=name, module=module, args=args, extra=extra):
+                def run(a, b, one=False, name=name, module=module, args=args, extra=extra):
                     cut = [t[a:b] if t.dim() == 2 else t[:, a:b] for t in args]  # freqs: tokens on dim 0
-                    return _flat(getattr(regions, name)(module, *cut, *extra))
+                    return _flat(getattr(single if one else regions, name)(module, *cut, *extra))
 
                 if not _rows_agree(run, rows):
                     return f"{name} (layer {block.layer_id})"
-        tiled = self.attention()
+                check_single(name, run, f"layer {block.layer_id}")
+        tiled, tiled_single = self.attention(one_row=False), self.attention(one_row=True)
         for ratio in sorted({block.attn.ratio > 0 for block in model.layers}):  # window only, and with entries
             attn = next(block.attn for block in model.layers if (block.attn.ratio > 0) == ratio)
             w, d, k = attn.window, attn.head_dim, cfg.index_topk if ratio else 0
@@ -656,11 +686,13 @@ class CompiledTiles:
                 calls["compress_group"] = (attn, [x, state, rand(n, attn.ratio, attn.head_dim), slot, freqs])
             for name, (module, args) in calls.items():
 
-                def run(a, b, name=name, module=module, args=args):
-                    return [t.unsqueeze(0) for t in _flat(getattr(tiled, name)(module, *(t[a:b] for t in args)))]
+                def run(a, b, one=False, name=name, module=module, args=args):
+                    via = tiled_single if one else tiled
+                    return [t.unsqueeze(0) for t in _flat(getattr(via, name)(module, *(t[a:b] for t in args)))]
 
                 if not _rows_agree(run, rows):
                     return f"{name} (layer {block.layer_id})"
+                check_single(name, run, f"layer {block.layer_id}")
         return None
 
 
@@ -675,18 +707,32 @@ def _rows_agree(run, rows: int) -> bool:
     return True
 
 
+def _single_rows_agree(run, rows: int) -> bool:
+    """`run(a, a + 1, True)` (row a alone through the one-row graphs) gives rows 0, R/2 and R-1 the bits
+    `run(0, R)` (the full tile) gives them."""
+    want = run(0, rows)
+    for a in (0, rows // 2, rows - 1):
+        if not all(torch.equal(w[:, a : a + 1], t) for w, t in zip(want, run(a, a + 1, True))):
+            return False
+    return True
+
+
 class _TiledAttention:
     """The `deterministic` tiles' decode-step regions (`CompiledTiles.attention`), batch-first (one decode token
     per sequence): `window_attention`, the indexer's query (`index_query`) and the compressors' new entries
     (`compress_latent`, `compress_group`), each compiled at the tile shape and called tile after tile along the
     batch, the last tile padded with its last real row."""
 
-    def __init__(self, compiled: dict, pads: dict, attn_kernel: bool = False):
+    def __init__(self, compiled: dict, pads: dict, attn_kernel: bool = False, one: dict | None = None):
         self.compiled, self.pads, self.rows, self.attn_kernel = compiled, pads, pads["rows"], attn_kernel
+        self.one = one  # the one-row graphs (`CompiledTiles.one_row`), or None
 
     def _run(self, name: str, lead: tuple, tensors: list, extra=()):
-        """compiled[name](*lead, *tiles of `tensors` along dim 0 (None passed as it is), *extra), joined."""
+        """compiled[name](*lead, *tiles of `tensors` along dim 0 (None passed as it is), *extra), joined; one
+        sequence's call by the one-row graph where there is one."""
         total = next(t for t in tensors if t is not None).size(0)
+        if total == 1 and self.one is not None and name in self.one:
+            return self.one[name](*lead, *(None if t is None else t.contiguous() for t in tensors), *extra)
         outs = []
         for start in range(0, total, self.rows):
             n = min(self.rows, total - start)
@@ -737,16 +783,20 @@ class _TiledRegions(_RunByTokens):
     tiled = True
     engram = None  # Engram runs eager, its gate's sigmoid per call (dsv41.ops.lanes)
 
-    def __init__(self, compiled: dict, pads: dict, moe_inside: bool):
+    def __init__(self, compiled: dict, pads: dict, moe_inside: bool, one: dict | None = None):
         self.compiled, self.pads, self.rows, self.moe_inside = compiled, pads, pads["rows"], moe_inside
+        self.one = one  # the one-row graphs (`CompiledTiles.one_row`), or None
 
     def stacks_for(self, block, image_mask, shared):
         """The MoE joins the tile graph for every token or for none (decided once per engine)."""
         return block.ffn.stacked() if self.moe_inside and block.ffn.dispatcher is None else None
 
     def _run(self, name: str, module, tokens: list, extra=()):
-        """tokens: (tensor, token dim) pairs, cut into tiles; extra: passed to every tile as they are."""
+        """tokens: (tensor, token dim) pairs, cut into tiles; extra: passed to every tile as they are. A call of
+        one token by the one-row graph where there is one."""
         total = tokens[0][0].size(tokens[0][1])
+        if total == 1 and self.one is not None and name in self.one:
+            return self.one[name](module, *(t.contiguous() for t, _ in tokens), *extra)
         outs = []
         for start in range(0, total, self.rows):
             n = min(self.rows, total - start)

@@ -127,6 +127,30 @@ def test_a_region_that_mixes_rows_is_refused(monkeypatch):
     assert make(net, row_chunk=4).runner.tiles is not None
 
 
+def test_one_row_graphs_that_differ_from_their_tile_are_not_used(monkeypatch):
+    """A one-token call runs the one-row graphs only where each row alone gives the bits of its full tile: an
+    `output` region that rounds differently at one row keeps the tiles but pads one-token calls, which then
+    give the tile's bits."""
+    net = init_random_weights(Transformer(tiny()), seed=7).eval()
+    output = compiled_module.output
+
+    def other_at_one_row(attn, o, freqs):
+        y = output(attn, o, freqs)
+        return y * (1 + 2**-6) if y.size(1) == 1 else y
+
+    monkeypatch.setattr(compiled_module, "output", other_at_one_row)
+    engine = make(net, row_chunk=8)
+    tiles = engine.runner.tiles
+    assert tiles is not None and not tiles.one_row and tiles.one_row_differs.startswith("output"), tiles.one_row_differs
+    regions, attn = tiles.regions(), net.layers[2].attn
+    g = torch.Generator().manual_seed(1)
+    o = torch.randn(1, 8, attn.n_heads, attn.head_dim, generator=g).bfloat16()
+    freqs = attn.rope.at(torch.arange(8), o.device)
+    with engine.runner.numerics(), torch.inference_mode():
+        whole = regions.output(attn, o, freqs)
+        assert torch.equal(regions.output(attn, o[:, 3:4], freqs[3:4]), whole[:, 3:4])
+
+
 @pytest.mark.parametrize("path", ["compiled region", "C++ kernel"])
 def test_a_decode_attention_that_mixes_rows_is_refused(monkeypatch, path):
     """The build's check covers the decode attention too, on either path it runs by (the tile graph, or the C++
