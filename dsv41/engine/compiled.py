@@ -493,12 +493,12 @@ TILE_REGIONS = (
 )
 
 
-# the regions a one-token call runs at one row where the build's check allows (`CompiledTiles`): those whose
-# one-row graph is faster than the padded tile (inside a batch-1 step: `project` 114 against 154 us, `output` 119
-# against 163, `index_query` 93 against 143). Not the mixes (`pre_attention`) or a ratio-2 compressor's step
-# (`compress_group`), whose fp32 GEMMs of one row inductor lowers to slower loops (263 against 177 us, 478 against
-# 325), nor the expand and MoE (`post_attention[_ffn]`), whose router top-k a graph of one row lowers its own way
-ONE_ROW_REGIONS = ("project", "output", "index_query", "compress_latent")
+# the regions a one-token call runs at one row where the build's check allows (`CompiledTiles`): every tile region
+# but the expand and MoE (`post_attention[_ffn]`), whose router top-k a graph of one row lowers its own way. Inside a
+# batch-1 step: `project` 114-131 against 154 us, `output` 119-133 against 163, `index_query` 93-107 against 143;
+# the mixes (`pre_attention`) and a ratio-2 compressor's step (`compress_group`) gain once their fp32 GEMMs pad to
+# the tile inside the graph (`ops.invariant_matmul`), as they would otherwise break it at the padding probe
+ONE_ROW_REGIONS = ("pre_attention", "project", "output", "index_query", "compress_latent", "compress_group")
 
 
 def _tile(t: torch.Tensor, dim: int, start: int, n: int, pads: dict) -> torch.Tensor:
@@ -732,7 +732,7 @@ class _TiledAttention:
         sequence's call by the one-row graph where there is one."""
         total = next(t for t in tensors if t is not None).size(0)
         if total == 1 and self.one is not None and name in self.one:
-            return self.one[name](*lead, *(None if t is None else t.contiguous() for t in tensors), *extra)
+            return self.one[name](*lead, *(None if t is None else _dense(t) for t in tensors), *extra)
         outs = []
         for start in range(0, total, self.rows):
             n = min(self.rows, total - start)
@@ -796,7 +796,7 @@ class _TiledRegions(_RunByTokens):
         one token by the one-row graph where there is one."""
         total = tokens[0][0].size(tokens[0][1])
         if total == 1 and self.one is not None and name in self.one:
-            return self.one[name](module, *(t.contiguous() for t, _ in tokens), *extra)
+            return self.one[name](module, *(_dense(t) for t, _ in tokens), *extra)
         outs = []
         for start in range(0, total, self.rows):
             n = min(self.rows, total - start)

@@ -94,9 +94,15 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch
     flat = x.reshape(-1, k)
     n = flat.size(0)
     if n <= chunk:  # one chunk (decode): a GEMM of exactly `chunk` rows, or of the n real rows where
-        # the probe showed this kernel gives those the same bits (a decode step then skips the padding)
-        if n < chunk and narrow_rows_agree(
-            k, weight.size(0), weight.dtype, x.dtype, chunk, n, torch.get_num_threads(), weight.device.type
+        # the probe showed this kernel gives those the same bits (a decode step then skips the padding). A
+        # compiled graph always pads: the probe speaks of the eager kernels, not of the code the compiler
+        # generates for n rows, and running it would break the graph
+        if (
+            n < chunk
+            and not torch.compiler.is_compiling()
+            and narrow_rows_agree(
+                k, weight.size(0), weight.dtype, x.dtype, chunk, n, torch.get_num_threads(), weight.device.type
+            )
         ):
             return F.linear(flat, weight).reshape(*lead, weight.size(0))
         return F.linear(F.pad(flat, (0, 0, 0, chunk - n)), weight)[:n].reshape(*lead, weight.size(0))
