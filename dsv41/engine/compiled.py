@@ -494,7 +494,8 @@ TILE_REGIONS = (
 
 
 # the regions a one-token call runs at one row where the build's check allows (`CompiledTiles`): every tile region
-# but the expand and MoE (`post_attention[_ffn]`), whose router top-k a graph of one row lowers its own way. Inside a
+# but the expand and MoE (`post_attention[_ffn]`), whose one-row graphs pass the check on random rows and then give
+# a sequence other log-probs alone than in a batch (tests/engine/test_deterministic_tiles.py, `wide`). Inside a
 # batch-1 step: `project` 114-131 against 154 us, `output` 119-133 against 163, `index_query` 93-107 against 143;
 # the mixes (`pre_attention`) and a ratio-2 compressor's step (`compress_group`) gain once their fp32 GEMMs pad to
 # the tile inside the graph (`ops.invariant_matmul`), as they would otherwise break it at the padding probe
@@ -537,9 +538,8 @@ class CompiledTiles:
     A call of one token (a batch-1 decode step) runs the regions without a top-k at one row instead
     (`ONE_ROW_REGIONS`), where the build's check finds every layer's one-row graphs give each row the bits of
     its full tile; else it pays for 15 padding rows like any other call. The MoE's region keeps the tile
-    shape: graphs of fewer rows around the router's top-k passed this check on random rows and then gave
-    other bits than the full tile on a model whose router scores tie (the compiler lowers a top-k of one row
-    its own way).
+    shape: its graphs of fewer rows passed this check on random rows and then gave other bits than the full
+    tile on real models (router scores that tie; a wider model's log-probs alone against in a batch).
 
     The attention's sequence mixing stays eager (its batch-invariant kernels). The mode is chosen once, before
     the first request: the tiles and the eager ops give different bits, so an engine never switches between
