@@ -338,6 +338,30 @@ at::Tensor index_topk_op(const at::Tensor& q, const at::Tensor& k, const at::Ten
 // (tile 0 of `out`): E2M1 codes two a byte (the even value in the low nibble, the sign in bit 3) and one UE8M0
 // scale byte per 32 values. Exact: a doubled E2M1 magnitude is an integer (0, 1, 2, 3, 4, 6, 8, 12) and the
 // scale byte e means 2^(e - 127), so value = m * 2^(e - 128).
+#if defined(__AVX512BW__)
+// One key's values (D a multiple of 64) into tile slot j, as the scalar loop below writes them: 32 code bytes
+// split into their 64 nibbles in order, each mapped through the 16-entry table of biased doubled values, and
+// each group of 4 consecutive values stored as one dword at (group * kTile + j), 16 groups by one scatter.
+inline void pack_key_avx512(const uint8_t* c, int64_t D, int64_t j, uint8_t* bytes) {
+    // code -> doubled magnitude, negated for codes 8-15, plus kBias; in both 128-bit lanes (the shuffle is per lane)
+    const __m256i table = _mm256_setr_epi8(16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4,  //
+                                           16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4);
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m512i groups = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(kTile));
+    for (int64_t q = 0; q < D / 64; ++q) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + q * 32));
+        const __m256i lo = _mm256_and_si256(raw, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+        const __m256i a = _mm256_unpacklo_epi8(lo, hi);  // values 0-15 | 32-47 (unpack works per 128-bit lane)
+        const __m256i b = _mm256_unpackhi_epi8(lo, hi);  // values 16-31 | 48-63
+        const __m256i first = _mm256_shuffle_epi8(table, _mm256_permute2x128_si256(a, b, 0x20));   // 0-31
+        const __m256i second = _mm256_shuffle_epi8(table, _mm256_permute2x128_si256(a, b, 0x31));  // 32-63
+        const __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
+        _mm512_i32scatter_epi32(reinterpret_cast<int*>(bytes) + q * 16 * kTile + j, groups, words, 4);
+    }
+}
+#endif
+
 void pack_tile_from_codes(const uint8_t* codes, const uint8_t* scale_bytes, const int64_t* rows, int64_t m,
                           int64_t D, PackedKeys& out) {
     static constexpr int8_t kDoubled[8] = {0, 1, 2, 3, 4, 6, 8, 12};
@@ -346,8 +370,15 @@ void pack_tile_from_codes(const uint8_t* codes, const uint8_t* scale_bytes, cons
     std::fill(out.scales.begin(), out.scales.end(), 0.f);
     for (int64_t j = 0; j < m; ++j) {
         const uint8_t* c = codes + rows[j] * (D / 2);
-        for (int64_t b = 0; b < blocks; ++b) {
+        for (int64_t b = 0; b < blocks; ++b)
             out.scales[b * kTile + j] = std::ldexp(1.f, int(scale_bytes[rows[j] * blocks + b]) - 128);
+#if defined(__AVX512BW__)
+        if (D % 64 == 0) {  // the vector form (a scalar loop per value was most of a decode step's scan)
+            pack_key_avx512(c, D, j, out.bytes.data());
+            continue;
+        }
+#endif
+        for (int64_t b = 0; b < blocks; ++b) {
             uint8_t* dst = out.bytes.data() + b * kBlock * kTile;
             for (int i = 0; i < kBlock; ++i) {
                 const uint8_t code = (c[(b * kBlock + i) / 2] >> (4 * (i & 1))) & 0xF;

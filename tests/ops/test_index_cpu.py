@@ -77,14 +77,16 @@ def test_values_off_the_mxfp4_grid_are_refused():
         index_cpu.index_topk_cpu(q[..., :48], k[:, :48], w, torch.full((3,), 40), 4)
 
 
-def test_paged_scores_equal_the_dequantised_scan(monkeypatch):
+@pytest.mark.parametrize("dim", [32, 64, 128])
+def test_paged_scores_equal_the_dequantised_scan(monkeypatch, dim):
     """A decode step's Full-layer scores read from the packed pool (E2M1 codes and UE8M0 bytes, through
-    scattered block tables) equal `ops.paged_index_scores`' dequantise-then-GEMM reference, -inf included."""
+    scattered block tables) equal `ops.paged_index_scores`' dequantise-then-GEMM reference, -inf included.
+    Head dims that the key unpacking takes by its scalar loop (32) and by its vector form (64, 128)."""
     from dsv41.ops.paged import PagedCache, paged_index_scores
     from dsv41.ops.quant import fp4_quant
 
-    g = torch.Generator().manual_seed(4)
-    per, blocks, dim, heads = 4, 40, 64, 8
+    g = torch.Generator().manual_seed(4 + dim)
+    per, blocks, heads = 4, 40, 8
     rows = per * blocks
     # keys of very different scales: the blocks' UE8M0 bytes differ
     key_codes, key_scale = fp4_quant(
