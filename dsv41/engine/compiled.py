@@ -560,6 +560,7 @@ class CompiledTiles:
         self._pads: dict = {"rows": rows}  # a padded tile's row indices by real rows (`_tile`)
         self.attn_kernel = False  # the decode attention by the C++ kernel (decided by `_build`)
         self.one_row = False  # one-token calls by the one-row graphs (decided by `_build`'s check)
+        self.one_row_differs: str | None = None  # the first one-row graph the check found differing from its tile
 
     @classmethod
     def for_model(cls, model, rows: int, numerics, moe_inside: bool) -> CompiledTiles | None:
@@ -619,7 +620,7 @@ class CompiledTiles:
         g = torch.Generator(device="cpu").manual_seed(0)
         n = rows + 1
         regions, single = self.regions(one_row=False), self.regions(one_row=True)
-        self.one_row_differs: str | None = None
+        self.one_row_differs = None
 
         def check_single(name: str, run, where: str) -> None:
             if name in ONE_ROW_REGIONS and self.one_row_differs is None and not _single_rows_agree(run, rows):

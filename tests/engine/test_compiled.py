@@ -80,6 +80,19 @@ def test_compiled_regions_serve_decode_batches_and_agree_with_the_reference(monk
     assert "final_logits" in calls and 1 in used
 
 
+def _compiled_agreement():
+    """Three held-out prompts (3 decode tokens a step: bucket 4) decoded by a compiled `fast` engine over the
+    shipped checkpoint, against the reference (dsv41.eval.agreement)."""
+    engine = build_engine(
+        checkpoint_path(),
+        EngineConfig(numerics="fast", compile_decode="now", max_num_seqs=4, kv_pool_tokens=8192, fused_kernels="off"),
+    )
+    assert engine.runner.compiled.ready == {1, 2, 4}
+    tokens = np.fromfile(VAL, dtype=np.uint16)
+    prompts = held_out_windows(tokens[2000:], [40, 72, 104], stride=150)
+    return decode_agreement(engine, engine.model, prompts, new_tokens=16, passes=1)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", ["compiled reference", "C++ kernel"])
 def test_a_broken_compiled_moe_fails_the_agreement_check(monkeypatch, path):
@@ -96,14 +109,7 @@ def test_a_broken_compiled_moe_fails_the_agreement_check(monkeypatch, path):
         monkeypatch.setattr(moe_cpu, "available", lambda: False)
         real = moe_ops.gathered_experts
         monkeypatch.setattr(moe_ops, "gathered_experts", lambda x, w, i, *rest: real(x, w[:, :-1], i[:, :-1], *rest))
-    engine = build_engine(
-        checkpoint_path(),
-        EngineConfig(numerics="fast", compile_decode="now", max_num_seqs=4, kv_pool_tokens=8192, fused_kernels="off"),
-    )
-    assert engine.runner.compiled.ready == {1, 2, 4}
-    tokens = np.fromfile(VAL, dtype=np.uint16)
-    prompts = held_out_windows(tokens[2000:], [40, 72, 104], stride=150)
-    result = decode_agreement(engine, engine.model, prompts, new_tokens=16, passes=1)
+    result = _compiled_agreement()
     assert not (result.top1 >= 0.99 and result.kl_mean <= 2e-3), result.as_dict()
 
 
@@ -112,13 +118,7 @@ def test_one_thread_graphs_agree_with_the_reference():
     """The graphs as the engine builds them (their generated kernels on one thread up to ONE_THREAD_ROWS rows),
     with nothing traced into them but the engine's own code: the same check."""
     assert compiled._options(4)["cpp.threads"] == 1 and "cpp.threads" not in compiled._options(256)
-    engine = build_engine(
-        checkpoint_path(),
-        EngineConfig(numerics="fast", compile_decode="now", max_num_seqs=4, kv_pool_tokens=8192, fused_kernels="off"),
-    )
-    tokens = np.fromfile(VAL, dtype=np.uint16)
-    prompts = held_out_windows(tokens[2000:], [40, 72, 104], stride=150)
-    result = decode_agreement(engine, engine.model, prompts, new_tokens=16, passes=1)
+    result = _compiled_agreement()
     assert result.top1 >= 0.99 and result.kl_mean <= 2e-3, result.as_dict()
 
 
@@ -134,13 +134,7 @@ def test_a_broken_decode_attention_kernel_fails_the_agreement_check(monkeypatch)
         return real(q, codes, scale, kv, valid * (torch.arange(valid.size(1)) <= codes.size(1)), selected, *rest)
 
     monkeypatch.setattr(attn_cpu, "decode_attn_cpu", window_only)
-    engine = build_engine(
-        checkpoint_path(),
-        EngineConfig(numerics="fast", compile_decode="now", max_num_seqs=4, kv_pool_tokens=8192, fused_kernels="off"),
-    )
-    tokens = np.fromfile(VAL, dtype=np.uint16)
-    prompts = held_out_windows(tokens[2000:], [40, 72, 104], stride=150)
-    result = decode_agreement(engine, engine.model, prompts, new_tokens=16, passes=1)
+    result = _compiled_agreement()
     assert not (result.top1 >= 0.99 and result.kl_mean <= 2e-3), result.as_dict()
 
 
