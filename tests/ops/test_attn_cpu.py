@@ -89,6 +89,31 @@ def test_the_decode_kernel_gives_the_window_attention(k):
     assert torch.equal(got[2], want[2])
 
 
+def test_every_e4m3_code_of_the_ring_is_read_as_the_model_reads_it():
+    """Ring rows holding every E4M3 code but NaN (subnormals and both zeros included; a NaN would make the whole
+    row's logit NaN) under scales from 2^-22 (fp8_quant's floor) up: with one valid row and a sink of -inf
+    weight, a head's output is that row as the kernel decoded it, which must be the model's dequantised bf16 row
+    bit for bit."""
+    d = 128
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(2, d)  # row 0: 0-127, row 1: 128-255
+    codes[:, -1] = torch.tensor([0x01, 0x81], dtype=torch.uint8)  # (0x7f and 0xff are E4M3's NaNs)
+    scales = torch.tensor([[105, 127, 131, 140], [118, 127, 100, 150]], dtype=torch.uint8)  # 2^(s - 127)
+    want = (
+        codes.view(torch.float8_e4m3fn).float().unflatten(-1, (4, 32))
+        * scales.view(torch.float8_e8m0fnu).float().unsqueeze(-1)
+    ).flatten(-2).bfloat16()
+    q = torch.ones(1, 1, 2, d).bfloat16() * 1e-3
+    kv = torch.zeros(1, 1, d).bfloat16()
+    for row in range(2):
+        valid = torch.zeros(1, 3, dtype=torch.bool)
+        valid[0, row] = True
+        o = attn_cpu.decode_attn_cpu(
+            q, codes.view(torch.float8_e4m3fn)[None], scales[None], kv, valid, None, torch.full((2,), -1e30), 1.0
+        )[0]
+        for head in range(2):
+            torch.testing.assert_close(o[0, 0, head], want[row], rtol=0, atol=0, equal_nan=True)
+
+
 def test_the_decode_kernels_ring_codes_are_fp8_quants_bits_at_the_edges():
     """Blocks at the scale rule's edges: all zeros (the amax floor), an amax of exactly 448 times a power of two (the
     scale stays put), just above it, values that round to ties, and negative zero."""
