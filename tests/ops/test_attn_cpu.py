@@ -99,9 +99,13 @@ def test_every_e4m3_code_of_the_ring_is_read_as_the_model_reads_it():
     codes[:, -1] = torch.tensor([0x01, 0x81], dtype=torch.uint8)  # (0x7f and 0xff are E4M3's NaNs)
     scales = torch.tensor([[105, 127, 131, 140], [118, 127, 100, 150]], dtype=torch.uint8)  # 2^(s - 127)
     want = (
-        codes.view(torch.float8_e4m3fn).float().unflatten(-1, (4, 32))
-        * scales.view(torch.float8_e8m0fnu).float().unsqueeze(-1)
-    ).flatten(-2).bfloat16()
+        (
+            codes.view(torch.float8_e4m3fn).float().unflatten(-1, (4, 32))
+            * scales.view(torch.float8_e8m0fnu).float().unsqueeze(-1)
+        )
+        .flatten(-2)
+        .bfloat16()
+    )
     q = torch.ones(1, 1, 2, d).bfloat16() * 1e-3
     kv = torch.zeros(1, 1, d).bfloat16()
     for row in range(2):
