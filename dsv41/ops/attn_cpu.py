@@ -1,4 +1,5 @@
-"""The sparse attention of a `fast` prefill chunk as one C++ kernel on a CPU (attn_cpu.cpp beside this file).
+"""The sparse attention of a `fast` prefill chunk, and a compiled engine's decode-step attention, as C++ kernels
+on a CPU (attn_cpu.cpp beside this file).
 
 `ops.sparse_attn` (the reference: the model's blocked online softmax with bf16 probabilities) gathers each
 query's picked rows into a [queries, picks, D] tensor 64 picks at a time and runs a small batched GEMM per
@@ -7,9 +8,10 @@ reads each query's rows where they lie and does one fp32 softmax per query and h
 decode (`ops.dense_decode_attn`), for a whole chunk. It is judged like every `fast` kernel, statistically
 (docs/numerics.md), never by bits.
 
-Built and loaded by `cpp_build` as `torch.ops.dsv41.sparse_attn_cpu`; used only where it was built with the
-bf16 dot-product instructions (`available`), by a model inside `Transformer.numerics(fast=True)` (the
-engine's `fast` mode).
+Built and loaded by `cpp_build` as `torch.ops.dsv41.sparse_attn_cpu` and `torch.ops.dsv41.decode_attn_cpu`;
+used only where they were built with the bf16 dot-product instructions (`available`): the first by a model
+inside `Transformer.numerics(fast=True)` (the engine's `fast` mode), the second by the compiled `fast` decode
+regions and the `deterministic` tiles (dsv41.engine.compiled), in place of their `window_attention` graph.
 """
 
 from __future__ import annotations
