@@ -502,13 +502,12 @@ TILE_REGIONS = (
 ONE_ROW_REGIONS = ("pre_attention", "project", "output", "index_query", "compress_latent", "compress_group")
 
 
-def _tile(t: torch.Tensor, dim: int, start: int, n: int, pads: dict) -> torch.Tensor:
+def _tile(t: torch.Tensor, dim: int, start: int, n: int, rows: int, pads: dict) -> torch.Tensor:
     """Tokens start .. start+n of t along `dim` (0 or 1; dim 0 of a dim-1 tensor has size 1) as a contiguous
-    tile of `pads["rows"]` tokens, the last real token repeated into the padding: a padding row then routes to
+    tile of `rows` tokens, the last real token repeated into the padding: a padding row then routes to
     the experts a real one picked, so it reads no expert weights of its own, and the C++ expert kernel computes
-    a run of copies once. pads[n]: the tile's row indices for n real rows, made once (a decode step pads
+    a run of copies once. pads[(n, device)]: the tile's row indices for n real rows, made once (a decode step pads
     every call: an index made per call was ~1 ms of a batch-1 step)."""
-    rows = pads["rows"]
     if n == rows:
         return t[start : start + rows] if dim == 0 else t[0, start : start + rows].unsqueeze(0)
     idx = pads.get((n, t.device))
@@ -557,7 +556,7 @@ class CompiledTiles:
             for name in ONE_ROW_REGIONS
         }
         self.ready: bool | None = None  # None: not built yet; False: unavailable here
-        self._pads: dict = {"rows": rows}  # a padded tile's row indices by real rows (`_tile`)
+        self._pads: dict = {}  # a padded tile's row indices by real rows (`_tile`)
         self.attn_kernel = False  # the decode attention by the C++ kernel (decided by `_build`)
         self.one_row = False  # one-token calls by the one-row graphs (decided by `_build`'s check)
         self.one_row_differs: str | None = None  # the first one-row graph the check found differing from its tile
@@ -576,13 +575,15 @@ class CompiledTiles:
         return tiles if tiles.ready else None
 
     def regions(self, one_row: bool | None = None) -> _TiledRegions:
-        one = self._one if (self.one_row if one_row is None else one_row) else None
-        return _TiledRegions(self._compiled, self._pads, self.moe_inside, one)
+        return _TiledRegions(self._compiled, self.rows, self._pads, self.moe_inside, self._one_graphs(one_row))
 
     def attention(self, one_row: bool | None = None) -> _TiledAttention:
         """A decode step's attention regions at the tile shape (`DecodeBatch.dense`)."""
-        one = self._one if (self.one_row if one_row is None else one_row) else None
-        return _TiledAttention(self._compiled, self._pads, self.attn_kernel, one)
+        return _TiledAttention(self._compiled, self.rows, self._pads, self.attn_kernel, self._one_graphs(one_row))
+
+    def _one_graphs(self, one_row: bool | None) -> dict | None:
+        """The one-row graphs where one-token calls take them (`one_row`, the build's verdict, unless given)."""
+        return self._one if (self.one_row if one_row is None else one_row) else None
 
     def _build(self, numerics) -> bool:
         try:
@@ -724,8 +725,8 @@ class _TiledAttention:
     (`compress_latent`, `compress_group`), each compiled at the tile shape and called tile after tile along the
     batch, the last tile padded with its last real row."""
 
-    def __init__(self, compiled: dict, pads: dict, attn_kernel: bool = False, one: dict | None = None):
-        self.compiled, self.pads, self.rows, self.attn_kernel = compiled, pads, pads["rows"], attn_kernel
+    def __init__(self, compiled: dict, rows: int, pads: dict, attn_kernel: bool = False, one: dict | None = None):
+        self.compiled, self.rows, self.pads, self.attn_kernel = compiled, rows, pads, attn_kernel
         self.one = one  # the one-row graphs (`CompiledTiles.one_row`), or None
 
     def _run(self, name: str, lead: tuple, tensors: list, extra=()):
@@ -737,7 +738,7 @@ class _TiledAttention:
         outs = []
         for start in range(0, total, self.rows):
             n = min(self.rows, total - start)
-            tiles = [None if t is None else _tile(t, 0, start, n, self.pads) for t in tensors]
+            tiles = [None if t is None else _tile(t, 0, start, n, self.rows, self.pads) for t in tensors]
             out = self.compiled[name](*lead, *tiles, *extra)
             outs.append(out if n == self.rows else _nested(lambda t, n=n: t[:n], out))
         return outs[0] if len(outs) == 1 else _join0(outs)
@@ -784,8 +785,8 @@ class _TiledRegions(_RunByTokens):
     tiled = True
     engram = None  # Engram runs eager, its gate's sigmoid per call (dsv41.ops.lanes)
 
-    def __init__(self, compiled: dict, pads: dict, moe_inside: bool, one: dict | None = None):
-        self.compiled, self.pads, self.rows, self.moe_inside = compiled, pads, pads["rows"], moe_inside
+    def __init__(self, compiled: dict, rows: int, pads: dict, moe_inside: bool, one: dict | None = None):
+        self.compiled, self.rows, self.pads, self.moe_inside = compiled, rows, pads, moe_inside
         self.one = one  # the one-row graphs (`CompiledTiles.one_row`), or None
 
     def stacks_for(self, block, image_mask, shared):
@@ -801,6 +802,6 @@ class _TiledRegions(_RunByTokens):
         outs = []
         for start in range(0, total, self.rows):
             n = min(self.rows, total - start)
-            out = self.compiled[name](module, *(_tile(t, d, start, n, self.pads) for t, d in tokens), *extra)
+            out = self.compiled[name](module, *(_tile(t, d, start, n, self.rows, self.pads) for t, d in tokens), *extra)
             outs.append(out if n == self.rows else _cut(out, n))
         return outs[0] if len(outs) == 1 else _cat(outs)
