@@ -23,6 +23,7 @@ from dsv41 import ops
 from dsv41.engine.kv_pool import PagedKVPool
 from dsv41.engine.sequence import StatePool
 from dsv41.model.attention import ring_ids
+from dsv41.ops import attn_cpu
 from dsv41.ops.quant import (
     FP4_BLOCK,
     KV_FP4_BLOCK,
@@ -116,6 +117,11 @@ class DecodeBatch:
             return hits.scatter_add_(1, ids.clamp_min(0), (ids >= 0).to(torch.int16)) > 0
 
         return self._memo(("chunk_window_valid", window, first), make)
+
+    def sequences(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the distinct state slots [S], each row's index among them [B]): a batch whose rows are the tokens of
+        multi-token chunks reads each sequence's state once."""
+        return self._memo("sequences", lambda: self.slots.unique(return_inverse=True))
 
     def ring_slots(self, window: int) -> torch.Tensor:
         """[B] ring slot of each new token."""
@@ -333,14 +339,20 @@ def chunk_decode_attend(
             gathered[key] = ops.gather_picked(pool.pages(attn.kv_source), flat.tables, picked)  # [N, k, D]
         selected = gathered[key]
         valid = torch.cat([valid, picked[:, 0] >= 0], dim=1)
-    # the rings decoded once per sequence (not per token), as `window_attention` decodes them; the rows kept in
-    # fp32, which holds every FP8 and bf16 value exactly (`dense_decode_attn` computes in fp32 anyway)
-    seq_slots, seq_of = flat.slots.unique(return_inverse=True)
-    ring_scale = _scale_of_bits(states.window_scale[seq_slots, layer])
-    ring = fp8_dequant(states.window_codes[seq_slots, layer], ring_scale)[seq_of]  # [N, W, D] fp32
-    parts = [ring, kv[:, 0].float()[chunk_rows]]  # the chunk's rows [N, n, D]: each token's own, earlier ones
-    rows = torch.cat(parts if selected is None else parts + [selected.float()], dim=1)
-    o = ops.dense_decode_attn(q, rows, valid, attn.attn_sink, attn.softmax_scale)
+    seq_slots, seq_of = flat.sequences()
+    ring_codes, ring_bits = states.window_codes[seq_slots, layer], states.window_scale[seq_slots, layer]  # [S, W, ...]
+    chunk = kv[:, 0][chunk_rows]  # [N, n, D] the chunk's rows: each token's own, earlier ones
+    if flat.regions is not None and flat.regions.attn_kernel:  # each token's rows read where they lie, in C++
+        o = attn_cpu.chunk_attn_cpu(
+            q, ring_codes, ring_bits, seq_of, chunk, valid, selected, attn.attn_sink, attn.softmax_scale
+        )
+    else:
+        # the rings decoded once per sequence (not per token), as `window_attention` decodes them; the rows kept
+        # in fp32, which holds every FP8 and bf16 value exactly (`dense_decode_attn` computes in fp32 anyway)
+        ring = fp8_dequant(ring_codes, _scale_of_bits(ring_bits))[seq_of]  # [N, W, D] fp32
+        parts = [ring, chunk.float()]
+        rows = torch.cat(parts if selected is None else parts + [selected.float()], dim=1)
+        o = ops.dense_decode_attn(q, rows, valid, attn.attn_sink, attn.softmax_scale)
     slots = flat.slots
     codes, scale = fp8_quant(kv[:, 0])
     at = flat.ring_slots(w)  # distinct per sequence while a chunk is no longer than the window
@@ -375,7 +387,7 @@ def _compress_chunks(attn, x, flat: DecodeBatch, starts, first_row, states: Stat
         # a sequence whose chunk completed a group starts its state afresh after the last one
         group_score[kept] = -torch.inf
         group_kv[kept] = 0.0
-        seq_slots, seq_of = slots.unique(return_inverse=True)
+        seq_slots, seq_of = flat.sequences()
         last = torch.full_like(seq_slots, -1).scatter_reduce_(0, seq_of[done], pos[done], "amax")
         after = (pos > last[seq_of]).nonzero().flatten()
     else:

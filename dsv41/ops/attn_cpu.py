@@ -1,5 +1,5 @@
-"""The sparse attention of a `fast` prefill chunk, and a compiled engine's decode-step attention, as C++ kernels
-on a CPU (attn_cpu.cpp beside this file).
+"""The sparse attention of a `fast` prefill chunk, and a compiled engine's decode-step and verify-chunk attention,
+as C++ kernels on a CPU (attn_cpu.cpp beside this file).
 
 `ops.sparse_attn` (the reference: the model's blocked online softmax with bf16 probabilities) gathers each
 query's picked rows into a [queries, picks, D] tensor 64 picks at a time and runs a small batched GEMM per
@@ -8,10 +8,11 @@ reads each query's rows where they lie and does one fp32 softmax per query and h
 decode (`ops.dense_decode_attn`), for a whole chunk. It is judged like every `fast` kernel, statistically
 (docs/numerics.md), never by bits.
 
-Built and loaded by `cpp_build` as `torch.ops.dsv41.sparse_attn_cpu` and `torch.ops.dsv41.decode_attn_cpu`;
-used only where they were built with the bf16 dot-product instructions (`available`): the first by a model
-inside `Transformer.numerics(fast=True)` (the engine's `fast` mode), the second by the compiled `fast` decode
-regions and the `deterministic` tiles (dsv41.engine.compiled), in place of their `window_attention` graph.
+Built and loaded by `cpp_build` as `torch.ops.dsv41.sparse_attn_cpu`, `torch.ops.dsv41.decode_attn_cpu` and
+`torch.ops.dsv41.chunk_attn_cpu`; used only where they were built with the bf16 dot-product instructions
+(`available`): the first by a model inside `Transformer.numerics(fast=True)` (the engine's `fast` mode), the
+second by the compiled `fast` decode regions and the `deterministic` tiles (dsv41.engine.compiled), in place of
+their `window_attention` graph, the third by `fast` verify chunks where the compiled regions serve.
 """
 
 from __future__ import annotations
@@ -67,3 +68,17 @@ def decode_attn_cpu(q, ring_codes, ring_scale, kv, valid, selected, attn_sink, s
     if selected is None:
         selected = kv.new_empty(kv.size(0), 0, kv.size(-1))
     return torch.ops.dsv41.decode_attn_cpu(q, ring_codes, ring_scale, kv, valid, selected, attn_sink, softmax_scale)
+
+
+def chunk_attn_cpu(q, ring_codes, ring_scale, ring_of, chunk, valid, selected, attn_sink, softmax_scale: float):
+    """The attention of the tokens of multi-token chunks (speculative verify chunks) in one call, as
+    `dsv41.engine.batched.chunk_decode_attend` computes it with tensor ops: q [T, 1, H, D] bf16; the rings as they
+    were before the chunks, ring_codes [S, W, D] e4m3 and ring_scale [S, W, D/32] uint8, ring_of [T] the ring of
+    each token; chunk [T, n, D] bf16 the rows of each token's chunk; valid [T, W + n (+ K)] (ring, chunk rows,
+    selected); selected [T, K, D] bf16 or None -> o [T, 1, H, D] bf16. Each token's result is computed alone, in
+    one order (`library()` must have loaded the kernel)."""
+    if selected is None:
+        selected = chunk.new_empty(chunk.size(0), 0, chunk.size(-1))
+    return torch.ops.dsv41.chunk_attn_cpu(
+        q, ring_codes, ring_scale, ring_of, chunk, valid, selected, attn_sink, softmax_scale
+    )

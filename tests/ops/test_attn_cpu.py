@@ -167,3 +167,86 @@ def test_the_decode_kernel_refuses_bad_inputs():
         attn_cpu.decode_attn_cpu(q, codes, bits, kv, valid[:, :-1], selected, sink, 0.1)
     with pytest.raises(RuntimeError, match="e4m3"):
         attn_cpu.decode_attn_cpu(q, codes.view(torch.uint8), bits, kv, valid, selected, sink, 0.1)
+
+
+def _chunk_case(lengths=(1, 3, 5, 2), h=4, d=64, w=16, k=12, seed=0):
+    """The tokens of chunks of the given lengths (one sequence each) for a verify forward: each sequence's FP8 ring
+    as it was before its chunk, the chunk's rows, selected rows, a valid mask with holes (token 0 sees nothing)."""
+    from dsv41.ops.quant import fp8_quant
+
+    g = torch.Generator().manual_seed(seed)
+    s, n, t = len(lengths), max(lengths), sum(lengths)
+    codes, scale = fp8_quant(torch.randn(s, w, d, generator=g) * torch.randn(s, w, 1, generator=g).exp())
+    bits = scale.to(torch.float8_e8m0fnu).view(torch.uint8)
+    ring_of = torch.tensor([i for i, m in enumerate(lengths) for _ in range(m)])
+    q = torch.randn(t, 1, h, d, generator=g).bfloat16()
+    chunk = (torch.randn(t, n, d, generator=g) * 2).bfloat16()
+    selected = torch.randn(t, k, d, generator=g).bfloat16() if k else None
+    valid = torch.rand(t, w + n + k, generator=g) > 0.3
+    valid[0] = False
+    return q, codes, bits, ring_of, chunk, valid, selected, torch.randn(h, generator=g)
+
+
+@pytest.mark.parametrize("k", [0, 12])
+def test_the_chunk_kernel_gives_the_chunked_verify_attention(k):
+    """Against `chunk_decode_attend`'s tensor ops (its reference: every ring decoded to fp32, then
+    `dense_decode_attn` over cat(ring, chunk rows, selected)): equal up to a bf16 step of the output."""
+    from dsv41 import ops
+    from dsv41.ops.quant import fp8_dequant
+
+    q, codes, bits, ring_of, chunk, valid, selected, sink = _chunk_case(k=k, seed=k + 1)
+    ring = fp8_dequant(codes, bits.view(torch.float8_e8m0fnu).float())[ring_of]
+    parts = [ring, chunk.float()] + ([selected.float()] if k else [])
+    want = ops.dense_decode_attn(q, torch.cat(parts, dim=1), valid, sink, 0.125)
+    got = attn_cpu.chunk_attn_cpu(q, codes, bits, ring_of, chunk, valid, selected, sink, 0.125)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2**-8)
+    assert (got[0] == 0).all()  # nothing valid: 0
+
+
+def test_a_tokens_chunk_attention_does_not_depend_on_the_others():
+    """Each token alone (with only its own ring), in the full call and in another order gives the same bits; what
+    it may not see (masked ring rows, even NaN codes, masked chunk and selected rows) does not change them."""
+    q, codes, bits, ring_of, chunk, valid, selected, sink = _chunk_case(seed=7)
+    full = attn_cpu.chunk_attn_cpu(q, codes, bits, ring_of, chunk, valid, selected, sink, 0.1)
+    for i in range(q.size(0)):
+        s = int(ring_of[i])
+        alone = attn_cpu.chunk_attn_cpu(
+            q[i : i + 1],
+            codes[s : s + 1],
+            bits[s : s + 1],
+            torch.zeros(1, dtype=torch.long),
+            chunk[i : i + 1],
+            valid[i : i + 1],
+            selected[i : i + 1],
+            sink,
+            0.1,
+        )
+        assert torch.equal(alone, full[i : i + 1])
+    order = torch.randperm(q.size(0), generator=torch.Generator().manual_seed(1))
+    shuffled = attn_cpu.chunk_attn_cpu(
+        q[order], codes, bits, ring_of[order], chunk[order], valid[order], selected[order], sink, 0.1
+    )
+    assert torch.equal(shuffled, full[order])
+    w, n = codes.size(1), chunk.size(1)
+    noisy = codes.view(torch.uint8).clone()
+    for i in range(q.size(0)):  # every ring row no token of the sequence reads: NaN codes (0x7f)
+        s = int(ring_of[i])
+        unread = ~valid[ring_of == s, :w].any(dim=0)
+        noisy[s, unread] = 0x7F
+    junk = chunk.clone()
+    junk[~valid[:, w : w + n]] = float("nan")
+    sel = selected.clone()
+    sel[~valid[:, w + n :]] = 7.0
+    again = attn_cpu.chunk_attn_cpu(q, noisy.view(torch.float8_e4m3fn), bits, ring_of, junk, valid, sel, sink, 0.1)
+    assert torch.equal(again, full)
+
+
+def test_the_chunk_kernel_refuses_bad_inputs():
+    q, codes, bits, ring_of, chunk, valid, selected, sink = _chunk_case()
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        attn_cpu.chunk_attn_cpu(q, codes, bits, ring_of, chunk, valid[:, :-1], selected, sink, 0.1)
+    with pytest.raises(RuntimeError, match="out of range"):
+        attn_cpu.chunk_attn_cpu(q, codes, bits, ring_of + 4, chunk, valid, selected, sink, 0.1)
+    with pytest.raises(RuntimeError, match="e4m3"):
+        attn_cpu.chunk_attn_cpu(q, codes.view(torch.uint8), bits, ring_of, chunk, valid, selected, sink, 0.1)
