@@ -330,6 +330,27 @@ void check_ring(const at::Tensor& q, const at::Tensor& ring_codes, const at::Ten
                 name, ": shapes do not match (D must be a multiple of 32)");
 }
 
+// the contiguous inputs of a ring kernel (decode step or verify chunks) and their data
+struct RingInputs {
+    at::Tensor q, codes, scale, fresh, selected, valid, sink;
+    const uint16_t *qp, *fp, *selp;
+    const uint8_t *cp, *scp;
+    const bool* vp;
+    const float* sp;
+    RingInputs(const at::Tensor& q_, const at::Tensor& codes_, const at::Tensor& scale_, const at::Tensor& fresh_,
+               const at::Tensor& selected_, const at::Tensor& valid_, const at::Tensor& sink_)
+        : q(q_.contiguous()), codes(codes_.contiguous()), scale(scale_.contiguous()), fresh(fresh_.contiguous()),
+          selected(selected_.contiguous()), valid(valid_.contiguous()), sink(sink_.to(at::kFloat).contiguous()) {
+        qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
+        fp = reinterpret_cast<const uint16_t*>(fresh.data_ptr());
+        selp = reinterpret_cast<const uint16_t*>(selected.data_ptr());
+        cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+        scp = scale.data_ptr<uint8_t>();
+        vp = valid.data_ptr<bool>();
+        sp = sink.data_ptr<float>();
+    }
+};
+
 // One decode step's attention of B sequences, one new token each (dsv41.engine.batched.window_attention, whose
 // tensor ops are its reference): q [B, 1, H, D] bf16; the window ring as it was, ring_codes [B, W, D] E4M3 and
 // ring_scale [B, W, D/32] UE8M0 bits; the new token's row kv [B, 1, D] bf16; the selected compressed rows
@@ -348,19 +369,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attn_op(const at::Tensor& 
                     sink.size(0) == H,
                 "decode_attn_cpu: shapes do not match: q [B, 1, H, D], ring_codes [B, W, D], kv [B, 1, D] bf16, "
                 "selected [B, K, D], valid [B, W + 1 + K], sink [H]");
-    const at::Tensor qc = q.contiguous(), cc = ring_codes.contiguous(), scc = ring_scale.contiguous();
-    const at::Tensor kc = kv.contiguous(), sel = selected.contiguous(), vc = valid.contiguous();
-    const at::Tensor sc = sink.to(at::kFloat).contiguous();
-    at::Tensor out = at::empty({B, 1, H, D}, qc.options());
-    at::Tensor codes = at::empty({B, D}, cc.options());
-    at::Tensor bits = at::empty({B, D / 32}, scc.options());
-    const uint16_t* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr());
-    const uint8_t* cp = reinterpret_cast<const uint8_t*>(cc.data_ptr());
-    const uint8_t* scp = scc.data_ptr<uint8_t>();
-    const uint16_t* kp = reinterpret_cast<const uint16_t*>(kc.data_ptr());
-    const uint16_t* selp = reinterpret_cast<const uint16_t*>(sel.data_ptr());
-    const bool* vp = vc.data_ptr<bool>();
-    const float* sp = sc.data_ptr<float>();
+    const RingInputs in(q, ring_codes, ring_scale, kv, selected, valid, sink);
+    const uint16_t *qp = in.qp, *kp = in.fp, *selp = in.selp;
+    const uint8_t *cp = in.cp, *scp = in.scp;
+    const bool* vp = in.vp;
+    const float* sp = in.sp;
+    at::Tensor out = at::empty({B, 1, H, D}, in.q.options());
+    at::Tensor codes = at::empty({B, D}, in.codes.options());
+    at::Tensor bits = at::empty({B, D / 32}, in.scale.options());
     uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
     uint8_t* codes_p = reinterpret_cast<uint8_t*>(codes.data_ptr());
     uint8_t* bits_p = bits.data_ptr<uint8_t>();
@@ -401,19 +417,15 @@ at::Tensor chunk_attn_op(const at::Tensor& q, const at::Tensor& ring_codes, cons
     TORCH_CHECK(ring_of.dim() == 1 && ring_of.size(0) == T && valid.size(1) == W + n_new + K && sink.dim() == 1 &&
                     sink.size(0) == H,
                 "chunk_attn_cpu: shapes do not match: ring_of [T], valid [T, W + n + K], sink [H]");
-    const at::Tensor qc = q.contiguous(), cc = ring_codes.contiguous(), scc = ring_scale.contiguous();
-    const at::Tensor kc = chunk.contiguous(), sel = selected.contiguous(), vc = valid.contiguous();
-    const at::Tensor rc = ring_of.to(at::kLong).contiguous(), sc = sink.to(at::kFloat).contiguous();
+    const RingInputs in(q, ring_codes, ring_scale, chunk, selected, valid, sink);
+    const uint16_t *qp = in.qp, *kp = in.fp, *selp = in.selp;
+    const uint8_t *cp = in.cp, *scp = in.scp;
+    const bool* vp = in.vp;
+    const float* sp = in.sp;
+    const at::Tensor rc = ring_of.to(at::kLong).contiguous();
     const int64_t* rp = rc.data_ptr<int64_t>();
     for (int64_t t = 0; t < T; ++t) TORCH_CHECK(rp[t] >= 0 && rp[t] < S, "chunk_attn_cpu: ring_of out of range");
-    at::Tensor out = at::empty({T, 1, H, D}, qc.options());
-    const uint16_t* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr());
-    const uint8_t* cp = reinterpret_cast<const uint8_t*>(cc.data_ptr());
-    const uint8_t* scp = scc.data_ptr<uint8_t>();
-    const uint16_t* kp = reinterpret_cast<const uint16_t*>(kc.data_ptr());
-    const uint16_t* selp = reinterpret_cast<const uint16_t*>(sel.data_ptr());
-    const bool* vp = vc.data_ptr<bool>();
-    const float* sp = sc.data_ptr<float>();
+    at::Tensor out = at::empty({T, 1, H, D}, in.q.options());
     uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
     const float fscale = float(scale);
     const E4m3Table e4m3;
