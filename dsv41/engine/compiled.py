@@ -76,8 +76,12 @@ _OPTIONS = {"cpp_wrapper": True, "guard_filter_fn": _keep_guard}
 ONE_THREAD_ROWS = 64
 
 
-def _options(rows: int) -> dict:
-    return dict(_OPTIONS, **{"cpp.threads": 1}) if rows <= ONE_THREAD_ROWS else _OPTIONS
+def _options(rows: int, eager_casts: bool = False) -> dict:
+    """The graphs' inductor options at `rows` rows. eager_casts: round every bf16 intermediate to bf16 as eager
+    ops do (inductor otherwise keeps a fused chain of bf16 ops in fp32, so a graph's bits would depend on what it
+    fused, which differs between a graph of one row and one of a tile)."""
+    options = dict(_OPTIONS, **{"cpp.threads": 1}) if rows <= ONE_THREAD_ROWS else _OPTIONS
+    return dict(options, emulate_precision_casts=True) if eager_casts else options
 
 
 def engram(module, h: torch.Tensor, hash_ids: torch.Tensor, scale_bits: torch.Tensor) -> torch.Tensor:
@@ -494,12 +498,23 @@ TILE_REGIONS = (
 
 
 # the regions a one-token call runs at one row where the build's check allows (`CompiledTiles`): every tile region
-# but the expand and MoE (`post_attention[_ffn]`), whose one-row graphs pass the check on random rows and then give
-# a sequence other log-probs alone than in a batch (tests/engine/test_deterministic_tiles.py, `wide`). Inside a
-# batch-1 step: `project` 114-131 against 154 us, `output` 119-133 against 163, `index_query` 93-107 against 143;
-# the mixes (`pre_attention`) and a ratio-2 compressor's step (`compress_group`) gain once their fp32 GEMMs pad to
-# the tile inside the graph (`ops.invariant_matmul`), as they would otherwise break it at the padding probe
-ONE_ROW_REGIONS = ("pre_attention", "project", "output", "index_query", "compress_latent", "compress_group")
+# but the window attention (the C++ decode kernel needs no tile; its compiled form keeps the tile shape).
+# Inside a batch-1 step: `project` 114-131 against 154 us, `output` 119-133 against 163, `index_query` 93-107 against
+# 143; the mixes (`pre_attention`) and a ratio-2 compressor's step (`compress_group`) gain once their fp32 GEMMs pad
+# to the tile inside the graph (`ops.invariant_matmul`), as they would otherwise break it at the padding probe; the
+# expand and MoE (`post_attention[_ffn]`) once the graphs round every bf16 intermediate as eager does (`_options`):
+# before, their one-row graph fused other bf16 steps than the tile's and gave a sequence of the `wide` test model
+# other log-probs alone than in a batch (a `deterministic` batch-1 step 1.07x faster, in one process)
+ONE_ROW_REGIONS = (
+    "pre_attention",
+    "project",
+    "output",
+    "index_query",
+    "compress_latent",
+    "compress_group",
+    "post_attention",
+    "post_attention_ffn",
+)
 
 
 def _tile(t: torch.Tensor, dim: int, start: int, n: int, rows: int, pads: dict) -> torch.Tensor:
@@ -534,11 +549,12 @@ class CompiledTiles:
     reductions and elementwise code, the C++ expert kernel's fixed order per (token, expert) pair), is checked
     on every layer when the graphs are built: where it fails, the engine stays eager.
 
-    A call of one token (a batch-1 decode step) runs the regions without a top-k at one row instead
-    (`ONE_ROW_REGIONS`), where the build's check finds every layer's one-row graphs give each row the bits of
-    its full tile; else it pays for 15 padding rows like any other call. The MoE's region keeps the tile
-    shape: its graphs of fewer rows passed this check on random rows and then gave other bits than the full
-    tile on real models (router scores that tie; a wider model's log-probs alone against in a batch).
+    A call of one token (a batch-1 decode step) runs the regions at one row instead (`ONE_ROW_REGIONS`), where
+    the build's check finds every layer's one-row graphs give each row the bits of its full tile; else it pays for
+    15 padding rows like any other call. Both kinds of graph round every bf16 intermediate to bf16 as eager ops do
+    (inductor's `emulate_precision_casts`): a graph that kept a fused chain of bf16 steps in fp32 would give bits
+    that depend on what it fused, and a one-row graph fuses differently from a tile (the expand and MoE did, on a
+    wider model's log-probs alone against in a batch, after passing the check on random rows).
 
     The attention's sequence mixing stays eager (its batch-invariant kernels). The mode is chosen once, before
     the first request: the tiles and the eager ops give different bits, so an engine never switches between
@@ -547,12 +563,14 @@ class CompiledTiles:
     def __init__(self, model, rows: int, moe_inside: bool):
         self.model, self.rows, self.moe_inside = model, rows, moe_inside
         functions = CompiledDecode._functions()
+        # every bf16 intermediate rounded as eager rounds it (`_options`): a tile's bits and a one-row graph's then
+        # do not depend on what each fused
         self._compiled = {
-            name: torch.compile(_own_code(functions[name]), dynamic=False, options=_options(rows))
+            name: torch.compile(_own_code(functions[name]), dynamic=False, options=_options(rows, eager_casts=True))
             for name in TILE_REGIONS
         }
         self._one = {
-            name: torch.compile(_own_code(functions[name]), dynamic=False, options=_options(1))
+            name: torch.compile(_own_code(functions[name]), dynamic=False, options=_options(1, eager_casts=True))
             for name in ONE_ROW_REGIONS
         }
         self.ready: bool | None = None  # None: not built yet; False: unavailable here
