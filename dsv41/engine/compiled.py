@@ -76,12 +76,23 @@ _OPTIONS = {"cpp_wrapper": True, "guard_filter_fn": _keep_guard}
 ONE_THREAD_ROWS = 64
 
 
+# the options of the four kinds of graph, by (one thread, eager casts), each one object shared by every graph of
+# its kind: torch 2.13 failed to replay a traced Python side effect (a test's counter) from graphs compiled with
+# an options dict made per compile (an IndexError in the indexer's query region)
+_OPTIONS_BY_KIND = {
+    (one, casts): dict(
+        _OPTIONS, **({"cpp.threads": 1} if one else {}), **({"emulate_precision_casts": True} if casts else {})
+    )
+    for one in (False, True)
+    for casts in (False, True)
+}
+
+
 def _options(rows: int, eager_casts: bool = False) -> dict:
     """The graphs' inductor options at `rows` rows. eager_casts: round every bf16 intermediate to bf16 as eager
     ops do (inductor otherwise keeps a fused chain of bf16 ops in fp32, so a graph's bits would depend on what it
     fused, which differs between a graph of one row and one of a tile)."""
-    options = dict(_OPTIONS, **{"cpp.threads": 1}) if rows <= ONE_THREAD_ROWS else _OPTIONS
-    return dict(options, emulate_precision_casts=True) if eager_casts else options
+    return _OPTIONS_BY_KIND[(rows <= ONE_THREAD_ROWS, eager_casts)]
 
 
 def engram(module, h: torch.Tensor, hash_ids: torch.Tensor, scale_bits: torch.Tensor) -> torch.Tensor:

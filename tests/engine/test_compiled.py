@@ -22,10 +22,8 @@ VAL = os.path.join(os.path.dirname(__file__), "..", "data", "shakespeare-chat-va
 
 @pytest.mark.slow
 def test_compiled_regions_serve_decode_batches_and_agree_with_the_reference(monkeypatch):
-    # the counters below are Python side effects traced into the graphs, which torch 2.13 fails to replay from a
-    # one-thread graph (an IndexError in the indexer's query region); the one-thread graphs are checked without
-    # them (test_one_thread_graphs_agree_with_the_reference)
-    monkeypatch.setattr(compiled, "ONE_THREAD_ROWS", 0)
+    # the counters below are Python side effects traced into the graphs (replayed after each call: they need the
+    # graphs' options to be one shared object per kind, `compiled._options`)
     traced = []  # the buckets whose graphs hold the C++ expert kernel (dsv41.ops.moe_cpu), where it serves
     real_kernel = moe_cpu.gathered_experts_cpu
     monkeypatch.setattr(moe_cpu, "gathered_experts_cpu", lambda x, *a: traced.append(x.size(0)) or real_kernel(x, *a))
