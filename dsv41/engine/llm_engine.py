@@ -22,7 +22,7 @@ from collections import deque
 import torch
 
 from dsv41.config import ModelConfig
-from dsv41.engine.compiled import BUCKETS, CompiledDecode, CompiledTiles
+from dsv41.engine.compiled import BUCKETS, CompiledDecode
 from dsv41.engine.config import EngineConfig
 from dsv41.engine.handoff import KVHandoff, check_handoff
 from dsv41.engine.kv_pool import BlockAllocator, PagedKVPool
@@ -32,6 +32,7 @@ from dsv41.engine.sampling import TokenHistory, prompt_token_logprobs, sample, t
 from dsv41.engine.scheduler import Scheduling
 from dsv41.engine.sequence import Sequence, StatePool, Status
 from dsv41.engine.speculative import Speculation
+from dsv41.engine.tiles import CompiledTiles
 from dsv41.engine.types import RequestOutput, SamplingParams
 from dsv41.model.transformer import Transformer
 from dsv41.ops import fused, linear_cpu
@@ -109,7 +110,7 @@ class LLMEngine(Scheduling, Speculation):
         if config.numerics == "deterministic" and config.compile_decode != "off" and fused.enabled() and single:
             # the token-wise regions compiled at one tile shape for every forward, built before the first
             # request whatever the setting says: the tiles and the eager ops give different bits, so an engine
-            # never switches between them while it serves (dsv41.engine.compiled.CompiledTiles). One process only:
+            # never switches between them while it serves (dsv41.engine.tiles.CompiledTiles). One process only:
             # ranks that split the work (data, expert, tensor parallel) keep the eager ops, whose bits on several
             # ranks equal one device's (tested); the tiles' have not been checked across ranks
             vision = any(getattr(block.ffn.gate, "bias_vl", None) is not None for block in model.layers)

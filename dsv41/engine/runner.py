@@ -105,7 +105,7 @@ class ModelRunner:
         # fast mode: compiled token-wise regions for decode batches (dsv41.engine.compiled), set by the engine
         self.compiled = None
         # deterministic mode: the token-wise regions compiled at one tile shape for every forward
-        # (dsv41.engine.compiled.CompiledTiles), set by the engine before its first request
+        # (dsv41.engine.tiles.CompiledTiles), set by the engine before its first request
         self.tiles = None
         # fast mode: calls of at most this many rows run bf16 layers as fp32 GEMMs (dsv41.ops.gemm_choice),
         # set by the engine from its probe; 0: never

@@ -13,7 +13,7 @@ def make(model, **overrides) -> LLMEngine:
     deterministic numerics: the engine tests compare outputs across batchings, chunkings, caches and
     speculation bit for bit, which is that mode's promise (the default `fast` mode is judged statistically:
     tests/eval/test_agreement.py). With DSV41_TEST_TILES set, a deterministic engine compiles its tiles
-    (`compile_decode="now"`, dsv41.engine.compiled.CompiledTiles): tests/engine/test_deterministic_tiles.py
+    (`compile_decode="now"`, dsv41.engine.tiles.CompiledTiles): tests/engine/test_deterministic_tiles.py
     reruns engine scenarios that way."""
     settings = dict(
         block_size=8,

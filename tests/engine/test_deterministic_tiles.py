@@ -1,4 +1,4 @@
-"""`deterministic` numerics with the compiled tiles (dsv41.engine.compiled.CompiledTiles): the engine's
+"""`deterministic` numerics with the compiled tiles (dsv41.engine.tiles.CompiledTiles): the engine's
 determinism guarantees (alone = batched = chunked = preempted = prefix-cached = speculatively verified =
 handed off, bit for bit) hold when the token-wise regions run as graphs compiled at one tile shape.
 
@@ -13,6 +13,7 @@ import torch
 from dsv41.config import tiny
 from dsv41.engine import SamplingParams
 from dsv41.engine import compiled as compiled_module
+from dsv41.engine import tiles as tiles_module
 from dsv41.model.init import init_random_weights
 from dsv41.model.transformer import Transformer
 from dsv41.ops import attn_cpu
@@ -63,16 +64,16 @@ def test_the_tiles_serve_every_forward_and_change_the_bits(monkeypatch):
     engine = make(net)
     assert engine.runner.tiles is not None, "the tiles were not built on this machine"
     calls: list[tuple[str, int]] = []
-    run = compiled_module._TiledRegions._run
+    run = tiles_module._TiledRegions._run
 
     def counting(self, name, module, tokens, extra=()):
         calls.append((name, tokens[0][0].size(tokens[0][1])))
         return run(self, name, module, tokens, extra)
 
-    monkeypatch.setattr(compiled_module._TiledRegions, "_run", counting)
-    attention = compiled_module._TiledAttention.window_attention
+    monkeypatch.setattr(tiles_module._TiledRegions, "_run", counting)
+    attention = tiles_module._TiledAttention.window_attention
     monkeypatch.setattr(
-        compiled_module._TiledAttention,
+        tiles_module._TiledAttention,
         "window_attention",
         lambda self, q, *a: calls.append(("window_attention", q.size(0))) or attention(self, q, *a),
     )
