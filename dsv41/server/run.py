@@ -148,6 +148,9 @@ class ServerThread:
         self.stop()
 
 
+RENDEZVOUS_GRACE_S = 10.0  # how long a failed start-up waits for the collective in flight to end
+
+
 def _while_ranks_live(work, children: list, what: str) -> None:
     """Run `work()` (a collective that waits for every rank) while watching the spawned ranks: a rank that
     dies first (a bad checkpoint, no memory) is one clear error here rather than a wait for gloo's timeout."""
@@ -170,7 +173,15 @@ def _while_ranks_live(work, children: list, what: str) -> None:
     thread.start()
     while thread.is_alive():
         thread.join(0.2)
-        check()
+        try:
+            check()
+        except ChildProcessError:
+            # the collective fails soon after the dead rank's socket closes: let it end before the caller tears
+            # the process group down under it (a barrier still running then aborted the process at exit,
+            # "terminate called without an active exception", instead of the one clear error); bounded, for a
+            # rank that died before it ever connected
+            thread.join(RENDEZVOUS_GRACE_S)
+            raise
     if failure:
         # a collective fails as soon as a peer's socket closes, often before that process has been reaped:
         # wait a little for the rank that died, so the error names it rather than gloo's "connection closed"
