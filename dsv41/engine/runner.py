@@ -140,7 +140,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _draft(self, first, hidden, pos, rings, choose):
-        return dspark.draft(self.model, first, hidden, pos, rings, choose=choose, logits=self._fast_logits())
+        return dspark.draft(self.model, first, hidden, pos, rings, choose=choose, head_logits=self._fast_logits())
 
     def _fast_logits(self):
         """The shared head as `fast` compiled forwards compute it (the bf16 copy by the few-row kernel, fp32 sums,

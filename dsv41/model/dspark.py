@@ -173,7 +173,7 @@ def draft(
     cache,
     trace: dict | None = None,
     choose: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    head_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Draft:
     """Draft k = dspark_block_size tokens after backbone position `pos`.
 
@@ -184,7 +184,7 @@ def draft(
     pos: an int (every row at the same position; `cache` a ModelCache-like store whose rows start at 0), or
     an int64 tensor [B] of per-row positions, when `cache` also offers `window_write_rows(layer, slots [B],
     rows [B, 1, D])` and `draft_first()` -> [B] (the first position whose main row each ring holds).
-    logits: the shared head as the caller computes it (normed [B, k, dim] bf16 -> fp32 [B, k, V]; default
+    head_logits: the shared head as the caller computes it (normed [B, k, dim] bf16 -> fp32 [B, k, V]; default
     `model.logits`): an engine in `fast` mode passes the one its own forwards use.
     """
     cfg = model.cfg
@@ -238,7 +238,7 @@ def draft(
     _trace(shared, "spec.collapsed", xh)
     normed = last.norm(xh)
     _trace(shared, "spec.final_norm", normed)
-    base = (logits or model.logits)(normed)  # [B, k, V] fp32, the shared head
+    base = (head_logits or model.logits)(normed)  # [B, k, V] fp32, the shared head
     tokens = [first]
     biases, logits, embeds = [], [], []
     for i in range(k):

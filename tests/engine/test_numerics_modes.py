@@ -90,3 +90,27 @@ def test_reference_mode_gives_the_plain_loops_canonical_bits(model):
     assert len(got) == steps
     for step, (a, b) in enumerate(zip(got, logits)):
         assert torch.equal(a, b.float()), f"step {step}: max diff {(a - b).abs().max()}"
+
+
+def test_fast_drafts_read_the_head_the_fast_forwards_read(model):
+    """A `fast` runner whose forwards run the few-row kernel (`rows_kernel`) hands the drafter that kernel over the
+    bf16 copy of the head (what its compiled forwards' logits read); the other modes, or no kernel, keep
+    `Transformer.logits`."""
+    from dsv41.ops import linear_cpu
+
+    if not linear_cpu.available():
+        pytest.skip("the few-row kernel is not built here")
+    model.keep_bf16_head()
+    x = torch.randn(2, 5, model.cfg.dim, generator=torch.Generator().manual_seed(0)).bfloat16()
+    runner = ModelRunner(model, numerics="fast")
+    assert runner._fast_logits() is None  # the engine sets rows_kernel when its forwards run compiled
+    runner.rows_kernel = True
+    head = runner._fast_logits()
+    got = head(x)
+    assert got.shape == (2, 5, model.cfg.vocab_size) and got.dtype == torch.float32
+    assert torch.equal(got, linear_cpu.rows_linear(x, model.head_bf16()))
+    torch.testing.assert_close(got, model.logits(x), rtol=2e-2, atol=2e-2)  # a bf16 head against the fp32 one
+    for mode in ("deterministic", "reference"):
+        other = ModelRunner(model, numerics=mode)
+        other.rows_kernel = True
+        assert other._fast_logits() is None
