@@ -59,6 +59,10 @@ class DecodeBatch:
     # the compiled regions of this batch's attention (dsv41.engine.compiled: the window attention, the indexer's
     # query, the compressors' entries): `fast` numerics' bucket, or the `deterministic` tiles'; None: eager
     regions: object = None
+    # values a compiled block entry computed with the projections (dsv41.engine.compiled.enter), taken once by the
+    # layer: ("index", layer) -> the indexer's (query heads, weights); ("latent", layer) -> a ratio-1 compressor's
+    # packed new entries
+    given: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, caches: list, positions: list[int], device) -> DecodeBatch:
@@ -417,6 +421,10 @@ def _compress(attn, x, batch: DecodeBatch, states: StatePool, pool: PagedKVPool)
     """Add each sequence's token to its compressor; store the latents of the groups it completes."""
     comp, ratio, layer = attn.compressor, attn.ratio, attn.layer_id
     pos, slots = batch.positions, batch.slots
+    if ratio == 1 and (latent := batch.given.pop(("latent", layer), None)) is not None:
+        kv, keys = latent
+        pool.write_packed(layer, pool.rows_batched(layer, batch.tables, pos.unsqueeze(1))[:, 0], kv, keys)
+        return
     if ratio == 1 and batch.regions is not None:  # every token completes its group: one compiled region
         kv, keys = batch.regions.compress_latent(attn, x, batch.rope(attn.rope))
         pool.write_packed(layer, pool.rows_batched(layer, batch.tables, pos.unsqueeze(1))[:, 0], kv, keys)
@@ -472,10 +480,14 @@ def _select(attn, x, qr, batch: DecodeBatch, pool: PagedKVPool) -> torch.Tensor:
     b = pos.numel()
     visible = (pos + 1) // ratio  # [B] complete groups each query sees
     t = int(visible.max())
+    given = batch.given.pop(("index", attn.layer_id), None)
     if t == 0:
         return torch.full((b, 1, idx.topk), -1, dtype=torch.int64, device=pos.device)
-    freqs = batch.rope(attn.rope)
-    q, weights = (index_query if batch.regions is None else batch.regions.index_query)(idx, qr, x, freqs)
+    if given is not None:
+        q, weights = given
+    else:
+        freqs = batch.rope(attn.rope)
+        q, weights = (index_query if batch.regions is None else batch.regions.index_query)(idx, qr, x, freqs)
     if idx.uses_candidates:  # the entries of the candidate blocks the candidate source picked this step
         entries, usable = ops.candidate_entries(
             batch.shared["candidate_blocks"], visible.view(b, 1, 1), idx.candidate_block_size

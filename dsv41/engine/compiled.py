@@ -22,6 +22,13 @@ the visible entries and its top-k, the ratio-2 compressors' group completion, th
   without the MoE where the experts cannot be stacked (quantized experts, expert parallelism);
 - `final_logits`: a one-token step's last norm and head, over a bf16 copy of the fp32 head.
 
+A forward that is one decode step (token i is sequence i) joins them into two graphs a block (`enter`: the mixes,
+the input, the projections and, by the layer's kind, the indexer's query and a ratio-1 compressor's entry;
+`leave`: the output projection and `post_attention_ffn`) around the attention's sequence mixing
+(`_Regions.run_block`): each graph call costs tens of us outside its kernels, more inside a step whose weight
+reads have evicted its code and objects from the caches. Once a bucket is built its graphs are called as
+Dynamo's output code without the cache lookup and guards (`_direct`), where nothing needs them.
+
 The functions take the block or attention module as an argument, so one graph serves every layer of the
 same shape (the compiler treats the modules' weights as inputs). A batch of B decode tokens is padded to the
 next bucket (1, 2, 4, 8, 16, 32, then 48 .. 256 in steps of 1.5x and 2x; token-wise math, so the padding rows
@@ -34,6 +41,7 @@ so buckets are built on a background thread (`dsv41 serve`'s default) or before 
 
 from __future__ import annotations
 
+import dis
 import logging
 import threading
 import types
@@ -139,6 +147,39 @@ def post_attention_ffn(block: Block, x, residual, post, comb, attn_pre, stacks):
     return block.hc_post(block.ffn.decode_forward(y, stacks), h, ffn_post, ffn_comb), ffn_pre
 
 
+def entry(index: bool, latent: bool):
+    """The `enter` graph of one kind of layer (`enter_kind`): with the indexer's query, with a ratio-1
+    compressor's new entries. The kind is fixed here, not read from the module inside the graph, so one graph
+    serves every layer of the kind."""
+
+    def enter(block: Block, h: torch.Tensor, pre_mix: torch.Tensor, freqs: torch.Tensor):
+        """A decode step's block up to its sequence mixing, one graph: `pre_attention`, `project` and, by the
+        kind, the indexer's `index_query` and a ratio-1 compressor's `compress_latent` on the same rows.
+        h [1, B, hc, dim], pre_mix [1, B, hc], freqs [B, rope/2] (token i is sequence i) -> ((pre, post, comb),
+        x, (qr, q, kv), the indexer's (q, weights) or None, the new latents' packed entries or None)."""
+        mixes, x = pre_attention(block, h, pre_mix)
+        attn = block.attn
+        qr, q, kv = attn.project(x, freqs)
+        rows = x[0].unsqueeze(1)  # [B, 1, dim]: the attention's batch-first rows
+        found = index_query(attn.indexer, qr[0].unsqueeze(1), rows, freqs) if index else None
+        return mixes, x, (qr, q, kv), found, compress_latent(attn, rows, freqs) if latent else None
+
+    return enter
+
+
+def leave(block: Block, o: torch.Tensor, freqs: torch.Tensor, residual, post, comb, attn_pre, stacks):
+    """The block after its sequence mixing, one graph: `output`, then `post_attention_ffn`.
+    o [1, B, H, D] -> (h [1, B, hc, dim], the FFN pre mix)."""
+    return post_attention_ffn(block, block.attn.output(o, freqs), residual, post, comb, attn_pre, stacks)
+
+
+def enter_kind(attn) -> tuple[bool, bool]:
+    """Which `enter` graph a layer takes: (has an indexer, has a ratio-1 compressor). Each kind is compiled as a
+    function of its own: the graphs drop the guards on the modules (`_keep_guard`), so nothing else would keep a
+    layer without an indexer off a graph traced with one."""
+    return attn.indexer is not None, attn.compressor is not None and attn.ratio == 1
+
+
 def final_logits(norm, h: torch.Tensor, pre_mix: torch.Tensor, head: torch.Tensor, kernel: bool) -> torch.Tensor:
     """The last norm and the head for a one-token step, over the bf16 copy of the fp32 head
     (`Transformer.keep_bf16_head`): h [1, 1, hc, dim], pre_mix [1, 1, hc], head [vocab, dim] -> fp32 logits
@@ -156,6 +197,46 @@ def final_logits(norm, h: torch.Tensor, pre_mix: torch.Tensor, head: torch.Tenso
 def _own_code(fn):
     """A copy of function `fn` with a code object of its own (Dynamo's graph cache is per code object)."""
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def _direct(compiled):
+    """A warmed compiled function as a plain function running Dynamo's output code (the graph's call, its inputs
+    read from the arguments), without the cache lookup and guards of each call (~30 us hot, more once a step's
+    weight reads have evicted them from the caches; vLLM calls its compiled models' code the same way). Only for a
+    function with one graph whose code only calls it (`_only_the_graph`): no guard then chooses between graphs,
+    and what the guards check holds by construction (the modules by `_keep_guard`'s reasoning, the numerics by
+    the runner's context around every forward, dtypes by the callers), while the graph itself still refuses
+    inputs of other sizes or strides (inductor's input checks). Else, or where the output code cannot be found,
+    the compiled function itself."""
+    orig = getattr(compiled, "_torchdynamo_orig_callable", None)
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        entries = _debug_get_cache_entry_list(orig.__code__)
+    except Exception:  # noqa: BLE001 - another torch: keep the guarded call
+        return compiled
+    if len(entries) != 1 or not _only_the_graph(entries[0].code):
+        return compiled
+    return types.FunctionType(entries[0].code, orig.__globals__, orig.__name__, orig.__defaults__, orig.__closure__)
+
+
+# what Dynamo's output code does to call a graph: read the inputs (arguments, their modules' parameters, global
+# tensors), three calls (the pregraph records around it and the graph), unpack and return the outputs. A Python
+# side effect traced into the graph (a test's counter) is replayed by stores (`STORE_SUBSCR` into a list) or
+# further calls; a graph break calls a resume function. Those need the guards
+_GRAPH_CALL_OPS = {
+    "RESUME", "NOP", "CACHE", "EXTENDED_ARG", "COPY_FREE_VARS", "PUSH_NULL", "KW_NAMES", "PRECALL", "CALL",
+    "LOAD_FAST", "LOAD_CONST", "LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD", "LOAD_DEREF", "LOAD_CLOSURE",
+    "STORE_FAST", "DELETE_FAST", "COPY", "SWAP", "POP_TOP", "BINARY_SUBSCR", "UNPACK_SEQUENCE",
+    "BUILD_LIST", "BUILD_TUPLE", "LIST_EXTEND", "RETURN_VALUE",
+}  # fmt: skip
+
+
+def _only_the_graph(output) -> bool:
+    """Whether Dynamo's output code `output` only calls its graph (`_GRAPH_CALL_OPS`)."""
+    ops = [i.opname for i in dis.get_instructions(output)]
+    resumes = any(n.startswith("__resume") for n in output.co_names)
+    return not resumes and ops.count("CALL") <= 3 and set(ops) <= _GRAPH_CALL_OPS
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -208,13 +289,17 @@ class CompiledDecode:
         # one compiled function per (region, bucket), each with a code object of its own: Dynamo keeps its
         # graphs per code object and checks the guards of every graph it holds in turn, so one function
         # serving all buckets would try up to six guard sets a call; one per bucket tries one
+        functions = dict(self._functions())
+        for kind in {enter_kind(block.attn) for block in model.layers}:
+            functions[("enter", *kind)] = entry(*kind)
         self._compiled = {
             b: {
-                name: torch.compile(_own_code(fn), dynamic=False, options=_options(b))
-                for name, fn in self._functions().items()
+                name: torch.compile(_own_code(fn), dynamic=False, options=_options(b)) for name, fn in functions.items()
             }
             for b in buckets
         }
+        # what a built bucket's regions call: each graph's code without Dynamo's guards where it has one (`_direct`)
+        self._calls: dict[int, dict] = {}
         self._thread: threading.Thread | None = None
         model.keep_bf16_head()  # read by `final_logits` (one-token steps)
         for block in model.layers:  # the experts' weights as stacked views (MoE.stack_experts): the MoE then
@@ -235,6 +320,7 @@ class CompiledDecode:
             "compress_latent": compress_latent,
             "compress_group": compress_group,
             "final_logits": final_logits,
+            "leave": leave,
         }
 
     def bucket(self, n: int) -> int | None:
@@ -253,7 +339,7 @@ class CompiledDecode:
             b = min((b for b in self.ready if b >= rest), default=None)
             if b is None:  # more rows than the largest built bucket: a full piece of it, then the rest
                 b = rest = max(self.ready)
-            pieces.append(_Regions(self._compiled[b], rest, b, self.attn_kernel))
+            pieces.append(_Regions(self._calls[b], rest, b, self.attn_kernel))
             start += rest
         return pieces[0] if len(pieces) == 1 else _SplitRegions(pieces)
 
@@ -263,7 +349,7 @@ class CompiledDecode:
         b = self.bucket(n)
         if b is None or b not in self.ready or self.failed:
             return None
-        return _Regions(self._compiled[b], n, b, self.attn_kernel)
+        return _Regions(self._calls[b], n, b, self.attn_kernel)
 
     # ---------------------------------------------------------------- building
     def build(self, buckets: tuple[int, ...] | None = None) -> None:
@@ -280,6 +366,7 @@ class CompiledDecode:
                 log.warning("compiled decode regions unavailable (%s: %s); decoding eager", type(err).__name__, err)
                 self.failed = True
                 return
+            self._calls[b] = {name: _direct(fn) for name, fn in self._compiled[b].items()}
             self.ready.add(b)
 
     def build_in_background(self) -> threading.Thread:
@@ -313,6 +400,9 @@ class CompiledDecode:
                 stacks = block.ffn.stacked()
                 if stacks is not None:
                     regions.post_attention_ffn(block, o, h, a_post, a_comb, a_pre, stacks)
+                    # the two graphs of a whole decode-step block (`_Regions.run_block`)
+                    self._compiled[rows][("enter", *enter_kind(attn))](block, h, pre, freqs)
+                    self._compiled[rows]["leave"](block, q, freqs, h, a_post, a_comb, a_pre, stacks)
                 else:
                     regions.post_attention(block, o, h, a_post, a_comb, a_pre)
             if rows == 1:
@@ -351,6 +441,34 @@ class _Regions:
 
     def __init__(self, compiled: dict, n: int, rows: int, attn_kernel: bool = False):
         self.compiled, self.n, self.rows, self.attn_kernel = compiled, n, rows, attn_kernel
+        # the forward's attention backend when it is one decode step (token i is sequence i): the blocks then run
+        # as two graphs around the sequence mixing (`run_block`); None: region by region
+        self.backend = None
+
+    def run_block(self, block, h, pre_mix, image_mask, shared):
+        """The whole block of a decode step as two graphs, `enter` and `leave`, around the backend's sequence
+        mixing (`decode_mix`), instead of five to seven region calls: each call of a graph costs tens of us in
+        Dynamo's cache lookup and wrappers, more when the step's weight reads have evicted them from the caches.
+        -> (h, the FFN pre mix), or None where the block runs region by region (no decode step, the MoE
+        outside the graphs)."""
+        stacks = self.stacks_for(block, image_mask, shared)
+        if self.backend is None or stacks is None:
+            return None
+        attn, backend = block.attn, self.backend
+        freqs = self._freqs(backend.freqs(attn))
+        pad = lambda t: _pad_rows(t, self.rows)  # noqa: E731
+        mixes, x, (qr, q, kv), index, latent = self.compiled[("enter", *enter_kind(attn))](
+            block, pad(h), pad(pre_mix), freqs
+        )
+        if self.rows != self.n:
+            mixes, x, qr, q, kv = _cut((mixes, x, qr, q, kv), self.n)
+            index, latent = _nested(lambda t: t[: self.n], index), _nested(lambda t: t[: self.n], latent)
+        attn_pre, attn_post, attn_comb = mixes
+        o = backend.decode_mix(attn, x, qr, q, kv, index, latent)  # [1, B, H, D]
+        out = self.compiled["leave"](
+            block, pad(o), freqs, pad(h), pad(attn_post), pad(attn_comb), pad(attn_pre), stacks
+        )
+        return out if self.rows == self.n else _cut(out, self.n)
 
     def _call(self, name: str, module, *tensors):
         padded = [_pad_rows(t, self.rows) for t in tensors]
@@ -447,6 +565,9 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 class _RunByTokens:
     """The token-wise region methods of a regions object that cuts its calls along the tokens itself:
     `_run(name, module, [(tensor, token dim), ...], extra)` (`_SplitRegions`, `tiles._TiledRegions`)."""
+
+    def run_block(self, block, h, pre_mix, image_mask, shared):
+        return None  # region by region (`_Regions.run_block`)
 
     def _run(self, name: str, module, tokens: list, extra=()):
         raise NotImplementedError

@@ -84,19 +84,8 @@ class PagedAttention(AttentionBackend):
             return output(torch.cat(outs, dim=1), freqs)
         caches = steps[0][1][0].cache
         states, pool = caches.states, caches.pool
-        if len(steps) == 1 and len(steps[0][1]) == x.size(1):  # a decode-only batch: token i is sequence i
-            o = decode_attend(
-                attn,
-                x[0].unsqueeze(1),
-                qr[0].unsqueeze(1),
-                q[0].unsqueeze(1),
-                kv[0].unsqueeze(1),
-                steps[0][0],
-                states,
-                pool,
-            )  # [B, 1, H, D]
-            o = o.view(1, o.size(0), *o.shape[2:])  # [1, B, H, D]
-            return output(o, freqs)
+        if self.decode_only:  # token i is sequence i
+            return output(self.decode_mix(attn, x, qr, q, kv), freqs)
         out = q.new_empty(q.shape)  # [1, T, H, D]
         offset, a = {}, 0
         for c in chunks:
@@ -146,6 +135,32 @@ class PagedAttention(AttentionBackend):
                     attn.layer_id, first, torch.cat(kvs).unsqueeze(0), torch.cat(scores).unsqueeze(0)
                 )
         return output(out, freqs)
+
+    @property
+    def decode_only(self) -> bool:
+        """The forward is one decode step of its sequences: token i is sequence i's new token."""
+        steps = self.steps
+        return len(steps) == 1 and len(steps[0][1]) == len(self.positions)
+
+    def freqs(self, attn) -> torch.Tensor:
+        """The RoPE rows [T, rope/2] of this forward's positions in the layer's table."""
+        return self._rope(attn, self.positions.device)
+
+    def decode_mix(self, attn, x, qr, q, kv, index=None, latent=None) -> torch.Tensor:
+        """A decode-only forward's sequence mixing, projections given: x [1, B, dim], qr, q [1, B, H, D], kv
+        -> o [1, B, H, D] before the output projection. index: the indexer's (query heads, weights) and latent:
+        a ratio-1 compressor's packed new entries, where the caller computed them with the projections
+        (`compiled.enter`)."""
+        batch = self.steps[0][0]
+        if index is not None:
+            batch.given[("index", attn.layer_id)] = index
+        if latent is not None:
+            batch.given[("latent", attn.layer_id)] = latent
+        cache = self.steps[0][1][0].cache
+        states, pool = cache.states, cache.pool
+        rows = lambda t: t[0].unsqueeze(1)  # noqa: E731 - [1, B, ...] -> [B, 1, ...]
+        o = decode_attend(attn, rows(x), rows(qr), rows(q), rows(kv), batch, states, pool)  # [B, 1, H, D]
+        return o.view(1, o.size(0), *o.shape[2:])
 
     def _chunked(self, steps: list, offset: dict, window: int, device) -> bool:
         """Whether the decode steps run as one `chunk_decode_attend` (`fast` numerics, every chunk no longer

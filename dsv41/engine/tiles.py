@@ -16,6 +16,7 @@ from dsv41.engine.compiled import (
     _cat,
     _cut,
     _dense,
+    _direct,
     _flat,
     _join0,
     _nested,
@@ -166,6 +167,9 @@ class CompiledTiles:
                 "deterministic tiles: one-token calls padded (%s alone differs from its tile)", self.one_row_differs
             )
         self.one_row = self.one_row_differs is None
+        # checked: from here each graph is called without Dynamo's guards where nothing needs them (`_direct`)
+        self._compiled = {name: _direct(fn) for name, fn in self._compiled.items()}
+        self._one = {name: _direct(fn) for name, fn in self._one.items()}
         return True
 
     @torch.inference_mode()

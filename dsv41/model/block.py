@@ -111,6 +111,8 @@ class Block(nn.Module):
         regions = shared.get("regions")  # compiled token-wise regions of a fast decode step (dsv41.engine.compiled)
         residual = h
         ref = self.reference_numerics
+        if regions is not None and (whole := regions.run_block(self, h, pre_mix, image_mask, shared)) is not None:
+            return whole  # a decode step's block as two graphs around its sequence mixing
         if regions is not None:
             (attn_pre, attn_post, attn_comb), x = regions.pre_attention(self, h, pre_mix)
             x = attend(x)

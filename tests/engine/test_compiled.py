@@ -13,6 +13,7 @@ import dsv41.engine.compiled as compiled
 from dsv41.checkpoints import checkpoint_path
 from dsv41.engine import EngineConfig
 from dsv41.engine.build import build_engine
+from dsv41.engine.paged_attention import PagedAttention
 from dsv41.eval.agreement import decode_agreement, held_out_windows
 from dsv41.model.block import Block
 from dsv41.ops import attn_cpu, linear_cpu, moe_cpu
@@ -22,29 +23,27 @@ VAL = os.path.join(os.path.dirname(__file__), "..", "data", "shakespeare-chat-va
 
 @pytest.mark.slow
 def test_compiled_regions_serve_decode_batches_and_agree_with_the_reference(monkeypatch):
-    # the counters below are Python side effects traced into the graphs (replayed after each call: they need the
-    # graphs' options to be one shared object per kind, `compiled._options`)
-    traced = []  # the buckets whose graphs hold the C++ expert kernel (dsv41.ops.moe_cpu), where it serves
-    real_kernel = moe_cpu.gathered_experts_cpu
-    monkeypatch.setattr(moe_cpu, "gathered_experts_cpu", lambda x, *a: traced.append(x.size(0)) or real_kernel(x, *a))
     attended = []  # the decode steps' attention by the C++ kernel (dsv41.ops.attn_cpu), where it is built
     real_attend = attn_cpu.decode_attn_cpu
     monkeypatch.setattr(attn_cpu, "decode_attn_cpu", lambda q, *a: attended.append(q.size(0)) or real_attend(q, *a))
-    rows_traced = []  # the row counts of the layers' GEMMs traced into the graphs as the few-row kernel
-    real_rows = linear_cpu.rows_linear
-    monkeypatch.setattr(
-        linear_cpu, "rows_linear", lambda x, w: rows_traced.append(x.numel() // x.size(-1)) or real_rows(x, w)
-    )
     engine = build_engine(
         checkpoint_path(),
         EngineConfig(numerics="fast", compile_decode="now", max_num_seqs=4, kv_pool_tokens=8192, fused_kernels="off"),
     )
     assert engine.runner.compiled.ready == {1, 2, 4}
     attended.clear()  # (the build warmed it at each bucket)
-    used, calls = [], {}
-    real = compiled._Regions.pre_attention
-    monkeypatch.setattr(compiled._Regions, "pre_attention", lambda self, *a: used.append(self.rows) or real(self, *a))
-    names = ("engram", "post_attention_ffn", "window_attention", "index_query", "compress_latent", "compress_group")
+    used, calls, kinds = [], {}, set()
+    real = compiled._Regions.run_block
+
+    def run_block(self, block, *a):  # a decode step's block as its two graphs (`enter`, `leave`)
+        out = real(self, block, *a)
+        if out is not None:
+            used.append(self.rows)
+            kinds.add(compiled.enter_kind(block.attn))
+        return out
+
+    monkeypatch.setattr(compiled._Regions, "run_block", run_block)
+    names = ("engram", "window_attention", "compress_group")
     for name in (*names, "final_logits"):
         fn = getattr(compiled._Regions, name)
         monkeypatch.setattr(
@@ -52,29 +51,45 @@ def test_compiled_regions_serve_decode_batches_and_agree_with_the_reference(monk
         )
     tokens = np.fromfile(VAL, dtype=np.uint16)
     prompts = held_out_windows(tokens[2000:], [40, 72, 104], stride=150)  # 3 decode tokens a step: bucket 4
-    result = decode_agreement(engine, engine.model, prompts, new_tokens=16, passes=1)
+    # the C++ kernels inside the graphs, seen by the profiler (a Python counter traced into a graph would be a side
+    # effect the graph replays, and its guards would recompile the graph at every call)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        result = decode_agreement(engine, engine.model, prompts, new_tokens=16, passes=1)
+    rows_of = lambda op: {e.input_shapes[0][0] for e in prof.events() if e.name == op}  # noqa: E731
+    traced, rows_traced = rows_of("dsv41::gathered_experts_cpu"), rows_of("dsv41::rows_linear_cpu")
     assert result.top1 >= 0.99 and result.kl_mean <= 2e-3, result.as_dict()
     # the steps decoding all three ran compiled, padded to 4 rows (and those decoding fewer, at their buckets)
     assert used.count(4) >= 10 * engine.model_config.n_layers and set(used) <= {1, 2, 4}, used
-    # Engram, the MoE, the window attention, the indexer's query and the compressors ran compiled too
+    # Engram, the window attention and the ratio-2 compressors ran compiled too; the indexer's query and the ratio-1
+    # compressors inside the blocks' `enter` graphs
     assert set(calls) == set(names), calls
+    assert any(index for index, _ in kinds) and any(latent for _, latent in kinds), kinds
     assert engine.runner.compiled.attn_kernel == attn_cpu.available()
     if attn_cpu.available():  # the attention of every step by the kernel, at the step's own batch (no padding)
         assert 3 in attended and set(attended) <= {1, 2, 3}, attended
     else:
         assert not attended
-    if moe_cpu.available():  # traced into every bucket's graph (the tracer calls the Python function)
-        assert set(traced) == {1, 2, 4}, traced
+    # the blocks' graphs served every step as built: no recompilation (a guard failing) after the build, so each
+    # is called without Dynamo's guards (`compiled._direct`)
+    calls_of = engine.runner.compiled._calls
+    for bucket in (1, 2, 4):
+        for name in ("leave", *(("enter", *kind) for kind in kinds)):
+            assert not hasattr(calls_of[bucket][name], "_torchdynamo_orig_callable"), (bucket, name)
+    if moe_cpu.available():  # in the graphs, at the bucket's rows (every step here decodes three sequences)
+        assert traced == {4}, traced
     else:
         assert not traced
     # the few-row kernel likewise, where it serves; and the logits of a step of 3 sequences (3 rows, eager)
     if linear_cpu.available():
-        assert {1, 2, 4} <= set(rows_traced) and 3 in rows_traced, rows_traced
+        assert {3, 4} <= rows_traced, rows_traced
     else:
         assert not rows_traced
     # one sequence alone: bucket 1, whose logits come from the compiled head over its bf16 copy
-    alone = decode_agreement(engine, engine.model, prompts[:1], new_tokens=24, passes=1)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        alone = decode_agreement(engine, engine.model, prompts[:1], new_tokens=24, passes=1)
     assert alone.top1 >= 0.99 and alone.kl_mean <= 2e-3, alone.as_dict()
+    if moe_cpu.available():
+        assert rows_of("dsv41::gathered_experts_cpu") == {1}
     assert "final_logits" in calls and 1 in used
 
 
@@ -186,7 +201,7 @@ def test_a_forward_larger_than_the_built_buckets_runs_in_pieces():
     model = init_random_weights(Transformer(tiny()), seed=1, std=0.1).eval()  # its own: the regions stack experts
     decode = compiled.CompiledDecode(model, (1, 2, 4))  # torch.compile is lazy: nothing is traced here
     eager = decode._functions()
-    decode._compiled = {b: eager for b in (1, 2, 4)}
+    decode._compiled = decode._calls = {b: eager for b in (1, 2, 4)}
     decode.ready = {1, 2}
     split = decode.regions(5)
     assert [(p.n, p.rows) for p in split.pieces] == [(2, 2), (2, 2), (1, 1)]
@@ -340,3 +355,78 @@ def test_the_one_token_head_reads_a_bf16_copy_and_keeps_fp32_logits(tiny_model, 
                 model.head.weight.div_(2)
     finally:
         model.__dict__.pop("_head_bf16", None)  # the shared model as it was
+
+
+def _scaled(x, w):
+    return (x * w.weight).sum(-1)
+
+
+def test_a_warmed_graph_is_called_without_guards_only_when_nothing_else_needs_them():
+    """`compiled._direct`: a function with one graph that only calls it runs Dynamo's output code as a plain
+    function, with the graph's bits; one with a Python side effect traced in (replayed by the output code) or
+    with two graphs (chosen between by the guards) keeps its guarded call."""
+    w = torch.nn.Linear(8, 1)
+    x = torch.randn(3, 8)
+    pure = torch.compile(compiled._own_code(_scaled), backend="eager", dynamic=False)
+    want = pure(x, w)
+    direct = compiled._direct(pure)
+    assert direct is not pure and not hasattr(direct, "_torchdynamo_orig_callable")
+    assert torch.equal(direct(x, w), want)
+    assert torch.equal(direct(x * 2, w), pure(x * 2, w))  # reads its inputs, no value kept from the trace
+
+    seen = []
+
+    def counted(x, w):
+        seen.append(1)
+        return (x * w.weight).sum(-1)
+
+    side = torch.compile(counted, backend="eager", dynamic=False)
+    side(x, w)
+    assert compiled._direct(side) is side
+
+    two = torch.compile(compiled._own_code(_scaled), backend="eager", dynamic=False)
+    two(x, w), two(torch.randn(5, 8), w)  # a second shape: a second graph
+    assert compiled._direct(two) is two
+
+
+def test_a_decode_steps_blocks_as_two_graphs_give_the_regions_bits(monkeypatch):
+    """A decode step's blocks run as `enter` and `leave` around the sequence mixing (`_Regions.run_block`), the
+    indexer's query and a ratio-1 compressor's entries handed on from `enter` (`DecodeBatch.given`). With the
+    regions' functions eager (what the tracer sees) that is the same computation as the region-by-region step:
+    the same logits bit for bit, at a batch of one and of three (padded to 4)."""
+    from dsv41.config import tiny
+    from dsv41.engine import LLMEngine, SamplingParams
+    from dsv41.eval.agreement import _run
+    from dsv41.model.init import init_random_weights
+    from dsv41.model.transformer import Transformer
+    from dsv41.tokenizer import ByteTokenizer
+
+    monkeypatch.setattr(compiled.torch, "compile", lambda fn, **kw: fn)  # the regions' functions, eager
+    model = init_random_weights(Transformer(tiny()), seed=1, std=0.1).eval()
+    config = EngineConfig(numerics="fast", compile_decode="now", max_num_seqs=4, fused_kernels="off")
+    engine = LLMEngine(model, ByteTokenizer(model.cfg.vocab_size), config)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (41, 23, 57)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    blocks, handed = [], []
+    real_block, real_mix = compiled._Regions.run_block, PagedAttention.decode_mix
+    monkeypatch.setattr(
+        compiled._Regions,
+        "run_block",
+        lambda self, b, *a: (out := real_block(self, b, *a)) is not None and blocks.append(self.rows) or out,
+    )
+    monkeypatch.setattr(
+        PagedAttention,
+        "decode_mix",
+        lambda self, attn, *a: handed.append(tuple(t is not None for t in a[-2:])) or real_mix(self, attn, *a),
+    )
+    for batch in ([prompts[0]], prompts):
+        blocks.clear()
+        fused = [torch.stack(s.logits) for s in _run(engine, batch, params)]
+        assert set(blocks) == {len(batch) if len(batch) == 1 else 4}, set(blocks)
+        with monkeypatch.context() as m:
+            m.setattr(compiled._Regions, "run_block", lambda self, *a: None)  # region by region
+            regions = [torch.stack(s.logits) for s in _run(engine, batch, params)]
+        for a, b in zip(fused, regions):
+            assert torch.equal(a, b)
+    assert {(True, False), (True, True)} <= set(handed)  # index queries and latents handed on
