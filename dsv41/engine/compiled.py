@@ -272,7 +272,9 @@ class CompiledDecode:
     """The compiled regions of one model's decode steps, bucket by bucket. `regions(n)` gives an object with
     the four functions for a decode batch of n tokens once that bucket is built, else None (run eager)."""
 
-    def __init__(self, model, buckets: tuple[int, ...] = BUCKETS, numerics=None, rows_kernel: bool = False):
+    def __init__(
+        self, model, buckets: tuple[int, ...] = BUCKETS, numerics=None, rows_kernel: bool = False, verify: bool = True
+    ):
         # numerics: the context the regions are traced in, the runner's (`ModelRunner.numerics`): the graphs keep
         # what the modules' settings were then (the guards on the modules are dropped, `_keep_guard`), so they
         # must be the settings of the forwards that call them (the small-call fp32 GEMMs, `fp32_rows`, above all)
@@ -281,6 +283,11 @@ class CompiledDecode:
         # the one-token head by the few-row kernel (`final_logits`): the runner's choice (`ModelRunner.rows_kernel`),
         # which its numerics also give the layers
         self.rows_kernel = rows_kernel
+        # whether the build warms the region-by-region graphs of every block too (`pre_attention` ..
+        # `post_attention_ffn`, the index query, the ratio-1 compressor), which a speculative verify takes; without
+        # verify forwards a decode step's blocks run as `enter` and `leave` (a block whose MoE is outside the graphs
+        # region by region, warmed either way), and a forward that asked for the others would compile them then
+        self.per_region = verify
         # the decode attention by the C++ kernel (dsv41.ops.attn_cpu) where it is built with bf16 dot products,
         # else the `window_attention` region; decided when the buckets are built (None until then)
         self.attn_kernel: bool | None = None
@@ -393,24 +400,27 @@ class CompiledDecode:
                 if block.engram is not None:
                     ids = torch.zeros(1, rows, cfg.n_hash_columns, dtype=torch.int64, device=dev)
                     regions.engram(block.engram, h, ids)
-                (a_pre, a_post, a_comb), x = regions.pre_attention(block, h, pre)
-                qr, q, kv = regions.project(attn, x, freqs)
-                o = regions.output(attn, q, freqs)
-                self._warm_attention(regions, attn, rows, positions)
                 stacks = block.ffn.stacked()
-                if stacks is not None:
-                    regions.post_attention_ffn(block, o, h, a_post, a_comb, a_pre, stacks)
-                    # the two graphs of a whole decode-step block (`_Regions.run_block`)
-                    self._compiled[rows][("enter", *enter_kind(attn))](block, h, pre, freqs)
+                if stacks is not None:  # the two graphs of a whole decode-step block (`_Regions.run_block`)
+                    kind = ("enter", *enter_kind(attn))
+                    (a_pre, a_post, a_comb), x, (qr, q, kv), _, _ = self._compiled[rows][kind](block, h, pre, freqs)
                     self._compiled[rows]["leave"](block, q, freqs, h, a_post, a_comb, a_pre, stacks)
-                else:
-                    regions.post_attention(block, o, h, a_post, a_comb, a_pre)
+                if stacks is None or self.per_region:
+                    (a_pre, a_post, a_comb), x = regions.pre_attention(block, h, pre)
+                    qr, q, kv = regions.project(attn, x, freqs)
+                    o = regions.output(attn, q, freqs)
+                    if stacks is not None:
+                        regions.post_attention_ffn(block, o, h, a_post, a_comb, a_pre, stacks)
+                    else:
+                        regions.post_attention(block, o, h, a_post, a_comb, a_pre)
+                self._warm_attention(regions, attn, rows, positions, self.per_region or stacks is None)
             if rows == 1:
                 regions.final_logits(model.norm, h, pre, model.head_bf16(), self.rows_kernel)
 
-    def _warm_attention(self, regions: _Regions, attn, rows: int, positions: torch.Tensor) -> None:
+    def _warm_attention(self, regions: _Regions, attn, rows: int, positions: torch.Tensor, per_region: bool) -> None:
         """The decode attention's regions on one layer's shapes, on stand-in inputs (zero rings, no valid row
-        but the new token's)."""
+        but the new token's); per_region: the index query and the ratio-1 compressor too (`enter` computes them
+        for a decode step)."""
         cfg, dev = self.model.cfg, self.model.device
         w, d, bf16 = attn.window, attn.head_dim, torch.bfloat16
         q = torch.zeros(rows, 1, attn.n_heads, d, dtype=bf16, device=dev)
@@ -423,10 +433,10 @@ class CompiledDecode:
         selected = torch.zeros(rows, k, d, dtype=bf16, device=dev) if attn.ratio else None
         regions.window_attention(q, codes, scales, kv, valid, selected, attn.attn_sink, attn.softmax_scale)
         x = torch.zeros(rows, 1, cfg.dim, dtype=bf16, device=dev)
-        if attn.indexer is not None:
+        if attn.indexer is not None and per_region:
             qr = torch.zeros(rows, 1, cfg.q_lora_rank, dtype=bf16, device=dev)
             regions.index_query(attn.indexer, qr, x, attn.rope.at(positions, dev))
-        if attn.compressor is not None and attn.ratio == 1:
+        if attn.compressor is not None and attn.ratio == 1 and per_region:
             regions.compress_latent(attn, x, attn.rope.at(positions, dev))
         if attn.compressor is not None and attn.ratio > 1:
             state = torch.zeros(rows, attn.ratio, attn.head_dim, device=dev)

@@ -101,7 +101,9 @@ class LLMEngine(Scheduling, Speculation):
             buckets = tuple(b for b in BUCKETS if b < most) + tuple(b for b in BUCKETS if b >= most)[:1]
             # the regions' bf16 GEMMs and the steps' logits by the few-row kernel, where it is built (~7 s, once)
             self.runner.rows_kernel = linear_cpu.available()
-            self.runner.compiled = CompiledDecode(model, buckets, self.runner.numerics, self.runner.rows_kernel)
+            self.runner.compiled = CompiledDecode(
+                model, buckets, self.runner.numerics, self.runner.rows_kernel, verify=self.num_draft > 0
+            )
             if config.compile_decode == "now":
                 self.runner.compiled.build()
             else:
