@@ -421,12 +421,9 @@ def _compress(attn, x, batch: DecodeBatch, states: StatePool, pool: PagedKVPool)
     """Add each sequence's token to its compressor; store the latents of the groups it completes."""
     comp, ratio, layer = attn.compressor, attn.ratio, attn.layer_id
     pos, slots = batch.positions, batch.slots
-    if ratio == 1 and (latent := batch.given.pop(("latent", layer), None)) is not None:
-        kv, keys = latent
-        pool.write_packed(layer, pool.rows_batched(layer, batch.tables, pos.unsqueeze(1))[:, 0], kv, keys)
-        return
-    if ratio == 1 and batch.regions is not None:  # every token completes its group: one compiled region
-        kv, keys = batch.regions.compress_latent(attn, x, batch.rope(attn.rope))
+    given = batch.given.pop(("latent", layer), None)  # computed with the projections (compiled.enter)
+    if ratio == 1 and (given is not None or batch.regions is not None):  # every token completes its group: compiled
+        kv, keys = given if given is not None else batch.regions.compress_latent(attn, x, batch.rope(attn.rope))
         pool.write_packed(layer, pool.rows_batched(layer, batch.tables, pos.unsqueeze(1))[:, 0], kv, keys)
         return
     if ratio == 1:
