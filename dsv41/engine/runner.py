@@ -209,8 +209,9 @@ class ModelRunner:
         if regions is not None:
             shared["regions"] = regions
         backend = PagedAttention(chunks, positions, steps, regions, self.per_chunk, self.boundary)
-        if self.tiles is None and regions is not None and backend.decode_only:
-            regions.backend = backend  # each block as two graphs around its mixing (compiled._Regions.run_block)
+        if regions is not None and backend.decode_only:
+            # each block as two graphs around its mixing (compiled._Regions.run_block, tiles._TiledRegions.run_block)
+            regions.backend = backend
         if self.compiled is not None and len(steps) > 1:
             backend.flat_regions = self.compiled.attention_regions(sum(len(m) for _, m in steps))
         capture = bool(self.targets)

@@ -2,7 +2,8 @@
 compiled at one tile of `row_chunk` rows and called tile after tile by every forward, so that a token's bits never
 depend on what shares its forward (batch invariance by construction, checked on every layer when the graphs are
 built); a decode step's attention regions at the same tile shape along the batch; one-token calls by graphs
-compiled at one row where each row alone gives its tile's bits.
+compiled at one row where each row alone gives its tile's bits; a decode step's blocks as two graphs each
+(`compiled.entry`, `compiled.leave`) around the sequence mixing, where they give every row the regions' bits.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from dsv41.engine.compiled import (
     _own_code,
     _RunByTokens,
     choose_expert_kernel,
+    enter_kind,
+    entry,
+    leave,
 )
 from dsv41.ops import attn_cpu
 from dsv41.ops.quant import fp8_quant
@@ -65,6 +69,10 @@ ONE_ROW_REGIONS = (
 )
 
 
+# the regions a decode step's two graphs a block join (`_TiledRegions.run_block`)
+JOINED_REGIONS = ("pre_attention", "project", "index_query", "compress_latent", "output", "post_attention_ffn")
+
+
 def _tile(t: torch.Tensor, dim: int, start: int, n: int, rows: int, pads: dict) -> torch.Tensor:
     """Tokens start .. start+n of t along `dim` (0 or 1; dim 0 of a dim-1 tensor has size 1) as a contiguous
     tile of `rows` tokens, the last real token repeated into the padding: a padding row then routes to
@@ -97,6 +105,12 @@ class CompiledTiles:
     that depend on what it fused, and a one-row graph fuses differently from a tile (the expand and MoE did, on a
     wider model's log-probs alone against in a batch, after passing the check on random rows).
 
+    A decode step runs each block as two graphs, at the tile and at one row, as `fast` does
+    (`compiled._Regions.run_block`): `enter` (the mixes, the input, the projections, the index query, a ratio-1
+    compressor's entries) and `leave` (the output projection, the expand, the MoE), where the build's check finds
+    them giving every row the bits of the regions one after the other: a token's KV then does not depend on
+    whether a decode step or a prefill chunk (always region by region) wrote it.
+
     The attention's sequence mixing stays eager (its batch-invariant kernels). The mode is chosen once, before
     the first request: the tiles and the eager ops give different bits, so an engine never switches between
     them while it serves. Engines over one model share its graphs (`for_model`)."""
@@ -114,6 +128,21 @@ class CompiledTiles:
             name: torch.compile(_own_code(functions[name]), dynamic=False, options=_options(1, eager_casts=True))
             for name in ONE_ROW_REGIONS
         }
+        # a decode step's blocks as two graphs (`compiled.entry` by layer kind, `compiled.leave`) around the sequence
+        # mixing, at the tile and at one row (`_TiledRegions.run_block`): two graph calls a block instead of six.
+        # Used where the build's check finds them giving every row the bits of the regions one after the other
+        # (a token's KV then does not depend on whether a decode step or a prefill chunk wrote it)
+        kinds = {enter_kind(block.attn) for block in model.layers}
+        joined = {("enter", *kind): entry(*kind) for kind in kinds} | {"leave": leave}
+        self._joined = {
+            size: {
+                name: torch.compile(_own_code(fn), dynamic=False, options=_options(size, eager_casts=True))
+                for name, fn in joined.items()
+            }
+            for size in {rows, 1}
+        }
+        self.joined: dict | None = None  # graphs by rows that the check passed (`_build`), or None
+        self.joined_differs: str | None = None  # the first joined graph the check found differing from the regions
         self.ready: bool | None = None  # None: not built yet; False: unavailable here
         self._pads: dict = {}  # a padded tile's row indices by real rows (`_tile`)
         self.attn_kernel = False  # the decode attention by the C++ kernel (decided by `_build`)
@@ -133,8 +162,11 @@ class CompiledTiles:
             tiles.ready = tiles._build(numerics)
         return tiles if tiles.ready else None
 
-    def regions(self, one_row: bool | None = None) -> _TiledRegions:
-        return _TiledRegions(self._compiled, self.rows, self._pads, self.moe_inside, self._one_graphs(one_row))
+    def regions(self, one_row: bool | None = None, joined: dict | None = None) -> _TiledRegions:
+        """The tiles for one forward; joined: the two-graph blocks by rows (default: those the build's check
+        passed)."""
+        one, joined = self._one_graphs(one_row), self.joined if joined is None else joined
+        return _TiledRegions(self._compiled, self.rows, self._pads, self.moe_inside, one, joined)
 
     def attention(self, one_row: bool | None = None) -> _TiledAttention:
         """A decode step's attention regions at the tile shape (`DecodeBatch.dense`)."""
@@ -167,9 +199,17 @@ class CompiledTiles:
                 "deterministic tiles: one-token calls padded (%s alone differs from its tile)", self.one_row_differs
             )
         self.one_row = self.one_row_differs is None
+        # the one-row graphs of the regions the two-graph blocks join are left unchecked where those serve
+        self._one = {name: fn for name, fn in self._one.items() if name not in self._one_row_joined()}
+        if self.joined_differs:
+            log.info("deterministic tiles: decode steps region by region (%s differs)", self.joined_differs)
         # checked: from here each graph is called without Dynamo's guards where nothing needs them (`_direct`)
         self._compiled = {name: _direct(fn) for name, fn in self._compiled.items()}
         self._one = {name: _direct(fn) for name, fn in self._one.items()}
+        if self.joined is not None:
+            self.joined = {
+                size: {name: _direct(fn) for name, fn in graphs.items()} for size, graphs in self.joined.items()
+            }
         return True
 
     @torch.inference_mode()
@@ -185,12 +225,18 @@ class CompiledTiles:
         regions, single = self.regions(one_row=False), self.regions(one_row=True)
         self.one_row_differs = None
 
-        def check_single(name: str, run, where: str) -> None:
-            if name in ONE_ROW_REGIONS and self.one_row_differs is None and not _single_rows_agree(run, rows):
-                self.one_row_differs = f"{name} ({where})"
-
         def rand(*shape, dtype=torch.float32):
             return torch.randn(*shape, generator=g).to(device=dev, dtype=dtype)
+
+        # the two-graph blocks first: where their one-row graphs pass, one-token decode steps never call the
+        # one-row graphs of the regions they join, which are then neither compiled nor used
+        self._check_joined(rand)
+        joined = self._one_row_joined()
+
+        def check_single(name: str, run, where: str) -> None:
+            if name in ONE_ROW_REGIONS and name not in joined and self.one_row_differs is None:
+                if not _single_rows_agree(run, rows):
+                    self.one_row_differs = f"{name} ({where})"
 
         for block in model.layers:
             attn = block.attn
@@ -258,6 +304,71 @@ class CompiledTiles:
                     return f"{name} (layer {block.layer_id})"
                 check_single(name, run, f"layer {block.layer_id}")
         return None
+
+    def _one_row_joined(self) -> tuple[str, ...]:
+        """The regions whose one-row graphs the one-row two-graph blocks replace, where those passed the check."""
+        return JOINED_REGIONS if self.joined is not None and 1 in self.joined else ()
+
+    def _check_joined(self, rand) -> None:
+        """The two-graph blocks of a decode step (`_TiledRegions.run_block`) against the regions one after the
+        other, on every layer whose MoE is inside the graphs, on random rows: the tile's graphs must give each row
+        the regions' bits in a full tile, in another place beside other rows and in a padded tile, the one-row
+        graphs each row alone its full tile's bits. Sets `joined` (the graphs by rows that passed: none where a
+        tile's differ, the tile's alone where only the one-row graphs differ) and `joined_differs`."""
+        self.joined, self.joined_differs = None, None
+        if not self.moe_inside:
+            return
+        cfg, model, rows = self.model.cfg, self.model, self.rows
+        dev, bf16, n = model.device, torch.bfloat16, rows + 1
+        by_regions, tiled = self.regions(one_row=False, joined={}), self.attention(one_row=False)
+        tile_only = self.regions(one_row=False, joined={rows: self._joined[rows]})
+        one_too = self.regions(one_row=False, joined=self._joined)
+        one_ok = True
+        for block in model.layers:
+            stacks = by_regions.stacks_for(block, None, {})
+            if stacks is None:
+                continue
+            attn, (index, latent) = block.attn, enter_kind(block.attn)
+            freqs = attn.rope.at(torch.arange(n, device=dev), dev)
+            h, mix = rand(1, n, cfg.hc_mult, cfg.dim, dtype=bf16), rand(1, n, cfg.hc_mult).softmax(-1)
+            o = rand(1, n, attn.n_heads, attn.head_dim, dtype=bf16)
+            post, comb = rand(1, n, cfg.hc_mult).sigmoid(), rand(1, n, cfg.hc_mult, cfg.hc_mult).softmax(-1)
+
+            def regions_run(a, b, block=block, attn=attn, index=index, latent=latent, stacks=stacks, **t):
+                f = t["freqs"][a:b]
+                mixes_x = by_regions.pre_attention(block, t["h"][:, a:b], t["mix"][:, a:b])
+                x = mixes_x[1]
+                qr, q, kv = by_regions.project(attn, x, f)
+                rows_ = x[0].unsqueeze(1)
+                found = tiled.index_query(attn.indexer, qr[0].unsqueeze(1), rows_, f) if index else None
+                entries = tiled.compress_latent(attn, rows_, f) if latent else None
+                y = by_regions.output(attn, t["o"][:, a:b], f)
+                cut = [u[:, a:b] for u in (t["h"], t["post"], t["comb"], t["mix"])]
+                out = by_regions.post_attention_ffn(block, y, *cut, stacks)
+                return _flat((mixes_x, (qr, q, kv), out)) + [u.unsqueeze(0) for u in _flat((found, entries))]
+
+            def joined_run(a, b, one=False, block=block, attn=attn, stacks=stacks, **t):
+                via, f = one_too if one else tile_only, t["freqs"][a:b]
+                mixes, x, proj, found, entries = via.enter(block, t["h"][:, a:b], t["mix"][:, a:b], f)
+                cut = [u[:, a:b] for u in (t["h"], t["post"], t["comb"], t["mix"])]
+                out = via.leave(block, t["o"][:, a:b], f, *cut, stacks)
+                return _flat(((mixes, x), proj, out)) + [u.unsqueeze(0) for u in _flat((found, entries))]
+
+            tensors = dict(h=h, mix=mix, o=o, post=post, comb=comb, freqs=freqs)
+            want = regions_run(0, rows, **tensors)
+            for a, b in ((0, rows), (1, n), (0, min(3, rows))):
+                got, end = joined_run(a, b, **tensors), min(b, rows)
+                if len(got) != len(want) or not all(
+                    torch.equal(w[:, a:end], u[:, : end - a]) for w, u in zip(want, got)
+                ):
+                    self.joined_differs = f"the tile's two graphs (layer {block.layer_id})"
+                    return
+            for a in (0, rows // 2, rows - 1) if one_ok else ():
+                if not all(
+                    torch.equal(w[:, a : a + 1], u) for w, u in zip(want, joined_run(a, a + 1, True, **tensors))
+                ):
+                    one_ok, self.joined_differs = False, f"the one-row two graphs (layer {block.layer_id})"
+        self.joined = dict(self._joined) if one_ok else {rows: self._joined[rows]}
 
 
 def _rows_agree(run, rows: int) -> bool:
@@ -327,9 +438,71 @@ class _TiledRegions(_RunByTokens):
     tiled = True
     engram = None  # Engram runs eager, its gate's sigmoid per call (dsv41.ops.lanes)
 
-    def __init__(self, compiled: dict, rows: int, pads: dict, moe_inside: bool, one: dict | None = None):
+    def __init__(
+        self,
+        compiled: dict,
+        rows: int,
+        pads: dict,
+        moe_inside: bool,
+        one: dict | None = None,
+        joined: dict | None = None,
+    ):
         self.compiled, self.rows, self.pads, self.moe_inside = compiled, rows, pads, moe_inside
         self.one = one  # the one-row graphs (`CompiledTiles.one_row`), or None
+        self.joined = joined or {}  # the two-graph blocks by rows (`CompiledTiles.joined`): the tile's, one row's
+        # the forward's attention backend when it is one decode step (token i is sequence i), as for `fast`
+        # (`compiled._Regions.run_block`); None: region by region
+        self.backend = None
+
+    def run_block(self, block, h, pre_mix, image_mask, shared):
+        """A decode step's block as two graphs (`enter`, `leave`) tile after tile around the backend's sequence
+        mixing, where the build's check passed them -> (h, the FFN pre mix), else None (region by region; a
+        one-token step too where only the one-row regions passed)."""
+        stacks = self.stacks_for(block, image_mask, shared)
+        if self.backend is None or stacks is None or self.rows not in self.joined:
+            return None
+        if h.size(1) == 1 and 1 not in self.joined and self.one is not None:
+            return None  # the one-row regions: fewer rows than a padded tile of the two graphs
+        attn = block.attn
+        freqs = self.backend.freqs(attn)
+        mixes, x, (qr, q, kv), index, latent = self.enter(block, h, pre_mix, freqs)
+        attn_pre, attn_post, attn_comb = mixes
+        o = self.backend.decode_mix(attn, x, qr, q, kv, index, latent)  # [1, B, H, D]
+        return self.leave(block, o, freqs, h, attn_post, attn_comb, attn_pre, stacks)
+
+    def enter(self, block, h, pre_mix, freqs):
+        """`compiled.entry` of the block's kind over the tokens (its index query and new entries batch-first)."""
+        name = ("enter", *enter_kind(block.attn))
+        return self._run_joined(name, block, [(h, 1), (pre_mix, 1), (freqs, 0)], batch_first=2)
+
+    def leave(self, block, o, freqs, residual, post, comb, attn_pre, stacks):
+        """`compiled.leave` over the tokens."""
+        tokens = [(o, 1), (freqs, 0)] + [(t, 1) for t in (residual, post, comb, attn_pre)]
+        return self._run_joined("leave", block, tokens, (stacks,))
+
+    def _run_joined(self, name, module, tokens: list, extra=(), batch_first: int = 0):
+        """`_run` for the two-graph blocks: the last `batch_first` outputs are batch-first ([B, ...], or None)."""
+        total = tokens[0][0].size(tokens[0][1])
+        if total == 1 and 1 in self.joined:
+            return self.joined[1][name](module, *(_dense(t) for t, _ in tokens), *extra)
+        outs = []
+
+        def split(out: tuple) -> tuple[tuple, tuple]:
+            return out[: len(out) - batch_first], out[len(out) - batch_first :]
+
+        for start in range(0, total, self.rows):
+            n = min(self.rows, total - start)
+            out = self.joined[self.rows][name](
+                module, *(_tile(t, d, start, n, self.rows, self.pads) for t, d in tokens), *extra
+            )
+            if n != self.rows:
+                token_wise, first = split(out)
+                out = _cut(token_wise, n) + _nested(lambda t, n=n: t[:n], first)
+            outs.append(out)
+        if len(outs) == 1:
+            return outs[0]
+        parts = [split(out) for out in outs]
+        return _cat([p[0] for p in parts]) + _join0([p[1] for p in parts])
 
     def stacks_for(self, block, image_mask, shared):
         """The MoE joins the tile graph for every token or for none (decided once per engine)."""

@@ -71,6 +71,13 @@ def test_the_tiles_serve_every_forward_and_change_the_bits(monkeypatch):
         return run(self, name, module, tokens, extra)
 
     monkeypatch.setattr(tiles_module._TiledRegions, "_run", counting)
+    joined = tiles_module._TiledRegions._run_joined
+
+    def counting_joined(self, name, module, tokens, extra=(), batch_first=0):
+        calls.append((name if isinstance(name, str) else name[0], tokens[0][0].size(tokens[0][1])))
+        return joined(self, name, module, tokens, extra, batch_first)
+
+    monkeypatch.setattr(tiles_module._TiledRegions, "_run_joined", counting_joined)
     attention = tiles_module._TiledAttention.window_attention
     monkeypatch.setattr(
         tiles_module._TiledAttention,
@@ -82,8 +89,10 @@ def test_the_tiles_serve_every_forward_and_change_the_bits(monkeypatch):
     tiled = _logprobs(engine, batch, params)
     token_counts = {n for name, n in calls if name == "pre_attention"}
     assert max(token_counts) >= 16, token_counts  # prefill chunks went through the tiles
-    assert 2 in token_counts, token_counts  # and the decode steps of the two requests
-    assert {name for name, _ in calls} >= {"pre_attention", "project", "output"}
+    # and the decode steps of the two requests, each block as two graphs around its sequence mixing
+    assert engine.runner.tiles.joined is not None, engine.runner.tiles.joined_differs
+    assert 2 in {n for name, n in calls if name in ("enter", "leave")}, calls
+    assert {name for name, _ in calls} >= {"pre_attention", "project", "output", "enter", "leave"}
     # the decode steps' attention too, every layer of them, at the tile shape (dense, DecodeBatch.dense)
     assert 2 in {n for name, n in calls if name == "window_attention"}, calls
     monkeypatch.delenv("DSV41_TEST_TILES")
@@ -131,9 +140,15 @@ def test_a_region_that_mixes_rows_is_refused(monkeypatch):
 def test_one_row_graphs_that_differ_from_their_tile_are_not_used(monkeypatch):
     """A one-token call runs the one-row graphs only where each row alone gives the bits of its full tile: an
     `output` region that rounds differently at one row keeps the tiles but pads one-token calls, which then
-    give the tile's bits."""
+    give the tile's bits. (With the decode steps' two-graph blocks switched off: where their one-row graphs
+    serve, the one-row `output` is neither checked nor used.)"""
     net = init_random_weights(Transformer(tiny()), seed=7).eval()
     output = compiled_module.output
+
+    def no_two_graphs(self, rand):
+        self.joined = self.joined_differs = None
+
+    monkeypatch.setattr(tiles_module.CompiledTiles, "_check_joined", no_two_graphs)
 
     def other_at_one_row(attn, o, freqs):
         y = output(attn, o, freqs)
@@ -150,6 +165,33 @@ def test_one_row_graphs_that_differ_from_their_tile_are_not_used(monkeypatch):
     with engine.runner.numerics(), torch.inference_mode():
         whole = regions.output(attn, o, freqs)
         assert torch.equal(regions.output(attn, o[:, 3:4], freqs[3:4]), whole[:, 3:4])
+
+
+def test_a_decode_steps_two_graphs_give_the_regions_bits_or_are_refused(monkeypatch):
+    """A decode step's blocks run as two graphs (`enter`, `leave`) at the tile and at one row only where the
+    build's check finds them giving every row the bits of the regions one after the other. A `leave` that rounds
+    otherwise in a tile is refused: the engine then steps region by region, and gives alone (one-row graphs)
+    and batched (a tile) the log-probs an engine with the two graphs gave, bit for bit."""
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0)
+    batch = prompts([23, 9, 40], seed=4)
+
+    def run() -> tuple:
+        engine = make(init_random_weights(Transformer(tiny()), seed=6).eval(), row_chunk=8)
+        alone = [_logprobs(engine, [p], params)[0] for p in batch]
+        return engine.runner.tiles, alone, _logprobs(engine, batch, params)
+
+    tiles, *joined = run()
+    assert tiles.joined is not None and set(tiles.joined) == {1, 8}, tiles.joined_differs
+    leave = tiles_module.leave
+
+    def other_in_a_tile(block, o, *args):
+        h, ffn_pre = leave(block, o, *args)
+        return (h * (1 + 2**-6) if o.size(1) > 1 else h), ffn_pre
+
+    monkeypatch.setattr(tiles_module, "leave", other_in_a_tile)
+    tiles, *by_regions = run()
+    assert tiles.joined is None and tiles.joined_differs.startswith("the tile's two graphs"), tiles.joined_differs
+    assert by_regions == joined
 
 
 @pytest.mark.parametrize("path", ["compiled region", "C++ kernel"])
