@@ -73,6 +73,11 @@ def row_products(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (x.float().unsqueeze(-2) * weight.float()).sum(-1).to(x.dtype)
 
 
+# up to this many rows a compiled graph's fp32 products with a small weight are a reduction of its own
+# (`invariant_matmul` with no chunk): the compiled decode step's buckets on one thread (engine.compiled)
+COMPILED_DOT_ROWS = 64
+
+
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T computed as GEMMs of exactly `chunk` rows (zero-padding the last).
 
@@ -89,6 +94,11 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch
     tokens is then 4 calls, not 64, with the same result.
     """
     if not chunk:
+        if torch.compiler.is_compiling() and x.dtype == torch.float32 and x.numel() <= COMPILED_DOT_ROWS * x.size(-1):
+            # a few rows inside a compiled `fast` graph (the mHC mixes, the router): one reduction loop the compiler
+            # writes, not a library call. MKL runs a few-row fp32 GEMM by its slower reproducible path once the
+            # process asks for its strict mode (dsv41/__init__.py, for the deterministic engine): ~16 us a call
+            return (x.unsqueeze(-2) * weight).sum(-1)
         return F.linear(x, weight)
     lead, k = x.shape[:-1], x.size(-1)
     flat = x.reshape(-1, k)
