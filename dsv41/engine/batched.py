@@ -239,6 +239,22 @@ def decode_attend(
         if attn.ratio:
             picked, selected = _compressed(attn, x, qr, batch, states, pool)
             valid = torch.cat([valid, picked[:, 0] >= 0], dim=1)
+        at = batch.ring_slots(w)
+        if batch.regions is not None and batch.regions.attn_kernel and states.window_codes.is_contiguous():
+            # the C++ kernel reads each ring and writes the new row where they lie: no gathered copies
+            return attn_cpu.decode_ring_attn_cpu(
+                q,
+                states.window_codes,
+                states.window_scale,
+                slots,
+                layer,
+                at,
+                kv,
+                valid,
+                selected,
+                attn.attn_sink,
+                attn.softmax_scale,
+            )
         attend = window_attention if batch.regions is None else batch.regions.window_attention
         o, codes, scale = attend(
             q,
@@ -250,7 +266,6 @@ def decode_attend(
             attn.attn_sink,
             attn.softmax_scale,
         )
-        at = batch.ring_slots(w)
         states.window_codes[slots, layer, at] = codes
         states.window_scale[slots, layer, at] = scale
         return o

@@ -279,7 +279,27 @@ class CompiledTiles:
                 cut = [None if t is None else t[a:b] for t in args]
                 return [t.unsqueeze(0) for t in tiled.window_attention(*cut, attn.attn_sink, attn.softmax_scale)]
 
-            if not _rows_agree(run, rows):
+            def run_in_place(a, b, args=args, attn=attn):
+                """The C++ kernel as a decode step calls it, over a state pool (each row's ring its own slot)."""
+                q, codes, scale, kv, valid, selected = [None if t is None else t[a:b] for t in args]
+                pool_codes, pool_scale = codes.unsqueeze(1).clone(), scale.unsqueeze(1).clone()  # [rows, 1, W, ...]
+                slots, new_rows = torch.arange(b - a, device=dev), torch.zeros(b - a, dtype=torch.long, device=dev)
+                o = attn_cpu.decode_ring_attn_cpu(
+                    q,
+                    pool_codes,
+                    pool_scale,
+                    slots,
+                    0,
+                    new_rows,
+                    kv,
+                    valid,
+                    selected,
+                    attn.attn_sink,
+                    attn.softmax_scale,
+                )
+                return [o.unsqueeze(0), pool_codes[:, 0, 0].unsqueeze(0), pool_scale[:, 0, 0].unsqueeze(0)]
+
+            if not _rows_agree(run, rows) or (self.attn_kernel and not _rows_agree(run_in_place, rows)):
                 return f"window_attention (layer {attn.layer_id})"
         for block in model.layers:  # the indexer's query and the compressors' entries, on every layer
             attn = block.attn

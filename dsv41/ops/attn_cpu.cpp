@@ -448,6 +448,67 @@ at::Tensor chunk_attn_op(const at::Tensor& q, const at::Tensor& ring_codes, cons
     return out;
 }
 
+// decode_attn_op with each sequence's ring read, and its new row's codes written, where they lie in the engine's
+// state pool: window_codes [S, L, W, D] E4M3 and window_scale [S, L, W, D/32] UE8M0 bits (every slot's rings, all
+// layers, contiguous), slots [B] (each sequence's slot, distinct), layer, ring_rows [B] (the ring row the new token
+// takes) -> o [B, 1, H, D] bf16; window_codes[slots[b], layer, ring_rows[b]] and its scale hold the new row's bits after
+// the call. The same work and bits as gathering the rings, decode_attn_op and writing its codes back, without the
+// gathered copies. A sequence reads its ring before it writes the new row (the row it replaces may be one it
+// reads); sequences write distinct slots.
+at::Tensor decode_ring_attn_op(const at::Tensor& q, at::Tensor& window_codes, at::Tensor& window_scale,
+                               const at::Tensor& slots, int64_t layer, const at::Tensor& ring_rows, const at::Tensor& kv,
+                               const at::Tensor& valid, const at::Tensor& selected, const at::Tensor& sink,
+                               double scale) {
+    TORCH_CHECK(window_codes.dim() == 4 && window_scale.dim() == 4 && window_codes.is_contiguous() &&
+                    window_scale.is_contiguous(),
+                "decode_ring_attn_cpu: window_codes [S, L, W, D] and window_scale [S, L, W, D/32], contiguous");
+    const int64_t S = window_codes.size(0), L = window_codes.size(1), W = window_codes.size(2);
+    check_ring(q, window_codes[0][0].unsqueeze(0), window_scale[0][0].unsqueeze(0), valid, selected,
+               "decode_ring_attn_cpu");
+    const int64_t B = q.size(0), H = q.size(2), D = q.size(3), K = selected.size(1);
+    TORCH_CHECK(window_scale.size(0) == S && window_scale.size(1) == L && layer >= 0 && layer < L,
+                "decode_ring_attn_cpu: window_scale's slots and layers differ from window_codes', or layer out of range");
+    TORCH_CHECK(kv.scalar_type() == at::kBFloat16 && kv.dim() == 3 && kv.size(0) == B && kv.size(1) == 1 &&
+                    kv.size(2) == D && valid.size(1) == W + 1 + K && sink.dim() == 1 && sink.size(0) == H &&
+                    slots.dim() == 1 && slots.size(0) == B && ring_rows.dim() == 1 && ring_rows.size(0) == B,
+                "decode_ring_attn_cpu: shapes do not match: q [B, 1, H, D], kv [B, 1, D] bf16, selected [B, K, D], "
+                "valid [B, W + 1 + K], sink [H], slots [B], ring_rows [B]");
+    const at::Tensor sc = slots.to(at::kLong).contiguous(), ac = ring_rows.to(at::kLong).contiguous();
+    const int64_t *slot = sc.data_ptr<int64_t>(), *row = ac.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)
+        TORCH_CHECK(slot[b] >= 0 && slot[b] < S && row[b] >= 0 && row[b] < W,
+                    "decode_ring_attn_cpu: a slot or ring row out of range");
+    const at::Tensor qc = q.contiguous(), fc = kv.contiguous(), selc = selected.contiguous(), vc = valid.contiguous();
+    const at::Tensor sinkc = sink.to(at::kFloat).contiguous();
+    const uint16_t* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr());
+    const uint16_t* kp = reinterpret_cast<const uint16_t*>(fc.data_ptr());
+    const uint16_t* selp = reinterpret_cast<const uint16_t*>(selc.data_ptr());
+    const bool* vp = vc.data_ptr<bool>();
+    const float* sp = sinkc.data_ptr<float>();
+    uint8_t* cp = reinterpret_cast<uint8_t*>(window_codes.data_ptr());
+    uint8_t* scp = window_scale.data_ptr<uint8_t>();
+    at::Tensor out = at::empty({B, 1, H, D}, qc.options());
+    uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+    const float fscale = float(scale);
+    const E4m3Table e4m3;
+    const int64_t N = W + 1 + K;
+    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+        Work work(N, H, D);
+        std::vector<uint16_t> ring(W * D);
+        std::vector<const uint16_t*> rows(N);
+        for (int64_t b = b0; b < b1; ++b) {
+            const int64_t first = (slot[b] * L + layer) * W;  // this sequence's ring: rows first .. first + W - 1
+            const bool* v = vp + b * N;
+            for (int64_t j = 0; j < W; ++j)
+                if (v[j]) decode_ring_row(cp + (first + j) * D, scp + (first + j) * (D / 32), D, e4m3.v, ring.data() + j * D);
+            const int64_t n = list_rows(v, ring.data(), W, D, kp + b * D, 1, selp + b * K * D, K, rows.data());
+            attend(qp + b * H * D, rows.data(), n, H, D, sp, fscale, work, op + b * H * D);
+            fp8_quant_row(kp + b * D, D, cp + (first + row[b]) * D, scp + (first + row[b]) * (D / 32));
+        }
+    });
+    return out;
+}
+
 // true where the logits use the bf16 dot-product instructions
 bool bf16_dot() { return kBf16Dot; }
 
@@ -460,6 +521,9 @@ TORCH_LIBRARY_FRAGMENT(dsv41, m) {
         "decode_attn_cpu(Tensor q, Tensor ring_codes, Tensor ring_scale, Tensor kv, Tensor valid, Tensor selected, "
         "Tensor sink, float scale) -> (Tensor, Tensor, Tensor)");
     m.def(
+        "decode_ring_attn_cpu(Tensor q, Tensor(a!) window_codes, Tensor(b!) window_scale, Tensor slots, int layer, "
+        "Tensor ring_rows, Tensor kv, Tensor valid, Tensor selected, Tensor sink, float scale) -> Tensor");
+    m.def(
         "chunk_attn_cpu(Tensor q, Tensor ring_codes, Tensor ring_scale, Tensor ring_of, Tensor chunk, Tensor valid, "
         "Tensor selected, Tensor sink, float scale) -> Tensor");
 }
@@ -467,5 +531,6 @@ TORCH_LIBRARY_FRAGMENT(dsv41, m) {
 TORCH_LIBRARY_IMPL(dsv41, CPU, m) {
     m.impl("sparse_attn_cpu", &sparse_attn_op);
     m.impl("decode_attn_cpu", &decode_attn_op);
+    m.impl("decode_ring_attn_cpu", &decode_ring_attn_op);
     m.impl("chunk_attn_cpu", &chunk_attn_op);
 }

@@ -8,8 +8,8 @@ reads each query's rows where they lie and does one fp32 softmax per query and h
 decode (`ops.dense_decode_attn`), for a whole chunk. It is judged like every `fast` kernel, statistically
 (docs/numerics.md), never by bits.
 
-Built and loaded by `cpp_build` as `torch.ops.dsv41.sparse_attn_cpu`, `torch.ops.dsv41.decode_attn_cpu` and
-`torch.ops.dsv41.chunk_attn_cpu`; used only where they were built with the bf16 dot-product instructions
+Built and loaded by `cpp_build` as `torch.ops.dsv41.sparse_attn_cpu`, `torch.ops.dsv41.decode_attn_cpu` (and its
+in-place form over the engine's state pool, `decode_ring_attn_cpu`) and `torch.ops.dsv41.chunk_attn_cpu`; used only where they were built with the bf16 dot-product instructions
 (`available`): the first by a model inside `Transformer.numerics(fast=True)` (the engine's `fast` mode), the
 second by the compiled `fast` decode regions and the `deterministic` tiles (dsv41.engine.compiled), in place of
 their `window_attention` graph, the third by `fast` verify chunks where the compiled regions serve.
@@ -68,6 +68,21 @@ def decode_attn_cpu(q, ring_codes, ring_scale, kv, valid, selected, attn_sink, s
     if selected is None:
         selected = kv.new_empty(kv.size(0), 0, kv.size(-1))
     return torch.ops.dsv41.decode_attn_cpu(q, ring_codes, ring_scale, kv, valid, selected, attn_sink, softmax_scale)
+
+
+def decode_ring_attn_cpu(
+    q, window_codes, window_scale, slots, layer: int, ring_rows, kv, valid, selected, attn_sink, softmax_scale: float
+):
+    """`decode_attn_cpu` with the rings read, and the new rows' codes written, where they lie in the engine's state
+    pool (no gathered copies): window_codes [S, L, W, D] e4m3 and window_scale [S, L, W, D/32] uint8 (every slot's
+    rings, contiguous), slots [B] (distinct), layer, ring_rows [B] (the ring row each new token takes) -> o [B, 1, H,
+    D] bf16; window_codes[slots[b], layer, ring_rows[b]] and its scale bits then hold `decode_attn_cpu`'s codes for
+    the new row. The same bits as `decode_attn_cpu` on the gathered rings, its codes written back."""
+    if selected is None:
+        selected = kv.new_empty(kv.size(0), 0, kv.size(-1))
+    return torch.ops.dsv41.decode_ring_attn_cpu(
+        q, window_codes, window_scale, slots, layer, ring_rows, kv, valid, selected, attn_sink, softmax_scale
+    )
 
 
 def chunk_attn_cpu(q, ring_codes, ring_scale, ring_of, chunk, valid, selected, attn_sink, softmax_scale: float):

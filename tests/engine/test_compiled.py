@@ -23,9 +23,12 @@ VAL = os.path.join(os.path.dirname(__file__), "..", "data", "shakespeare-chat-va
 
 @pytest.mark.slow
 def test_compiled_regions_serve_decode_batches_and_agree_with_the_reference(monkeypatch):
-    attended = []  # the decode steps' attention by the C++ kernel (dsv41.ops.attn_cpu), where it is built
-    real_attend = attn_cpu.decode_attn_cpu
-    monkeypatch.setattr(attn_cpu, "decode_attn_cpu", lambda q, *a: attended.append(q.size(0)) or real_attend(q, *a))
+    # the decode steps' attention by the C++ kernel (dsv41.ops.attn_cpu) over the state pool, where it is built
+    attended = []
+    real_attend = attn_cpu.decode_ring_attn_cpu
+    monkeypatch.setattr(
+        attn_cpu, "decode_ring_attn_cpu", lambda q, *a: attended.append(q.size(0)) or real_attend(q, *a)
+    )
     engine = build_engine(
         checkpoint_path(),
         EngineConfig(numerics="fast", compile_decode="now", max_num_seqs=4, kv_pool_tokens=8192, fused_kernels="off"),
@@ -60,9 +63,9 @@ def test_compiled_regions_serve_decode_batches_and_agree_with_the_reference(monk
     assert result.top1 >= 0.99 and result.kl_mean <= 2e-3, result.as_dict()
     # the steps decoding all three ran compiled, padded to 4 rows (and those decoding fewer, at their buckets)
     assert used.count(4) >= 10 * engine.model_config.n_layers and set(used) <= {1, 2, 4}, used
-    # Engram, the window attention and the ratio-2 compressors ran compiled too; the indexer's query and the ratio-1
-    # compressors inside the blocks' `enter` graphs
-    assert set(calls) == set(names), calls
+    # Engram, the window attention (where the C++ kernel does not serve) and the ratio-2 compressors ran compiled
+    # too; the indexer's query and the ratio-1 compressors inside the blocks' `enter` graphs
+    assert set(calls) == set(names) - ({"window_attention"} if attn_cpu.available() else set()), calls
     assert any(index for index, _ in kinds) and any(latent for _, latent in kinds), kinds
     assert engine.runner.compiled.attn_kernel == attn_cpu.available()
     if attn_cpu.available():  # the attention of every step by the kernel, at the step's own batch (no padding)
@@ -141,12 +144,17 @@ def test_a_broken_decode_attention_kernel_fails_the_agreement_check(monkeypatch)
     same check the compiled regions pass."""
     if not attn_cpu.available():
         pytest.skip("the C++ decode attention serves only where the CPU has bf16 dot products")
-    real = attn_cpu.decode_attn_cpu
+    real, in_place = attn_cpu.decode_attn_cpu, attn_cpu.decode_ring_attn_cpu
 
     def window_only(q, codes, scale, kv, valid, selected, *rest):
         return real(q, codes, scale, kv, valid * (torch.arange(valid.size(1)) <= codes.size(1)), selected, *rest)
 
+    def window_only_in_place(q, codes, scale, slots, layer, rows, kv, valid, *rest):
+        keep = torch.arange(valid.size(1)) <= codes.size(2)
+        return in_place(q, codes, scale, slots, layer, rows, kv, valid * keep, *rest)
+
     monkeypatch.setattr(attn_cpu, "decode_attn_cpu", window_only)
+    monkeypatch.setattr(attn_cpu, "decode_ring_attn_cpu", window_only_in_place)
     result = _compiled_agreement()
     assert not (result.top1 >= 0.99 and result.kl_mean <= 2e-3), result.as_dict()
 

@@ -84,6 +84,12 @@ def test_the_tiles_serve_every_forward_and_change_the_bits(monkeypatch):
         "window_attention",
         lambda self, q, *a: calls.append(("window_attention", q.size(0))) or attention(self, q, *a),
     )
+    in_place = attn_cpu.decode_ring_attn_cpu  # the C++ kernel over the state pool, where it is built
+    monkeypatch.setattr(
+        attn_cpu,
+        "decode_ring_attn_cpu",
+        lambda q, *a: calls.append(("window_attention", q.size(0))) or in_place(q, *a),
+    )
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
     batch = prompts([37, 5])
     tiled = _logprobs(engine, batch, params)
@@ -93,7 +99,8 @@ def test_the_tiles_serve_every_forward_and_change_the_bits(monkeypatch):
     assert engine.runner.tiles.joined is not None, engine.runner.tiles.joined_differs
     assert 2 in {n for name, n in calls if name in ("enter", "leave")}, calls
     assert {name for name, _ in calls} >= {"pre_attention", "project", "output", "enter", "leave"}
-    # the decode steps' attention too, every layer of them, at the tile shape (dense, DecodeBatch.dense)
+    # the decode steps' attention too, every layer of them, at the tile shape (dense, DecodeBatch.dense) or by the
+    # C++ kernel
     assert 2 in {n for name, n in calls if name == "window_attention"}, calls
     monkeypatch.delenv("DSV41_TEST_TILES")
     eager = _logprobs(make(net), batch, params)
@@ -194,23 +201,26 @@ def test_a_decode_steps_two_graphs_give_the_regions_bits_or_are_refused(monkeypa
     assert by_regions == joined
 
 
-@pytest.mark.parametrize("path", ["compiled region", "C++ kernel"])
+@pytest.mark.parametrize("path", ["compiled region", "C++ kernel", "C++ kernel over the state pool"])
 def test_a_decode_attention_that_mixes_rows_is_refused(monkeypatch, path):
-    """The build's check covers the decode attention too, on either path it runs by (the tile graph, or the C++
-    kernel where it is built): one whose rows see each other keeps the engine eager."""
+    """The build's check covers the decode attention too, on every path it runs by (the tile graph, or the C++
+    kernel where it is built, on gathered rings and over the state pool): one whose rows see each other keeps the
+    engine eager."""
     net = init_random_weights(Transformer(tiny()), seed=7).eval()
-    if path == "C++ kernel":
+    if path.startswith("C++ kernel"):
         if not attn_cpu.available():
             pytest.skip("the C++ decode attention serves only where the CPU has bf16 dot products")
-        owner, name = attn_cpu, "decode_attn_cpu"
+        owner, name = attn_cpu, "decode_ring_attn_cpu" if path.endswith("pool") else "decode_attn_cpu"
     else:
         monkeypatch.setattr(attn_cpu, "available", lambda *a, **k: False)
         owner, name = compiled_module, "window_attention"
     attend = getattr(owner, name)
 
     def mixing(q, *args):
-        o, codes, scale = attend(q, *args)
-        return o + 1e-2 * o.mean(dim=0, keepdim=True), codes, scale
+        out = attend(q, *args)
+        o = out if name == "decode_ring_attn_cpu" else out[0]
+        o = o + 1e-2 * o.mean(dim=0, keepdim=True)
+        return o if name == "decode_ring_attn_cpu" else (o, *out[1:])
 
     monkeypatch.setattr(owner, name, mixing)
     assert make(net, row_chunk=8).runner.tiles is None

@@ -169,6 +169,38 @@ def test_the_decode_kernel_refuses_bad_inputs():
         attn_cpu.decode_attn_cpu(q, codes.view(torch.uint8), bits, kv, valid, selected, sink, 0.1)
 
 
+@pytest.mark.parametrize("k", [0, 12])
+def test_the_in_place_decode_kernel_gives_the_gathered_ones_bits_and_writes_only_the_new_rows(k):
+    """`decode_ring_attn_cpu` over a state pool of 7 slots x 3 layers (rings read where they lie, the new rows'
+    codes written there) against gathering the rings, `decode_attn_cpu` and writing its codes back: the same
+    attention and the same pool, bit for bit, every other ring row untouched. A new row that replaces a row its
+    sequence reads is read before it is overwritten."""
+    q, codes, bits, kv, valid, selected, sink = _decode_case(k=k, seed=3 + k)
+    b, w, d = codes.shape
+    g = torch.Generator().manual_seed(k)
+    pool_codes = (torch.rand(7, 3, w, d, generator=g) * 8 - 4).to(torch.float8_e4m3fn)
+    pool_bits = torch.randint(120, 134, (7, 3, w, d // 32), generator=g, dtype=torch.uint8)
+    slots, layer = torch.tensor([5, 0, 3, 6, 2]), 1
+    pool_codes[slots, layer], pool_bits[slots, layer] = codes, bits
+    rows = torch.tensor([0, 15, 7, 3, 9])
+    valid[1:, rows[1:]] = True  # the replaced rows are attended
+    want_codes, want_bits = pool_codes.clone(), pool_bits.clone()
+    want, new_codes, new_bits = attn_cpu.decode_attn_cpu(
+        q, want_codes[slots, layer], want_bits[slots, layer], kv, valid, selected, sink, 0.125
+    )
+    want_codes[slots, layer, rows], want_bits[slots, layer, rows] = new_codes, new_bits
+    got = attn_cpu.decode_ring_attn_cpu(q, pool_codes, pool_bits, slots, layer, rows, kv, valid, selected, sink, 0.125)
+    assert torch.equal(got, want)
+    assert torch.equal(pool_codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(pool_bits, want_bits)
+    with pytest.raises(RuntimeError, match="out of range"):
+        attn_cpu.decode_ring_attn_cpu(q, pool_codes, pool_bits, slots, layer, rows + w, kv, valid, selected, sink, 0.1)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        attn_cpu.decode_ring_attn_cpu(
+            q, pool_codes[:, :2], pool_bits[:, :2], slots, 0, rows, kv, valid, selected, sink, 0.1
+        )
+
+
 def _chunk_case(lengths=(1, 3, 5, 2), h=4, d=64, w=16, k=12, seed=0):
     """The tokens of chunks of the given lengths (one sequence each) for a verify forward: each sequence's FP8 ring
     as it was before its chunk, the chunk's rows, selected rows, a valid mask with holes (token 0 sees nothing)."""
