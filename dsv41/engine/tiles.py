@@ -228,15 +228,11 @@ class CompiledTiles:
         def rand(*shape, dtype=torch.float32):
             return torch.randn(*shape, generator=g).to(device=dev, dtype=dtype)
 
-        # the two-graph blocks first: where their one-row graphs pass, one-token decode steps never call the
-        # one-row graphs of the regions they join, which are then neither compiled nor used
-        self._check_joined(rand)
-        joined = self._one_row_joined()
+        pending = []  # the one-row graphs' checks, run once the two-graph blocks' verdict is known
 
         def check_single(name: str, run, where: str) -> None:
-            if name in ONE_ROW_REGIONS and name not in joined and self.one_row_differs is None:
-                if not _single_rows_agree(run, rows):
-                    self.one_row_differs = f"{name} ({where})"
+            if name in ONE_ROW_REGIONS:
+                pending.append((name, run, where))
 
         for block in model.layers:
             attn = block.attn
@@ -323,6 +319,14 @@ class CompiledTiles:
                 if not _rows_agree(run, rows):
                     return f"{name} (layer {block.layer_id})"
                 check_single(name, run, f"layer {block.layer_id}")
+        # the two-graph blocks once every region passed (a refused build compiles none of them); where their one-row
+        # graphs pass, one-token decode steps never call the one-row graphs of the regions they join, which are then
+        # neither compiled nor checked
+        self._check_joined(rand)
+        joined = self._one_row_joined()
+        for name, run, where in pending:
+            if name not in joined and self.one_row_differs is None and not _single_rows_agree(run, rows):
+                self.one_row_differs = f"{name} ({where})"
         return None
 
     def _one_row_joined(self) -> tuple[str, ...]:
