@@ -23,7 +23,7 @@ def test_bench_speed_quick_run(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads((tmp_path / "speed_tiny.json").read_text())
     assert (tmp_path / "speed_tiny.png").stat().st_size > 10_000
-    assert sorted({(r["batch"], r["context"]) for r in result["decode"]}) == [(1, 512), (1, 2048), (8, 512), (8, 2048)]
+    assert sorted({(r["batch"], r["context"]) for r in result["decode"]}) == [(1, 512), (8, 512)]
     assert all(r["engine_tok_s"] > 0 and r["plain_tok_s"] > 0 for r in result["decode"])
     assert [p["prompt"] for p in result["prefill"]] == [512, 2048]
     assert all(p["engine"]["peak_rss_gb"] > 0.05 for p in result["prefill"])
