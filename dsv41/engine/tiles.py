@@ -216,8 +216,9 @@ class CompiledTiles:
     def _warm_and_check(self) -> str | None:
         """Trace every region on every layer, on random rows, and check it: rows 0 .. R-1 against rows 1 .. R of
         the same R + 1 (each row in another place, beside other rows) and against rows 0 .. 2 (a padded
-        tile). Returns the first region whose shared rows differ, or None. The one-row graphs likewise, each row
-        alone against its row of the full tile: the first that differs is kept in `one_row_differs`."""
+        tile). Returns the first region whose shared rows differ, or None. Then the decode step's two-graph blocks
+        (`_check_joined`), and the one-row graphs they do not replace, each row alone against its row of the full
+        tile: the first that differs is kept in `one_row_differs`."""
         cfg, model, rows = self.model.cfg, self.model, self.rows
         dev, bf16 = model.device, torch.bfloat16
         g = torch.Generator(device="cpu").manual_seed(0)
