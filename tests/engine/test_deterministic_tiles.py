@@ -16,7 +16,7 @@ from dsv41.engine import compiled as compiled_module
 from dsv41.engine import tiles as tiles_module
 from dsv41.model.init import init_random_weights
 from dsv41.model.transformer import Transformer
-from dsv41.ops import attn_cpu
+from dsv41.ops import attn_cpu, linear_cpu
 from tests.engine.helpers import make, prompts
 
 # the scenarios, collected in this module too (pytest runs them here under the fixture below)
@@ -95,10 +95,14 @@ def test_the_tiles_serve_every_forward_and_change_the_bits(monkeypatch):
     tiled = _logprobs(engine, batch, params)
     token_counts = {n for name, n in calls if name == "pre_attention"}
     assert max(token_counts) >= 16, token_counts  # prefill chunks went through the tiles
-    # and the decode steps of the two requests, each block as two graphs around its sequence mixing
-    assert engine.runner.tiles.joined is not None, engine.runner.tiles.joined_differs
-    assert 2 in {n for name, n in calls if name in ("enter", "leave")}, calls
-    assert {name for name, _ in calls} >= {"pre_attention", "project", "output", "enter", "leave"}
+    # and the decode steps of the two requests, each block as two graphs around its sequence mixing where the
+    # build's check passed them (every GEMM by the few-row kernel: the same calls in either kind of graph), else
+    # region by region
+    tiles = engine.runner.tiles
+    assert tiles.joined is not None or not linear_cpu.available(), tiles.joined_differs
+    decode_steps = ("enter", "leave") if tiles.joined is not None else ("pre_attention",)
+    assert 2 in {n for name, n in calls if name in decode_steps}, calls
+    assert {name for name, _ in calls} >= {"pre_attention", "project", "output", *decode_steps}
     # the decode steps' attention too, every layer of them, at the tile shape (dense, DecodeBatch.dense) or by the
     # C++ kernel
     assert 2 in {n for name, n in calls if name == "window_attention"}, calls
@@ -189,7 +193,8 @@ def test_a_decode_steps_two_graphs_give_the_regions_bits_or_are_refused(monkeypa
         return engine.runner.tiles, alone, _logprobs(engine, batch, params)
 
     tiles, *joined = run()
-    assert tiles.joined is not None and set(tiles.joined) == {1, 8}, tiles.joined_differs
+    if linear_cpu.available():  # every GEMM by the few-row kernel: the same calls in either kind of graph
+        assert tiles.joined is not None and set(tiles.joined) == {1, 8}, tiles.joined_differs
     leave = tiles_module.leave
 
     def other_in_a_tile(block, o, *args):
