@@ -240,7 +240,7 @@ def decode_attend(
             picked, selected = _compressed(attn, x, qr, batch, states, pool)
             valid = torch.cat([valid, picked[:, 0] >= 0], dim=1)
         at = batch.ring_slots(w)
-        if batch.regions is not None and batch.regions.attn_kernel and states.window_codes.is_contiguous():
+        if batch.regions is not None and batch.regions.attn_kernel:
             # the C++ kernel reads each ring and writes the new row where they lie: no gathered copies
             return attn_cpu.decode_ring_attn_cpu(
                 q,

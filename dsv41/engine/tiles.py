@@ -8,6 +8,7 @@ compiled at one row where each row alone gives its tile's bits; a decode step's 
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -380,39 +381,35 @@ class CompiledTiles:
                 return _flat(((mixes, x), proj, out)) + [u.unsqueeze(0) for u in _flat((found, entries))]
 
             tensors = dict(h=h, mix=mix, o=o, post=post, comb=comb, freqs=freqs)
-            want = regions_run(0, rows, **tensors)
-            for a, b in ((0, rows), (1, n), (0, min(3, rows))):
-                got, end = joined_run(a, b, **tensors), min(b, rows)
-                if len(got) != len(want) or not all(
-                    torch.equal(w[:, a:end], u[:, : end - a]) for w, u in zip(want, got)
-                ):
-                    self.joined_differs = f"the tile's two graphs (layer {block.layer_id})"
-                    return
-            for a in (0, rows // 2, rows - 1) if one_ok else ():
-                if not all(
-                    torch.equal(w[:, a : a + 1], u) for w, u in zip(want, joined_run(a, a + 1, True, **tensors))
-                ):
-                    one_ok, self.joined_differs = False, f"the one-row two graphs (layer {block.layer_id})"
+            want, run = regions_run(0, rows, **tensors), functools.partial(joined_run, **tensors)
+            if not _rows_agree(run, rows, want):
+                self.joined_differs = f"the tile's two graphs (layer {block.layer_id})"
+                return
+            if one_ok and not _single_rows_agree(run, rows, want):
+                one_ok, self.joined_differs = False, f"the one-row two graphs (layer {block.layer_id})"
         self.joined = dict(self._joined) if one_ok else {rows: self._joined[rows]}
 
 
-def _rows_agree(run, rows: int) -> bool:
+def _rows_agree(run, rows: int, want: list | None = None) -> bool:
     """`run(a, b)` (the outputs [1, b - a, ...] of rows a .. b-1 of R + 1 random rows, R = rows) gives each row
-    the same bits in another place and beside other rows (rows 1 .. R) and in a padded tile (rows 0 .. 2)."""
-    want = run(0, rows)
-    for a, b in ((1, rows + 1), (0, min(3, rows))):
+    the same bits in another place and beside other rows (rows 1 .. R) and in a padded tile (rows 0 .. 2) as
+    `want`, by default `run(0, R)` (else checked against the full tile too)."""
+    calls = ((1, rows + 1), (0, min(3, rows))) if want is None else ((0, rows), (1, rows + 1), (0, min(3, rows)))
+    want = run(0, rows) if want is None else want
+    for a, b in calls:
         got, end = run(a, b), min(b, rows)  # the rows both calls computed: a .. end - 1
-        if not all(torch.equal(w[:, a:end], t[:, : end - a]) for w, t in zip(want, got)):
+        if len(got) != len(want) or not all(torch.equal(w[:, a:end], t[:, : end - a]) for w, t in zip(want, got)):
             return False
     return True
 
 
-def _single_rows_agree(run, rows: int) -> bool:
+def _single_rows_agree(run, rows: int, want: list | None = None) -> bool:
     """`run(a, a + 1, True)` (row a alone through the one-row graphs) gives rows 0, R/2 and R-1 the bits
-    `run(0, R)` (the full tile) gives them."""
-    want = run(0, rows)
+    `want` gives them, by default `run(0, R)` (the full tile)."""
+    want = run(0, rows) if want is None else want
     for a in (0, rows // 2, rows - 1):
-        if not all(torch.equal(w[:, a : a + 1], t) for w, t in zip(want, run(a, a + 1, True))):
+        got = run(a, a + 1, True)
+        if len(got) != len(want) or not all(torch.equal(w[:, a : a + 1], t) for w, t in zip(want, got)):
             return False
     return True
 

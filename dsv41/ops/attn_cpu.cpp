@@ -351,6 +351,34 @@ struct RingInputs {
     }
 };
 
+// The per-sequence work of a decode step (decode_attn_op, decode_ring_attn_op): sequence b's W ring rows start
+// ring_first(b) rows into codes / scale (D E4M3 codes and D/32 UE8M0 bytes a row); its new row's codes and scale
+// bits go new_row(b) rows into new_codes / new_scale, after it has read its ring (the row it replaces may be one it
+// reads). Each sequence is one task of its own rows in one order: its bits do not depend on the batch.
+template <class RingFirst, class NewRow>
+void decode_sequences(const uint16_t* qp, const uint16_t* kp, const uint16_t* selp, const bool* vp, const float* sp,
+                      const uint8_t* cp, const uint8_t* scp, uint8_t* new_codes, uint8_t* new_scale, int64_t B,
+                      int64_t H, int64_t D, int64_t W, int64_t K, float fscale, uint16_t* op, RingFirst ring_first,
+                      NewRow new_row) {
+    const E4m3Table e4m3;
+    const int64_t N = W + 1 + K;
+    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+        Work work(N, H, D);
+        std::vector<uint16_t> ring(W * D);  // this sequence's valid ring rows, decoded to bf16
+        std::vector<const uint16_t*> rows(N);
+        for (int64_t b = b0; b < b1; ++b) {
+            const int64_t first = ring_first(b);
+            const bool* v = vp + b * N;
+            for (int64_t j = 0; j < W; ++j)  // only the rows it reads: the others may hold any bits
+                if (v[j]) decode_ring_row(cp + (first + j) * D, scp + (first + j) * (D / 32), D, e4m3.v, ring.data() + j * D);
+            const int64_t n = list_rows(v, ring.data(), W, D, kp + b * D, 1, selp + b * K * D, K, rows.data());
+            attend(qp + b * H * D, rows.data(), n, H, D, sp, fscale, work, op + b * H * D);
+            const int64_t at_row = new_row(b);
+            fp8_quant_row(kp + b * D, D, new_codes + at_row * D, new_scale + at_row * (D / 32));
+        }
+    });
+}
+
 // One decode step's attention of B sequences, one new token each (dsv41.engine.batched.window_attention, whose
 // tensor ops are its reference): q [B, 1, H, D] bf16; the window ring as it was, ring_codes [B, W, D] E4M3 and
 // ring_scale [B, W, D/32] UE8M0 bits; the new token's row kv [B, 1, D] bf16; the selected compressed rows
@@ -370,32 +398,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attn_op(const at::Tensor& 
                 "decode_attn_cpu: shapes do not match: q [B, 1, H, D], ring_codes [B, W, D], kv [B, 1, D] bf16, "
                 "selected [B, K, D], valid [B, W + 1 + K], sink [H]");
     const RingInputs in(q, ring_codes, ring_scale, kv, selected, valid, sink);
-    const uint16_t *qp = in.qp, *kp = in.fp, *selp = in.selp;
-    const uint8_t *cp = in.cp, *scp = in.scp;
-    const bool* vp = in.vp;
-    const float* sp = in.sp;
     at::Tensor out = at::empty({B, 1, H, D}, in.q.options());
     at::Tensor codes = at::empty({B, D}, in.codes.options());
     at::Tensor bits = at::empty({B, D / 32}, in.scale.options());
     uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
     uint8_t* codes_p = reinterpret_cast<uint8_t*>(codes.data_ptr());
     uint8_t* bits_p = bits.data_ptr<uint8_t>();
-    const float fscale = float(scale);
-    const E4m3Table e4m3;
-    const int64_t N = W + 1 + K;
-    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-        Work work(N, H, D);
-        std::vector<uint16_t> ring(W * D);  // this sequence's valid ring rows, decoded to bf16
-        std::vector<const uint16_t*> rows(N);
-        for (int64_t b = b0; b < b1; ++b) {
-            const bool* v = vp + b * N;
-            for (int64_t j = 0; j < W; ++j)  // only the rows it reads: the others may hold any bits
-                if (v[j]) decode_ring_row(cp + (b * W + j) * D, scp + (b * W + j) * (D / 32), D, e4m3.v, ring.data() + j * D);
-            const int64_t n = list_rows(v, ring.data(), W, D, kp + b * D, 1, selp + b * K * D, K, rows.data());
-            attend(qp + b * H * D, rows.data(), n, H, D, sp, fscale, work, op + b * H * D);
-            fp8_quant_row(kp + b * D, D, codes_p + b * D, bits_p + b * (D / 32));
-        }
-    });
+    decode_sequences(in.qp, in.fp, in.selp, in.vp, in.sp, in.cp, in.scp, codes_p, bits_p, B, H, D, W, K, float(scale),
+                     op, [W](int64_t b) { return b * W; }, [](int64_t b) { return b; });
     return {out, codes, bits};
 }
 
@@ -478,34 +488,14 @@ at::Tensor decode_ring_attn_op(const at::Tensor& q, at::Tensor& window_codes, at
     for (int64_t b = 0; b < B; ++b)
         TORCH_CHECK(slot[b] >= 0 && slot[b] < S && row[b] >= 0 && row[b] < W,
                     "decode_ring_attn_cpu: a slot or ring row out of range");
-    const at::Tensor qc = q.contiguous(), fc = kv.contiguous(), selc = selected.contiguous(), vc = valid.contiguous();
-    const at::Tensor sinkc = sink.to(at::kFloat).contiguous();
-    const uint16_t* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr());
-    const uint16_t* kp = reinterpret_cast<const uint16_t*>(fc.data_ptr());
-    const uint16_t* selp = reinterpret_cast<const uint16_t*>(selc.data_ptr());
-    const bool* vp = vc.data_ptr<bool>();
-    const float* sp = sinkc.data_ptr<float>();
+    const RingInputs in(q, window_codes, window_scale, kv, selected, valid, sink);  // (the pool is contiguous: no copy)
     uint8_t* cp = reinterpret_cast<uint8_t*>(window_codes.data_ptr());
     uint8_t* scp = window_scale.data_ptr<uint8_t>();
-    at::Tensor out = at::empty({B, 1, H, D}, qc.options());
-    uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-    const float fscale = float(scale);
-    const E4m3Table e4m3;
-    const int64_t N = W + 1 + K;
-    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-        Work work(N, H, D);
-        std::vector<uint16_t> ring(W * D);
-        std::vector<const uint16_t*> rows(N);
-        for (int64_t b = b0; b < b1; ++b) {
-            const int64_t first = (slot[b] * L + layer) * W;  // this sequence's ring: rows first .. first + W - 1
-            const bool* v = vp + b * N;
-            for (int64_t j = 0; j < W; ++j)
-                if (v[j]) decode_ring_row(cp + (first + j) * D, scp + (first + j) * (D / 32), D, e4m3.v, ring.data() + j * D);
-            const int64_t n = list_rows(v, ring.data(), W, D, kp + b * D, 1, selp + b * K * D, K, rows.data());
-            attend(qp + b * H * D, rows.data(), n, H, D, sp, fscale, work, op + b * H * D);
-            fp8_quant_row(kp + b * D, D, cp + (first + row[b]) * D, scp + (first + row[b]) * (D / 32));
-        }
-    });
+    at::Tensor out = at::empty({B, 1, H, D}, in.q.options());
+    auto first = [&](int64_t b) { return (slot[b] * L + layer) * W; };  // sequence b's ring in the pool
+    decode_sequences(in.qp, in.fp, in.selp, in.vp, in.sp, cp, scp, cp, scp, B, H, D, W, K, float(scale),
+                     reinterpret_cast<uint16_t*>(out.data_ptr()), first,
+                     [&](int64_t b) { return first(b) + row[b]; });
     return out;
 }
 
